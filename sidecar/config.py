@@ -1,0 +1,228 @@
+"""The sidecar's one frozen config, and how it is loaded.
+
+Sources, highest precedence first: command-line flags, ``KVR_*`` environment
+variables (one per flag: ``--decode-url`` is ``KVR_DECODE_URL``), an optional
+TOML file (``--config``), then the defaults below. ``load`` does no I/O
+beyond reading that file; a bad value raises ``ConfigError`` naming the
+field, the value and the reason, and the CLI exits 2 before any socket opens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import tomllib
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
+
+import msgspec
+
+ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
+LogFormat = Literal["json", "text"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+ENV_PREFIX = "KVR_"
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every setting of ``kv-release-sidecar serve``. Field ``a_b`` is flag ``--a-b``."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    admin_host: str = "0.0.0.0"
+    admin_port: int = 9100
+    decode_url: str = "http://127.0.0.1:8200"
+    max_body_bytes: int = 64 * 1024 * 1024
+    connect_timeout: float = 5.0
+    pool_timeout: float = 5.0
+    # Non-streaming completions send headers only when generation ends: keep it long.
+    header_timeout: float = 900.0
+    # Maximum gap between two body chunks from D; 0 disables (streams may idle).
+    read_timeout: float = 0.0
+    pool_size: int = 1024
+    release: ReleaseStrategy = "dry-run"
+    release_queue_size: int = 4096
+    release_workers: int = 4
+    # P's lease in vLLM 0.22.0+; after it P frees the blocks itself.
+    release_deadline: float = 30.0
+    release_retry_initial: float = 0.05
+    release_retry_max: float = 1.0
+    ledger_size: int = 65536
+    ledger_ttl: float = 600.0
+    # Ambiguous outcomes (D may have admitted the request) are not released by default.
+    release_ambiguous: bool = False
+    drain_timeout: float = 20.0
+    flush_timeout: float = 5.0
+    vllm_version: str = ""
+    prefill_allow: tuple[str, ...] = ()
+    handshake_timeout: float = 2.0
+    handshake_cache_size: int = 256
+    handshake_cache_ttl: float = 3600.0
+    allow_unsafe_vllm: bool = False
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "json"
+
+    def __post_init__(self) -> None:
+        for name in ("port", "admin_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(name, value, "must be a TCP port between 0 and 65535")
+        if self.port and self.port == self.admin_port:
+            raise ConfigError("admin_port", self.admin_port, "must differ from port")
+        url = urlsplit(self.decode_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError("decode_url", self.decode_url, "must be an http(s) URL with a host")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if value <= 0:
+                raise ConfigError(name, value, "must be greater than 0")
+        for name in ("read_timeout",):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be 0 (off) or positive")
+        if self.release_retry_initial > self.release_retry_max:
+            raise ConfigError(
+                "release_retry_initial", self.release_retry_initial, "must not exceed release_retry_max"
+            )
+        if self.vllm_version and not _is_version(self.vllm_version):
+            raise ConfigError("vllm_version", self.vllm_version, "must look like 0.21.0")
+        for pattern in self.prefill_allow:
+            reason = allow_pattern_error(pattern)
+            if reason:
+                raise ConfigError("prefill_allow", pattern, reason)
+
+
+_POSITIVE = (
+    "max_body_bytes",
+    "connect_timeout",
+    "pool_timeout",
+    "header_timeout",
+    "pool_size",
+    "release_queue_size",
+    "release_workers",
+    "release_deadline",
+    "release_retry_initial",
+    "release_retry_max",
+    "ledger_size",
+    "ledger_ttl",
+    "drain_timeout",
+    "flush_timeout",
+    "handshake_timeout",
+    "handshake_cache_size",
+    "handshake_cache_ttl",
+)
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; ``str()`` names the field, the value and the reason."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"invalid {field} ({_flag(field)}) = {value!r}: {reason}")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _is_version(text: str) -> bool:
+    parts = text.split(".")
+    return len(parts) >= 2 and all(p.isdigit() for p in parts[:2])
+
+
+def allow_pattern_error(pattern: str) -> str:
+    """Why an allowlist entry is invalid, or "" when it is valid.
+
+    Entries: a CIDR (``10.0.0.0/8``), an IP, a host name (``*.prefill.svc`` allowed),
+    each optionally with ``:port`` or ``:lo-hi`` (IPv6 with a port: ``[::1]:5600``).
+    """
+    from sidecar.allowlist import parse_entry  # local: allowlist imports nothing of ours
+
+    try:
+        parse_entry(pattern)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _field_info() -> list[tuple[str, Any, Any]]:
+    info = msgspec.structs.fields(Config)
+    return [(f.name, f.type, f.default) for f in info]
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per config field (defaults left unset so precedence can be applied)."""
+    parser.add_argument("--config", help="TOML file with settings (keys are field names)")
+    for name, type_, default in _field_info():
+        kwargs: dict[str, Any] = {"default": None, "dest": name}
+        if type_ is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_args(type_) and isinstance(get_args(type_)[0], str) and type_ is not str:
+            kwargs["choices"] = list(get_args(type_))
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        kwargs["help"] = f"(env {ENV_PREFIX}{name.upper()}; default {shown!r})"
+        parser.add_argument(_flag(name), **kwargs)
+    return parser
+
+
+def load(
+    args: argparse.Namespace | Mapping[str, Any],
+    environ: Mapping[str, str],
+    file_text: str | None = None,
+) -> Config:
+    """Merge defaults < TOML file < environment < flags into a validated ``Config``."""
+    flags = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    merged: dict[str, Any] = {}
+    if file_text is not None:
+        try:
+            merged.update(tomllib.loads(file_text))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", "<file>", f"not valid TOML: {exc}") from exc
+    names = {name: type_ for name, type_, _ in _field_info()}
+    for name in names:
+        env_value = environ.get(ENV_PREFIX + name.upper())
+        if env_value is not None:
+            merged[name] = env_value
+        if flags.get(name) is not None:
+            merged[name] = flags[name]
+    for key in merged:
+        if key not in names:
+            raise ConfigError(key, merged[key], "unknown setting")
+    for name, value in list(merged.items()):
+        if isinstance(value, str) and names[name] == tuple[str, ...]:
+            merged[name] = [part.strip() for part in value.split(",") if part.strip()]
+    return _convert(merged)
+
+
+def _convert(merged: dict[str, Any]) -> Config:
+    try:
+        return msgspec.convert(merged, Config, strict=False)
+    except ConfigError:
+        raise
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        field = message.rsplit("$.", 1)[-1].split("[")[0].strip("`") if "$." in message else "?"
+        raise ConfigError(field, merged.get(field), message.split(" - at ")[0]) from exc
+
+
+def dump(config: Config) -> dict[str, Any]:
+    """The effective config as plain data (for the start-up log line)."""
+    return dict(msgspec.to_builtins(config))
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port``; raises ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port")
+    host = host.strip("[]")
+    if host and ":" not in host:
+        pass
+    elif host:
+        ipaddress.ip_address(host)
+    return host, int(port)
+
+
+def env_names() -> Sequence[str]:
+    """Every ``KVR_*`` variable the sidecar reads (the deploy checks compare against it)."""
+    return [ENV_PREFIX + name.upper() for name, _, _ in _field_info()]

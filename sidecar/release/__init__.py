@@ -1,0 +1,1 @@
+"""Release pipeline: the ``Releaser`` protocol, the queue that feeds it, and one module per strategy."""

@@ -1,0 +1,101 @@
+"""The seam between the request path and the release strategies.
+
+A ``ReleaseJob`` is what the proxy hands over when it has decided that P's
+blocks for a request must be freed. A ``Releaser`` turns one job into the
+messages that free them. Strategies raise ``RetryableReleaseError`` for a
+failure worth retrying until the job's deadline (P unreachable, handshake
+timeout, NIXL error) and ``PermanentReleaseError`` for one that retrying
+cannot fix (target not allowed, unsupported vLLM release); the pipeline
+owns retries, de-duplication and metrics.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Protocol
+
+import msgspec
+
+from sidecar.wire import KVTransferParams
+
+
+class Result(StrEnum):
+    """The ``result`` label of ``kvr_releases_total``: one per finished job."""
+
+    SENT = "sent"  # the strategy delivered every message
+    DRY_RUN = "dry_run"  # recorded, nothing sent
+    OFF = "off"  # releases disabled
+    DUPLICATE = "duplicate"  # the ledger saw this (engine, request) already
+    COVERED_BY_ENGINE = "covered_by_engine"  # D's own fix releases it (vLLM 0.21.0+)
+    REFUSED = "refused"  # permanent: allowlist, unsupported release, bad target
+    FAILED = "failed"  # retries exhausted at the deadline
+    DROPPED = "dropped"  # evicted from a full queue
+
+
+class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
+    """One request whose P blocks must be freed.
+
+    ``detected_at`` and ``deadline`` are ``time.monotonic()`` values; after the
+    deadline P frees the blocks itself (lease/timeout), so sending is pointless.
+    ``status`` and ``error_type`` describe D's answer when there was one, so a
+    strategy can tell whether D's own fix (vLLM 0.21.0+) already released it.
+    """
+
+    request_id: str  # the x-request-id seen by D (pre-0.13.0 P derives its id from it)
+    route: str  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
+    params: KVTransferParams
+    cause: str  # a sidecar.classify.Cause value
+    status: int | None = None
+    error_type: str | None = None
+    injected: bool = False
+    detected_at: float
+    deadline: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """De-duplication key: (P engine, id P knows the request by)."""
+        return (self.params.remote_engine_id or "", self.params.remote_request_id or self.request_id)
+
+
+class ReleaseError(Exception):
+    """Base of every error a strategy raises for one job."""
+
+    reason: str = "error"  # a small enum, usable as a metric label
+
+
+class RetryableReleaseError(ReleaseError):
+    """Worth trying again before the deadline: P unreachable, timeout, NIXL error."""
+
+    reason = "retryable"
+
+
+class PermanentReleaseError(ReleaseError):
+    """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
+
+    reason = "permanent"
+
+    def __init__(self, message: str, reason: str = "permanent") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Releaser(Protocol):
+    """A release strategy. One instance per process; the pipeline calls it from its workers."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Acquire resources (agents, sockets). Called once in the lifespan."""
+
+    async def close(self) -> None:
+        """Release resources. Called once on shutdown, after the queue is flushed."""
+
+    def ready(self) -> bool:
+        """Whether the strategy can release now (for /readyz)."""
+
+    async def release(self, job: ReleaseJob) -> Result:
+        """Free P's blocks for ``job`` or raise a ``ReleaseError``.
+
+        Returns ``Result.SENT``, ``Result.DRY_RUN``, ``Result.OFF`` or
+        ``Result.COVERED_BY_ENGINE``.
+        """

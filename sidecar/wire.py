@@ -1,0 +1,83 @@
+"""Wire messages the sidecar reads and writes on the HTTP side, as msgspec Structs.
+
+Every Struct names the vLLM releases it belongs to. The NIXL side-channel
+messages (handshake requests and payloads per release) live in
+``sidecar.nixl.messages``; this module holds the OpenAI-request view, the
+``kv_transfer_params`` the release path trusts, and vLLM's error body.
+Decoders are built once at import and reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RequestView(msgspec.Struct):
+    """The only fields of an OpenAI request body the proxy decodes.
+
+    Types are deliberately loose: a body whose ``stream`` is not a bool is D's
+    to reject, not ours; we only need to know what D will see.
+    """
+
+    stream: Any = False
+    n: Any = None
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
+    """``kv_transfer_params`` as P emits them and D consumes them (vLLM 0.9.0-0.33.0).
+
+    Unknown keys are ignored (newer releases append fields). Required-for-release
+    fields are optional here; ``sidecar.params.validate`` decides whether a
+    request can be released and says why not.
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None  # 0.13.0+
+    remote_host: str | None = None
+    remote_port: int | None = None
+    # Flat list (<=0.17.x) or list of per-KV-cache-group lists (0.18.0+).
+    remote_block_ids: list[Any] | None = None
+    tp_size: int = 1  # 0.9.2+
+    pp_size: int | None = None  # 0.26.0+ push, 0.29.0+ pull
+    dcp_size: int | None = None  # 0.29.0+
+    transfer_mode: str | None = None  # 0.28.0+: "pull" or "push"
+    remote_num_tokens: int | None = None  # 0.21.0+
+    remote_registration_generation: int | None = None  # 0.33.0 (pull)
+
+
+class ErrorInfo(msgspec.Struct):
+    """vLLM's ``ErrorInfo`` (0.10.1+)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    """vLLM's nested OpenAI error body: ``{"error": {...}}`` (0.10.1+)."""
+
+    error: ErrorInfo
+
+
+class SSEErrorEvent(msgspec.Struct):
+    """An in-band SSE error event, ``data: {"error": {...}}`` (vLLM 6.2)."""
+
+    error: ErrorInfo
+
+
+VIEW_DECODER = msgspec.json.Decoder(RequestView)
+PARAMS_DECODER = msgspec.json.Decoder(KVTransferParams)
+SSE_ERROR_DECODER = msgspec.json.Decoder(SSEErrorEvent)
+ERROR_DECODER = msgspec.json.Decoder(ErrorResponse)
+ENCODER = msgspec.json.Encoder()
+
+
+def error_body(message: str, status: int, type_: str, param: str | None = None) -> bytes:
+    """Encode an error in vLLM's OpenAI shape; ``code`` equals the HTTP status."""
+    return ENCODER.encode(ErrorResponse(ErrorInfo(message, type_, param, status)))
