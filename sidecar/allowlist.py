@@ -106,10 +106,7 @@ class Allowlist:
         address = ip_or_none(host)
         if address is None:
             return False
-        return any(
-            e.network is not None and address in e.network and e.port_ok(port)
-            for e in self.entries
-        )
+        return any(e.network is not None and address in e.network and e.port_ok(port) for e in self.entries)
 
     def allows(self, host: str, port: int, resolved: list[str] | None = None) -> bool:
         """Whether ``host:port`` may be contacted.

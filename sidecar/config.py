@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
+ReleaseStrategy = Literal["off", "dry-run", "nixl"]
 LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -52,6 +52,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ledger_ttl: float = 600.0
     # Ambiguous outcomes (D may have admitted the request) are not released by default.
     release_ambiguous: bool = False
+    # On SIGTERM: readiness off, keep serving this long, then drain and flush.
+    shutdown_delay: float = 0.0
     drain_timeout: float = 20.0
     flush_timeout: float = 5.0
     vllm_version: str = ""
@@ -77,7 +79,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(name, value, "must be greater than 0")
-        for name in ("read_timeout",):
+        for name in ("read_timeout", "shutdown_delay"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be 0 (off) or positive")
         if self.release_retry_initial > self.release_retry_max:

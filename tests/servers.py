@@ -34,41 +34,59 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """One ASGI app served by real uvicorn in a background thread."""
+    """ASGI apps served by real uvicorn servers sharing one event loop in a background thread.
 
-    def __init__(self, app: Any, **config: Any) -> None:
-        self.sock = bind_ephemeral()
-        self.port: int = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+    The first app is the main one (``url``/``port``); further apps (``extra``)
+    get their own ports (``urls``), e.g. the sidecar's admin app.
+    """
+
+    def __init__(self, app: Any, *extra: Any, **config: Any) -> None:
+        self.socks = [bind_ephemeral() for _ in range(1 + len(extra))]
+        self.ports: list[int] = [s.getsockname()[1] for s in self.socks]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.port, self.url = self.ports[0], self.urls[0]
         options = {"log_level": "warning", "lifespan": "on", "loop": "asyncio", "http": "h11"}
         options.update(config)
-        self.server = uvicorn.Server(uvicorn.Config(app, **options))
+        self.servers = [uvicorn.Server(uvicorn.Config(app, **options))]
+        self.servers += [uvicorn.Server(uvicorn.Config(a, **{**options, "lifespan": "off"})) for a in extra]
+        self.server = self.servers[0]
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+        async def main() -> None:
+            await asyncio.gather(*(s.serve(sockets=[k]) for s, k in zip(self.servers, self.socks)))
+
+        self.loop.run_until_complete(main())
 
     def start(self, timeout: float = 15.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
-        while not self.server.started:
+        while not all(s.started for s in self.servers):
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("server did not start")
             time.sleep(0.005)
         return self
 
-    def stop(self, timeout: float = 15.0) -> None:
-        self.server.should_exit = True
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the servers' loop and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for server in self.servers:
+            server.should_exit = True
         self.thread.join(timeout)
-        self.sock.close()
+        for sock in self.socks:
+            sock.close()
 
 
 @contextmanager
-def serve(app: Any, **config: Any) -> Iterator[ServerThread]:
-    """Run ``app`` on an ephemeral port for the duration of the block."""
-    server = ServerThread(app, **config).start()
+def serve(app: Any, *extra: Any, **config: Any) -> Iterator[ServerThread]:
+    """Run ``app`` (and ``extra`` apps) on ephemeral ports for the duration of the block."""
+    server = ServerThread(app, *extra, **config).start()
     try:
         yield server
     finally:

@@ -1,1 +1,34 @@
-"""Release pipeline: the ``Releaser`` protocol, the queue that feeds it, and one module per strategy."""
+"""Release pipeline: the ``Releaser`` protocol, the queue that feeds it, one module per strategy.
+
+``make_releaser`` picks the strategy named by ``config.release``; strategy
+modules are imported only when chosen, so ``off`` and ``dry-run`` never load
+ZMQ or NIXL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CollectorRegistry
+
+from sidecar.config import Config
+from sidecar.release.base import Releaser
+
+DecodeVersion = Callable[[], Awaitable[str | None]]
+
+
+def make_releaser(config: Config, decode_version: DecodeVersion, registry: CollectorRegistry) -> Releaser:
+    """The strategy named by ``config.release``."""
+    if config.release == "off":
+        from sidecar.release.off import OffReleaser
+
+        return OffReleaser()
+    if config.release == "dry-run":
+        from sidecar.release.dryrun import DryRunReleaser
+
+        return DryRunReleaser()
+    if config.release == "nixl":
+        from sidecar.release.nixl import NixlReleaser
+
+        return NixlReleaser(config, decode_version, registry)
+    raise NotImplementedError(f"release strategy {config.release!r} is not available in this build")

@@ -1,0 +1,226 @@
+"""App factory: ``create_app(config, deps=None)`` builds the proxy ASGI app.
+
+The lifespan owns every resource (the upstream client, the release strategy
+and its pipeline) and hands them to the handlers through ``Runtime``; nothing
+is wired at import time. The admin app (``/healthz``, ``/readyz``,
+``/metrics``) is a separate Starlette app served on the admin port, so D's
+own ``/health`` and ``/metrics`` stay reachable through the proxy port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.config import Config, dump
+from sidecar.metrics import Metrics
+from sidecar.proxy import Proxy
+from sidecar.release import make_releaser
+from sidecar.release.base import Releaser
+from sidecar.release.ledger import Ledger
+from sidecar.release.pipeline import Pipeline
+from sidecar.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("sidecar.app")
+
+HEALTH_CACHE_SECONDS = 1.0
+VERSION_CACHE_SECONDS = 300.0
+
+
+@dataclass
+class Deps:
+    """Injected collaborators (tests); anything left None is built from the config."""
+
+    registry: CollectorRegistry | None = None
+    releaser: Releaser | None = None
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass
+class Runtime:
+    """What the lifespan built; handlers reach it through the app."""
+
+    config: Config
+    metrics: Metrics
+    upstream: Upstream
+    releaser: Releaser
+    pipeline: Pipeline
+    proxy: Proxy
+    draining: bool = False
+    _health: tuple[float, bool] = (0.0, False)
+    _version: tuple[float, str | None] = (0.0, None)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def decode_healthy(self) -> bool:
+        """D's ``GET /health`` is 200 (cached for a second)."""
+        checked, healthy = self._health
+        if time.monotonic() - checked < HEALTH_CACHE_SECONDS:
+            return healthy
+        try:
+            async with await self.upstream.send("GET", "/health", [], None, header_timeout=2.0) as response:
+                healthy = response.status == 200
+        except UpstreamError:
+            healthy = False
+        self._health = (time.monotonic(), healthy)
+        return healthy
+
+    async def decode_version(self) -> str | None:
+        """D's vLLM release from ``GET /version`` (cached; P and D run the same release)."""
+        checked, version = self._version
+        if version and time.monotonic() - checked < VERSION_CACHE_SECONDS:
+            return version
+        async with self._lock:
+            try:
+                async with await self.upstream.send(
+                    "GET", "/version", [], None, header_timeout=2.0
+                ) as response:
+                    body = await response.read(4096)
+                    if response.status == 200:
+                        version = msgspec.json.decode(body, type=dict[str, object]).get("version")  # type: ignore[assignment]
+            except (UpstreamError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("cannot read D's /version", extra={"detail": str(exc)})
+                return None
+            if not isinstance(version, str):
+                return None
+            self._version = (time.monotonic(), version)
+            return version
+
+    async def ready(self) -> tuple[bool, dict[str, bool]]:
+        checks = {
+            "draining": self.draining,
+            "decode": await self.decode_healthy(),
+            "releaser": self.releaser.ready(),
+        }
+        ok = not checks["draining"] and checks["decode"] and checks["releaser"]
+        self.metrics.ready.set(1 if ok else 0)
+        return ok, checks
+
+
+class ProxyApp:
+    """The ASGI app on the proxy port: lifespan plus the catch-all proxy."""
+
+    def __init__(self, config: Config, deps: Deps | None = None) -> None:
+        self.config = config
+        self.deps = deps or Deps()
+        self.runtime: Runtime | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            assert self.runtime is not None, "lifespan did not run"
+            await self.runtime.proxy(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:  # websocket: vLLM serves none on these routes
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> Runtime:
+        config = self.config
+        metrics = Metrics(self.deps.registry)
+        upstream = Upstream(
+            config.decode_url,
+            connect_timeout=config.connect_timeout,
+            pool_timeout=config.pool_timeout,
+            header_timeout=config.header_timeout,
+            read_timeout=config.read_timeout,
+            pool_size=config.pool_size,
+        )
+        await upstream.start()
+        holder: list[Runtime] = []
+
+        async def decode_version() -> str | None:
+            return await holder[0].decode_version()
+
+        releaser = self.deps.releaser or make_releaser(config, decode_version, metrics.registry)
+        await releaser.start()
+        ledger = Ledger(config.ledger_size, config.ledger_ttl, self.deps.clock)
+        pipeline = Pipeline(
+            releaser,
+            metrics,
+            queue_size=config.release_queue_size,
+            workers=config.release_workers,
+            retry_initial=config.release_retry_initial,
+            retry_max=config.release_retry_max,
+            ledger=ledger,
+            clock=self.deps.clock,
+        )
+        pipeline.start()
+        proxy = Proxy(config, upstream, pipeline, metrics)
+        self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, proxy)
+        holder.append(self.runtime)
+        log.info("sidecar started", extra={"config": dump(config)})
+        return self.runtime
+
+    async def shutdown(self) -> None:
+        """Flush queued releases (bounded), then close every resource."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        runtime.draining = True
+        runtime.proxy.stopping = True
+        flushed = await runtime.pipeline.flush(self.config.flush_timeout)
+        await runtime.pipeline.stop()
+        await runtime.releaser.close()
+        await runtime.upstream.close()
+        log.info("sidecar stopped", extra={"releases_flushed": flushed})
+
+
+def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
+    """The proxy-port ASGI app. Serve it with lifespan on."""
+    return ProxyApp(config, deps)
+
+
+def create_admin_app(app: ProxyApp) -> Starlette:
+    """The admin-port app, reading the proxy app's runtime."""
+
+    def runtime() -> Runtime:
+        assert app.runtime is not None
+        return app.runtime
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(request: Request) -> Response:
+        if app.runtime is None:
+            return JSONResponse({"ready": False, "checks": {"started": False}}, status_code=503)
+        ok, checks = await runtime().ready()
+        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        if app.runtime is not None:
+            app.runtime.metrics.queue_depth.set(app.runtime.pipeline.depth)
+        registry = app.runtime.metrics.registry if app.runtime else CollectorRegistry()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+    ]
+    return Starlette(routes=routes)

@@ -1,0 +1,64 @@
+"""Answers the sidecar gives itself, in vLLM's OpenAI error shape.
+
+The exception tree of the request path::
+
+    UpstreamError (sidecar.upstream)   no response headers from D; carries a classify.Failure
+    ClientGone (sidecar.body)          the client left while its body was being read
+    ReleaseError (sidecar.release.base)
+      RetryableReleaseError            retried by the pipeline until the job's deadline
+      PermanentReleaseError            refused at once (allowlist, unsupported release)
+
+Bodies are ``{"error": {"message", "type", "param", "code"}}`` with ``code``
+equal to the status, as vLLM 0.10.1+ answers.
+"""
+
+from __future__ import annotations
+
+from sidecar.asgi import Send
+from sidecar.classify import Failure
+from sidecar.wire import error_body
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    413: "RequestEntityTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+# The status the client sees when D produced no headers.
+FAILURE_STATUS = {
+    Failure.CONNECT_REFUSED: 503,
+    Failure.DNS: 503,
+    Failure.CONNECT_TIMEOUT: 503,
+    Failure.POOL_TIMEOUT: 503,
+    Failure.HEADER_TIMEOUT: 504,
+    Failure.RESET_AFTER_SEND: 502,
+    Failure.BODY_TOO_LARGE: 413,
+    Failure.SHUTTING_DOWN: 503,
+}
+
+
+async def send_error(
+    send: Send, status: int, message: str, request_id: str, param: str | None = None
+) -> None:
+    """Send a complete vLLM-shaped JSON error response."""
+    body = error_body(message, status, ERROR_TYPES.get(status, "InternalServerError"), param)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode("latin-1")),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})

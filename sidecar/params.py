@@ -1,0 +1,99 @@
+"""Whether a request's ``kv_transfer_params`` make it releasable at all.
+
+Decoded once per inspected request from the raw JSON of the field. A request
+is eligible only when it asks D to pull blocks from P (``do_remote_prefill``),
+in pull mode, with at least one block, and names where P is. Malformed
+parameters are never released (they are logged and counted; the request is
+still forwarded, D answers it). ``remote_request_id`` may be absent: P
+releases before 0.13.0 do not emit it (the NIXL strategy then derives the id
+from ``x-request-id`` and checks the release is that old).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import msgspec
+
+from sidecar.wire import PARAMS_DECODER, KVTransferParams
+
+MAX_ID_LEN = 512
+MAX_HOST_LEN = 253
+MAX_RANKS = 1024  # tp_size * pp_size; a release handshakes every rank
+
+
+class Ineligible(StrEnum):
+    NO_PARAMS = "no_params"  # absent, null, or do_remote_prefill not true
+    MALFORMED = "malformed"
+    PUSH_MODE = "push_mode"  # nothing a peer sends frees pushed blocks (reference 4)
+    EMPTY_BLOCKS = "empty_blocks"  # P kept nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Eligibility:
+    params: KVTransferParams | None
+    reason: Ineligible | None
+    detail: str = ""
+
+
+def _blocks_empty(block_ids: list[object] | None) -> bool:
+    if not block_ids:
+        return True
+    if all(isinstance(b, list) for b in block_ids):
+        return not any(block_ids)
+    return False
+
+
+def _blocks_valid(block_ids: list[object] | None) -> bool:
+    if block_ids is None:
+        return True
+    if all(isinstance(b, list) for b in block_ids):
+        return all(isinstance(x, int) for group in block_ids for x in group)  # type: ignore[attr-defined]
+    return all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids)
+
+
+def _problem(p: KVTransferParams) -> str:
+    if not p.remote_engine_id or len(p.remote_engine_id) > MAX_ID_LEN:
+        return "remote_engine_id missing or too long"
+    if p.remote_request_id is not None and not 0 < len(p.remote_request_id) <= MAX_ID_LEN:
+        return "remote_request_id empty or too long"
+    if not p.remote_host or len(p.remote_host) > MAX_HOST_LEN:
+        return "remote_host missing or too long"
+    if p.remote_port is None or not 0 < p.remote_port <= 65535:
+        return "remote_port missing or outside 1-65535"
+    pp = p.pp_size or 1
+    if p.tp_size < 1 or pp < 1 or p.tp_size * pp > MAX_RANKS:
+        return f"tp_size/pp_size must be >= 1 with at most {MAX_RANKS} ranks"
+    if not _blocks_valid(p.remote_block_ids):
+        return "remote_block_ids is not a list of ints or of int lists"
+    return ""
+
+
+def check(raw: msgspec.Raw | bytes) -> Eligibility:
+    """Decode and judge the raw JSON of ``kv_transfer_params``."""
+    data = bytes(raw)
+    if data in (b"", b"null"):
+        return Eligibility(None, Ineligible.NO_PARAMS)
+    try:
+        params = PARAMS_DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        # D acts on a truthy do_remote_prefill; mistyped fields then mean "malformed".
+        loose = msgspec.json.decode(data)
+        if not isinstance(loose, dict) or not loose.get("do_remote_prefill"):
+            return Eligibility(None, Ineligible.NO_PARAMS)
+        return Eligibility(None, Ineligible.MALFORMED, str(exc))
+    except msgspec.DecodeError as exc:
+        return Eligibility(None, Ineligible.MALFORMED, str(exc))
+    if not params.do_remote_prefill:
+        return Eligibility(None, Ineligible.NO_PARAMS)
+    problem = _problem(params)
+    if problem:
+        return Eligibility(None, Ineligible.MALFORMED, problem)
+    if params.transfer_mode == "push":
+        return Eligibility(None, Ineligible.PUSH_MODE)
+    if params.transfer_mode not in (None, "pull"):
+        return Eligibility(None, Ineligible.MALFORMED, "transfer_mode is neither pull nor push")
+    if _blocks_empty(params.remote_block_ids):
+        return Eligibility(None, Ineligible.EMPTY_BLOCKS)
+    return Eligibility(params, None)

@@ -1,0 +1,378 @@
+"""The request path: forward everything to D, inspect the three completion routes.
+
+Every method and path goes to D unchanged. For ``POST`` on
+``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` the body
+is read once under the cap, only ``stream``, ``n`` and ``kv_transfer_params``
+are decoded, and the original bytes are forwarded. What happens next (D's
+status, the first SSE event of a stream, or the failure that kept an answer
+from arriving) is classified, and a definite pre-admission rejection of a
+releasable request becomes a ``ReleaseJob`` handed to the pipeline, which
+never delays the client. Responses are pumped as raw bytes; a client that
+disconnects cancels the exchange and closes the upstream response, so D
+sees the abort.
+
+This is a plain ASGI callable rather than a Starlette route: the catch-all
+needs no routing, and skipping the framework's request objects keeps the
+proxy's CPU per request inside the benchmark's budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from sidecar import params as params_mod
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.body import ClientGone, Oversized, read_body, tail_params
+from sidecar.classify import Decision, Event, Failure, classify
+from sidecar.config import Config
+from sidecar.errors import FAILURE_STATUS, send_error
+from sidecar.headers import request_headers, response_headers
+from sidecar.metrics import ROUTES, Metrics, status_class
+from sidecar.release.base import ReleaseJob
+from sidecar.release.pipeline import Pipeline
+from sidecar.sse import FirstEventScanner
+from sidecar.upstream import Upstream, UpstreamError, UpstreamResponse
+from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
+
+log = logging.getLogger("sidecar.proxy")
+
+ERROR_BODY_LIMIT = 64 * 1024
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One inspected request on its way through the proxy."""
+
+    request_id: str
+    route: str
+    params: KVTransferParams | None
+    stream: bool
+    started: float
+    responded: bool = False  # http.response.start was sent
+    decided: bool = False  # classified (at most once)
+
+
+class Proxy:
+    """The proxy's ASGI handler for ``http`` scopes."""
+
+    def __init__(self, config: Config, upstream: Upstream, pipeline: Pipeline, metrics: Metrics) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.stopping = False  # set once the drain began: new inspected requests are refused
+        self._scan_limit = config.max_body_bytes * 4
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        route = path if scope["method"] == "POST" and path in ROUTES else None
+        self.metrics.inflight.inc()
+        try:
+            await self._handle(scope, receive, send, route)
+        finally:
+            self.metrics.inflight.dec()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str | None) -> None:
+        headers, request_id = request_headers(scope["headers"])
+        if route is None:
+            await self._passthrough(scope, receive, send, headers, request_id)
+            return
+        try:
+            body = await read_body(receive, self.config.max_body_bytes, self._scan_limit)
+        except ClientGone:
+            # Without the whole body there are no trustworthy parameters to release.
+            self.metrics.request_counter(ROUTES[route], "client_gone").inc()
+            return
+        if isinstance(body, Oversized):
+            await self._too_large(send, body, route, request_id)
+            return
+        exchange = self._exchange(body, route, request_id)
+        if self.stopping:
+            await self._refuse(send, exchange, Failure.SHUTTING_DOWN, "the sidecar is shutting down")
+            return
+        await self._forward(scope, receive, send, headers, body, exchange)
+
+    def _exchange(self, body: bytes, route: str, request_id: str) -> Exchange:
+        started = time.monotonic()
+        try:
+            view = VIEW_DECODER.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            # Not a JSON object: forwarded as it is, D answers it; nothing to release.
+            self.metrics.ineligible.labels("not_json").inc()
+            return Exchange(request_id, route, None, False, started)
+        eligibility = params_mod.check(view.kv_transfer_params)
+        if eligibility.reason is not None and eligibility.reason is not params_mod.Ineligible.NO_PARAMS:
+            self.metrics.ineligible.labels(eligibility.reason.value).inc()
+            if eligibility.reason is params_mod.Ineligible.MALFORMED:
+                log.warning(
+                    "malformed kv_transfer_params, will not release",
+                    extra={"request_id": request_id, "detail": eligibility.detail},
+                )
+        return Exchange(request_id, route, eligibility.params, view.stream is True, started)
+
+    async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
+        raw = tail_params(body.tail) if body.complete else None
+        eligibility = params_mod.check(raw) if raw else None
+        params = eligibility.params if eligibility else None
+        exchange = Exchange(request_id, route, params, False, time.monotonic())
+        message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
+        await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message)
+
+    async def _refuse(self, send: Send, exchange: Exchange, failure: Failure, message: str) -> None:
+        """The sidecar answers itself; D never sees the request."""
+        self._decide(exchange, Event(failure=failure))
+        status = FAILURE_STATUS[failure]
+        self._count(exchange.route, status)
+        await send_error(send, status, message, exchange.request_id)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        exchange: Exchange,
+    ) -> None:
+        watcher = _DisconnectWatcher(receive)
+        try:
+            try:
+                response = await self.upstream.send(scope["method"], _target(scope), headers, body)
+            except UpstreamError as exc:
+                await self._upstream_failed(send, exchange, exc)
+                return
+            self.metrics.latency_for(ROUTES[exchange.route]).observe(time.monotonic() - exchange.started)
+            async with response:
+                await self._respond(send, response, exchange)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                raise
+            self._uncancel()
+            if not exchange.decided:
+                # Once D sent 200 it has the request; before that D may have admitted it.
+                gone = Event(status=200, stream=True) if exchange.responded else _GONE_AFTER_FORWARD
+                self._decide(exchange, gone)
+                self._count(exchange.route, -1)
+        finally:
+            watcher.stop()
+
+    async def _upstream_failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
+        self._decide(exchange, Event(failure=exc.failure))
+        status = FAILURE_STATUS[exc.failure]
+        self._count(exchange.route, status)
+        log.warning(
+            "decode server failed before answering",
+            extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
+        )
+        await send_error(send, status, f"decode server: {exc}", exchange.request_id)
+
+    async def _respond(self, send: Send, response: UpstreamResponse, exchange: Exchange) -> None:
+        status = response.status
+        self._count(exchange.route, status)
+        head = response_headers(response.headers, exchange.request_id)
+        if not 200 <= status < 300:
+            body = await response.read(ERROR_BODY_LIMIT)
+            self._decide(exchange, Event(status=status, stream=exchange.stream), _error_type(body))
+            exchange.responded = True
+            await send({"type": "http.response.start", "status": status, "headers": head})
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await self._pump(send, response.chunks(), None)
+            return
+        exchange.responded = True
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        if exchange.stream and exchange.params is not None:
+            await self._pump(send, response.chunks(), _StreamJudge(self, exchange))
+        else:
+            self._decide(exchange, Event(status=status, stream=exchange.stream))
+            await self._pump(send, response.chunks(), None)
+
+    async def _pump(self, send: Send, chunks: AsyncIterator[bytes], judge: _StreamJudge | None) -> None:
+        try:
+            async for chunk in chunks:
+                if judge is not None:
+                    judge.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            if judge is not None:
+                judge.reset()
+            log.warning("decode server broke the response", extra={"detail": str(exc)})
+            raise
+        if judge is not None:
+            judge.finish()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _passthrough(
+        self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[str, str]], request_id: str
+    ) -> None:
+        watcher = _DisconnectWatcher(receive, body_pending=_has_body(scope))
+        body = watcher.body() if watcher.body_pending else None
+        try:
+            try:
+                response = await self.upstream.send(scope["method"], _target(scope), headers, body)
+            except UpstreamError as exc:
+                await send_error(send, FAILURE_STATUS[exc.failure], f"decode server: {exc}", request_id)
+                return
+            async with response:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status,
+                        "headers": response_headers(response.headers, request_id),
+                    }
+                )
+                await self._pump(send, response.chunks(), None)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                raise
+            self._uncancel()
+        finally:
+            watcher.stop()
+
+    def _decide(self, exchange: Exchange, event: Event, error_type: str | None = None) -> Decision:
+        decision = classify(event)
+        exchange.decided = True
+        params = exchange.params
+        if params is None:
+            return decision
+        if not decision.releases(self.config.release_ambiguous):
+            self.metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
+            return decision
+        self.metrics.rejections.labels(decision.cause.value).inc()
+        now = time.monotonic()
+        self.pipeline.submit(
+            ReleaseJob(
+                request_id=exchange.request_id,
+                route=exchange.route,
+                params=params,
+                cause=decision.cause.value,
+                status=event.status,
+                error_type=error_type,
+                injected=event.failure is Failure.INJECTED,
+                detected_at=now,
+                deadline=now + self.config.release_deadline,
+            )
+        )
+        return decision
+
+    def _count(self, route: str, status: int) -> None:
+        label = status_class(status) if status >= 0 else "client_gone"
+        self.metrics.request_counter(ROUTES[route], label).inc()
+
+    @staticmethod
+    def _uncancel() -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+
+
+_GONE_AFTER_FORWARD = Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD)
+
+
+class _StreamJudge:
+    """Classifies a 200 stream from its first SSE event while the bytes pass through."""
+
+    def __init__(self, proxy: Proxy, exchange: Exchange) -> None:
+        self._proxy, self._exchange = proxy, exchange
+        self._scanner = FirstEventScanner()
+
+    def feed(self, chunk: bytes) -> None:
+        if self._exchange.decided:
+            return
+        first = self._scanner.feed(chunk)
+        if first is not None:
+            self._decide(Event(status=200, stream=True, first_event_error=first.error_code), first.error_type)
+
+    def finish(self) -> None:
+        if not self._exchange.decided:
+            first = self._scanner.finish()
+            self._decide(Event(status=200, stream=True, first_event_error=first.error_code), first.error_type)
+
+    def reset(self) -> None:
+        """D broke the stream before its first event ended: D may have admitted it."""
+        if not self._exchange.decided:
+            self._decide(Event(failure=Failure.RESET_AFTER_SEND), None)
+
+    def _decide(self, event: Event, error_type: str | None) -> None:
+        self._proxy._decide(self._exchange, event, error_type)
+
+
+class _DisconnectWatcher:
+    """Cancels the current task when the client disconnects.
+
+    ASGI servers silently drop ``send`` after a disconnect, so without this a
+    long generation would run on at D for nobody. For a passthrough request
+    the watcher also streams the request body to D (``body()``) and starts
+    listening once it is complete.
+    """
+
+    def __init__(self, receive: Receive, body_pending: bool = False) -> None:
+        self._receive = receive
+        self._owner = asyncio.current_task()
+        self.body_pending = body_pending
+        self._body_done = asyncio.Event()
+        if not body_pending:
+            self._body_done.set()
+        self.fired = False
+        self._task = asyncio.create_task(self._watch())
+
+    async def body(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    self._fire()
+                    return
+                chunk = message.get("body", b"")
+                if chunk:
+                    yield chunk
+                if not message.get("more_body", False):
+                    return
+        finally:
+            self._body_done.set()
+
+    async def _watch(self) -> None:
+        await self._body_done.wait()
+        if self.fired:
+            return
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        if not self.fired and self._owner is not None:
+            self.fired = True
+            self._owner.cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def _target(scope: Scope) -> str:
+    raw_path: bytes | None = scope.get("raw_path")
+    path = raw_path.decode("latin-1") if raw_path else scope["path"]
+    query: bytes = scope.get("query_string", b"")
+    return f"{path}?{query.decode('latin-1')}" if query else path
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.strip() not in (b"", b"0")
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
+def _error_type(body: bytes) -> str | None:
+    try:
+        return ERROR_DECODER.decode(body).error.type
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

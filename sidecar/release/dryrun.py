@@ -1,0 +1,27 @@
+"""The ``dry-run`` strategy: records every job it would send (for roll-outs and the demo)."""
+
+from __future__ import annotations
+
+import collections
+
+from sidecar.release.base import ReleaseJob, Result
+
+
+class DryRunReleaser:
+    name = "dry-run"
+
+    def __init__(self, keep: int = 1000) -> None:
+        self.recorded: collections.deque[ReleaseJob] = collections.deque(maxlen=keep)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def ready(self) -> bool:
+        return True
+
+    async def release(self, job: ReleaseJob) -> Result:
+        self.recorded.append(job)
+        return Result.DRY_RUN

@@ -1,0 +1,21 @@
+"""The ``off`` strategy: rejections are classified and counted, nothing is sent."""
+
+from __future__ import annotations
+
+from sidecar.release.base import ReleaseJob, Result
+
+
+class OffReleaser:
+    name = "off"
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def ready(self) -> bool:
+        return True
+
+    async def release(self, job: ReleaseJob) -> Result:
+        return Result.OFF

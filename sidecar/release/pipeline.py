@@ -1,0 +1,187 @@
+"""The release pipeline: a bounded queue, a few workers, retries, de-duplication.
+
+``submit`` never blocks and never raises: the request path hands over a job
+and moves on, so a client's error answer is never delayed by a release.
+When the queue is full the oldest job is dropped (counted and logged): the
+newest rejections have the most lease left to save. Workers call the
+strategy, retrying ``RetryableReleaseError`` with exponential backoff and
+full jitter until the job's deadline, after which P frees the blocks itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from sidecar.metrics import Metrics
+from sidecar.release.base import (
+    PermanentReleaseError,
+    ReleaseJob,
+    Releaser,
+    Result,
+    RetryableReleaseError,
+)
+from sidecar.release.ledger import Ledger
+
+log = logging.getLogger("sidecar.release")
+
+
+class Pipeline:
+    """Feeds release jobs to one strategy."""
+
+    def __init__(
+        self,
+        releaser: Releaser,
+        metrics: Metrics,
+        *,
+        queue_size: int,
+        workers: int,
+        retry_initial: float,
+        retry_max: float,
+        ledger: Ledger,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.releaser = releaser
+        self._metrics = metrics
+        self._queue: collections.deque[ReleaseJob] = collections.deque()
+        self._queue_size = queue_size
+        self._workers = workers
+        self._retry = (retry_initial, retry_max)
+        self._ledger = ledger
+        self._clock = clock
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._busy = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, job: ReleaseJob) -> bool:
+        """Queue ``job`` unless its key was seen before. Never blocks."""
+        if not self._ledger.add(job.key):
+            self._finish(job, Result.DUPLICATE, "duplicate of an earlier release")
+            return False
+        if len(self._queue) >= self._queue_size:
+            dropped = self._queue.popleft()
+            self._ledger.discard(dropped.key)
+            self._finish(dropped, Result.DROPPED, "release queue full, oldest job dropped")
+        self._queue.append(job)
+        self._idle.clear()
+        self._metrics.queue_depth.set(len(self._queue))
+        self._metrics.ledger_size.set(len(self._ledger))
+        self._wakeup.set()
+        return True
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker(), name=f"release-{i}") for i in range(self._workers)]
+
+    async def flush(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a cancel scope
+        """Wait up to ``timeout`` for queued and running jobs; True when all finished."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            log.warning("release flush timed out", extra={"queued": len(self._queue), "running": self._busy})
+            return False
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for job in self._queue:
+            self._finish(job, Result.DROPPED, "sidecar stopped before the release was sent")
+        self._queue.clear()
+
+    async def _worker(self) -> None:
+        while True:
+            if not self._queue:
+                if self._busy == 0:
+                    self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            job = self._queue.popleft()
+            self._metrics.queue_depth.set(len(self._queue))
+            self._busy += 1
+            try:
+                await self._run(job)
+            finally:
+                self._busy -= 1
+                if not self._queue and self._busy == 0:
+                    self._idle.set()
+
+    async def _run(self, job: ReleaseJob) -> None:
+        attempt = 0
+        while True:
+            remaining = job.deadline - self._clock()
+            if remaining <= 0:
+                self._finish(job, Result.FAILED, "deadline passed before the release was sent")
+                return
+            try:
+                async with asyncio.timeout(remaining):
+                    result = await self.releaser.release(job)
+            except PermanentReleaseError as exc:
+                self._attempt(exc.reason)
+                self._finish(job, Result.REFUSED, str(exc), reason=exc.reason)
+                return
+            except (RetryableReleaseError, TimeoutError) as exc:
+                reason = getattr(exc, "reason", "timeout")
+                self._attempt(reason)
+                delay = self._backoff(attempt)
+                attempt += 1
+                if self._clock() + delay >= job.deadline:
+                    self._finish(job, Result.FAILED, f"gave up at the deadline: {exc}", reason=reason)
+                    return
+                log.debug(
+                    "release attempt failed, retrying",
+                    extra={"request_id": job.request_id, "error": str(exc)},
+                )
+                await asyncio.sleep(delay)
+                continue
+            except Exception as exc:  # a strategy bug must not kill the worker
+                log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
+                self._attempt("bug")
+                self._finish(job, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
+                return
+            self._attempt("ok")
+            self._finish(job, result, "done")
+            return
+
+    def _backoff(self, attempt: int) -> float:
+        initial, cap = self._retry
+        return random.uniform(initial / 2, min(cap, initial * 2**attempt))
+
+    def _attempt(self, outcome: str) -> None:
+        self._metrics.release_attempts.labels(self.releaser.name, outcome).inc()
+
+    def _finish(self, job: ReleaseJob, result: Result, detail: str, reason: str = "") -> None:
+        strategy = self.releaser.name
+        self._metrics.releases.labels(strategy, result.value).inc()
+        if result in (Result.SENT, Result.DRY_RUN):
+            self._metrics.release_latency.labels(strategy).observe(self._clock() - job.detected_at)
+        self._metrics.ledger_size.set(len(self._ledger))
+        level = logging.INFO if result not in (Result.FAILED, Result.DROPPED) else logging.WARNING
+        log.log(
+            level,
+            "release decision",
+            extra={
+                "request_id": job.request_id,
+                "remote_request_id": job.params.remote_request_id,
+                "remote_engine_id": job.params.remote_engine_id,
+                "cause": job.cause,
+                "injected": job.injected,
+                "strategy": strategy,
+                "result": result.value,
+                "reason": reason,
+                "detail": detail,
+            },
+        )

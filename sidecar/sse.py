@@ -1,0 +1,86 @@
+"""Spotting an error in the first SSE event of a stream, without holding the stream.
+
+vLLM reports a failure of its engine admission step after HTTP 200 as the
+first event, ``data: {"error": {..., "code": 400}}`` (flat
+``{"object": "error", ..., "code": 400}`` before 0.10.1). The scanner sees
+each chunk as it is forwarded, keeps at most ``LIMIT`` bytes until the first
+event ends, and then stops looking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+LIMIT = 64 * 1024
+_ANY = msgspec.json.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class FirstEvent:
+    error_code: int | None  # the error's code when the first event is an error
+    error_type: str | None
+
+
+class FirstEventScanner:
+    """Feed chunks; ``result`` is set once the first event is complete (or over the limit)."""
+
+    __slots__ = ("_buffer", "result")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.result: FirstEvent | None = None
+
+    def feed(self, chunk: bytes) -> FirstEvent | None:
+        if self.result is not None:
+            return self.result
+        self._buffer += chunk
+        end = _event_end(self._buffer)
+        if end < 0:
+            if len(self._buffer) > LIMIT:
+                self.result = FirstEvent(None, None)
+            return self.result
+        self.result = parse_event(self._buffer[:end])
+        self._buffer = b""
+        return self.result
+
+    def finish(self) -> FirstEvent:
+        """At end of stream: judge whatever arrived."""
+        if self.result is None:
+            self.result = parse_event(self._buffer) if self._buffer.strip() else FirstEvent(None, None)
+        return self.result
+
+
+def _event_end(buffer: bytes) -> int:
+    ends = [i for i in (buffer.find(b"\n\n"), buffer.find(b"\r\n\r\n"), buffer.find(b"\r\r")) if i >= 0]
+    return min(ends) if ends else -1
+
+
+def parse_event(event: bytes) -> FirstEvent:
+    """The error code and type of one SSE event, or ``FirstEvent(None, None)``."""
+    data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
+    if not data or data.strip() == b"[DONE]":
+        return FirstEvent(None, None)
+    try:
+        payload = _ANY.decode(data)
+    except msgspec.DecodeError:
+        return FirstEvent(None, None)
+    if not isinstance(payload, dict):
+        return FirstEvent(None, None)
+    error = payload.get("error")
+    if isinstance(error, dict):
+        return _from_error(error)
+    if payload.get("object") == "error":
+        return _from_error(payload)
+    return FirstEvent(None, None)
+
+
+def _from_error(error: dict[str, object]) -> FirstEvent:
+    code = error.get("code")
+    type_ = error.get("type")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if not isinstance(code, int) or isinstance(code, bool):
+        return FirstEvent(None, type_ if isinstance(type_, str) else None)
+    return FirstEvent(code, type_ if isinstance(type_, str) else None)
