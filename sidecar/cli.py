@@ -20,18 +20,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser; only the ``selected`` command's module is imported for its flags."""
     parser = argparse.ArgumentParser(prog="kv-release-sidecar", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         command.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(command)
+        if name == selected:
+            importlib.import_module(module).add_arguments(command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(selected).parse_args(argv)
     module = importlib.import_module(args._module)
     code: int = module.run(args)
     return code

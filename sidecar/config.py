@@ -115,7 +115,7 @@ _POSITIVE = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(Exception):
     """A setting that cannot be used; ``str()`` names the field, the value and the reason."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:

@@ -1,0 +1,42 @@
+# kv-release-sidecar: the same few verbs locally and in CI.
+# Every target bootstraps its own environment: uv in .tools/, the project in .venv/ from uv.lock.
+
+PYTHON ?= python3
+TOOLS := .tools
+UV := $(TOOLS)/bin/uv
+VENV := .venv
+STAMP := $(VENV)/.synced
+PYTEST_ARGS ?=
+
+.PHONY: help demo test lint bench conformance image clean
+
+help:
+	@echo "make demo | test | lint | bench | conformance | image | clean"
+
+$(UV):
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check uv==0.13.9
+
+$(STAMP): $(UV) pyproject.toml uv.lock
+	$(UV) sync --frozen --quiet
+	@touch $@
+
+demo: $(STAMP)
+	$(UV) run --frozen --no-sync kv-release-sidecar demo
+
+test: $(STAMP)
+	$(UV) run --frozen --no-sync pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(UV) run --frozen --no-sync ruff check sidecar tests bench
+	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
+	$(UV) run --frozen --no-sync mypy --strict sidecar
+
+bench: $(STAMP)
+	$(UV) run --frozen --no-sync python -m bench
+
+image:
+	docker build -t kv-release-sidecar:dev .
+
+clean:
+	rm -rf $(TOOLS) $(VENV) .pytest_cache .mypy_cache .ruff_cache out

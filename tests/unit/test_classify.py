@@ -1,0 +1,74 @@
+"""Classification table: every outcome the proxy can report, and what it means for P's blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.classify import Cause, Event, Failure, Outcome, classify
+
+TABLE = [
+    # definite rejections: release
+    (Event(status=400), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (Event(status=401), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (Event(status=404), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (Event(status=413), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (Event(status=400, stream=True), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (Event(status=500), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (Event(status=501), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (Event(status=503), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (Event(failure=Failure.CONNECT_REFUSED), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=Failure.DNS), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=Failure.CONNECT_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=Failure.POOL_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=Failure.BODY_TOO_LARGE), Outcome.RELEASE, Cause.BODY_TOO_LARGE),
+    (Event(failure=Failure.SHUTTING_DOWN), Outcome.RELEASE, Cause.SHUTTING_DOWN),
+    (Event(failure=Failure.INJECTED), Outcome.RELEASE, Cause.INJECTED),
+    (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
+    (Event(status=200, stream=True, first_event_error=400), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
+    (Event(status=200, stream=True, first_event_error=422), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
+    # admitted: D reads and notifies P itself
+    (Event(status=200), Outcome.NO_RELEASE, Cause.ADMITTED),
+    (Event(status=201), Outcome.NO_RELEASE, Cause.ADMITTED),
+    (Event(status=200, stream=True), Outcome.NO_RELEASE, Cause.ADMITTED),
+    # an error field in a non-stream 200 body is not a stream admission failure
+    (Event(status=200, stream=False, first_event_error=400), Outcome.NO_RELEASE, Cause.ADMITTED),
+    (Event(status=302), Outcome.NO_RELEASE, Cause.OTHER_STATUS),
+    # ambiguous: D may have admitted it
+    (Event(status=200, stream=True, first_event_error=500), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (Event(status=200, stream=True, first_event_error=503), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (Event(status=502), Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR),
+    (Event(status=504), Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR),
+    (Event(failure=Failure.HEADER_TIMEOUT), Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),
+    (Event(failure=Failure.RESET_AFTER_SEND), Outcome.AMBIGUOUS, Cause.RESET_AFTER_SEND),
+    (Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD), Outcome.AMBIGUOUS, Cause.CLIENT_GONE_AFTER_FORWARD),
+]
+
+
+@pytest.mark.parametrize(("event", "outcome", "cause"), TABLE)
+def test_classify(event: Event, outcome: Outcome, cause: Cause) -> None:
+    decision = classify(event)
+    assert (decision.outcome, decision.cause) == (outcome, cause)
+
+
+def test_every_failure_is_classified() -> None:
+    for failure in Failure:
+        assert classify(Event(failure=failure)).cause is not None
+
+
+@pytest.mark.parametrize(
+    ("outcome", "flag", "expected"),
+    [
+        (Outcome.RELEASE, False, True),
+        (Outcome.RELEASE, True, True),
+        (Outcome.AMBIGUOUS, False, False),
+        (Outcome.AMBIGUOUS, True, True),
+        (Outcome.NO_RELEASE, True, False),
+    ],
+)
+def test_release_ambiguous_setting(outcome: Outcome, flag: bool, expected: bool) -> None:
+    event = {
+        Outcome.RELEASE: Event(status=400),
+        Outcome.AMBIGUOUS: Event(failure=Failure.HEADER_TIMEOUT),
+        Outcome.NO_RELEASE: Event(status=200),
+    }[outcome]
+    assert classify(event).releases(flag) is expected

@@ -1,0 +1,109 @@
+"""Config loading: precedence flags > env > file > defaults, and errors that name field, value, reason."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from sidecar.config import Config, ConfigError, build_parser, env_names, load
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_defaults() -> None:
+    config = load(parse(), {})
+    assert config == Config()
+    assert (config.decode_url, config.host, config.port, config.admin_port) == (
+        "http://127.0.0.1:8200",
+        "0.0.0.0",
+        8000,
+        9100,
+    )
+    assert config.release == "dry-run"
+
+
+def test_precedence_flags_over_env_over_file() -> None:
+    text = 'port = 7000\nadmin_port = 7100\nrelease = "off"\nrelease_workers = 2\n'
+    env = {"KVR_PORT": "7001", "KVR_ADMIN_PORT": "7101"}
+    config = load(parse("--port", "7002"), env, text)
+    assert config.port == 7002  # flag
+    assert config.admin_port == 7101  # env over file
+    assert config.release == "off"  # file over default
+    assert config.release_workers == 2
+
+
+def test_env_lists_and_bools() -> None:
+    config = load(
+        parse(), {"KVR_PREFILL_ALLOW": "10.0.0.0/8, *.prefill.svc:5600", "KVR_RELEASE_AMBIGUOUS": "true"}
+    )
+    assert config.prefill_allow == ("10.0.0.0/8", "*.prefill.svc:5600")
+    assert config.release_ambiguous is True
+
+
+def test_bool_flag() -> None:
+    assert load(parse("--release-ambiguous"), {}).release_ambiguous is True
+    assert load(parse("--no-release-ambiguous"), {"KVR_RELEASE_AMBIGUOUS": "1"}).release_ambiguous is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "field", "value"),
+    [
+        (("--port", "70000"), {}, "port", 70000),
+        ((), {"KVR_PORT": "eighty"}, "port", "eighty"),
+        (("--decode-url", "ftp://x"), {}, "decode_url", "ftp://x"),
+        (("--decode-url", "localhost:8200"), {}, "decode_url", "localhost:8200"),
+        (("--connect-timeout", "0"), {}, "connect_timeout", 0.0),
+        (("--max-body-bytes", "-5"), {}, "max_body_bytes", -5),
+        ((), {"KVR_RELEASE": "teleport"}, "release", "teleport"),
+        (("--admin-port", "8000"), {}, "admin_port", 8000),
+        (("--vllm-version", "latest"), {}, "vllm_version", "latest"),
+        (("--prefill-allow", "not a host!"), {}, "prefill_allow", "not a host!"),
+        (("--prefill-allow", "10.0.0.0/8:99999"), {}, "prefill_allow", "10.0.0.0/8:99999"),
+        (("--read-timeout", "-1"), {}, "read_timeout", -1.0),
+    ],
+)
+def test_errors_name_field_value_reason(
+    flags: tuple[str, ...], env: dict[str, str], field: str, value: object
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(parse(*flags), env)
+    assert info.value.field == field
+    assert info.value.value == value
+    assert info.value.reason
+    assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_unknown_file_key_and_bad_toml() -> None:
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load(parse(), {}, "colour = 'blue'\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(parse(), {}, "port = = 1\n")
+
+
+def test_config_is_frozen() -> None:
+    config = Config()
+    with pytest.raises(AttributeError):
+        config.port = 1  # type: ignore[misc]
+
+
+def test_one_env_variable_per_flag() -> None:
+    flags = {a.dest for a in build_parser(argparse.ArgumentParser())._actions if a.dest not in ("help",)}
+    flags.discard("config")
+    assert {f"KVR_{f.upper()}" for f in flags} == set(env_names())
+
+
+def test_bad_value_exits_2_before_any_socket() -> None:
+    # --port 1 would need root to bind; exit code 2 proves validation ran first.
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--decode-url", "nope", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "decode_url" in result.stderr and "'nope'" in result.stderr

@@ -1,0 +1,54 @@
+"""Header hygiene between client and D."""
+
+from __future__ import annotations
+
+from sidecar.headers import request_headers, response_headers
+
+
+def test_request_strips_hop_by_hop_and_host_and_keeps_the_rest() -> None:
+    raw = [
+        (b"host", b"sidecar:8000"),
+        (b"connection", b"keep-alive, x-private"),
+        (b"keep-alive", b"timeout=5"),
+        (b"x-private", b"secret-hop"),
+        (b"transfer-encoding", b"chunked"),
+        (b"te", b"trailers"),
+        (b"upgrade", b"h2c"),
+        (b"proxy-authorization", b"Basic x"),
+        (b"authorization", b"Bearer k"),
+        (b"content-type", b"application/json"),
+        (b"content-encoding", b"gzip"),
+        (b"x-request-id", b"abc"),
+    ]
+    headers, request_id = request_headers(raw)
+    names = [name for name, _ in headers]
+    assert request_id == "abc"
+    assert names == ["authorization", "content-type", "content-encoding", "x-request-id"]
+
+
+def test_request_id_generated_when_missing() -> None:
+    headers, request_id = request_headers([(b"content-type", b"application/json")])
+    assert len(request_id) == 32
+    assert ("x-request-id", request_id) in headers
+    _, other = request_headers([])
+    assert other != request_id
+
+
+def test_response_keeps_encoding_adds_request_id() -> None:
+    raw = [
+        (b"Content-Encoding", b"gzip"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Connection", b"close"),
+        (b"Content-Type", b"text/event-stream"),
+    ]
+    out = response_headers(raw, "rid")
+    assert out == [
+        (b"content-encoding", b"gzip"),
+        (b"content-type", b"text/event-stream"),
+        (b"x-request-id", b"rid"),
+    ]
+
+
+def test_response_keeps_ds_request_id() -> None:
+    out = response_headers([(b"x-request-id", b"from-d")], "rid")
+    assert out == [(b"x-request-id", b"from-d")]

@@ -1,0 +1,190 @@
+"""The release pipeline: bounded queue, de-duplication, retries until the deadline, flush."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.metrics import Metrics
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
+from sidecar.release.ledger import Ledger
+from sidecar.release.pipeline import Pipeline
+from sidecar.wire import KVTransferParams
+
+
+class FakeReleaser:
+    name = "fake"
+
+    def __init__(self, failures: int = 0, permanent: bool = False, gate: asyncio.Event | None = None) -> None:
+        self.calls: list[str] = []
+        self.failures = failures
+        self.permanent = permanent
+        self.gate = gate
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    def ready(self) -> bool:
+        return True
+
+    async def release(self, job: ReleaseJob) -> Result:
+        self.calls.append(job.params.remote_request_id or "")
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.permanent:
+            raise PermanentReleaseError("not allowed", reason="not_allowed")
+        if self.failures > 0:
+            self.failures -= 1
+            raise RetryableReleaseError("P unreachable")
+        return Result.SENT
+
+
+def job(rid: str, deadline: float = 5.0, engine: str = "e") -> ReleaseJob:
+    now = time.monotonic()
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id=engine,
+        remote_request_id=rid,
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_block_ids=[1],
+    )
+    return ReleaseJob(
+        request_id=rid,
+        route="/v1/completions",
+        params=params,
+        cause="rejected_4xx",
+        detected_at=now,
+        deadline=now + deadline,
+    )
+
+
+def make(releaser: FakeReleaser, queue_size: int = 100, workers: int = 2) -> tuple[Pipeline, Metrics]:
+    metrics = Metrics(CollectorRegistry())
+    pipeline = Pipeline(
+        releaser,
+        metrics,
+        queue_size=queue_size,
+        workers=workers,
+        retry_initial=0.005,
+        retry_max=0.02,
+        ledger=Ledger(1000, 60),
+    )
+    return pipeline, metrics
+
+
+def count(metrics: Metrics, result: Result) -> float:
+    value = metrics.registry.get_sample_value(
+        "kvr_releases_total", {"strategy": "fake", "result": result.value}
+    )
+    return value or 0.0
+
+
+async def test_each_job_released_once_and_duplicates_counted() -> None:
+    releaser = FakeReleaser()
+    pipeline, metrics = make(releaser)
+    pipeline.start()
+    assert pipeline.submit(job("a"))
+    assert pipeline.submit(job("b"))
+    assert not pipeline.submit(job("a"))  # a client's retry
+    assert pipeline.submit(job("a", engine="other-p"))  # same id on another P is another request
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert sorted(releaser.calls) == ["a", "a", "b"]
+    assert count(metrics, Result.SENT) == 3
+    assert count(metrics, Result.DUPLICATE) == 1
+
+
+async def test_retries_until_success() -> None:
+    releaser = FakeReleaser(failures=3)
+    pipeline, metrics = make(releaser)
+    pipeline.start()
+    pipeline.submit(job("a"))
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert releaser.calls == ["a"] * 4
+    assert count(metrics, Result.SENT) == 1
+
+
+async def test_gives_up_at_deadline() -> None:
+    releaser = FakeReleaser(failures=10**6)
+    pipeline, metrics = make(releaser)
+    pipeline.start()
+    started = time.monotonic()
+    pipeline.submit(job("a", deadline=0.2))
+    assert await pipeline.flush(3)
+    await pipeline.stop()
+    assert time.monotonic() - started < 1.0
+    assert len(releaser.calls) >= 3
+    assert count(metrics, Result.FAILED) == 1
+    assert count(metrics, Result.SENT) == 0
+
+
+async def test_permanent_error_is_not_retried() -> None:
+    releaser = FakeReleaser(permanent=True)
+    pipeline, metrics = make(releaser)
+    pipeline.start()
+    pipeline.submit(job("a"))
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert releaser.calls == ["a"]
+    assert count(metrics, Result.REFUSED) == 1
+
+
+async def test_full_queue_drops_oldest_and_never_blocks() -> None:
+    gate = asyncio.Event()
+    releaser = FakeReleaser(gate=gate)
+    pipeline, metrics = make(releaser, queue_size=3, workers=1)
+    pipeline.start()
+    pipeline.submit(job("running"))
+    await asyncio.sleep(0)  # let the worker take it and block on the gate
+    started = time.monotonic()
+    for i in range(6):
+        pipeline.submit(job(f"q{i}"))
+    assert time.monotonic() - started < 0.05
+    assert pipeline.depth == 3
+    gate.set()
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert releaser.calls == ["running", "q3", "q4", "q5"]
+    assert count(metrics, Result.DROPPED) == 3
+    # a dropped job's key left the ledger: a retry of it can still be released
+    assert pipeline.submit(job("q0"))
+
+
+async def test_flush_times_out_and_stop_drops_the_rest() -> None:
+    releaser = FakeReleaser(gate=asyncio.Event())
+    pipeline, metrics = make(releaser, workers=1)
+    pipeline.start()
+    pipeline.submit(job("stuck"))
+    pipeline.submit(job("queued"))
+    assert not await pipeline.flush(0.05)
+    await pipeline.stop()
+    assert count(metrics, Result.DROPPED) == 1
+
+
+def test_ledger_ttl_and_size() -> None:
+    now = [0.0]
+    ledger = Ledger(size=2, ttl=10, clock=lambda: now[0])
+    assert ledger.add("a") and ledger.add("b")
+    assert not ledger.add("a")
+    assert ledger.add("c")  # evicts "a"
+    assert len(ledger) == 2
+    assert ledger.add("a")
+    now[0] = 11
+    assert ledger.add("b")  # expired
+    assert len(ledger) == 1
+
+
+@pytest.mark.parametrize("n", [1000])
+async def test_many_jobs_all_released(n: int) -> None:
+    releaser = FakeReleaser()
+    pipeline, metrics = make(releaser, queue_size=n, workers=4)
+    pipeline.start()
+    for i in range(n):
+        pipeline.submit(job(str(i)))
+    assert await pipeline.flush(5)
+    await pipeline.stop()
+    assert sorted(releaser.calls) == sorted(str(i) for i in range(n))
