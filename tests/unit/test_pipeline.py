@@ -181,7 +181,7 @@ def test_ledger_ttl_and_size() -> None:
 @pytest.mark.parametrize("n", [1000])
 async def test_many_jobs_all_released(n: int) -> None:
     releaser = FakeReleaser()
-    pipeline, metrics = make(releaser, queue_size=n, workers=4)
+    pipeline, _ = make(releaser, queue_size=n, workers=4)
     pipeline.start()
     for i in range(n):
         pipeline.submit(job(str(i)))
