@@ -37,7 +37,7 @@ from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
 from sidecar.release.pipeline import Pipeline
 from sidecar.sse import FirstEventScanner
-from sidecar.upstream import Upstream, UpstreamError, UpstreamResponse
+from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
 
 log = logging.getLogger("sidecar.proxy")
@@ -54,6 +54,7 @@ class Exchange:
     params: KVTransferParams | None
     stream: bool
     started: float
+    sent: Sent | None = None  # learns whether the request reached D's socket
     responded: bool = False  # http.response.start was sent
     decided: bool = False  # classified (at most once)
 
@@ -141,9 +142,12 @@ class Proxy:
         exchange: Exchange,
     ) -> None:
         watcher = _DisconnectWatcher(receive)
+        exchange.sent = Sent()
         try:
             try:
-                response = await self.upstream.send(scope["method"], _target(scope), headers, body)
+                response = await self.upstream.send(
+                    scope["method"], _target(scope), headers, body, sent=exchange.sent
+                )
             except UpstreamError as exc:
                 await self._upstream_failed(send, exchange, exc)
                 return
@@ -155,9 +159,7 @@ class Proxy:
                 raise
             self._uncancel()
             if not exchange.decided:
-                # Once D sent 200 it has the request; before that D may have admitted it.
-                gone = Event(status=200, stream=True) if exchange.responded else _GONE_AFTER_FORWARD
-                self._decide(exchange, gone)
+                self._decide(exchange, _client_gone(exchange))
                 self._count(exchange.route, -1)
         finally:
             watcher.stop()
@@ -271,7 +273,13 @@ class Proxy:
             task.uncancel()
 
 
-_GONE_AFTER_FORWARD = Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD)
+def _client_gone(exchange: Exchange) -> Event:
+    """The client left before the exchange was classified."""
+    if exchange.responded:  # D answered 200 and streams: it has the request
+        return Event(status=200, stream=True)
+    if exchange.sent is not None and exchange.sent.headers_sent:  # D may have admitted it
+        return Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD)
+    return Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD)
 
 
 class _StreamJudge:

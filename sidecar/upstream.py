@@ -18,13 +18,33 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
 
 import aiohttp
 
 from sidecar.classify import Failure
 
 Headers = list[tuple[bytes, bytes]]
+
+
+class Sent:
+    """Set by the client library once the request headers are on the wire.
+
+    Before that D cannot have seen the request (waiting for a pooled
+    connection, connecting): a failure or a cancellation then is a definite
+    "not forwarded".
+    """
+
+    __slots__ = ("headers_sent",)
+
+    def __init__(self) -> None:
+        self.headers_sent = False
+
+
+async def _on_headers_sent(session: object, context: SimpleNamespace, params: object) -> None:
+    marker = context.trace_request_ctx
+    if isinstance(marker, Sent):
+        marker.headers_sent = True
 
 
 class UpstreamError(Exception):
@@ -113,8 +133,11 @@ class Upstream:
         connector = aiohttp.TCPConnector(
             limit=self._pool_size, limit_per_host=self._pool_size, ttl_dns_cache=30, keepalive_timeout=30
         )
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_on_headers_sent)
         self._session = aiohttp.ClientSession(
             connector=connector,
+            trace_configs=[trace],
             timeout=self._timeout,
             auto_decompress=False,
             trust_env=False,  # never route to D through an environment proxy
@@ -134,8 +157,12 @@ class Upstream:
         headers: list[tuple[str, str]],
         body: bytes | AsyncIterator[bytes] | None,
         header_timeout: float | None = None,
+        sent: Sent | None = None,
     ) -> UpstreamResponse:
-        """Send one request; return once D's response headers arrived."""
+        """Send one request; return once D's response headers arrived.
+
+        ``sent`` (optional) learns whether the request reached the wire.
+        """
         assert self._session is not None, "Upstream.start() was not called"
         try:
             async with asyncio.timeout(header_timeout or self._header_timeout):
@@ -147,18 +174,21 @@ class Upstream:
                     allow_redirects=False,
                     compress=None,
                     auto_decompress=False,
+                    trace_request_ctx=sent,
                 )
         except TimeoutError as exc:
+            if sent is not None and not sent.headers_sent:
+                raise UpstreamError(Failure.POOL_TIMEOUT, "no connection to D in time") from exc
             raise UpstreamError(Failure.HEADER_TIMEOUT, "no response headers from D in time") from exc
         except BaseException as exc:
-            translated = translate(exc)
+            translated = translate(exc, sent)
             if translated is None:
                 raise
             raise translated from exc
         return UpstreamResponse(response, self._read_timeout)
 
 
-def translate(exc: BaseException) -> UpstreamError | None:
+def translate(exc: BaseException, sent: Sent | None = None) -> UpstreamError | None:
     """Map an aiohttp exception raised before headers to a ``Failure``."""
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
         return UpstreamError(Failure.DNS, f"cannot resolve D: {exc}")
@@ -170,5 +200,9 @@ def translate(exc: BaseException) -> UpstreamError | None:
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return UpstreamError(Failure.CONNECT_TIMEOUT, f"connecting to D timed out: {exc}")
     if isinstance(exc, (aiohttp.ClientError, ConnectionError)):
+        if sent is not None and not sent.headers_sent:
+            return UpstreamError(
+                Failure.CONNECT_REFUSED, f"D closed the connection before the request: {exc!r}"
+            )
         return UpstreamError(Failure.RESET_AFTER_SEND, f"D closed the connection: {exc!r}")
     return None
