@@ -59,7 +59,10 @@ class ServerThread:
         async def main() -> None:
             await asyncio.gather(*(s.serve(sockets=[k]) for s, k in zip(self.servers, self.socks)))
 
-        self.loop.run_until_complete(main())
+        try:
+            self.loop.run_until_complete(main())
+        finally:
+            self.loop.close()
 
     def start(self, timeout: float = 15.0) -> ServerThread:
         self.thread.start()

@@ -1,0 +1,60 @@
+"""Fixtures: real uvicorn servers on ephemeral loopback ports (readiness polled)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
+from sidecar.config import Config
+from sidecar.release.dryrun import DryRunReleaser
+from tests.servers import ServerThread, serve
+
+
+class Sidecar:
+    """A running sidecar (proxy + admin on one loop) with a recording releaser."""
+
+    def __init__(self, server: ServerThread, app: ProxyApp, releaser: DryRunReleaser) -> None:
+        self.server, self.app, self.releaser = server, app, releaser
+        self.url, self.admin_url = server.urls[0], server.urls[1]
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        assert self.app.runtime is not None
+        return self.app.runtime.metrics.registry
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def released(self) -> list[str]:
+        return [job.params.remote_request_id or job.request_id for job in self.releaser.recorded]
+
+    def wait_released(self, count: int, timeout: float = 5.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while len(self.releaser.recorded) < count and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.released()
+
+    def settle(self) -> None:
+        """Wait until every submitted job finished (the queue is empty and idle)."""
+        assert self.app.runtime is not None
+        assert self.server.call(self.app.runtime.pipeline.flush(5.0))
+
+
+@contextmanager
+def run_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
+    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **settings)
+    releaser = DryRunReleaser(keep=100_000)
+    app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
+    with serve(app, create_admin_app(app), server_header=False, date_header=False) as server:
+        yield Sidecar(server, app, releaser)
+
+
+@pytest.fixture
+def sidecar_factory() -> Callable[..., Any]:
+    return run_sidecar
