@@ -1,0 +1,317 @@
+"""Each release cause gives exactly one release job; each no-release outcome gives none.
+
+Real uvicorn servers on loopback: the fake vLLM decode server (``sim-decode``)
+behind the sidecar, whose ``dry-run`` releaser records every job it gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from tests.integration.conftest import Sidecar, run_sidecar
+from tests.servers import ServerThread, free_port, serve
+
+
+def params(rid: str, **changes: Any) -> dict[str, Any]:
+    base = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "p-engine",
+        "remote_request_id": rid,
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "remote_block_ids": [[1, 2]],
+        "tp_size": 1,
+    }
+    base.update(changes)
+    return base
+
+
+def chat(text: str, rid: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "stream": stream,
+        "kv_transfer_params": params(rid),
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[ServerThread]:
+    config = DecodeSimConfig(port=0, max_model_len=50, stream_events=4)
+    with serve(create_decode_app(config)) as server:
+        yield server
+
+
+@pytest.fixture
+def sidecar(decode: ServerThread) -> Iterator[Sidecar]:
+    with run_sidecar(decode.url) as sc:
+        yield sc
+
+
+RELEASES = [
+    ("prompt too long (400)", chat("word " * 80, "r-long"), 400, "rejected_4xx"),
+    ("unknown model (404)", {**chat("hi", "r-model"), "model": "nope"}, 404, "rejected_4xx"),
+    (
+        "validation (400, before handler)",
+        {"model": "sim-model", "kv_transfer_params": params("r-val")},
+        400,
+        "rejected_4xx",
+    ),
+    ("overload (503)", chat("hi [[reject:503]]", "r-503"), 503, "rejected_5xx"),
+    ("not implemented (501)", chat("hi [[reject:501]]", "r-501"), 501, "rejected_5xx"),
+    ("stream: non-200 before SSE", chat("word " * 80, "r-long-s", stream=True), 400, "rejected_4xx"),
+    (
+        "stream admission failure",
+        chat("hi [[stream-error:400]]", "r-sse", stream=True),
+        200,
+        "stream_admission_error",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "cause"), RELEASES, ids=[r[0] for r in RELEASES])
+def test_release_causes_give_one_job(
+    sidecar: Sidecar, name: str, body: dict[str, Any], status: int, cause: str
+) -> None:
+    response = httpx.post(sidecar.url + "/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == status
+    sidecar.settle()
+    jobs = list(sidecar.releaser.recorded)
+    assert [j.params.remote_request_id for j in jobs] == [body["kv_transfer_params"]["remote_request_id"]]
+    assert jobs[0].cause == cause
+    assert sidecar.sample("kvr_rejections_total", cause=cause) == 1
+    assert sidecar.sample("kvr_releases_total", strategy="dry-run", result="dry_run") == 1
+
+
+NO_RELEASES = [
+    ("admitted", chat("hello", "n-ok"), 200),
+    ("admitted stream", chat("hello", "n-ok-s", stream=True), 200),
+    ("5xx error event in stream", chat("hi [[stream-error:500]]", "n-sse5", stream=True), 200),
+    (
+        "push mode",
+        {**chat("word " * 80, "n-push"), "kv_transfer_params": params("n-push", transfer_mode="push")},
+        400,
+    ),
+    (
+        "empty blocks",
+        {**chat("word " * 80, "n-empty"), "kv_transfer_params": params("n-empty", remote_block_ids=[[]])},
+        400,
+    ),
+    (
+        "malformed",
+        {**chat("word " * 80, "n-bad"), "kv_transfer_params": params("n-bad", remote_port="x")},
+        400,
+    ),
+    ("not P/D", {**chat("word " * 80, "n-none"), "kv_transfer_params": None}, 400),
+    (
+        "do_remote_prefill false",
+        {**chat("word " * 80, "n-f"), "kv_transfer_params": params("n-f", do_remote_prefill=False)},
+        400,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status"), NO_RELEASES, ids=[r[0] for r in NO_RELEASES])
+def test_no_release_outcomes_give_no_job(
+    sidecar: Sidecar, name: str, body: dict[str, Any], status: int
+) -> None:
+    response = httpx.post(sidecar.url + "/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == status
+    response.read()
+    sidecar.settle()
+    assert sidecar.released() == []
+
+
+def test_malformed_params_are_counted_and_still_forwarded(sidecar: Sidecar, decode: ServerThread) -> None:
+    body = {**chat("hello", "m-1"), "kv_transfer_params": params("m-1", tp_size="two")}
+    response = httpx.post(sidecar.url + "/v1/chat/completions", json=body, headers={"x-request-id": "mal-1"})
+    assert response.status_code == 200
+    assert sidecar.sample("kvr_ineligible_total", reason="malformed") == 1
+    log = httpx.get(decode.url + "/sim/log").json()
+    assert any(entry["request_id"] == "mal-1" for entry in log)
+
+
+def test_non_json_body_forwarded_and_answered_by_d(sidecar: Sidecar) -> None:
+    response = httpx.post(
+        sidecar.url + "/v1/completions", content=b"not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == 400
+    sidecar.settle()
+    assert sidecar.released() == []
+
+
+def test_d_down_answers_503_and_releases() -> None:
+    with run_sidecar(f"http://127.0.0.1:{free_port()}") as sc:
+        response = httpx.post(
+            sc.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": params("down-1")}
+        )
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == 503
+        assert sc.wait_released(1) == ["down-1"]
+        assert sc.releaser.recorded[0].cause == "unreachable"
+
+
+def test_body_over_cap_answers_413_and_releases(decode: ServerThread) -> None:
+    with run_sidecar(decode.url, max_body_bytes=2048) as sc:
+        body = {"model": "sim-model", "prompt": "x " * 4000, "kv_transfer_params": params("big-1")}
+        response = httpx.post(sc.url + "/v1/completions", json=body)
+        assert response.status_code == 413
+        assert response.json()["error"]["type"] == "RequestEntityTooLargeError"
+        assert sc.wait_released(1) == ["big-1"]
+        assert sc.releaser.recorded[0].cause == "body_too_large"
+        log = httpx.get(decode.url + "/sim/log").json()
+        assert not any((e.get("kv_transfer_params") or {}).get("remote_request_id") == "big-1" for e in log)
+
+
+def test_shutting_down_refuses_and_releases(sidecar: Sidecar) -> None:
+    assert sidecar.app.runtime is not None
+    sidecar.app.runtime.proxy.stopping = True
+    response = httpx.post(sidecar.url + "/v1/chat/completions", json=chat("hi", "stop-1"))
+    assert response.status_code == 503
+    assert sidecar.wait_released(1) == ["stop-1"]
+    assert sidecar.releaser.recorded[0].cause == "shutting_down"
+
+
+def test_header_timeout_is_504_and_ambiguous(decode: ServerThread) -> None:
+    with run_sidecar(decode.url, header_timeout=0.3) as sc:
+        response = httpx.post(sc.url + "/v1/chat/completions", json=chat("hi [[slow-headers:2]]", "slow-1"))
+        assert response.status_code == 504
+        sc.settle()
+        assert sc.released() == []
+        assert sc.sample("kvr_not_released_total", outcome="ambiguous", cause="header_timeout") == 1
+    with run_sidecar(decode.url, header_timeout=0.3, release_ambiguous=True) as sc:
+        response = httpx.post(sc.url + "/v1/chat/completions", json=chat("hi [[slow-headers:2]]", "slow-2"))
+        assert response.status_code == 504
+        assert sc.wait_released(1) == ["slow-2"]
+
+
+def test_client_disconnect_mid_stream_closes_upstream_and_releases_nothing() -> None:
+    aborted = threading.Event()
+
+    async def endless(request: Request) -> StreamingResponse:
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b'data: {"choices": [{"delta": {"content": "t"}}]}\n\n'
+                    await asyncio.sleep(0.01)
+            finally:  # cancelled when the connection to D is closed
+                aborted.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    d = Starlette(routes=[Route("/v1/chat/completions", endless, methods=["POST"])])
+    with serve(d) as slow_d, run_sidecar(slow_d.url) as sc:
+        body = chat("hello", "gone-1", stream=True)
+        with httpx.stream("POST", sc.url + "/v1/chat/completions", json=body, timeout=10) as response:
+            assert response.status_code == 200
+            next(response.iter_raw())
+        assert aborted.wait(5), "D never saw the client's abort"
+        sc.settle()
+        assert sc.released() == []
+        assert sc.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
+
+
+def test_client_gone_before_forward_releases() -> None:
+    """A request waiting for a pooled connection to D is not forwarded yet."""
+    gate = threading.Event()
+    hold = socket.socket()
+    hold.bind(("127.0.0.1", 0))
+    hold.listen(16)
+    port = hold.getsockname()[1]
+
+    def accept_and_hang() -> None:
+        conns = []
+        while not gate.is_set():
+            hold.settimeout(0.05)
+            try:
+                conns.append(hold.accept()[0])
+            except OSError:
+                continue
+        for conn in conns:
+            conn.close()
+
+    thread = threading.Thread(target=accept_and_hang, daemon=True)
+    thread.start()
+    try:
+        with run_sidecar(f"http://127.0.0.1:{port}", pool_size=1, pool_timeout=30) as sc:
+
+            async def scenario() -> None:
+                async with httpx.AsyncClient(timeout=10) as client:
+                    first = asyncio.create_task(
+                        client.post(
+                            sc.url + "/v1/completions",
+                            json={"prompt": "a", "kv_transfer_params": params("busy-1")},
+                        )
+                    )
+                    await asyncio.sleep(0.3)  # the only pooled connection is now taken by busy-1
+                    second = asyncio.create_task(
+                        client.post(
+                            sc.url + "/v1/completions",
+                            json={"prompt": "b", "kv_transfer_params": params("wait-1")},
+                        )
+                    )
+                    await asyncio.sleep(0.3)
+                    second.cancel()  # the client leaves while its request waits for a connection
+                    first.cancel()
+                    await asyncio.gather(first, second, return_exceptions=True)
+
+            asyncio.run(scenario())
+            released = sc.wait_released(1)
+            assert released == ["wait-1"]
+            assert sc.releaser.recorded[0].cause == "client_gone_before_forward"
+            assert (
+                sc.sample("kvr_not_released_total", outcome="ambiguous", cause="client_gone_after_forward")
+                == 1
+            )
+    finally:
+        gate.set()
+        thread.join(2)
+        hold.close()
+
+
+def test_thousand_concurrent_requests_release_exactly_the_rejected_once(decode: ServerThread) -> None:
+    rejected = {f"c-{i}" for i in range(0, 1000, 10)}
+
+    async def scenario() -> list[int]:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+
+            async def one(i: int) -> int:
+                rid = f"c-{i}"
+                text = "word " * 80 if rid in rejected else "hello"
+                response = await client.post(sc.url + "/v1/chat/completions", json=chat(text, rid))
+                return response.status_code
+
+            return await asyncio.gather(*(one(i) for i in range(1000)))
+
+    with run_sidecar(decode.url) as sc:
+        statuses = asyncio.run(scenario())
+        assert statuses.count(400) == 100 and statuses.count(200) == 900
+        sc.settle()
+        released = sc.released()
+        assert sorted(released) == sorted(rejected)
+        assert len(released) == len(set(released))
+        # a client retrying the same rejected requests releases nothing more
+        for rid in sorted(rejected)[:5]:
+            httpx.post(sc.url + "/v1/chat/completions", json=chat("word " * 80, rid))
+        sc.settle()
+        assert len(sc.released()) == 100
+        assert sc.sample("kvr_releases_total", strategy="dry-run", result="duplicate") == 5
