@@ -1,0 +1,116 @@
+"""The ``serve`` process: readiness, metrics, and a bounded, ordered SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from tests.servers import ServerThread, free_port, serve
+
+
+def wait_for(url: str, status: int = 200, timeout: float = 20.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    last: httpx.Response | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(url, timeout=1)
+            if last.status_code == status:
+                return last
+        except httpx.TransportError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"{url} never answered {status} (last: {last and last.status_code})")
+
+
+@contextmanager
+def sidecar_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    port, admin = free_port(), free_port()
+    env = {**os.environ, "KVR_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "serve",
+            "--decode-url",
+            decode_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--admin-host",
+            "127.0.0.1",
+            "--admin-port",
+            str(admin),
+            *flags,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(f"http://127.0.0.1:{admin}/healthz")
+        yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[ServerThread]:
+    with serve(create_decode_app(DecodeSimConfig(port=0, stream_events=20, event_delay=0.05))) as server:
+        yield server
+
+
+def test_readyz_follows_decode_health(decode: ServerThread) -> None:
+    with sidecar_process(decode.url) as (_, url, admin):
+        body = wait_for(admin + "/readyz").json()
+        assert body == {"ready": True, "checks": {"draining": False, "decode": True, "releaser": True}}
+        assert httpx.get(url + "/health").status_code == 200  # D's own health, through the proxy
+        assert "kvr_ready 1.0" in httpx.get(admin + "/metrics").text
+    with sidecar_process(f"http://127.0.0.1:{free_port()}") as (_, _url, admin):
+        response = wait_for(admin + "/readyz", status=503)
+        assert response.json()["checks"]["decode"] is False
+        assert httpx.get(admin + "/healthz").status_code == 200
+
+
+def test_sigterm_drops_readiness_drains_streams_and_exits(decode: ServerThread) -> None:
+    with sidecar_process(decode.url, "--shutdown-delay", "0.5", "--drain-timeout", "10") as (
+        proc,
+        url,
+        admin,
+    ):
+        wait_for(admin + "/readyz")
+        chunks: list[bytes] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "sim-model", "prompt": "hello", "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=20) as response:
+                for chunk in response.iter_raw():
+                    chunks.append(chunk)
+                    started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(10)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # readiness drops first, while the proxy still serves
+        assert wait_for(admin + "/readyz", status=503, timeout=5).json()["checks"]["draining"] is True
+        reader.join(20)
+        assert b"".join(chunks).rstrip().endswith(b"data: [DONE]")  # the in-flight stream completed
+        assert proc.wait(20) == 0
+        assert time.monotonic() - began < 15
