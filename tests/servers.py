@@ -57,7 +57,9 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
 
         async def main() -> None:
-            await asyncio.gather(*(s.serve(sockets=[k]) for s, k in zip(self.servers, self.socks)))
+            await asyncio.gather(
+                *(s.serve(sockets=[k]) for s, k in zip(self.servers, self.socks, strict=True))
+            )
 
         try:
             self.loop.run_until_complete(main())

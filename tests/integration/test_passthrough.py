@@ -42,7 +42,9 @@ def make_upstream(release_last: threading.Event, seen: list[dict[str, object]]) 
 
     async def anything(request: Request) -> Response:
         body = await request.body()
-        seen.append({"body": body, "method": request.method, "path": request.url.path, "query": request.url.query})
+        seen.append(
+            {"body": body, "method": request.method, "path": request.url.path, "query": request.url.query}
+        )
         return Response(b"echo:" + body, status_code=207, headers={"x-path": request.url.path})
 
     return Starlette(
@@ -107,7 +109,12 @@ def test_request_id_propagated_or_generated_and_hop_headers_stripped() -> None:
         response = httpx.post(
             sc.url + "/v1/completions",
             content=b"{}",
-            headers={"x-request-id": "rid-1", "connection": "keep-alive, x-hop", "x-hop": "1", "authorization": "Bearer k"},
+            headers={
+                "x-request-id": "rid-1",
+                "connection": "keep-alive, x-hop",
+                "x-hop": "1",
+                "authorization": "Bearer k",
+            },
         )
         forwarded = seen[-1]["headers"]
         assert isinstance(forwarded, dict)
