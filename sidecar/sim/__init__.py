@@ -1,0 +1,1 @@
+"""Simulators of vLLM servers for tests, the demo and the benchmark."""
