@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -348,9 +350,27 @@ def create_decode_app(config: DecodeSimConfig, hooks: DecodeHooks | None = None)
         routes=routes,
         middleware=middleware,
         exception_handlers={HTTPException: http_error},
+        lifespan=_hooks_lifespan(sim.hooks),
     )
     app.state.sim = sim
     return app
+
+
+def _hooks_lifespan(hooks: DecodeHooks) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """Start and close hooks that own resources (the "vLLM D" NIXL client)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        start, close = getattr(hooks, "start", None), getattr(hooks, "close", None)
+        if start is not None:
+            await start()
+        try:
+            yield
+        finally:
+            if close is not None:
+                await close()
+
+    return lifespan
 
 
 def run(args: argparse.Namespace) -> int:
@@ -362,8 +382,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sim-decode: {exc}", file=sys.stderr)
         return 2
+    hooks: DecodeHooks | None = None
+    if config.vllm_d:
+        from sidecar.sim.decode_nixl import VllmDHooks
+
+        hooks = VllmDHooks(config.version)
     uvicorn.run(
-        create_decode_app(config),
+        create_decode_app(config, hooks),
         host=config.host,
         port=config.port,
         loop="uvloop" if _importable("uvloop") else "asyncio",

@@ -57,6 +57,8 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     prompt_tokens_details: bool = False
     # Entries kept in the /sim/log ring.
     log_size: int = 10_000
+    # "vLLM D" mode: notify P over NIXL for admitted requests (and, 0.21.0+, handler rejections).
+    vllm_d: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -110,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report usage.prompt_tokens_details",
     )
     add("--log-size", type=int, help="entries kept in GET /sim/log (default 10000)")
+    add(
+        "--vllm-d",
+        action="store_true",
+        default=None,
+        help="free P's blocks over NIXL like vLLM's D (admitted requests; handler rejections on 0.21.0+)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeSimConfig:
