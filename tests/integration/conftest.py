@@ -48,9 +48,12 @@ class Sidecar:
 
 @contextmanager
 def run_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
-    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **settings)
+    """A sidecar in front of ``decode_url``; ``dry-run`` (recording) unless ``release`` is given."""
+    settings = {"release": "dry-run", "log_level": "warning", **settings}
+    config = Config(decode_url=decode_url, **settings)
     releaser = DryRunReleaser(keep=100_000)
-    app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
+    injected = releaser if config.release == "dry-run" else None
+    app = create_app(config, Deps(releaser=injected, registry=CollectorRegistry()))
     with serve(app, create_admin_app(app), server_header=False, date_header=False) as server:
         yield Sidecar(server, app, releaser)
 
