@@ -8,7 +8,7 @@ directions. ``Host`` is set by the client library for D. Everything else,
 
 from __future__ import annotations
 
-import uuid
+import os
 
 HOP_BY_HOP = frozenset(
     {
@@ -26,38 +26,56 @@ HOP_BY_HOP = frozenset(
 REQUEST_ID = b"x-request-id"
 
 
-def _named_in_connection(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            named.update(token.strip().lower() for token in value.split(b","))
-    return named
+_REQUEST_DROP = HOP_BY_HOP | {b"host"}
+
+
+def _named_in_connection(value: bytes) -> set[bytes]:
+    return {token.strip().lower() for token in value.split(b",")}
+
+
+def new_request_id() -> str:
+    return os.urandom(16).hex()
 
 
 def request_headers(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], str]:
     """Headers to send to D, and the request id (propagated, or generated and added).
 
-    Names arrive lower-cased from the ASGI server.
+    Names arrive lower-cased from the ASGI server (the ASGI spec requires it).
     """
-    drop = HOP_BY_HOP | _named_in_connection(raw) | {b"host"}
+    drop = _REQUEST_DROP
     out: list[tuple[str, str]] = []
     request_id = ""
     for name, value in raw:
         if name in drop:
+            if name == b"connection":
+                drop = drop | _named_in_connection(value)
             continue
         if name == REQUEST_ID and not request_id:
             request_id = value.decode("latin-1")
         out.append((name.decode("latin-1"), value.decode("latin-1")))
+    if drop is not _REQUEST_DROP:  # a Connection header named more hop-by-hop headers
+        out = [(n, v) for n, v in out if n.encode("latin-1") not in drop]
     if not request_id:
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         out.append(("x-request-id", request_id))
     return out, request_id
 
 
 def response_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
     """D's response headers for the client, with ``x-request-id`` always present."""
-    drop = HOP_BY_HOP | _named_in_connection(raw)
-    out = [(name.lower(), value) for name, value in raw if name.lower() not in drop]
-    if not any(name == REQUEST_ID for name, _ in out):
+    drop = HOP_BY_HOP
+    out: list[tuple[bytes, bytes]] = []
+    has_id = False
+    for name, value in raw:
+        lower = name.lower()
+        if lower in drop:
+            if lower == b"connection":
+                drop = drop | _named_in_connection(value)
+            continue
+        has_id = has_id or lower == REQUEST_ID
+        out.append((lower, value))
+    if drop is not HOP_BY_HOP:
+        out = [(n, v) for n, v in out if n not in drop]
+    if not has_id:
         out.append((REQUEST_ID, request_id.encode("latin-1")))
     return out

@@ -277,7 +277,7 @@ def _client_gone(exchange: Exchange) -> Event:
     """The client left before the exchange was classified."""
     if exchange.responded:  # D answered 200 and streams: it has the request
         return Event(status=200, stream=True)
-    if exchange.sent is not None and exchange.sent.headers_sent:  # D may have admitted it
+    if exchange.sent is not None and exchange.sent.may_have_reached_d:  # D may have admitted it
         return Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD)
     return Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD)
 
@@ -323,9 +323,8 @@ class _DisconnectWatcher:
         self._receive = receive
         self._owner = asyncio.current_task()
         self.body_pending = body_pending
-        self._body_done = asyncio.Event()
-        if not body_pending:
-            self._body_done.set()
+        # Only a passthrough body still being streamed to D needs the watcher to wait.
+        self._body_done = asyncio.Event() if body_pending else None
         self.fired = False
         self._task = asyncio.create_task(self._watch())
 
@@ -342,12 +341,14 @@ class _DisconnectWatcher:
                 if not message.get("more_body", False):
                     return
         finally:
-            self._body_done.set()
+            if self._body_done is not None:
+                self._body_done.set()
 
     async def _watch(self) -> None:
-        await self._body_done.wait()
-        if self.fired:
-            return
+        if self._body_done is not None:
+            await self._body_done.wait()
+            if self.fired:
+                return
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":

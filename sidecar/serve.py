@@ -87,6 +87,7 @@ def uvicorn_config(app: object, host: str, port: int, **extra: object) -> uvicor
         access_log=False,
         server_header=False,  # D's own Server/Date headers pass through
         date_header=False,
+        proxy_headers=False,  # the sidecar never reads the client address
         **extra,  # type: ignore[arg-type]
     )
 
