@@ -1,0 +1,167 @@
+"""The load generator: a fixed number of aiohttp connections, each a closed loop.
+
+``LoadClient`` holds one session whose pool is exactly ``concurrency``
+connections; ``run`` starts that many workers, each sending its next request
+as soon as the previous answer is fully read, until the shared count is
+spent or the phase's time bound passes (so every phase stops by itself).
+Latency is measured around the whole exchange; for SSE streams the time to
+the first body bytes (TTFB) and to the end of the stream are both kept.
+Every answer is checked (status 200, a stream ending with ``[DONE]``):
+wrong answers are errors, and figures over errors mean nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal
+
+import aiohttp
+import msgspec
+from yarl import URL
+
+Kind = Literal["json", "sse"]
+
+ROUTE = "/v1/chat/completions"
+MODEL = "sim-model"  # sim-decode's default served model
+DONE = b"data: [DONE]\n\n"
+_HEADERS = {"content-type": "application/json"}
+_MAX_ERRORS_KEPT = 5
+
+# Eligible pull-mode parameters, so the sidecar takes its inspected path (decode the view,
+# check the parameters, classify D's 200) on every request.
+KV_TRANSFER_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "bench-prefill-0",
+    "remote_request_id": "bench-request",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "remote_block_ids": [[1, 2, 3, 4]],
+    "tp_size": 1,
+}
+
+
+def request_body(stream: bool) -> bytes:
+    """A small chat completion request carrying ``kv_transfer_params``."""
+    return msgspec.json.encode(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
+            "max_tokens": 64,
+            "stream": stream,
+            "kv_transfer_params": KV_TRANSFER_PARAMS,
+        }
+    )
+
+
+@dataclass(slots=True)
+class Sample:
+    """What one phase measured: per-request seconds and the phase's wall time."""
+
+    latencies: list[float] = field(default_factory=list)
+    ttfbs: list[float] = field(default_factory=list)  # SSE only
+    wall: float = 0.0
+    errors: int = 0
+    first_errors: list[str] = field(default_factory=list)
+    bounded: bool = False  # the phase hit its time bound before its count was done
+
+    def fail(self, detail: str) -> None:
+        self.errors += 1
+        if len(self.first_errors) < _MAX_ERRORS_KEPT:
+            self.first_errors.append(detail)
+
+
+class _Budget:
+    """The shared request count of one phase, and its deadline."""
+
+    def __init__(self, count: int, bound: float) -> None:
+        self.remaining = count
+        self.deadline = time.monotonic() + bound
+        self.expired = False
+
+    def take(self) -> bool:
+        if self.remaining <= 0:
+            return False
+        if time.monotonic() > self.deadline:
+            self.expired = True
+            return False
+        self.remaining -= 1
+        return True
+
+
+class LoadClient:
+    """``concurrency`` keep-alive connections to one base URL (direct D or the sidecar)."""
+
+    def __init__(self, base_url: str, concurrency: int, request_timeout: float) -> None:
+        self._url = URL(base_url + ROUTE)
+        self._concurrency = concurrency
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+        self._bodies = {"json": request_body(False), "sse": request_body(True)}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> LoadClient:
+        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=self._concurrency)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            auto_decompress=False,
+            trust_env=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        return self
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def run(self, kind: Kind, count: int, bound: float) -> Sample:
+        """Send ``count`` requests of ``kind`` over every connection at once."""
+        sample = Sample()
+        budget = _Budget(count, bound)
+        started = time.perf_counter()
+        await asyncio.gather(*(self._worker(kind, budget, sample) for _ in range(self._concurrency)))
+        sample.wall = time.perf_counter() - started
+        sample.bounded = budget.expired
+        return sample
+
+    async def _worker(self, kind: Kind, budget: _Budget, sample: Sample) -> None:
+        once = self._json_once if kind == "json" else self._sse_once
+        while budget.take():
+            try:
+                await once(sample)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                sample.fail(repr(exc))
+
+    async def _json_once(self, sample: Sample) -> None:
+        assert self._session is not None
+        started = time.perf_counter()
+        async with self._session.post(self._url, data=self._bodies["json"], headers=_HEADERS) as response:
+            body = await response.read()
+        elapsed = time.perf_counter() - started
+        if response.status != 200:
+            sample.fail(f"JSON answered {response.status}: {body[:200]!r}")
+            return
+        sample.latencies.append(elapsed)
+
+    async def _sse_once(self, sample: Sample) -> None:
+        assert self._session is not None
+        started = time.perf_counter()
+        async with self._session.post(self._url, data=self._bodies["sse"], headers=_HEADERS) as response:
+            content = response.content
+            chunk = await content.readany()
+            first = time.perf_counter() - started
+            tail = chunk
+            while chunk:
+                chunk = await content.readany()
+                tail = (tail + chunk)[-len(DONE) :]
+        elapsed = time.perf_counter() - started
+        if response.status != 200 or not tail.endswith(DONE):
+            sample.fail(f"stream answered {response.status}, ending {tail!r}")
+            return
+        sample.ttfbs.append(first)
+        sample.latencies.append(elapsed)
