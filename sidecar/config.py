@@ -13,7 +13,7 @@ import argparse
 import ipaddress
 import tomllib
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 import msgspec
@@ -23,6 +23,7 @@ LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 ENV_PREFIX = "KVR_"
+INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +65,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     allow_unsafe_vllm: bool = False
     log_level: LogLevel = "info"
     log_format: LogFormat = "json"
+    # Rejection injection for load tests (off by default): the sidecar answers an error itself,
+    # never forwards the request, and releases P's blocks as for a real rejection.
+    inject_rate: float = 0.0  # share of releasable do_remote_prefill requests, 0..1
+    inject_seed: int | None = None  # reproducible injection
+    inject_statuses: tuple[int, ...] = (503,)
+    inject_routes: tuple[str, ...] = ()  # empty: all three completion routes
+    inject_header: bool = False  # honour x-kvr-inject-reject: <status>
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -88,6 +96,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             )
         if self.vllm_version and not _is_version(self.vllm_version):
             raise ConfigError("vllm_version", self.vllm_version, "must look like 0.21.0")
+        if not 0.0 <= self.inject_rate <= 1.0:
+            raise ConfigError("inject_rate", self.inject_rate, "must be between 0 and 1")
+        for status in self.inject_statuses:
+            if not 400 <= status <= 599:
+                raise ConfigError("inject_statuses", status, "must be a 4xx or 5xx status")
+        if self.inject_rate and not self.inject_statuses:
+            raise ConfigError("inject_statuses", self.inject_statuses, "must name a status to inject")
+        for route in self.inject_routes:
+            if route not in INSPECTED_ROUTES:
+                raise ConfigError("inject_routes", route, f"must be one of {', '.join(INSPECTED_ROUTES)}")
         for pattern in self.prefill_allow:
             reason = allow_pattern_error(pattern)
             if reason:
@@ -161,7 +179,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_args(type_) and isinstance(get_args(type_)[0], str) and type_ is not str:
             kwargs["choices"] = list(get_args(type_))
-        shown = ",".join(default) if isinstance(default, tuple) else default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         kwargs["help"] = f"(env {ENV_PREFIX}{name.upper()}; default {shown!r})"
         parser.add_argument(_flag(name), **kwargs)
     return parser
@@ -191,7 +209,7 @@ def load(
         if key not in names:
             raise ConfigError(key, merged[key], "unknown setting")
     for name, value in list(merged.items()):
-        if isinstance(value, str) and names[name] == tuple[str, ...]:
+        if isinstance(value, str) and get_origin(names[name]) is tuple:
             merged[name] = [part.strip() for part in value.split(",") if part.strip()]
     return _convert(merged)
 

@@ -46,19 +46,17 @@ FAILURE_STATUS = {
 
 
 async def send_error(
-    send: Send, status: int, message: str, request_id: str, param: str | None = None
+    send: Send, status: int, message: str, request_id: str, param: str | None = None, injected: bool = False
 ) -> None:
-    """Send a complete vLLM-shaped JSON error response."""
-    body = error_body(message, status, ERROR_TYPES.get(status, "InternalServerError"), param)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", request_id.encode("latin-1")),
-            ],
-        }
-    )
+    """Send a complete vLLM-shaped JSON error response (``x-kvr-injected`` when injected)."""
+    fallback = "BadRequestError" if status < 500 else "InternalServerError"
+    body = error_body(message, status, ERROR_TYPES.get(status, fallback), param)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode("latin-1")),
+    ]
+    if injected:
+        headers.append((b"x-kvr-injected", b"true"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -69,6 +69,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.injected = Counter(
+            "kvr_injected",
+            "Rejections injected by the sidecar (load tests); never forwarded to D.",
+            ["status_class"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kvr_release_queue_depth", "Release jobs waiting.", registry=r)
         self.ledger_size = Gauge(
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r

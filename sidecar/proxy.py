@@ -32,6 +32,7 @@ from sidecar.body import ClientGone, Oversized, read_body, tail_params
 from sidecar.classify import Decision, Event, Failure, classify
 from sidecar.config import Config
 from sidecar.errors import FAILURE_STATUS, send_error
+from sidecar.faults import Injector
 from sidecar.headers import request_headers, response_headers
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
@@ -64,6 +65,7 @@ class Proxy:
 
     def __init__(self, config: Config, upstream: Upstream, pipeline: Pipeline, metrics: Metrics) -> None:
         self.config = config
+        self.injector = Injector(config)
         self.upstream = upstream
         self.pipeline = pipeline
         self.metrics = metrics
@@ -97,7 +99,25 @@ class Proxy:
         if self.stopping:
             await self._refuse(send, exchange, Failure.SHUTTING_DOWN, "the sidecar is shutting down")
             return
+        if self.injector.enabled:
+            status = self.injector.status_for(route, scope["headers"], exchange.params is not None)
+            if status is not None:
+                await self._inject(send, exchange, status)
+                return
         await self._forward(scope, receive, send, headers, body, exchange)
+
+    async def _inject(self, send: Send, exchange: Exchange, status: int) -> None:
+        """Answer an injected rejection; D never sees the request (``sidecar.faults``)."""
+        self._decide(exchange, Event(failure=Failure.INJECTED), status=status)
+        self.metrics.injected.labels(status_class(status)).inc()
+        self._count(exchange.route, status)
+        await send_error(
+            send,
+            status,
+            "rejection injected by kv-release-sidecar (load test)",
+            exchange.request_id,
+            injected=True,
+        )
 
     def _exchange(self, body: bytes, route: str, request_id: str) -> Exchange:
         started = time.monotonic()
@@ -236,7 +256,9 @@ class Proxy:
         finally:
             watcher.stop()
 
-    def _decide(self, exchange: Exchange, event: Event, error_type: str | None = None) -> Decision:
+    def _decide(
+        self, exchange: Exchange, event: Event, error_type: str | None = None, status: int | None = None
+    ) -> Decision:
         decision = classify(event)
         exchange.decided = True
         params = exchange.params
@@ -253,7 +275,7 @@ class Proxy:
                 route=exchange.route,
                 params=params,
                 cause=decision.cause.value,
-                status=event.status,
+                status=event.status if status is None else status,
                 error_type=error_type,
                 injected=event.failure is Failure.INJECTED,
                 detected_at=now,
