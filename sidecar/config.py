@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-ReleaseStrategy = Literal["off", "dry-run", "nixl"]
+ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
+PrefillPolicy = Literal["least-outstanding", "round-robin"]
 LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -65,6 +66,18 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     allow_unsafe_vllm: bool = False
     log_level: LogLevel = "info"
     log_format: LogFormat = "json"
+    # The control endpoint a vLLM plugin adds to D (strategies http and auto).
+    control_url: str = ""  # default: decode_url + /kv_release/v1/release
+    control_token: str = ""  # prefer KVR_CONTROL_TOKEN or control_token_file: flags show in ps
+    control_token_file: str = ""
+    control_timeout: float = 1.0
+    auto_probe_interval: float = 30.0
+    # Router mode: the sidecar runs the prefill leg on one of these P servers.
+    prefill: tuple[str, ...] = ()
+    prefill_policy: PrefillPolicy = "least-outstanding"
+    prefill_timeout: float = 300.0
+    prefill_backoff: float = 5.0  # a failing P is skipped this long
+    decode_only_fallback: bool = False  # no P left (or n > 1): D prefills itself
     # Rejection injection for load tests (off by default): the sidecar answers an error itself,
     # never forwards the request, and releases P's blocks as for a real rejection.
     inject_rate: float = 0.0  # share of releasable do_remote_prefill requests, 0..1
@@ -94,6 +107,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             raise ConfigError(
                 "release_retry_initial", self.release_retry_initial, "must not exceed release_retry_max"
             )
+        for url in (self.control_url, *self.prefill):
+            parts = urlsplit(url)
+            if url and (parts.scheme not in ("http", "https") or not parts.hostname):
+                raise ConfigError(
+                    "control_url" if url == self.control_url else "prefill",
+                    url,
+                    "must be an http(s) URL with a host",
+                )
         if self.vllm_version and not _is_version(self.vllm_version):
             raise ConfigError("vllm_version", self.vllm_version, "must look like 0.21.0")
         if not 0.0 <= self.inject_rate <= 1.0:
@@ -130,6 +151,10 @@ _POSITIVE = (
     "handshake_timeout",
     "handshake_cache_size",
     "handshake_cache_ttl",
+    "control_timeout",
+    "auto_probe_interval",
+    "prefill_timeout",
+    "prefill_backoff",
 )
 
 
