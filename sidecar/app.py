@@ -187,6 +187,8 @@ class ProxyApp:
         flushed = await runtime.pipeline.flush(self.config.flush_timeout)
         await runtime.pipeline.stop()
         await runtime.releaser.close()
+        if runtime.proxy.router is not None:
+            await runtime.proxy.router.close()
         await runtime.upstream.close()
         log.info("sidecar stopped", extra={"releases_flushed": flushed})
 

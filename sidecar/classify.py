@@ -97,6 +97,10 @@ _FAILURES: dict[Failure, Decision] = {
 
 _GATEWAY = frozenset({502, 504})
 
+# Router mode holds P's parameters and closes its connection to D in these cases,
+# which aborts D's request: no live request reads the blocks any more.
+ROUTER_RELEASES = frozenset({Cause.HEADER_TIMEOUT, Cause.CLIENT_GONE_AFTER_FORWARD})
+
 
 def classify(event: Event) -> Decision:
     """The outcome of one inspected request (see the module docstring)."""

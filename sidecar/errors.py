@@ -60,3 +60,14 @@ async def send_error(
         headers.append((b"x-kvr-injected", b"true"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_raw(send: Send, status: int, body: bytes, request_id: str) -> None:
+    """Relay another server's complete JSON answer (P's error in router mode)."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode("latin-1")),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

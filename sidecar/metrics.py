@@ -75,6 +75,16 @@ class Metrics:
             ["status_class"],
             registry=r,
         )
+        self.leg_latency = Histogram(
+            "kvr_leg_latency_seconds",
+            "Router mode: latency of each leg to its response headers.",
+            ["leg"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.leg_failures = Counter(
+            "kvr_leg_failures", "Router mode: failed legs, by leg and cause.", ["leg", "cause"], registry=r
+        )
         self.queue_depth = Gauge("kvr_release_queue_depth", "Release jobs waiting.", registry=r)
         self.ledger_size = Gauge(
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r

@@ -29,14 +29,26 @@ import msgspec
 from sidecar import params as params_mod
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.body import ClientGone, Oversized, read_body, tail_params
-from sidecar.classify import Decision, Event, Failure, classify
+from sidecar.classify import ROUTER_RELEASES, Decision, Event, Failure, Outcome, classify
 from sidecar.config import Config
-from sidecar.errors import FAILURE_STATUS, send_error
+from sidecar.errors import FAILURE_STATUS, send_error, send_raw
 from sidecar.faults import Injector
 from sidecar.headers import request_headers, response_headers
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
 from sidecar.release.pipeline import Pipeline
+from sidecar.router import (
+    HEADER as ROUTER_HEADER,
+)
+from sidecar.router import (
+    PrefillPool,
+    PrefillResult,
+    RouterError,
+    UsageRewriter,
+    decode_body,
+    prefill_body,
+    prefill_headers,
+)
 from sidecar.sse import FirstEventScanner
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
@@ -44,6 +56,7 @@ from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
 log = logging.getLogger("sidecar.proxy")
 
 ERROR_BODY_LIMIT = 64 * 1024
+REWRITE_LIMIT = 16 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -58,6 +71,8 @@ class Exchange:
     sent: Sent | None = None  # learns whether the request reached D's socket
     responded: bool = False  # http.response.start was sent
     decided: bool = False  # classified (at most once)
+    router: bool = False  # router mode: the sidecar ran the prefill leg itself
+    rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
 
 
 class Proxy:
@@ -66,6 +81,7 @@ class Proxy:
     def __init__(self, config: Config, upstream: Upstream, pipeline: Pipeline, metrics: Metrics) -> None:
         self.config = config
         self.injector = Injector(config)
+        self.router = PrefillPool(config) if config.prefill or config.prefill_allow else None
         self.upstream = upstream
         self.pipeline = pipeline
         self.metrics = metrics
@@ -95,6 +111,11 @@ class Proxy:
         if isinstance(body, Oversized):
             await self._too_large(send, body, route, request_id)
             return
+        if self.router is not None:
+            routed = _header(scope, ROUTER_HEADER)
+            if routed is not None or self.router.static:
+                await self._route(scope, receive, send, headers, body, route, request_id, routed)
+                return
         exchange = self._exchange(body, route, request_id)
         if self.stopping:
             await self._refuse(send, exchange, Failure.SHUTTING_DOWN, "the sidecar is shutting down")
@@ -105,6 +126,194 @@ class Proxy:
                 await self._inject(send, exchange, status)
                 return
         await self._forward(scope, receive, send, headers, body, exchange)
+
+    async def _route(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        route: str,
+        request_id: str,
+        routed: bytes | None,
+    ) -> None:
+        """Router mode: prefill on P, then decode on D with P's parameters."""
+        assert self.router is not None
+        started = time.monotonic()
+        try:
+            request = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            request = None
+        if not isinstance(request, dict):  # D answers a body that is not a JSON object
+            await self._forward(
+                scope, receive, send, headers, body, Exchange(request_id, route, None, False, started)
+            )
+            return
+        if request.pop("kv_transfer_params", None) is not None:
+            self.metrics.ineligible.labels("client_params_dropped").inc()
+        stream = request.get("stream") is True
+        n = request.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            await self._multi_choice(scope, receive, send, headers, request, route, request_id, started)
+            return
+        try:
+            candidates = self.router.candidates(routed)
+        except RouterError as exc:
+            self._count(route, exc.status)
+            await send_error(send, exc.status, str(exc), request_id, exc.param)
+            return
+        watcher = _DisconnectWatcher(receive)
+        try:
+            prefilled = await self._prefill_leg(candidates, route, request, headers, request_id, watcher)
+        except RouterError as exc:
+            watcher.stop()
+            await self._prefill_failed(
+                scope, receive, send, headers, request, route, request_id, started, exc
+            )
+            return
+        if prefilled is None:  # the client left during the prefill leg (released there)
+            watcher.stop()
+            return
+        eligibility = params_mod.check(msgspec.json.encode(prefilled.params)) if prefilled.params else None
+        exchange = Exchange(
+            request_id,
+            route,
+            eligibility.params if eligibility else None,
+            stream,
+            started,
+            router=True,
+            rewriter=UsageRewriter(prefilled.cached_tokens, stream),
+        )
+        if self.stopping:
+            watcher.stop()
+            await self._refuse(send, exchange, Failure.SHUTTING_DOWN, "the sidecar is shutting down")
+            return
+        if self.injector.enabled:
+            status = self.injector.status_for(route, scope["headers"], exchange.params is not None)
+            if status is not None:
+                watcher.stop()
+                await self._inject(send, exchange, status)
+                return
+        decode = decode_body(request, prefilled.params)
+        await self._forward(scope, receive, send, _sized(headers, decode), decode, exchange, watcher)
+
+    async def _prefill_leg(
+        self,
+        candidates: list[str],
+        route: str,
+        request: dict[str, object],
+        headers: list[tuple[str, str]],
+        request_id: str,
+        watcher: _DisconnectWatcher,
+    ) -> PrefillResult | None:
+        """Try one P, then one other; None when the client left (P's blocks are released)."""
+        assert self.router is not None
+        task = asyncio.ensure_future(self._try_prefill(candidates, route, request, headers))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                task.cancel()
+                raise
+            self._uncancel()
+        # The client went away: P still answers (bounded by prefill_timeout); release what it kept.
+        await asyncio.wait({task})
+        if task.cancelled() or task.exception() is not None:
+            return None
+        result = task.result()
+        eligibility = params_mod.check(msgspec.json.encode(result.params)) if result.params else None
+        exchange = Exchange(
+            request_id, route, eligibility.params if eligibility else None, False, time.monotonic()
+        )
+        exchange.router = True
+        self._decide(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
+        self._count(route, -1)
+        return None
+
+    async def _try_prefill(
+        self, candidates: list[str], route: str, request: dict[str, object], headers: list[tuple[str, str]]
+    ) -> PrefillResult:
+        assert self.router is not None
+        body = prefill_body(request, route)
+        p_headers = _sized(prefill_headers(headers), body)
+        last: Exception | None = None
+        for url in candidates[:2]:  # a failing P leg is tried once on another P
+            started = time.monotonic()
+            try:
+                result = await self.router.prefill(url, route, body, p_headers)
+            except RouterError as exc:
+                if exc.status < 500:
+                    raise  # P refused the request itself: the client sees P's answer
+                last = exc
+                self.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
+            except UpstreamError as exc:
+                last = exc
+                self.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
+            else:
+                self.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
+                return result
+            self.router.mark_failed(url)
+            log.warning("prefill leg failed", extra={"prefill": url, "detail": str(last)})
+        raise RouterError(503, f"no prefill server available ({last or 'none configured'})")
+
+    async def _prefill_failed(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: list[tuple[str, str]],
+        request: dict[str, object],
+        route: str,
+        request_id: str,
+        started: float,
+        exc: RouterError,
+    ) -> None:
+        if exc.body is not None:  # P's own answer to a bad request
+            self._count(route, exc.status)
+            await send_raw(send, exc.status, exc.body, request_id)
+            return
+        if self.config.decode_only_fallback:
+            self.metrics.leg_failures.labels("prefill", "decode_only_fallback").inc()
+            await self._decode_only(scope, receive, send, headers, request, route, request_id, started)
+            return
+        self._count(route, exc.status)
+        await send_error(send, exc.status, str(exc), request_id)
+
+    async def _multi_choice(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: list[tuple[str, str]],
+        request: dict[str, object],
+        route: str,
+        request_id: str,
+        started: float,
+    ) -> None:
+        """``n > 1``: P would strand the sibling choices' blocks, so never on the P/D path."""
+        if self.config.decode_only_fallback:
+            await self._decode_only(scope, receive, send, headers, request, route, request_id, started)
+            return
+        self._count(route, 400)
+        message = "n > 1 is not supported on the prefill/decode path (set decode_only_fallback to allow it)"
+        await send_error(send, 400, message, request_id, "n")
+
+    async def _decode_only(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: list[tuple[str, str]],
+        request: dict[str, object],
+        route: str,
+        request_id: str,
+        started: float,
+    ) -> None:
+        """D prefills itself: the request goes to D without kv_transfer_params."""
+        body = decode_body(request, None)
+        exchange = Exchange(request_id, route, None, request.get("stream") is True, started)
+        await self._forward(scope, receive, send, _sized(headers, body), body, exchange)
 
     async def _inject(self, send: Send, exchange: Exchange, status: int) -> None:
         """Answer an injected rejection; D never sees the request (``sidecar.faults``)."""
@@ -160,8 +369,9 @@ class Proxy:
         headers: list[tuple[str, str]],
         body: bytes,
         exchange: Exchange,
+        watcher: _DisconnectWatcher | None = None,
     ) -> None:
-        watcher = _DisconnectWatcher(receive)
+        watcher = watcher or _DisconnectWatcher(receive)
         exchange.sent = Sent()
         try:
             try:
@@ -206,19 +416,48 @@ class Proxy:
             await send({"type": "http.response.body", "body": body, "more_body": True})
             await self._pump(send, response.chunks(), None)
             return
+        rewriter = exchange.rewriter
+        if rewriter is not None and not rewriter.stream and not _encoded(head):
+            await self._respond_rewritten(send, response, exchange, head, rewriter)
+            return
         exchange.responded = True
         await send({"type": "http.response.start", "status": status, "headers": head})
         if exchange.stream and exchange.params is not None:
-            await self._pump(send, response.chunks(), _StreamJudge(self, exchange))
+            await self._pump(send, response.chunks(), _StreamJudge(self, exchange), rewriter)
         else:
             self._decide(exchange, Event(status=status, stream=exchange.stream))
-            await self._pump(send, response.chunks(), None)
+            await self._pump(send, response.chunks(), None, rewriter)
 
-    async def _pump(self, send: Send, chunks: AsyncIterator[bytes], judge: _StreamJudge | None) -> None:
+    async def _respond_rewritten(
+        self,
+        send: Send,
+        response: UpstreamResponse,
+        exchange: Exchange,
+        head: list[tuple[bytes, bytes]],
+        rewriter: UsageRewriter,
+    ) -> None:
+        """Router mode, a JSON answer: correct ``cached_tokens`` before it leaves."""
+        self._decide(exchange, Event(status=response.status, stream=False))
+        body = rewriter.json(await response.read(REWRITE_LIMIT))
+        head = [(n, v) for n, v in head if n != b"content-length"]
+        head.append((b"content-length", str(len(body)).encode()))
+        exchange.responded = True
+        await send({"type": "http.response.start", "status": response.status, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _pump(
+        self,
+        send: Send,
+        chunks: AsyncIterator[bytes],
+        judge: _StreamJudge | None,
+        rewriter: UsageRewriter | None = None,
+    ) -> None:
         try:
             async for chunk in chunks:
                 if judge is not None:
                     judge.feed(chunk)
+                if rewriter is not None:
+                    chunk = rewriter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             if judge is not None:
@@ -227,7 +466,8 @@ class Proxy:
             raise
         if judge is not None:
             judge.finish()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        tail = rewriter.flush() if rewriter is not None else b""
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _passthrough(
         self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[str, str]], request_id: str
@@ -260,6 +500,8 @@ class Proxy:
         self, exchange: Exchange, event: Event, error_type: str | None = None, status: int | None = None
     ) -> Decision:
         decision = classify(event)
+        if exchange.router and decision.cause in ROUTER_RELEASES:
+            decision = Decision(Outcome.RELEASE, decision.cause)
         exchange.decided = True
         params = exchange.params
         if params is None:
@@ -400,6 +642,24 @@ def _has_body(scope: Scope) -> bool:
         if name == b"transfer-encoding":
             return True
     return False
+
+
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == wanted:
+            return bytes(value)
+    return None
+
+
+def _sized(headers: list[tuple[str, str]], body: bytes) -> list[tuple[str, str]]:
+    """Headers for a rewritten body: the client's length no longer applies."""
+    out = [(n, v) for n, v in headers if n not in ("content-length", "x-prefiller-host-port")]
+    out.append(("content-length", str(len(body))))
+    return out
+
+
+def _encoded(head: list[tuple[bytes, bytes]]) -> bool:
+    return any(name == b"content-encoding" and value not in (b"identity", b"") for name, value in head)
 
 
 def _error_type(body: bytes) -> str | None:

@@ -275,11 +275,12 @@ class DecodeSim:
     def _answer(self, entry: LogEntry, request: ParsedRequest, drop: bool) -> Response:
         route, request_id, created = entry.route, entry.request_id, int(time.time())
         tokens = request.prompt_tokens
+        cached = tokens if do_remote_prefill(entry.kv_transfer_params) else 0
         if request.stream:
-            events = self.answers.stream(route, request_id, created, tokens, request.include_usage)
+            events = self.answers.stream(route, request_id, created, tokens, request.include_usage, cached)
             drop_at = min(self.config.drop_after, len(events) - 1) if drop else None
             return _sse(self._events(events, drop_at))
-        body = self.answers.full(route, request_id, created, tokens)
+        body = self.answers.full(route, request_id, created, tokens, cached)
         if drop:
             half = self._events([body[: len(body) // 2]], drop_at=1)
             return StreamingResponse(half, media_type="application/json")

@@ -48,9 +48,12 @@ class Answers:
         self._chat_tails = [_chat_tail(i, token, count) for i, token in enumerate(tokens)]
         self._text_tails = [_text_tail(token, i == count - 1) for i, token in enumerate(tokens)]
 
-    def usage(self, prompt_tokens: int) -> dict[str, Any]:
-        """vLLM's ``UsageInfo`` for an answer to a prompt of this length."""
-        details = {"cached_tokens": 0} if self.details else None
+    def usage(self, prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """vLLM's ``UsageInfo`` for an answer to a prompt of this length.
+
+        ``cached_tokens``: a vLLM D counts the tokens it received from P as cached.
+        """
+        details = {"cached_tokens": cached_tokens} if self.details else None
         return {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + self.completion_tokens,
@@ -58,7 +61,9 @@ class Answers:
             "prompt_tokens_details": details,
         }
 
-    def full(self, route: str, request_id: str, created: int, prompt_tokens: int) -> bytes:
+    def full(
+        self, route: str, request_id: str, created: int, prompt_tokens: int, cached_tokens: int = 0
+    ) -> bytes:
         """The non-streaming JSON answer of ``route``."""
         answer_id = ID_PREFIXES[route] + request_id
         if route == "/v1/responses":
@@ -88,13 +93,19 @@ class Answers:
                 "created": created,
                 "model": self.model,
                 "choices": [choice],
-                "usage": self.usage(prompt_tokens),
+                "usage": self.usage(prompt_tokens, cached_tokens),
                 "kv_transfer_params": None,
             }
         )
 
     def stream(
-        self, route: str, request_id: str, created: int, prompt_tokens: int, include_usage: bool
+        self,
+        route: str,
+        request_id: str,
+        created: int,
+        prompt_tokens: int,
+        include_usage: bool,
+        cached_tokens: int = 0,
     ) -> list[bytes]:
         """Every SSE event of a streamed answer, in order, ``[DONE]`` included."""
         if route == "/v1/responses":
@@ -112,7 +123,7 @@ class Answers:
         )
         events = [head + tail for tail in (self._chat_tails if chat else self._text_tails)]
         if include_usage:
-            usage = {k: v for k, v in self.usage(prompt_tokens).items() if v is not None}
+            usage = {k: v for k, v in self.usage(prompt_tokens, cached_tokens).items() if v is not None}
             events.append(head + b'"choices":[],"usage":' + _ENCODER.encode(usage) + b"}\n\n")
         events.append(DONE_EVENT)
         return events
