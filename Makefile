@@ -34,6 +34,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench
+	$(UV) run --frozen --no-sync python -m bench.bench_release
+
+# vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
+conformance: $(STAMP)
+	$(UV) run --frozen --no-sync pytest -q tests/conformance
 
 image:
 	docker build -t kv-release-sidecar:dev .

@@ -107,14 +107,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             raise ConfigError(
                 "release_retry_initial", self.release_retry_initial, "must not exceed release_retry_max"
             )
-        for url in (self.control_url, *self.prefill):
-            parts = urlsplit(url)
-            if url and (parts.scheme not in ("http", "https") or not parts.hostname):
-                raise ConfigError(
-                    "control_url" if url == self.control_url else "prefill",
-                    url,
-                    "must be an http(s) URL with a host",
-                )
+        for name, value in [("control_url", self.control_url), *(("prefill", p) for p in self.prefill)]:
+            parts = urlsplit(value)
+            if value and (parts.scheme not in ("http", "https") or not parts.hostname):
+                raise ConfigError(name, value, "must be an http(s) URL with a host")
         if self.vllm_version and not _is_version(self.vllm_version):
             raise ConfigError("vllm_version", self.vllm_version, "must look like 0.21.0")
         if not 0.0 <= self.inject_rate <= 1.0:

@@ -1,0 +1,77 @@
+"""The NIXL side of a release: P's side channel (ZMQ) and the sidecar's own NIXL agent.
+
+Modules: ``versions`` (which wire format a vLLM release speaks), ``messages``
+(every side-channel message as a msgspec Struct), ``handshake`` (the async ZMQ
+REQ client, the target check and the handshake cache), ``peer`` (the NIXL
+agent on its own thread) and ``metrics``. ``sidecar.release.nixl`` composes
+them into the ``nixl`` release strategy.
+
+Every failure is translated once, where it happens, into this tree (the
+``reason`` is the metric label)::
+
+    ReleaseError                              sidecar.release.base
+    +-- RetryableReleaseError                 the pipeline retries until the deadline
+    |   +-- PeerUnreachable    "unreachable"        connection refused or dropped, DNS failure
+    |   +-- HandshakeTimeout   "handshake_timeout"  no reply within config.handshake_timeout
+    |   +-- BadReply           "bad_reply"          wrong frame count, undecodable payload
+    |   +-- EngineMismatch     "engine_mismatch"    reply's engine_id is not remote_engine_id
+    |   +-- NixlError          "nixl_error"         add_remote_agent / send_notif failed
+    +-- PermanentReleaseError                 never retried; reasons listed in REFUSALS
+"""
+
+from __future__ import annotations
+
+from sidecar.release.base import RetryableReleaseError
+
+#: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
+REFUSALS = (
+    "unknown_version",  # no release known (no --vllm-version, D's /version unusable)
+    "inconsistent_version",  # kv_transfer_params contradict the release
+    "unsafe_version",  # 0.9.x / 0.10.0 without --allow-unsafe-vllm
+    "unsafe_retry",  # 0.9.x / 0.10.0: a send was attempted once already
+    "not_allowed",  # P's endpoint is outside --prefill-allow
+    "no_request_id",  # P's id for the request cannot be known
+    "push_mode",  # push (WRITE) mode: nothing a peer sends frees the blocks
+    "no_blocks",  # P holds no block for the request
+    "bad_params",  # kv_transfer_params lack what a release needs
+)
+
+
+class PeerUnreachable(RetryableReleaseError):
+    """P's side channel refused or dropped the connection, or its name did not resolve."""
+
+    reason = "unreachable"
+
+
+class HandshakeTimeout(RetryableReleaseError):
+    """P's side channel did not answer within the handshake timeout."""
+
+    reason = "handshake_timeout"
+
+
+class BadReply(RetryableReleaseError):
+    """P's reply had the wrong number of frames or could not be decoded."""
+
+    reason = "bad_reply"
+
+
+class EngineMismatch(RetryableReleaseError):
+    """The endpoint answered for another engine than ``remote_engine_id``."""
+
+    reason = "engine_mismatch"
+
+
+class NixlError(RetryableReleaseError):
+    """A NIXL call failed (bad metadata, remote disconnected, agent not started)."""
+
+    reason = "nixl_error"
+
+
+__all__ = [
+    "REFUSALS",
+    "BadReply",
+    "EngineMismatch",
+    "HandshakeTimeout",
+    "NixlError",
+    "PeerUnreachable",
+]

@@ -1,0 +1,251 @@
+"""Handshakes with P's side channel: the target check, the async ZMQ REQ client, the cache.
+
+``resolve_target`` checks P's endpoint against the allowlist before any
+socket exists (a host name is resolved asynchronously, every address is
+checked, and the checked address is what gets connected). ``HandshakeClient``
+asks each P worker for its metadata with a REQ socket in the framing of P's
+release (``messages``), with a deadline on every receive; a socket is used
+for one handshake and closed with linger 0 (a REQ that timed out is never
+reused). A socket monitor turns a refused or dropped connection into
+``PeerUnreachable`` at once instead of waiting for the timeout.
+``HandshakeCache`` remembers, per P engine, the NIXL agent names of its
+workers so later releases to the same P cost no handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from sidecar.allowlist import Allowlist, ip_or_none
+from sidecar.nixl import HandshakeTimeout, PeerUnreachable
+from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
+from sidecar.nixl.versions import WireProfile
+from sidecar.release.base import PermanentReleaseError
+
+Rank = tuple[int, int]  # (pp_rank, tp_rank)
+
+_FAILED = (
+    zmq.EVENT_CONNECT_RETRIED,  # refused: nothing listens there
+    zmq.EVENT_DISCONNECTED,  # P went away mid-handshake; a REQ would wait forever
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
+_WATCHED = sum(_FAILED) | zmq.EVENT_MONITOR_STOPPED
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A checked P endpoint: connect to ``address`` (an IP), never to the name again."""
+
+    host: str  # as in kv_transfer_params (for logs)
+    address: str
+    base_port: int
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.address).is_loopback
+
+
+async def resolve_target(allowlist: Allowlist, host: str, ports: Sequence[int]) -> Target:
+    """Check ``host`` on every port in ``ports`` and pick the address to connect to.
+
+    Raises ``PermanentReleaseError("not_allowed")`` when any address or port is
+    outside the allowlist, ``PeerUnreachable`` when a name does not resolve.
+    """
+    literal = ip_or_none(host)
+    if literal is not None:
+        addresses = [str(literal)]
+    else:
+        addresses = await _resolve(host, ports[0])
+    for port in ports:
+        if not allowlist.allows(host, port, addresses if literal is None else None):
+            raise PermanentReleaseError(
+                f"P endpoint {host}:{port} ({', '.join(addresses)}) is not in --prefill-allow",
+                reason="not_allowed",
+            )
+    return Target(host=host, address=addresses[0], base_port=ports[0])
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise PeerUnreachable(f"cannot resolve P host {host!r}: {exc}") from exc
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    if not addresses:
+        raise PeerUnreachable(f"P host {host!r} resolves to no address")
+    return addresses
+
+
+def zmq_endpoint(address: str, port: int) -> str:
+    return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
+
+
+class HandshakeClient:
+    """Fetches P workers' metadata; one context (owned by the strategy), one REQ per handshake."""
+
+    def __init__(self, context: zmq.asyncio.Context, timeout: float) -> None:
+        self._context = context
+        self._timeout = timeout
+
+    async def fetch(
+        self, target: Target, profile: WireProfile, ranks: Sequence[Rank]
+    ) -> dict[Rank, PeerMetadata]:
+        """Every rank's metadata, within one ``timeout`` for the whole engine."""
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        if profile.wire.listener == "scheduler":
+            port = profile.port(target.base_port, 0)
+            return await self._session(target.address, port, profile, ranks, deadline)
+        # 0.9.x-0.11.0: one listener per TP worker, queried in parallel.
+        parts = await asyncio.gather(
+            *(
+                self._session(
+                    target.address, profile.port(target.base_port, tp), profile, [(pp, tp)], deadline
+                )
+                for pp, tp in ranks
+            )
+        )
+        return {rank: meta for part in parts for rank, meta in part.items()}
+
+    async def _session(
+        self, address: str, port: int, profile: WireProfile, ranks: Sequence[Rank], deadline: float
+    ) -> dict[Rank, PeerMetadata]:
+        sock = self._context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        if ":" in address:
+            sock.setsockopt(zmq.IPV6, 1)
+        monitor = sock.get_monitor_socket(_WATCHED)
+        watcher = asyncio.ensure_future(_watch(monitor))
+        endpoint = zmq_endpoint(address, port)
+        try:
+            sock.connect(endpoint)
+            replies: dict[Rank, PeerMetadata] = {}
+            for pp_rank, tp_rank in ranks:
+                await sock.send(encode_request(profile, pp_rank, tp_rank))
+                frames = await _receive(sock, watcher, deadline, endpoint)
+                replies[(pp_rank, tp_rank)] = decode_reply(profile, frames)
+            return replies
+        finally:
+            watcher.cancel()
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+
+async def _watch(monitor: zmq.asyncio.Socket) -> int:
+    """Return the first event that means the connection failed (or the monitor stopped)."""
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event in _FAILED or event == zmq.EVENT_MONITOR_STOPPED:
+            return int(event)
+
+
+async def _receive(
+    sock: zmq.asyncio.Socket, watcher: asyncio.Future[int], deadline: float, endpoint: str
+) -> list[bytes]:
+    loop = asyncio.get_running_loop()
+    receive: asyncio.Future[list[bytes]] = asyncio.ensure_future(sock.recv_multipart())
+    try:
+        waiting: set[asyncio.Future[object]] = {receive, watcher}  # type: ignore[arg-type]
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise HandshakeTimeout(f"no handshake reply from {endpoint} in time")
+            done, _ = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            if receive in done:
+                return receive.result()
+            if watcher in done:
+                if watcher.result() != zmq.EVENT_MONITOR_STOPPED:
+                    raise PeerUnreachable(f"P side channel {endpoint} refused or dropped the connection")
+                waiting = {receive}  # type: ignore[arg-type]
+    finally:
+        if not receive.done():
+            receive.cancel()
+
+
+@dataclass(slots=True)
+class PeerSet:
+    """One P engine's workers as known to the sidecar's NIXL agent."""
+
+    engine_id: str
+    generation: int | None  # remote_registration_generation (0.33.0+)
+    endpoint: tuple[str, int]  # (address, base_port)
+    agents: dict[Rank, str]
+    created: float = 0.0  # stamped by HandshakeCache.put
+
+    def serves(self, generation: int | None, endpoint: tuple[str, int], ranks: Sequence[Rank]) -> bool:
+        """Whether this set can release a request with these parameters."""
+        if self.endpoint != endpoint or any(rank not in self.agents for rank in ranks):
+            return False
+        if generation is None:
+            return True
+        # An older generation's request is still P's to free; a newer one means re-registration.
+        return self.generation is not None and generation <= self.generation
+
+
+class HandshakeCache:
+    """Bounded LRU with TTL, keyed by P's engine id. Evicted sets are returned to the
+    caller, which removes their agents (``remove_remote_agent``)."""
+
+    def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._size, self._ttl, self._clock = size, ttl, clock
+        self._entries: OrderedDict[str, PeerSet] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, engine_id: str) -> PeerSet | None:
+        """The live set for ``engine_id`` (refreshing its LRU position), or None.
+
+        An expired set stays in place until ``pop``/``expire``: the caller must
+        remove its agents before it adds the same P workers again (NIXL names an
+        agent by the remote's name, so a later removal would undo the new add).
+        """
+        entry = self._entries.get(engine_id)
+        if entry is None or entry.created <= self._clock() - self._ttl:
+            return None
+        self._entries.move_to_end(engine_id)
+        return entry
+
+    def put(self, entry: PeerSet) -> list[PeerSet]:
+        """Insert ``entry`` (stamped now); returns what it displaced (same engine, LRU overflow)."""
+        entry.created = self._clock()
+        evicted = []
+        old = self._entries.pop(entry.engine_id, None)
+        if old is not None and old is not entry:
+            evicted.append(old)
+        self._entries[entry.engine_id] = entry
+        while len(self._entries) > self._size:
+            evicted.append(self._entries.popitem(last=False)[1])
+        return evicted
+
+    def pop(self, engine_id: str, entry: PeerSet | None = None) -> PeerSet | None:
+        """Remove the set of ``engine_id`` (only if it is still ``entry`` when given)."""
+        current = self._entries.get(engine_id)
+        if current is None or (entry is not None and current is not entry):
+            return None
+        return self._entries.pop(engine_id)
+
+    def expire(self) -> list[PeerSet]:
+        """Remove and return every set older than the TTL."""
+        cutoff = self._clock() - self._ttl
+        stale = [key for key, entry in self._entries.items() if entry.created <= cutoff]
+        return [self._entries.pop(key) for key in stale]
+
+    def drain(self) -> list[PeerSet]:
+        """Remove and return everything (shutdown)."""
+        entries = list(self._entries.values())
+        self._entries.clear()
+        return entries

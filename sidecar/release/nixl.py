@@ -1,0 +1,390 @@
+"""The ``nixl`` release strategy: free P's blocks by speaking D's part of the NIXL protocol.
+
+For one job: learn P's vLLM release (``--vllm-version``, else D's ``GET
+/version``; P and D run the same release), check ``kv_transfer_params``
+against it, leave D's own rejections to D when its release has the fix
+(``coverage``), check P's endpoint against the allowlist, handshake with every
+P worker (or reuse the cached handshake) and send each worker one
+notification (``<id>:1``; ``<id>`` for 0.9.0). Nothing is ever sent by trial:
+an unknown or contradicted release is refused before any socket exists.
+Failures are typed (``sidecar.nixl``); the pipeline retries the retryable
+ones, and the ranks already notified for a job are remembered so a retry
+never notifies a rank twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from sidecar.allowlist import Allowlist
+from sidecar.config import Config
+from sidecar.nixl import EngineMismatch, NixlError
+from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, resolve_target
+from sidecar.nixl.messages import notification
+from sidecar.nixl.metrics import NixlMetrics
+from sidecar.nixl.peer import NixlPeer
+from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
+from sidecar.release.base import (
+    PermanentReleaseError,
+    ReleaseError,
+    ReleaseJob,
+    Result,
+    RetryableReleaseError,
+)
+from sidecar.release.coverage import engine_covers
+from sidecar.wire import KVTransferParams
+
+log = logging.getLogger(__name__)
+
+VERSION_TTL = 60.0  # re-ask D's /version after this; the last answer stays valid while D is down
+LOG_INTERVAL = 10.0  # at most one refusal warning per reason per interval
+LOOPBACK_LOG_INTERVAL = 60.0
+PROGRESS_SIZE = 65536
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What has been sent for one job, kept until its deadline (retries resume from it)."""
+
+    deadline: float
+    sent: set[Rank] = field(default_factory=set)
+    attempted: bool = False
+
+
+class NixlReleaser:
+    """``Releaser`` that notifies every P worker over NIXL (see the module docstring)."""
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        config: Config,
+        decode_version: Callable[[], Awaitable[str | None]],
+        registry: CollectorRegistry | None = None,
+        *,
+        peer: NixlPeer | None = None,
+    ) -> None:
+        self._config = config
+        self._decode_version = decode_version
+        self.metrics = NixlMetrics(registry)
+        self._allowlist = Allowlist(config.prefill_allow)
+        self.peer = peer or NixlPeer()
+        self._context: zmq.asyncio.Context | None = None
+        self._client: HandshakeClient | None = None
+        self._cache = HandshakeCache(config.handshake_cache_size, config.handshake_cache_ttl)
+        self._inflight: dict[str, asyncio.Future[PeerSet]] = {}
+        self._progress: OrderedDict[tuple[str, str], _Progress] = OrderedDict()
+        self._version: tuple[float, str] | None = None  # (fetched at, D's version)
+        self._profiles: dict[str, WireProfile | None] = {}
+        self._logged: dict[str, float] = {}
+        self._loopback_warned: set[str] = set()
+        self._last_sweep = time.monotonic()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self._allowlist:
+            log.warning(
+                "--prefill-allow is empty: the nixl strategy contacts no P and releases nothing; "
+                "list P's side-channel hosts (e.g. 10.0.0.0/8:5600-5700)"
+            )
+        self._context = zmq.asyncio.Context()
+        self._client = HandshakeClient(self._context, self._config.handshake_timeout)
+        await self.peer.start()
+
+    async def close(self) -> None:
+        await self._drop(self._cache.drain(), "shutdown")
+        await self.peer.close()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+
+    def ready(self) -> bool:
+        return self._context is not None and self.peer.ready()
+
+    # --- one job ---------------------------------------------------------------------------
+
+    async def release(self, job: ReleaseJob) -> Result:
+        started = time.perf_counter()
+        try:
+            result, path = await self._release(job)
+        except PermanentReleaseError as exc:
+            self.metrics.releases.labels("refused").inc()
+            self.metrics.refused.labels(exc.reason).inc()
+            self._log_refusal(job, exc)
+            raise
+        except RetryableReleaseError as exc:
+            self.metrics.releases.labels("error").inc()
+            self.metrics.errors.labels(exc.reason).inc()
+            log.info("nixl release failed, will retry", extra=_fields(job, reason=exc.reason, error=str(exc)))
+            raise
+        self.metrics.releases.labels(result.value).inc()
+        if result is Result.SENT:
+            self.metrics.release_seconds.labels(path).observe(time.perf_counter() - started)
+        return result
+
+    async def _release(self, job: ReleaseJob) -> tuple[Result, str]:
+        params = job.params
+        engine_id, host, port = _target_of(params)
+        profile = await self._profile()
+        problem = check_params(profile, params)
+        if problem:
+            raise PermanentReleaseError(
+                f"kv_transfer_params do not fit vLLM {profile.text}: {problem}", "inconsistent_version"
+            )
+        if profile.engine_fix and engine_covers(profile.low, job):
+            return Result.COVERED_BY_ENGINE, "none"
+        unsafe = not profile.safe_unknown_id
+        if unsafe and not self._config.allow_unsafe_vllm:
+            raise PermanentReleaseError(
+                f"vLLM {profile.text} crashes P's engine on a notification for an id it no longer "
+                "holds; releases need --allow-unsafe-vllm",
+                "unsafe_version",
+            )
+        request_id = engine_request_id(profile, params, job.request_id, job.route)
+        if request_id is None:
+            raise PermanentReleaseError(
+                f"P's id for this request cannot be known on vLLM {profile.text} "
+                f"(route {job.route}, x-request-id {job.request_id!r})",
+                "no_request_id",
+            )
+        ranks = profile.ranks(params)
+        progress = self._progress_of(engine_id, request_id, job.deadline)
+        if unsafe and progress.attempted:
+            raise PermanentReleaseError(
+                "vLLM < 0.10.1: a send was attempted once, never twice", "unsafe_retry"
+            )
+        await self._sweep()
+        endpoint = (host, port)
+        generation = params.remote_registration_generation
+        peers = self._cache.get(engine_id)
+        path = "warm"
+        if peers is None or not peers.serves(generation, endpoint, ranks):
+            self.metrics.cache.labels("miss").inc()
+            peers, path = await self._connect(engine_id, generation, endpoint, profile, ranks), "cold"
+        else:
+            self.metrics.cache.labels("hit").inc()
+        message = notification(profile, request_id)
+        progress.attempted = True
+        failed = await self._send(peers, ranks, message, progress)
+        if failed and not unsafe:
+            # A cached agent may be gone (P restarted): handshake again, once.
+            await self._invalidate(peers, "send_failure")
+            peers = await self._connect(engine_id, generation, endpoint, profile, ranks)
+            failed = await self._send(peers, ranks, message, progress)
+        if failed:
+            raise NixlError(f"notification to {len(failed)} P worker(s) failed: {failed[0]}")
+        self._progress.pop((engine_id, request_id), None)
+        return Result.SENT, path
+
+    async def _send(
+        self, peers: PeerSet, ranks: list[Rank], message: bytes, progress: _Progress
+    ) -> list[str]:
+        todo = [rank for rank in ranks if rank not in progress.sent]
+        results = await self.peer.notify_many([(peers.agents[rank], message) for rank in todo])
+        errors = []
+        for rank, error in zip(todo, results, strict=True):
+            if error is None:
+                progress.sent.add(rank)
+            else:
+                errors.append(f"rank {rank}: {error}")
+        self.metrics.notifications.labels("ok").inc(len(todo) - len(errors))
+        if errors:
+            self.metrics.notifications.labels("error").inc(len(errors))
+        return errors
+
+    # --- versions --------------------------------------------------------------------------
+
+    async def _profile(self) -> WireProfile:
+        text = self._config.vllm_version or await self._d_version()
+        if not text:
+            raise PermanentReleaseError(
+                "P's vLLM release is unknown: set --vllm-version (D's GET /version gave nothing)",
+                "unknown_version",
+            )
+        if text not in self._profiles:
+            self._profiles[text] = WireProfile.for_version(text)
+        profile = self._profiles[text]
+        if profile is None:
+            raise PermanentReleaseError(
+                f"vLLM {text!r} is not a release this sidecar knows (0.9.0-0.33.0; "
+                "pre-releases only where the wire format did not change)",
+                "unknown_version",
+            )
+        return profile
+
+    async def _d_version(self) -> str | None:
+        now = time.monotonic()
+        if self._version is not None and now - self._version[0] < VERSION_TTL:
+            return self._version[1]
+        try:
+            text = await self._decode_version()
+        except Exception as exc:  # an injected callable: never let it fail a release
+            log.warning("asking D for its version failed", extra={"error": str(exc)})
+            text = None
+        if text:
+            self._version = (now, text)
+            return text
+        # D unreachable: its last answer is still the best knowledge of P's release.
+        return self._version[1] if self._version is not None else None
+
+    # --- handshakes and the cache ----------------------------------------------------------
+
+    async def _connect(
+        self,
+        engine_id: str,
+        generation: int | None,
+        endpoint: tuple[str, int],
+        profile: WireProfile,
+        ranks: list[Rank],
+    ) -> PeerSet:
+        pending = self._inflight.get(engine_id)
+        if pending is not None:
+            peers = await asyncio.shield(pending)
+            if peers.serves(generation, endpoint, ranks):
+                return peers
+        future: asyncio.Future[PeerSet] = asyncio.get_running_loop().create_future()
+        self._inflight[engine_id] = future
+        try:
+            peers = await self._handshake(engine_id, generation, endpoint, profile, ranks)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved here; waiters re-raise it
+            raise
+        else:
+            future.set_result(peers)
+            return peers
+        finally:
+            if self._inflight.get(engine_id) is future:
+                del self._inflight[engine_id]
+
+    async def _handshake(
+        self,
+        engine_id: str,
+        generation: int | None,
+        endpoint: tuple[str, int],
+        profile: WireProfile,
+        ranks: list[Rank],
+    ) -> PeerSet:
+        assert self._client is not None, "start() first"
+        # The old set's agents go first: NIXL names an agent by the remote, so a re-add of
+        # the same P worker followed by removing the old entry would remove the new one.
+        old = self._cache.pop(engine_id)
+        if old is not None:
+            await self._drop([old], "generation" if old.generation != generation else "replaced")
+        host, base_port = endpoint
+        target = await resolve_target(
+            self._allowlist, host, sorted({profile.port(base_port, tp) for _, tp in ranks})
+        )
+        self._warn_loopback(target)
+        started = time.perf_counter()
+        try:
+            replies = await self._client.fetch(target, profile, ranks)
+            wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})
+            if wrong:
+                raise EngineMismatch(f"{host}:{base_port} serves engine {wrong[0]!r}, not {engine_id!r}")
+            agents: dict[Rank, str] = {}
+            try:
+                for rank in ranks:
+                    agents[rank] = await self.peer.add_remote(replies[rank].agent_metadata)
+            except ReleaseError:
+                await self.peer.remove_remote(list(agents.values()))
+                raise
+        except ReleaseError:
+            self.metrics.handshakes.labels("error").inc()
+            raise
+        self.metrics.handshakes.labels("ok").inc()
+        self.metrics.handshake_seconds.observe(time.perf_counter() - started)
+        peers = PeerSet(engine_id, generation, endpoint, agents)
+        await self._drop(self._cache.put(peers), "lru")
+        return peers
+
+    async def _invalidate(self, peers: PeerSet, reason: str) -> None:
+        if self._cache.pop(peers.engine_id, peers) is not None:
+            await self._drop([peers], reason)
+
+    async def _drop(self, entries: list[PeerSet], reason: str) -> None:
+        self.metrics.engines.set(len(self._cache))
+        if not entries:
+            return
+        self.metrics.evictions.labels(reason).inc(len(entries))
+        if self.peer.ready():
+            await self.peer.remove_remote([name for entry in entries for name in entry.agents.values()])
+
+    async def _sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep >= min(self._config.handshake_cache_ttl, 60.0):
+            self._last_sweep = now
+            await self._drop(self._cache.expire(), "ttl")
+            for key in [k for k, p in self._progress.items() if p.deadline < now]:
+                del self._progress[key]
+
+    def _progress_of(self, engine_id: str, request_id: str, deadline: float) -> _Progress:
+        key = (engine_id, request_id)
+        progress = self._progress.get(key)
+        if progress is None:
+            progress = self._progress[key] = _Progress(deadline)
+            while len(self._progress) > PROGRESS_SIZE:
+                self._progress.popitem(last=False)
+        return progress
+
+    # --- logs ------------------------------------------------------------------------------
+
+    def _log_refusal(self, job: ReleaseJob, exc: PermanentReleaseError) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(exc.reason, -LOG_INTERVAL) >= LOG_INTERVAL:
+            self._logged[exc.reason] = now
+            log.warning("nixl release skipped: %s", exc, extra=_fields(job, reason=exc.reason))
+        else:
+            log.debug("nixl release skipped: %s", exc, extra=_fields(job, reason=exc.reason))
+
+    def _warn_loopback(self, target: Target) -> None:
+        if not target.loopback:
+            return
+        self.metrics.loopback.inc()
+        now = time.monotonic()
+        last = self._logged.get("loopback", -LOOPBACK_LOG_INTERVAL)
+        if target.host in self._loopback_warned or now - last < LOOPBACK_LOG_INTERVAL:
+            return
+        if len(self._loopback_warned) < 1024:
+            self._loopback_warned.add(target.host)
+        self._logged["loopback"] = now
+        log.warning(
+            "P's remote_host %r is a loopback address: P may have left VLLM_NIXL_SIDE_CHANNEL_HOST "
+            "at its default (localhost); the sidecar contacts its own host",
+            target.host,
+        )
+
+
+def _target_of(params: KVTransferParams) -> tuple[str, str, int]:
+    if not params.do_remote_prefill:
+        raise PermanentReleaseError("do_remote_prefill is not true", "bad_params")
+    if params.transfer_mode == "push":
+        raise PermanentReleaseError("push mode: only P's own WRITE completion frees the blocks", "push_mode")
+    blocks = params.remote_block_ids or []
+    if not blocks or all(isinstance(b, list) and not b for b in blocks):
+        raise PermanentReleaseError("remote_block_ids is empty: P holds nothing", "no_blocks")
+    if not params.remote_engine_id or not params.remote_host or not params.remote_port:
+        raise PermanentReleaseError(
+            "remote_engine_id, remote_host and remote_port are required", "bad_params"
+        )
+    if params.tp_size < 1 or (params.pp_size or 1) < 1:
+        raise PermanentReleaseError("tp_size and pp_size must be at least 1", "bad_params")
+    return params.remote_engine_id, params.remote_host, params.remote_port
+
+
+def _fields(job: ReleaseJob, **extra: str) -> dict[str, str]:
+    return {
+        "engine": job.params.remote_engine_id or "",
+        "request_id": job.request_id,
+        "cause": job.cause,
+        **extra,
+    }

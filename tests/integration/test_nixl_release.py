@@ -1,0 +1,515 @@
+"""The ``nixl`` strategy against real NIXL agents and real ZMQ ROUTER listeners on loopback.
+
+``FakePrefill`` plays P of one vLLM release: one NIXL agent per (PP, TP)
+worker and the side-channel listener(s) in that release's framing, strict in
+the way vLLM's is (a request of the wrong shape or for a rank P lacks ends
+the listener thread, reference 1.6). The listeners run in a thread; the
+test polls the workers' notifications (readiness polled, never slept on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from sidecar.config import Config
+from sidecar.nixl import EngineMismatch, HandshakeTimeout, PeerUnreachable
+from sidecar.nixl.messages import HandshakePayload, agent_metadata_layout
+from sidecar.nixl.peer import import_nixl
+from sidecar.nixl.versions import WireProfile
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
+from sidecar.release.nixl import NixlReleaser
+from sidecar.wire import KVTransferParams
+
+pytestmark = pytest.mark.nixl
+
+Rank = tuple[int, int]
+
+
+def new_agent() -> Any:
+    api = import_nixl()
+    return api.nixl_agent(str(uuid.uuid4()), api.nixl_agent_config(backends=["UCX"]))
+
+
+class FakePrefill:
+    """P of one vLLM release on 127.0.0.1 (see the module docstring)."""
+
+    def __init__(
+        self,
+        version: str,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        engine_id: str | None = None,
+        agents: list[Any] | None = None,
+        port: int | None = None,
+        generation: int = 0,
+    ) -> None:
+        profile = WireProfile.for_version(version)
+        assert profile is not None
+        self.version, self.profile, self.tp, self.pp = version, profile, tp, pp
+        self.engine_id = engine_id or f"p-{uuid.uuid4().hex[:8]}"
+        self.generation = generation
+        self.ranks: list[Rank] = [(p, t) for p in range(pp) for t in range(tp)]
+        self.agents = dict(zip(self.ranks, agents or [new_agent() for _ in self.ranks], strict=True))
+        self.requests = 0  # handshake requests served
+        self.dead: list[str] = []  # listener threads that died, and why
+        self.notifs: dict[Rank, list[bytes]] = {rank: [] for rank in self.ranks}
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._sockets = self._bind(port)
+        self.port = self._base
+        self._threads = [threading.Thread(target=self._serve, args=(s,), daemon=True) for s in self._sockets]
+        for thread in self._threads:
+            thread.start()
+
+    # --- side channel ----------------------------------------------------------------------
+    def _bind(self, port: int | None) -> list[zmq.Socket[bytes]]:
+        count = self.tp if self.profile.wire.listener == "worker" else 1
+        for _ in range(50):
+            base = port or random.randint(20000, 60000)
+            sockets: list[zmq.Socket[bytes]] = []
+            try:
+                for i in range(count):
+                    sock = self._context.socket(zmq.ROUTER)
+                    sockets.append(sock)
+                    sock.bind(f"tcp://127.0.0.1:{base + i}")
+            except zmq.ZMQError:
+                for sock in sockets:
+                    sock.close(0)
+                if port is not None:
+                    raise
+                continue
+            self._base = base
+            return sockets
+        raise RuntimeError("no free port range")
+
+    def encoded(self, rank: Rank) -> bytes:
+        layout = agent_metadata_layout(self.profile.low)
+        md = layout(engine_id=self.engine_id, agent_metadata=self.agents[rank].get_agent_metadata())
+        data = msgspec.msgpack.encode(md)
+        if self.profile.wire.payload == "handshake_payload":
+            data = msgspec.msgpack.encode(HandshakePayload("0" * 64, data))
+        return data
+
+    def _serve(self, sock: zmq.Socket[bytes]) -> None:
+        worker_tp = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]) - self._base
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(20):
+                    continue
+                identity, _, msg = sock.recv_multipart()
+                rank = self._rank_of(msg, worker_tp)
+                frames = [identity, b"", self.encoded(rank)]
+                if self.profile.wire.reply_frames == 2:
+                    frames.append(msgspec.msgpack.encode(time.perf_counter()))
+                self.requests += 1
+                sock.send_multipart(frames)
+        except Exception as exc:  # like vLLM: anything but a timeout ends the listener
+            self.dead.append(repr(exc))
+        finally:
+            sock.close(0)
+
+    def _rank_of(self, msg: bytes, worker_tp: int) -> Rank:
+        request = self.profile.wire.request
+        if request == "raw":
+            return (0, worker_tp)  # any single frame gets this worker's metadata
+        decoded = msgspec.msgpack.decode(msg)
+        if request == "tp":
+            _, tp_rank = decoded  # ValueError on 3 elements, as in vLLM 0.11.1-0.25.x
+            key: Rank = (0, tp_rank)
+        else:
+            _, pp_rank, tp_rank = decoded
+            key = (pp_rank, tp_rank)
+        if key not in self.agents:
+            raise KeyError(key)
+        return key
+
+    def params(self, request_id: str, **override: Any) -> KVTransferParams:
+        """kv_transfer_params as this P emits them."""
+        fields = {"generation": self.generation, "tp": self.tp, "pp": self.pp}
+        return params_for(self.version, self.engine_id, self.port, request_id, **fields, **override)
+
+    # --- notifications ---------------------------------------------------------------------
+    def drain(self) -> None:
+        for rank, agent in self.agents.items():
+            for messages in agent.get_new_notifs().values():
+                self.notifs[rank].extend(messages)
+
+    async def wait(self, done: Callable[[], bool], within: float = 5.0) -> None:
+        deadline = time.monotonic() + within
+        while True:
+            self.drain()
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; notifications: {self.notifs}")
+            await asyncio.sleep(0.001)
+
+    async def received(self, message: bytes, within: float = 5.0) -> dict[Rank, int]:
+        """Wait until every rank has ``message``; returns how often each rank got it."""
+        await self.wait(lambda: all(message in got for got in self.notifs.values()), within)
+        return {rank: got.count(message) for rank, got in self.notifs.items()}
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        self._context.destroy(0)
+
+
+def params_for(
+    version: str,
+    engine_id: str,
+    port: int,
+    request_id: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    generation: int = 0,
+    **override: Any,
+) -> KVTransferParams:
+    """kv_transfer_params as P of ``version`` emits them (reference 3.1)."""
+    profile = WireProfile.for_version(version)
+    assert profile is not None
+    low = profile.low
+    fields: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "tp_size": tp,
+        "remote_block_ids": [[1, 2, 3]] if low >= (0, 18, 0) else [1, 2, 3],
+    }
+    if low >= (0, 13, 0):
+        fields["remote_request_id"] = request_id
+    if low >= (0, 21, 0):
+        fields["remote_num_tokens"] = 40
+    if low >= (0, 28, 0):
+        fields["transfer_mode"] = "pull"
+    if low >= (0, 29, 0):
+        fields["pp_size"], fields["dcp_size"] = pp, 1
+    if low >= (0, 33, 0):
+        fields["remote_registration_generation"] = generation
+    fields.update(override)
+    return msgspec.convert(fields, KVTransferParams)
+
+
+def make_job(
+    params: KVTransferParams, rid: str, route: str = "/v1/chat/completions", **fields: Any
+) -> ReleaseJob:
+    now = time.monotonic()
+    return ReleaseJob(
+        request_id=fields.pop("request_id", rid),
+        route=route,
+        params=params,
+        cause=fields.pop("cause", "rejected_4xx"),
+        detected_at=now,
+        deadline=now + 30,
+        **fields,
+    )
+
+
+def config(**settings: Any) -> Config:
+    base: dict[str, Any] = {"prefill_allow": ("127.0.0.0/8",), "handshake_timeout": 2.0}
+    base.update(settings)
+    return Config(**base)
+
+
+@pytest.fixture
+def prefills() -> Iterator[list[FakePrefill]]:
+    started: list[FakePrefill] = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def start(prefills: list[FakePrefill], *args: Any, **kwargs: Any) -> FakePrefill:
+    p = FakePrefill(*args, **kwargs)
+    prefills.append(p)
+    return p
+
+
+async def no_version() -> str | None:
+    return None
+
+
+@pytest.fixture
+async def releaser_factory() -> AsyncIterator[Callable[..., Any]]:
+    made: list[NixlReleaser] = []
+
+    async def make(cfg: Config, decode_version: Callable[[], Any] = no_version) -> NixlReleaser:
+        releaser = NixlReleaser(cfg, decode_version, CollectorRegistry())
+        await releaser.start()
+        made.append(releaser)
+        return releaser
+
+    yield make
+    for releaser in made:
+        await releaser.close()
+
+
+def sample(releaser: NixlReleaser, name: str, **labels: str) -> float:
+    return releaser.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# --- every rank freed exactly once, per release ------------------------------------------------
+
+TOPOLOGIES = [
+    ("0.33.0", 1, 1),
+    ("0.33.0", 2, 2),
+    ("0.29.0", 4, 1),
+    ("0.29.0", 1, 2),
+    ("0.26.0", 2, 1),
+    ("0.21.0", 2, 1),
+    ("0.13.0", 1, 1),
+    ("0.12.0", 2, 1),
+    ("0.11.0", 4, 1),
+    ("0.10.1", 1, 1),
+]
+
+
+@pytest.mark.parametrize(("version", "tp", "pp"), TOPOLOGIES)
+async def test_release_notifies_every_rank_exactly_once(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], version: str, tp: int, pp: int
+) -> None:
+    p = start(prefills, version, tp, pp)
+    releaser = await releaser_factory(config(vllm_version=version))
+    route = "/v1/completions"
+    first = await releaser.release(make_job(p.params("req-1"), "req-1", route))
+    second = await releaser.release(make_job(p.params("req-2"), "req-2", route))
+    assert (first, second) == (Result.SENT, Result.SENT)
+    wire_id = "req-{}" if p.profile.wire.has_remote_request_id else "cmpl-req-{}-0"
+    # req-2 arrives after req-1 on every rank, so req-1's count is final once req-2 is seen.
+    await p.received(f"{wire_id.format(2)}:1".encode())
+    counts = await p.received(f"{wire_id.format(1)}:1".encode())
+    assert counts == {rank: 1 for rank in p.ranks}
+    assert sum(len(v) for v in p.notifs.values()) == 2 * len(p.ranks)
+    assert p.dead == []
+    assert p.requests == len(p.ranks)  # one handshake per worker; the second release used the cache
+
+
+async def test_pp_ranks_beyond_rank_zero_are_not_queried_before_029(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    # 0.26.0-0.28.x pull: D reads no pp_size and queries PP rank 0 only (reference 1.5).
+    p = start(prefills, "0.28.0", 1, 2)
+    releaser = await releaser_factory(config(vllm_version="0.28.0"))
+    assert await releaser.release(make_job(p.params("r"), "r")) is Result.SENT
+    await p.wait(lambda: b"r:1" in p.notifs[(0, 0)])
+    assert p.notifs[(1, 0)] == [] and p.requests == 1 and p.dead == []
+
+
+async def test_cached_handshake_is_reused(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.33.0", 2, 1)
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    for i in range(5):
+        assert await releaser.release(make_job(p.params(f"r{i}"), f"r{i}")) is Result.SENT
+    await p.received(b"r4:1")
+    assert p.requests == 2
+    assert sample(releaser, "kvr_nixl_handshakes_total", result="ok") == 1
+    assert sample(releaser, "kvr_nixl_handshake_cache_total", result="hit") == 4
+
+
+async def test_concurrent_first_contact_handshakes_once(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.33.0", 2, 1)
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    results = await asyncio.gather(
+        *(releaser.release(make_job(p.params(f"c{i}"), f"c{i}")) for i in range(8))
+    )
+    assert results == [Result.SENT] * 8
+    await p.wait(lambda: all(len(v) == 8 for v in p.notifs.values()))
+    assert p.requests == 2
+
+
+async def test_new_registration_generation_handshakes_again(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.33.0")
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    await releaser.release(make_job(p.params("g0"), "g0"))
+    p.generation = 1
+    await releaser.release(make_job(p.params("g1"), "g1"))
+    await releaser.release(make_job(p.params("g1b"), "g1b"))
+    await releaser.release(make_job(p.params("old", remote_registration_generation=0), "old"))
+    await p.received(b"old:1")
+    assert p.requests == 2
+    assert sample(releaser, "kvr_nixl_handshake_cache_evictions_total", reason="generation") == 1
+
+
+# --- refusals: nothing is sent, nothing connects -----------------------------------------------
+
+
+async def test_target_outside_allowlist_is_refused_without_connecting(
+    releaser_factory: Callable[..., Any],
+) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    try:
+        releaser = await releaser_factory(config(vllm_version="0.33.0", prefill_allow=("10.0.0.0/8",)))
+        job = make_job(params_for("0.33.0", "e", port, "x"), "x")
+        with pytest.raises(PermanentReleaseError) as info:
+            await releaser.release(job)
+        assert info.value.reason == "not_allowed"
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+        assert sample(releaser, "kvr_nixl_refused_total", reason="not_allowed") == 1
+    finally:
+        listener.close()
+
+
+async def test_empty_allowlist_warns_at_start(
+    releaser_factory: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="sidecar.release.nixl")
+    await releaser_factory(config(prefill_allow=()))
+    assert "releases nothing" in caplog.text
+
+
+@pytest.mark.parametrize("answer", [None, "0.34.0", "0.26.0rc1", "not-a-version"])
+async def test_unknown_version_sends_nothing(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], answer: str | None
+) -> None:
+    p = start(prefills, "0.33.0")
+
+    async def version() -> str | None:
+        return answer
+
+    releaser = await releaser_factory(config(), version)
+    with pytest.raises(PermanentReleaseError) as info:
+        await releaser.release(make_job(p.params("u"), "u"))
+    assert info.value.reason == "unknown_version"
+    assert p.requests == 0 and all(not v for v in p.notifs.values())
+
+
+async def test_version_learnt_from_decode_and_kept_while_d_is_down(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.33.0")
+    answers = ["0.33.0"]
+
+    async def version() -> str | None:
+        return answers.pop() if answers else None
+
+    releaser = await releaser_factory(config(), version)
+    assert await releaser.release(make_job(p.params("v1"), "v1")) is Result.SENT
+    releaser._version = (time.monotonic() - 3600, "0.33.0")  # stale: D is asked again, answers None
+    assert await releaser.release(make_job(p.params("v2"), "v2")) is Result.SENT
+    await p.received(b"v2:1")
+
+
+async def test_inconsistent_version_sends_nothing(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.21.0", 2, 1)  # a 0.21.0 P: a 3-element request would kill its listener
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    with pytest.raises(PermanentReleaseError) as info:
+        await releaser.release(make_job(p.params("i"), "i"))
+    assert info.value.reason == "inconsistent_version"
+    assert p.requests == 0 and p.dead == []
+
+
+async def test_unsafe_release_refused_unless_allowed_then_sent_once(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.10.0", 1, 1)
+    strict = await releaser_factory(config(vllm_version="0.10.0"))
+    with pytest.raises(PermanentReleaseError) as info:
+        await strict.release(make_job(p.params("a"), "a"))
+    assert info.value.reason == "unsafe_version" and p.requests == 0
+    loose = await releaser_factory(config(vllm_version="0.10.0", allow_unsafe_vllm=True))
+    assert await loose.release(make_job(p.params("a"), "a")) is Result.SENT
+    assert await p.received(b"chatcmpl-a:1") == {(0, 0): 1}
+
+
+async def test_engine_covered_rejection_sends_nothing(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.33.0")
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    job = make_job(p.params("cov"), "cov", status=404, error_type="NotFoundError")
+    assert await releaser.release(job) is Result.COVERED_BY_ENGINE
+    assert p.requests == 0
+    unreachable = make_job(p.params("unr"), "unr", cause="unreachable")
+    assert await releaser.release(unreachable) is Result.SENT
+
+
+# --- failures are typed and retryable --------------------------------------------------------------
+
+
+async def test_p_down_fails_fast_and_retryably(releaser_factory: Callable[..., Any]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    job = make_job(params_for("0.33.0", "e", port, "d"), "d")
+    started = time.monotonic()
+    with pytest.raises(PeerUnreachable):
+        await releaser.release(job)
+    assert time.monotonic() - started < 0.5  # the monitor sees the refusal; no 2 s timeout
+    assert sample(releaser, "kvr_nixl_errors_total", reason="unreachable") == 1
+
+
+async def test_silent_listener_times_out(releaser_factory: Callable[..., Any]) -> None:
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        releaser = await releaser_factory(config(vllm_version="0.33.0", handshake_timeout=0.3))
+        job = make_job(params_for("0.33.0", "e", port, "t"), "t")
+        started = time.monotonic()
+        with pytest.raises(HandshakeTimeout):
+            await releaser.release(job)
+        assert 0.25 < time.monotonic() - started < 1.0
+    finally:
+        context.destroy(0)
+
+
+async def test_engine_mismatch_is_retryable_and_not_cached(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = start(prefills, "0.33.0")
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    job = make_job(p.params("m", remote_engine_id="someone-else"), "m")
+    with pytest.raises(EngineMismatch) as info:
+        await releaser.release(job)
+    assert isinstance(info.value, RetryableReleaseError) and info.value.reason == "engine_mismatch"
+    assert len(releaser._cache) == 0 and all(not v for v in p.notifs.values())
+
+
+async def test_p_restarted_with_new_agents_rehandshakes(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    first = start(prefills, "0.33.0", 2, 1)
+    releaser = await releaser_factory(config(vllm_version="0.33.0"))
+    assert await releaser.release(make_job(first.params("before"), "before")) is Result.SENT
+    await first.received(b"before:1")
+    port, engine = first.port, first.engine_id
+    first.stop()
+    prefills.remove(first)
+    first.agents.clear()  # the old workers' agents die with them
+    second = start(prefills, "0.33.0", 2, 1, engine_id=engine, port=port)
+    assert await releaser.release(make_job(second.params("after"), "after")) is Result.SENT
+    assert await second.received(b"after:1") == {(0, 0): 1, (0, 1): 1}
+    assert second.requests == 2
+    # The cached agents were the dead ones: the send failed and one re-handshake followed.
+    assert sample(releaser, "kvr_nixl_handshake_cache_evictions_total", reason="send_failure") == 1

@@ -1,0 +1,237 @@
+"""End to end on loopback: P simulator, vLLM-D simulator, and the sidecar's NIXL release.
+
+Real NIXL agents (UCX), real ZMQ side channels, real uvicorn servers. A
+prefill request pins blocks on P; the decode request goes through the
+sidecar to D. When D rejects it before admission the sidecar frees the
+blocks on every P rank; when D admits it, D frees them and the sidecar
+sends nothing. P's ``/stats`` is the ground truth for both sides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from tests.integration.conftest import Sidecar, run_sidecar
+from tests.servers import ServerThread, serve
+
+pytestmark = pytest.mark.nixl
+
+
+@contextmanager
+def cluster(
+    version: str, tp: int, pp: int = 1, *, vllm_d: bool = True, **sidecar: Any
+) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
+    p_config = PrefillSimConfig(
+        port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=0, side_channel_port=0
+    )
+    hooks = VllmDHooks(version) if vllm_d else None
+    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, served_model="sim-prefill")
+    settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
+    with (
+        serve(create_prefill_app(p_config)) as p,
+        serve(create_decode_app(d_config, hooks)) as d,
+        run_sidecar(d.url, **settings) as sc,
+    ):
+        yield p, d, sc
+
+
+def prefill(p: ServerThread, request_id: str, words: int = 20) -> dict[str, Any]:
+    """The router's prefill leg: P pins blocks and answers kv_transfer_params."""
+    body = {
+        "model": "sim-prefill",
+        "prompt": " ".join(["tok"] * words),
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    response = httpx.post(p.url + "/v1/completions", json=body, headers={"x-request-id": request_id})
+    assert response.status_code == 200, response.text
+    params: dict[str, Any] = response.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    return params
+
+
+def decode(sc: Sidecar, request_id: str, params: dict[str, Any], prompt_words: int) -> httpx.Response:
+    body = {
+        "model": "sim-prefill",
+        "prompt": " ".join(["tok"] * prompt_words),
+        "max_tokens": 4,
+        "kv_transfer_params": params,
+    }
+    return httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": request_id}, timeout=10)
+
+
+def stats(p: ServerThread) -> dict[str, Any]:
+    result: dict[str, Any] = httpx.get(p.url + "/stats").json()
+    return result
+
+
+def wait_stats(p: ServerThread, check: Any, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    current = stats(p)
+    while not check(current):
+        assert time.monotonic() < deadline, f"P never reached the expected state: {current}"
+        time.sleep(0.01)
+        current = stats(p)
+    return current
+
+
+@pytest.mark.parametrize(
+    ("version", "tp", "pp"),
+    [
+        ("0.33.0", 1, 1),
+        ("0.33.0", 2, 1),
+        ("0.33.0", 4, 1),
+        ("0.33.0", 2, 2),
+        ("0.21.0", 2, 1),
+        ("0.11.0", 2, 1),
+    ],
+)
+def test_rejected_request_frees_every_rank(version: str, tp: int, pp: int) -> None:
+    # Before 0.21.0 nothing in D releases a rejection; from 0.21.0 a handler rejection is D's own
+    # to release, so this test uses one that happens before the handler (validation) everywhere.
+    with cluster(version, tp, pp) as (p, _d, sc):
+        params = prefill(p, "rej-1")
+        assert stats(p)["pinned_requests"] == 1
+        response = httpx.post(
+            sc.url + "/v1/completions",
+            json={"model": "sim-prefill", "max_tokens": "x", "prompt": "tok", "kv_transfer_params": params},
+            headers={"x-request-id": "rej-1"},
+        )
+        assert response.status_code == 400
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1
+        assert after["blocks_in_use"] == 0
+        assert after["notifs_per_rank"] == [1] * (tp * pp)
+        assert after["notifs_unknown"] == 0 and after["listener_alive"]
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+
+
+def test_admitted_request_is_freed_by_d_and_sidecar_sends_nothing() -> None:
+    with cluster("0.33.0", 2) as (p, _d, sc):
+        params = prefill(p, "ok-1")
+        response = decode(sc, "ok-1", params, prompt_words=5)
+        assert response.status_code == 200
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        sc.settle()
+        assert after["notifs_per_rank"] == [1, 1]  # D's notification only
+        assert after["notifs_unknown"] == 0
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
+
+
+def test_engine_fix_covers_handler_rejections_and_sidecar_covers_the_rest() -> None:
+    with cluster("0.33.0", 2) as (p, _d, sc):
+        covered = prefill(p, "fix-1")
+        response = decode(sc, "fix-1", covered, prompt_words=80)  # prompt too long: raised in D's handler
+        assert response.status_code == 400
+        wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        uncovered = prefill(p, "fix-2")
+        response = httpx.post(
+            sc.url + "/v1/completions",
+            json={"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": uncovered},
+            headers={"x-request-id": "fix-2"},
+        )
+        assert response.status_code == 400  # validation, before D's handler: D's fix does not see it
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        sc.settle()
+        assert after["notifs_per_rank"] == [2, 2]  # one per request per rank: no duplicate
+        assert after["notifs_unknown"] == 0
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == 1
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+
+
+def test_before_the_fix_release_handler_rejections_too() -> None:
+    with cluster("0.13.0", 2) as (p, _d, sc):
+        params = prefill(p, "old-1")
+        assert decode(sc, "old-1", params, prompt_words=80).status_code == 400
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["notifs_per_rank"] == [1, 1]
+
+
+def test_target_outside_allowlist_is_never_contacted() -> None:
+    with cluster("0.33.0", 2, prefill_allow=("10.0.0.0/8",)) as (p, _d, sc):
+        params = prefill(p, "deny-1")
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1
+        current = stats(p)
+        assert current["handshakes_served"] == 0  # no connection attempted
+        assert current["pinned_requests"] == 1
+
+
+def test_duplicate_release_sends_one_notification_per_rank() -> None:
+    with cluster("0.11.0", 2) as (p, _d, sc):
+        params = prefill(p, "dup-1")
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        for _ in range(3):
+            response = httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "dup-1"})
+            assert response.status_code == 400
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        sc.settle()
+        assert after["notifs_per_rank"] == [1, 1]
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="duplicate") == 2
+
+
+def test_p_restarted_with_new_agents_gets_a_new_handshake() -> None:
+    with cluster("0.33.0", 2) as (p, _d, sc):
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t"}
+        first = prefill(p, "rs-1")
+        httpx.post(sc.url + "/v1/completions", json={**body, "kv_transfer_params": first})
+        wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert httpx.post(p.url + "/sim/restart-agents").status_code < 300
+        second = prefill(p, "rs-2")
+        httpx.post(sc.url + "/v1/completions", json={**body, "kv_transfer_params": second})
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 2
+        assert after["handshakes_served"] >= 2
+
+
+def test_release_for_a_request_p_no_longer_holds_is_harmless() -> None:
+    with cluster("0.33.0", 2) as (p, _d, sc):
+        params = prefill(p, "gone-1")
+        assert decode(sc, "gone-1", params, prompt_words=5).status_code == 200  # D frees it
+        wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        # a client replaying the same parameters to a rejecting route: P no longer holds the id
+        httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "gone-1-replay"})
+        after = wait_stats(p, lambda s: sum(s["notifs_per_rank"]) == 4)
+        assert after["notifs_unknown"] == 2  # one per rank, logged by P, nothing else
+        assert after["listener_alive"] and after["worker_errors"] == 0
+        again = prefill(p, "after-1")
+        assert decode(sc, "after-1", again, prompt_words=5).status_code == 200
+
+
+def test_unknown_vllm_release_sends_nothing() -> None:
+    with cluster("0.33.0", 2, vllm_version="0.99.0") as (p, _d, sc):
+        params = prefill(p, "unk-1")
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1
+        current = stats(p)
+        assert current["handshakes_served"] == 0 and current["pinned_requests"] == 1
+
+
+def test_p_down_retries_then_gives_up_at_deadline() -> None:
+    with cluster("0.33.0", 1, release_deadline=1.0) as (p, _d, sc):
+        params = prefill(p, "down-1")
+        params["remote_port"] = params["remote_port"] + 1 if params["remote_port"] < 65535 else 1
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        started = time.monotonic()
+        response = httpx.post(sc.url + "/v1/completions", json=body)
+        assert response.status_code == 400
+        assert time.monotonic() - started < 0.5  # the client never waits for the release
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="failed") == 1
+        assert sc.sample("kvr_release_attempts_total", strategy="nixl", outcome="ok") == 0

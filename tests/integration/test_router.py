@@ -1,0 +1,248 @@
+"""Router mode: prefill on P, decode on D, release when D rejects (real simulators, real NIXL)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from tests.integration.conftest import Sidecar, run_sidecar
+from tests.servers import ServerThread, free_port, serve
+
+pytestmark = pytest.mark.nixl
+VERSION = "0.33.0"
+
+
+@contextmanager
+def pd(
+    prefills: int = 1, *, static: bool = True, d_config: dict[str, Any] | None = None, **sidecar: Any
+) -> Iterator[tuple[list[ServerThread], ServerThread, Sidecar]]:
+    p_apps = [
+        create_prefill_app(
+            PrefillSimConfig(port=0, vllm_version=VERSION, tp=2, num_blocks=64, lease=0, side_channel_port=0)
+        )
+        for _ in range(prefills)
+    ]
+    d_settings = {"port": 0, "version": VERSION, "max_model_len": 40, "served_model": "m", **(d_config or {})}
+    with (
+        contextlib_stack(p_apps) as ps,
+        serve(create_decode_app(DecodeSimConfig(**d_settings), VllmDHooks(VERSION))) as d,
+    ):
+        settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
+        if static:
+            settings.setdefault("prefill", tuple(p.url for p in ps))
+        with run_sidecar(d.url, **settings) as sc:
+            yield ps, d, sc
+
+
+@contextmanager
+def contextlib_stack(apps: list[Any]) -> Iterator[list[ServerThread]]:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        yield [stack.enter_context(serve(app)) for app in apps]
+
+
+def stats(p: ServerThread) -> dict[str, Any]:
+    result: dict[str, Any] = httpx.get(p.url + "/stats").json()
+    return result
+
+
+def wait_stats(p: ServerThread, check: Any, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not check(current := stats(p)):
+        assert time.monotonic() < deadline, f"P never reached the expected state: {current}"
+        time.sleep(0.01)
+    return current
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
+
+
+def completion(words: int, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": " ".join(["tok"] * words), "max_tokens": 4, **extra}
+
+
+def test_admitted_request_runs_both_legs_and_d_frees_p() -> None:
+    with pd() as ([p], d, sc):
+        response = httpx.post(
+            sc.url + "/v1/completions", json=completion(20), headers={"x-request-id": "rt-1"}
+        )
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "rt-1"
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]
+        log = httpx.get(d.url + "/sim/log").json()
+        assert log[0]["request_id"] == "rt-1" and log[0]["admitted"]
+        params = log[0]["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == after["engine_id"]
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
+
+
+def test_streaming_chat_passes_through_and_is_freed_by_d() -> None:
+    with pd() as ([p], _d, sc):
+        with httpx.stream(
+            "POST", sc.url + "/v1/chat/completions", json=chat("hello there", stream=True)
+        ) as r:
+            assert r.status_code == 200
+            text = b"".join(r.iter_raw()).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["freed_by_notification"] == 1)
+
+
+def test_d_rejection_is_released_by_the_router() -> None:
+    with pd() as ([p], _d, sc):
+        # prompt over D's max_model_len: P prefilled it (its limit is larger), D refuses it
+        response = httpx.post(sc.url + "/v1/completions", json=completion(60, max_tokens="x"))
+        assert response.status_code == 400
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+
+
+def test_d_unreachable_releases_and_answers_503() -> None:
+    p_app = create_prefill_app(
+        PrefillSimConfig(port=0, vllm_version=VERSION, tp=1, lease=0, side_channel_port=0)
+    )
+    with (
+        serve(p_app) as p,
+        run_sidecar(
+            f"http://127.0.0.1:{free_port()}",
+            release="nixl",
+            prefill_allow=("127.0.0.1",),
+            prefill=(p.url,),
+            vllm_version=VERSION,
+        ) as sc,
+    ):
+        response = httpx.post(sc.url + "/v1/completions", json=completion(20))
+        assert response.status_code == 503
+        wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["freed_by_notification"] == 1)
+
+
+def test_decode_leg_header_timeout_releases() -> None:
+    with pd(header_timeout=0.3) as ([p], _d, sc):
+        body = {"model": "m", "prompt": "tok tok [[slow-headers:3]]", "max_tokens": 2}
+        response = httpx.post(sc.url + "/v1/completions", json=body)
+        assert response.status_code == 504
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1
+
+
+def test_client_supplied_params_are_dropped() -> None:
+    with pd() as ([p], d, sc):
+        evil = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "x",
+            "remote_host": "10.9.9.9",
+            "remote_port": 1,
+            "remote_block_ids": [1],
+            "remote_request_id": "victim",
+        }
+        response = httpx.post(sc.url + "/v1/completions", json=completion(5, kv_transfer_params=evil))
+        assert response.status_code == 200
+        params = httpx.get(d.url + "/sim/log").json()[0]["kv_transfer_params"]
+        assert params["remote_host"] != "10.9.9.9" and params["remote_request_id"] != "victim"
+        assert sc.sample("kvr_ineligible_total", reason="client_params_dropped") == 1
+        wait_stats(p, lambda s: s["pinned_requests"] == 0)
+
+
+def test_n_greater_than_one_is_refused_or_sent_decode_only() -> None:
+    with pd() as ([p], _d, sc):
+        response = httpx.post(sc.url + "/v1/completions", json=completion(5, n=2))
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+        assert stats(p)["pinned_requests"] == 0 and stats(p)["freed_by_notification"] == 0
+    with pd(decode_only_fallback=True) as ([p], d, sc):
+        response = httpx.post(sc.url + "/v1/completions", json=completion(5, n=2))
+        assert response.status_code == 200
+        assert httpx.get(d.url + "/sim/log").json()[0]["kv_transfer_params"] is None
+        assert stats(p)["handshakes_served"] == 0
+
+
+def test_failing_prefill_is_retried_on_another_and_skipped_for_a_backoff() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pd(prefill_policy="round-robin") as ([p], _d, sc):
+        assert sc.app.runtime is not None
+        router = sc.app.runtime.proxy.router
+        assert router is not None
+        router.static = [dead, p.url]
+        for _ in range(4):
+            assert httpx.post(sc.url + "/v1/completions", json=completion(5)).status_code == 200
+        assert (
+            sc.sample("kvr_leg_failures_total", leg="prefill", cause="connect_refused") == 1
+        )  # then backed off
+        wait_stats(p, lambda s: s["freed_by_notification"] == 4)
+
+
+def test_no_prefill_left_is_503_or_decode_only() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pd(static=False, prefill=(dead,)) as (_ps, d, sc):
+        assert httpx.post(sc.url + "/v1/completions", json=completion(5)).status_code == 503
+        assert httpx.get(d.url + "/sim/log").json() == []
+    with pd(static=False, prefill=(dead,), decode_only_fallback=True) as (_ps, d, sc):
+        assert httpx.post(sc.url + "/v1/completions", json=completion(5)).status_code == 200
+        assert httpx.get(d.url + "/sim/log").json()[0]["kv_transfer_params"] is None
+
+
+def test_prefiller_header_selects_p_and_is_checked_against_the_allowlist() -> None:
+    with pd(static=False) as ([p], d, sc):
+        host_port = p.url.removeprefix("http://")
+        response = httpx.post(
+            sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": host_port}
+        )
+        assert response.status_code == 200
+        wait_stats(p, lambda s: s["freed_by_notification"] == 1)
+        denied = httpx.post(
+            sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": "10.1.2.3:8100"}
+        )
+        assert denied.status_code == 400 and "allowlist" in denied.json()["error"]["message"]
+        bad = httpx.post(
+            sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": "nope"}
+        )
+        assert bad.status_code == 400
+        # without the header and without a static pool, the request goes straight to D
+        assert httpx.post(sc.url + "/v1/completions", json=completion(5)).status_code == 200
+        assert httpx.get(d.url + "/sim/log").json()[-1]["kv_transfer_params"] is None
+
+
+def test_cached_tokens_reported_from_p_not_d() -> None:
+    with pd(d_config={"prompt_tokens_details": True}) as ([p], _d, sc):
+        body = completion(20)
+        direct = httpx.post(
+            p.url.replace("http://", "http://") + "/v1/completions", json={**body, "max_tokens": 1}
+        )
+        assert direct.status_code == 200
+        response = httpx.post(sc.url + "/v1/completions", json=body)
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert int(response.headers["content-length"]) == len(response.content)
+
+
+def test_client_gone_around_the_prefill_answer_releases() -> None:
+    with pd(d_config={"latency": 0}) as ([p], _d, sc):
+
+        async def leave_early() -> None:
+            async with httpx.AsyncClient() as client:
+                task = asyncio.create_task(
+                    client.post(sc.url + "/v1/completions", json=completion(20, max_tokens=4))
+                )
+                deadline = time.monotonic() + 5
+                while stats(p)["pinned_requests"] == 0 and not task.done() and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(leave_early())
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1

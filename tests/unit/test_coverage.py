@@ -1,0 +1,80 @@
+"""``engine_covers``: which rejections D releases itself (vLLM 0.21.0+), as a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.release.base import ReleaseJob
+from sidecar.release.coverage import engine_covers
+from sidecar.wire import KVTransferParams
+
+CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+
+
+def job(
+    status: int | None,
+    error_type: str | None,
+    *,
+    route: str = CHAT,
+    cause: str | None = None,
+    injected: bool = False,
+) -> ReleaseJob:
+    if cause is None:
+        cause = "rejected_5xx" if (status or 0) >= 500 else "rejected_4xx"
+    return ReleaseJob(
+        request_id="x",
+        route=route,
+        params=KVTransferParams(do_remote_prefill=True),
+        cause=cause,
+        status=status,
+        error_type=error_type,
+        injected=injected,
+        detected_at=0.0,
+        deadline=1.0,
+    )
+
+
+V021, V024, V025, V028, V029, V033 = (0, 21, 0), (0, 24, 0), (0, 25, 0), (0, 28, 0), (0, 29, 0), (0, 33, 0)
+
+TABLE = [
+    # version, job, covered, why
+    ((0, 20, 2), job(400, "BadRequestError"), False, "no fix before 0.21.0"),
+    ((0, 13, 0), job(404, "NotFoundError"), False, "no fix before 0.21.0"),
+    (V021, job(400, "BadRequestError"), True, "handler error"),
+    (V021, job(400, "BadRequestError", route=CMPL), True, "completions handler"),
+    (V021, job(400, "BadRequestError", route=RESP), True, "responses handler"),
+    (V021, job(400, "BadRequestError", route="/v1/chat/completions?x=1"), True, "query string"),
+    (V033, job(400, "BadRequestError"), True, "handler error"),
+    (V021, job(404, "NotFoundError"), True, "unknown model, checked inside"),
+    (V033, job(404, "NotFoundError", route=RESP), True, "unknown model"),
+    (V021, job(400, "Bad Request"), False, "pydantic / content-type validation, before the handler"),
+    (V033, job(400, "Bad Request"), False, "validation, before the handler"),
+    (V021, job(401, None), False, 'auth middleware {"error": "Unauthorized"}'),
+    (V033, job(503, None), False, "elastic-EP scaling middleware"),
+    (V033, job(404, None), False, "unknown path, FastAPI's detail body"),
+    (V033, job(404, "Not Found"), False, "an HTTPException, not the model check"),
+    (V033, job(501, "NotImplementedError"), False, "the route raises it when the API is not served"),
+    (V033, job(500, "InternalServerError"), False, "a dead engine cannot notify"),
+    (V021, job(500, "InternalServerError"), False, "a dead engine cannot notify"),
+    (V024, job(422, "UnprocessableEntityError"), False, "no 422 mapping before 0.25.0"),
+    (V025, job(422, "UnprocessableEntityError"), True, "media fetch failure, inside"),
+    (V028, job(503, "Service Unavailable"), False, "no admission control before 0.29.0"),
+    (V029, job(503, "Service Unavailable"), True, "admission, inside; the notify bypasses it"),
+    (V033, job(503, "Service Unavailable"), True, "admission"),
+    (V033, job(503, "ServiceUnavailableError"), False, "RetryableRequestError: pooling only"),
+    (V033, job(429, "BadRequestError"), False, "a status vLLM does not pair with that type"),
+    (V033, job(400, "BadRequestError", route="/v1/messages"), False, "Anthropic adapter not wrapped"),
+    (V033, job(400, "BadRequestError", route="/inference/v1/generate"), False, "token route not wrapped"),
+    (V033, job(400, "BadRequestError", cause="stream_admission_error"), False, "after HTTP 200"),
+    (V033, job(None, None, cause="unreachable"), False, "D unreachable"),
+    (V033, job(413, "BadRequestError", cause="body_too_large"), False, "the sidecar's own 413"),
+    (V033, job(503, "Service Unavailable", cause="shutting_down"), False, "the sidecar shutting down"),
+    (V033, job(400, "BadRequestError", cause="client_gone_before_forward"), False, "never reached D"),
+    (V033, job(400, "BadRequestError", injected=True), False, "injected: D never saw it"),
+    (V033, job(400, "BadRequestError", cause="injected"), False, "injected cause"),
+]
+
+
+@pytest.mark.parametrize(("version", "rejection", "covered", "why"), TABLE, ids=[row[3] for row in TABLE])
+def test_engine_covers(version: tuple[int, int, int], rejection: ReleaseJob, covered: bool, why: str) -> None:
+    assert engine_covers(version, rejection) is covered, why
