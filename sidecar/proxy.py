@@ -72,6 +72,7 @@ class Exchange:
     responded: bool = False  # http.response.start was sent
     decided: bool = False  # classified (at most once)
     router: bool = False  # router mode: the sidecar ran the prefill leg itself
+    body_request_id: str | None = None  # the body's request_id field, if a string
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
 
 
@@ -344,7 +345,10 @@ class Proxy:
                     "malformed kv_transfer_params, will not release",
                     extra={"request_id": request_id, "detail": eligibility.detail},
                 )
-        return Exchange(request_id, route, eligibility.params, view.stream is True, started)
+        body_id = view.request_id if isinstance(view.request_id, str) else None
+        return Exchange(
+            request_id, route, eligibility.params, view.stream is True, started, body_request_id=body_id
+        )
 
     async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
         raw = tail_params(body.tail) if body.complete else None
@@ -515,6 +519,7 @@ class Proxy:
             ReleaseJob(
                 request_id=exchange.request_id,
                 route=exchange.route,
+                body_request_id=exchange.body_request_id,
                 params=params,
                 cause=decision.cause.value,
                 status=event.status if status is None else status,

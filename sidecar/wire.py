@@ -24,6 +24,8 @@ class RequestView(msgspec.Struct):
     stream: Any = False
     n: Any = None
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+    # vLLM < 0.13.0 names a /v1/responses request by this body field (P's id too).
+    request_id: Any = None
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):

@@ -195,7 +195,11 @@ def check_params(profile: WireProfile, params: KVTransferParams) -> str:
 
 
 def engine_request_id(
-    profile: WireProfile, params: KVTransferParams, x_request_id: str, route: str
+    profile: WireProfile,
+    params: KVTransferParams,
+    x_request_id: str,
+    route: str,
+    body_request_id: str | None = None,
 ) -> str | None:
     """The id P knows the request by (reference 0), or None when it cannot be known.
 
@@ -205,10 +209,14 @@ def engine_request_id(
     ``entrypoints/openai/serving_chat.py`` and ``serving_completion.py``. The
     0.10.0-0.12.0 responses handler ignores ``X-Request-Id``: it uses the body's
     ``request_id`` field (default ``resp_<random>``, ``protocol.py``,
-    ``serving_responses.py``), which a release job does not carry.
+    ``serving_responses.py``), which the job carries as ``body_request_id``
+    when the client set it (a default one is random on each server, so
+    unknowable).
     """
     if profile.wire.has_remote_request_id:
         return params.remote_request_id or None
+    if route == "/v1/responses":
+        return body_request_id or None
     if not x_request_id:
         return None
     if route == "/v1/chat/completions":

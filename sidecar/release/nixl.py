@@ -149,7 +149,7 @@ class NixlReleaser:
                 "holds; releases need --allow-unsafe-vllm",
                 "unsafe_version",
             )
-        request_id = engine_request_id(profile, params, job.request_id, job.route)
+        request_id = engine_request_id(profile, params, job.request_id, job.route, job.body_request_id)
         if request_id is None:
             raise PermanentReleaseError(
                 f"P's id for this request cannot be known on vLLM {profile.text} "

@@ -315,3 +315,12 @@ def test_thousand_concurrent_requests_release_exactly_the_rejected_once(decode: 
         sc.settle()
         assert len(sc.released()) == 100
         assert sc.sample("kvr_releases_total", strategy="dry-run", result="duplicate") == 5
+
+
+def test_job_carries_the_body_request_id(sidecar: Sidecar) -> None:
+    body = {"model": "nope", "input": "hi", "request_id": "resp_client-7", "kv_transfer_params": params("b-1")}
+    response = httpx.post(sidecar.url + "/v1/responses", json=body)
+    assert response.status_code == 404
+    sidecar.settle()
+    [job] = sidecar.releaser.recorded
+    assert (job.route, job.body_request_id) == ("/v1/responses", "resp_client-7")

@@ -193,3 +193,12 @@ def test_engine_request_id(version: str, route: str, x_request_id: str, expected
     profile = WireProfile.for_version(version)
     assert profile is not None
     assert engine_request_id(profile, params_of(version), x_request_id, route) == expected
+
+
+def test_responses_before_0_13_use_the_body_request_id() -> None:
+    profile = WireProfile.for_version("0.11.0")
+    assert profile is not None
+    params = params_of("0.11.0")
+    assert engine_request_id(profile, params, "abc", "/v1/responses", "resp_client-1") == "resp_client-1"
+    # other routes still follow X-Request-Id, whatever the body says
+    assert engine_request_id(profile, params, "abc", "/v1/completions", "resp_client-1") == "cmpl-abc-0"
