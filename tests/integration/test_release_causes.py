@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -229,6 +230,14 @@ def test_client_disconnect_mid_stream_closes_upstream_and_releases_nothing() -> 
         assert sc.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
 
 
+async def until(check: Any, limit: float = 10.0) -> None:
+    """Poll ``check`` (state owned by another thread) until it holds."""
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
 def test_client_gone_before_forward_releases() -> None:
     """A request waiting for a pooled connection to D is not forwarded yet."""
     gate = threading.Event()
@@ -237,8 +246,9 @@ def test_client_gone_before_forward_releases() -> None:
     hold.listen(16)
     port = hold.getsockname()[1]
 
+    conns: list[socket.socket] = []
+
     def accept_and_hang() -> None:
-        conns = []
         while not gate.is_set():
             hold.settimeout(0.05)
             try:
@@ -261,14 +271,15 @@ def test_client_gone_before_forward_releases() -> None:
                             json={"prompt": "a", "kv_transfer_params": params("busy-1")},
                         )
                     )
-                    await asyncio.sleep(0.3)  # the only pooled connection is now taken by busy-1
+                    # the only pooled connection is now taken by busy-1
+                    await until(lambda: len(conns) == 1)
                     second = asyncio.create_task(
                         client.post(
                             sc.url + "/v1/completions",
                             json={"prompt": "b", "kv_transfer_params": params("wait-1")},
                         )
                     )
-                    await asyncio.sleep(0.3)
+                    await until(lambda: sc.sample("kvr_inflight_requests") == 2)
                     second.cancel()  # the client leaves while its request waits for a connection
                     first.cancel()
                     await asyncio.gather(first, second, return_exceptions=True)
@@ -318,7 +329,8 @@ def test_thousand_concurrent_requests_release_exactly_the_rejected_once(decode: 
 
 
 def test_job_carries_the_body_request_id(sidecar: Sidecar) -> None:
-    body = {"model": "nope", "input": "hi", "request_id": "resp_client-7", "kv_transfer_params": params("b-1")}
+    body = {"model": "nope", "input": "hi", "request_id": "resp_client-7"}
+    body["kv_transfer_params"] = params("b-1")
     response = httpx.post(sidecar.url + "/v1/responses", json=body)
     assert response.status_code == 404
     sidecar.settle()
