@@ -40,8 +40,10 @@ bench: $(STAMP)
 conformance: $(STAMP)
 	$(UV) run --frozen --no-sync pytest -q tests/conformance
 
+# nixl-cu12 ships x86_64 wheels only.
 image:
-	docker build -t kv-release-sidecar:dev .
+	docker build --platform linux/amd64 -t kv-release-sidecar:dev .
+	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev deploy
 
 clean:
 	rm -rf $(TOOLS) $(VENV) .pytest_cache .mypy_cache .ruff_cache out

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _MODULES = ("nixl._api", "nixl_cu12._api")
 PROGRESS_TICK = 0.0005  # seconds between progress calls while a send may be in flight
-PROGRESS_WINDOW = 0.2  # seconds of progress after the last send
+PROGRESS_WINDOW = 1.0  # seconds of progress after the last send (UCX wire-up needs several rounds)
 
 
 class _Owner:

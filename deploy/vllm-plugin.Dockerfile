@@ -1,0 +1,10 @@
+# vLLM with the kv_release plugin (D's control endpoint, used by --release http and auto).
+# Build it from the same vLLM release as every other P and D of the deployment:
+#   docker build -f deploy/vllm-plugin.Dockerfile -t registry.example.com/vllm-openai-kvr:v0.33.0 .
+# Enable the plugin in the decode container with VLLM_PLUGINS=kv_release (vLLM 0.26.0+; the
+# variable lists every plugin vLLM may load, so name the others you use too) or, on any
+# release, with the flag --middleware sidecar.vllm_plugin.KVReleaseMiddleware.
+FROM vllm/vllm-openai:v0.33.0
+# --no-deps: the plugin imports only vllm and msgspec, both already in this image; pip must not
+# replace the torch, NIXL or FastAPI this vLLM was built against.
+RUN pip install --no-cache-dir --no-deps kv-release-sidecar==0.1.0

@@ -1,0 +1,248 @@
+"""A small, offline subset of ``kustomize build``, enough for the overlays in deploy/.
+
+Supported kustomization keys: ``resources`` (files, or directories holding a
+kustomization), ``namespace``, ``commonLabels``, ``configMapGenerator``
+(``files`` and ``literals``, name hash suffix as kustomize computes it, and
+the references in pod specs rewritten) and ``patches`` (strategic merge
+patches from ``path`` or ``patch``, matched by kind and name). Anything else,
+a JSON6902 patch or a ``$patch`` directive, raises ``Unsupported``: a
+manifest that needs more than this subset fails the tests instead of
+rendering differently from kustomize. Transformers run in kustomize's order:
+patches, namespace, labels; generated names get their hash suffix last.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Resource = dict[str, Any]
+
+KUSTOMIZATION = "kustomization.yaml"
+SUPPORTED_KEYS = {
+    "apiVersion",
+    "kind",
+    "resources",
+    "namespace",
+    "commonLabels",
+    "configMapGenerator",
+    "patches",
+}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "PriorityClass",
+}
+POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+
+# Strategic-merge keys of the lists the patches here touch (k8s.io/api patchMergeKey tags).
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
+}
+
+# Where commonLabels go (kustomize's builtin commonLabels field specs for these kinds):
+# (kind or "*", path, create the path when missing).
+LABEL_FIELDS = [
+    ("*", ("metadata", "labels"), True),
+    ("Service", ("spec", "selector"), True),
+    ("Deployment", ("spec", "selector", "matchLabels"), True),
+    ("Deployment", ("spec", "template", "metadata", "labels"), True),
+    ("StatefulSet", ("spec", "selector", "matchLabels"), True),
+    ("StatefulSet", ("spec", "template", "metadata", "labels"), True),
+    ("DaemonSet", ("spec", "selector", "matchLabels"), True),
+    ("DaemonSet", ("spec", "template", "metadata", "labels"), True),
+    ("Job", ("spec", "selector", "matchLabels"), False),
+    ("Job", ("spec", "template", "metadata", "labels"), True),
+    ("PodDisruptionBudget", ("spec", "selector", "matchLabels"), False),
+    ("NetworkPolicy", ("spec", "podSelector", "matchLabels"), False),
+    ("NetworkPolicy", ("spec", "ingress", "[]", "from", "[]", "podSelector", "matchLabels"), False),
+    ("NetworkPolicy", ("spec", "egress", "[]", "to", "[]", "podSelector", "matchLabels"), False),
+]
+
+
+class Unsupported(Exception):
+    """The kustomization uses something this subset does not render."""
+
+
+def build(directory: Path) -> list[Resource]:
+    """Render the kustomization in ``directory`` like ``kustomize build``."""
+    spec = yaml.safe_load((directory / KUSTOMIZATION).read_text()) or {}
+    unknown = set(spec) - SUPPORTED_KEYS
+    if unknown:
+        raise Unsupported(f"{directory}: kustomization keys {sorted(unknown)}")
+    resources: list[Resource] = []
+    for entry in spec.get("resources", []):
+        path = directory / entry
+        resources.extend(build(path) if path.is_dir() else load_documents(path))
+    generated = [_generate(directory, item) for item in spec.get("configMapGenerator", [])]
+    resources.extend(generated)
+    _check_unique(resources)
+    for patch in spec.get("patches", []):
+        _apply_patch(resources, _patch_document(directory, patch), patch.get("target"))
+    if "namespace" in spec:
+        for resource in resources:
+            if resource["kind"] not in CLUSTER_SCOPED:
+                resource["metadata"]["namespace"] = spec["namespace"]
+    for resource in resources:
+        add_labels(resource, spec.get("commonLabels", {}))
+    for config_map in generated:
+        _add_hash_suffix(config_map, resources)
+    return resources
+
+
+def _check_unique(resources: list[Resource]) -> None:
+    seen: set[tuple[str, str, str]] = set()
+    for resource in resources:
+        ident = (resource["kind"], resource["metadata"].get("namespace", ""), resource["metadata"]["name"])
+        if ident in seen:
+            raise Unsupported(f"resource {ident} is defined twice")  # kustomize refuses it too
+        seen.add(ident)
+
+
+def load_documents(path: Path) -> list[Resource]:
+    """The non-empty YAML documents of one file."""
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def config_map_hash(config_map: Resource) -> str:
+    """kustomize's name suffix: sha256 of the JSON of kind, name, data (and binaryData), 10 chars."""
+    encoded: dict[str, Any] = {
+        "kind": "ConfigMap",
+        "name": config_map.get("metadata", {}).get("name", ""),
+        "data": config_map.get("data", ""),
+    }
+    if isinstance(config_map.get("binaryData"), dict):
+        encoded["binaryData"] = config_map["binaryData"]
+    text = json.dumps(encoded, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # Go's encoding/json escapes these three; the hash is over Go's bytes.
+    text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return digest.translate(str.maketrans("013ae", "ghkmt"))
+
+
+def add_labels(resource: Resource, labels: dict[str, str]) -> None:
+    """Apply ``commonLabels`` to ``resource`` at kustomize's field specs."""
+    if not labels:
+        return
+    for kind, path, create in LABEL_FIELDS:
+        if kind in ("*", resource["kind"]):
+            for target in _walk(resource, path, create):
+                target.update(labels)
+
+
+def strategic_merge(base: Any, patch: Any, key: str | None = None) -> Any:
+    """Merge ``patch`` into ``base``: maps recursively, keyed lists by key, other values replaced."""
+    if isinstance(patch, dict):
+        if "$patch" in patch or any(k.startswith("$") for k in patch):
+            raise Unsupported(f"strategic-merge directive in {sorted(patch)}")
+        if not isinstance(base, dict):
+            return copy.deepcopy(patch)
+        merged = dict(base)
+        for name, value in patch.items():
+            if value is None:
+                merged.pop(name, None)
+            else:
+                merged[name] = strategic_merge(base.get(name), value, name)
+        return merged
+    if isinstance(patch, list) and key in MERGE_KEYS and isinstance(base, list):
+        return _merge_list(base, patch, MERGE_KEYS[key])
+    return copy.deepcopy(patch)
+
+
+def _merge_list(base: list[Any], patch: list[Any], merge_key: str) -> list[Any]:
+    merged = list(base)
+    for item in patch:
+        index = next((i for i, old in enumerate(merged) if old.get(merge_key) == item[merge_key]), None)
+        if index is None:
+            merged.append(copy.deepcopy(item))
+        else:
+            merged[index] = strategic_merge(merged[index], item)
+    return merged
+
+
+def _generate(directory: Path, item: dict[str, Any]) -> Resource:
+    if set(item) - {"name", "files", "literals"}:
+        raise Unsupported(f"configMapGenerator fields {sorted(item)}")
+    data: dict[str, str] = {}
+    for entry in item.get("files", []):
+        key, _, name = entry.rpartition("=")
+        data[key or Path(name).name] = (directory / name).read_text()
+    for literal in item.get("literals", []):
+        key, _, value = literal.partition("=")
+        data[key] = value
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": item["name"]}, "data": data}
+
+
+def _add_hash_suffix(config_map: Resource, resources: list[Resource]) -> None:
+    old = config_map["metadata"]["name"]
+    new = f"{old}-{config_map_hash(config_map)}"
+    config_map["metadata"]["name"] = new
+    namespace = config_map["metadata"].get("namespace")
+    for resource in resources:
+        if resource["kind"] in POD_TEMPLATE_KINDS and resource["metadata"].get("namespace") == namespace:
+            _rename_config_map_refs(resource["spec"]["template"]["spec"], old, new)
+
+
+def _rename_config_map_refs(pod: Resource, old: str, new: str) -> None:
+    refs: list[dict[str, Any]] = []
+    for volume in pod.get("volumes", []):
+        refs.append(volume.get("configMap") or {})
+        refs.extend(
+            source.get("configMap") or {} for source in volume.get("projected", {}).get("sources", [])
+        )
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        refs.extend(source.get("configMapRef") or {} for source in container.get("envFrom", []))
+        refs.extend(env.get("valueFrom", {}).get("configMapKeyRef") or {} for env in container.get("env", []))
+    for ref in refs:
+        if ref.get("name") == old:
+            ref["name"] = new
+
+
+def _patch_document(directory: Path, entry: dict[str, Any]) -> Resource:
+    if set(entry) - {"path", "patch", "target"}:
+        raise Unsupported(f"patch fields {sorted(entry)}")
+    text = (directory / entry["path"]).read_text() if "path" in entry else entry["patch"]
+    document = yaml.safe_load(text)
+    if isinstance(document, list):
+        raise Unsupported("JSON6902 patches")
+    return dict(document)
+
+
+def _apply_patch(resources: list[Resource], patch: Resource, target: dict[str, str] | None) -> None:
+    kind = (target or {}).get("kind") or patch["kind"]
+    name = (target or {}).get("name") or patch["metadata"]["name"]
+    matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    if not matches:
+        raise Unsupported(f"patch target {kind}/{name} not found")
+    for resource in matches:
+        body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind", "metadata")}
+        resource.update(strategic_merge(resource, body))
+
+
+def _walk(node: Any, path: tuple[str, ...], create: bool) -> list[dict[str, Any]]:
+    """The maps at ``path`` ("[]" steps into every list item); created when ``create``."""
+    if not path:
+        return [node] if isinstance(node, dict) else []
+    step, rest = path[0], path[1:]
+    if step == "[]":
+        return [found for item in node or [] for found in _walk(item, rest, create)]
+    if not isinstance(node, dict):
+        return []
+    if step not in node or node[step] is None:
+        if not create:
+            return []
+        node[step] = {}
+    return _walk(node[step], rest, create)

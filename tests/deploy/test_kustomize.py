@@ -1,0 +1,166 @@
+"""The kustomize subset the deploy tests render with behaves like kustomize where the overlays rely on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.kustomize import Unsupported, add_labels, build, config_map_hash, strategic_merge
+
+
+@pytest.mark.parametrize(
+    ("config_map", "expected"),
+    [
+        # Vectors of kustomize's api/hasher/hasher_test.go (TestConfigMapHash).
+        ({"kind": "ConfigMap"}, "6ct58987ht"),
+        ({"kind": "ConfigMap", "data": {"one": ""}}, "9g67k2htb6"),
+        ({"kind": "ConfigMap", "data": {"two": 2, "one": "", "three": 3}}, "7757f9kkct"),
+        ({"kind": "ConfigMap", "data": {"one": ""}, "binaryData": {"two": ""}}, "698h7c7t9m"),
+    ],
+)
+def test_config_map_hash_matches_kustomize(config_map: dict[str, object], expected: str) -> None:
+    assert config_map_hash(config_map) == expected
+
+
+def test_strategic_merge_keyed_lists_merge_others_replace() -> None:
+    base = {
+        "containers": [
+            {"name": "a", "image": "a:1", "env": [{"name": "X", "value": "1"}], "args": ["--p", "1"]},
+            {"name": "b", "image": "b:1"},
+        ]
+    }
+    patch = {
+        "containers": [
+            {"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}], "args": ["--q"]},
+            {"name": "c", "image": "c:1"},
+        ]
+    }
+    merged = strategic_merge(base, patch)
+    assert [c["name"] for c in merged["containers"]] == ["a", "b", "c"]
+    first = merged["containers"][0]
+    assert first["env"] == [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}]
+    assert first["args"] == ["--q"]  # args has no merge key: replaced
+    assert first["image"] == "a:1"
+    assert strategic_merge({"a": 1, "b": 2}, {"b": None}) == {"a": 1}  # null deletes
+    assert base["containers"][0]["env"] == [{"name": "X", "value": "1"}]  # inputs untouched
+
+
+def test_strategic_merge_refuses_directives() -> None:
+    with pytest.raises(Unsupported):
+        strategic_merge({"containers": [{"name": "a"}]}, {"containers": [{"name": "a", "$patch": "delete"}]})
+
+
+def test_common_labels_follow_kustomize_field_specs() -> None:
+    policy = {
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "p"},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "d"}},
+            "ingress": [
+                {"from": [{"podSelector": {}}, {"podSelector": {"matchExpressions": []}}]},
+                {"from": [{"podSelector": {"matchLabels": {"role": "p"}}}]},
+            ],
+        },
+    }
+    add_labels(policy, {"part-of": "x"})
+    assert policy["metadata"]["labels"] == {"part-of": "x"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app": "d", "part-of": "x"}
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert peers == [{"podSelector": {}}, {"podSelector": {"matchExpressions": []}}]  # not created
+    assert policy["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"] == {
+        "role": "p",
+        "part-of": "x",
+    }
+    service = {"kind": "Service", "metadata": {"name": "s"}, "spec": {}}
+    add_labels(service, {"part-of": "x"})
+    assert service["spec"]["selector"] == {"part-of": "x"}  # created
+
+
+def _write(directory: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(text)
+
+
+DEPLOYMENT = """
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web}
+spec:
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec:
+      containers:
+        - name: web
+          image: web:1
+          envFrom: [{configMapRef: {name: settings}}]
+      volumes: [{name: conf, configMap: {name: settings}}]
+"""
+
+
+def test_generator_hash_suffix_rewrites_references_and_follows_content(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "base/kustomization.yaml": (
+                "resources: [deployment.yaml]\n"
+                "configMapGenerator:\n  - name: settings\n    files: [app.toml]\n"
+            ),
+            "base/deployment.yaml": DEPLOYMENT,
+            "base/app.toml": "a = 1\n",
+            "overlay/kustomization.yaml": "namespace: prod\nresources: [../base]\n",
+        },
+    )
+    resources = build(tmp_path / "overlay")
+    config_map = next(r for r in resources if r["kind"] == "ConfigMap")
+    name = config_map["metadata"]["name"]
+    assert name.startswith("settings-") and len(name) == len("settings-") + 10
+    assert config_map["metadata"]["namespace"] == "prod"
+    pod = next(r for r in resources if r["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["configMap"]["name"] == name
+    assert pod["containers"][0]["envFrom"][0]["configMapRef"]["name"] == name
+    (tmp_path / "base/app.toml").write_text("a = 2\n")
+    assert (
+        next(r for r in build(tmp_path / "overlay") if r["kind"] == "ConfigMap")["metadata"]["name"] != name
+    )
+
+
+def test_patch_by_kind_and_name(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "kustomization.yaml": "resources: [deployment.yaml]\npatches:\n  - path: patch.yaml\n",
+            "deployment.yaml": DEPLOYMENT,
+            "patch.yaml": (
+                "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web}\n"
+                "spec: {replicas: 3, template: {spec: {containers: [{name: web, image: web:2}]}}}\n"
+            ),
+        },
+    )
+    deployment = build(tmp_path)[0]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "web:2"
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["envFrom"]  # kept
+
+
+@pytest.mark.parametrize(
+    "kustomization",
+    [
+        "resources: [deployment.yaml]\nimages: [{name: web, newTag: '2'}]\n",  # unsupported key
+        "resources: [deployment.yaml]\npatches:\n  - path: missing-target.yaml\n",
+        "resources: [deployment.yaml, deployment.yaml]\n",  # the same resource twice
+    ],
+)
+def test_what_the_subset_cannot_render_fails(tmp_path: Path, kustomization: str) -> None:
+    _write(
+        tmp_path,
+        {
+            "kustomization.yaml": kustomization,
+            "deployment.yaml": DEPLOYMENT,
+            "missing-target.yaml": "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: other}\n",
+        },
+    )
+    with pytest.raises(Unsupported):
+        build(tmp_path)
