@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim-decode": ("sidecar.sim.decode", "run the fake vLLM decode server"),
     "sim-prefill": ("sidecar.sim.prefill", "run the fake vLLM prefill server (NIXL)"),
     "demo": ("sidecar.sim.demo", "run the embedded demo and print what is released"),
+    "loadtest": ("sidecar.loadtest.command", "open-loop P->D load with a release verdict"),
 }
 
 

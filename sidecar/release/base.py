@@ -42,10 +42,8 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     request_id: str  # the x-request-id seen by D (pre-0.13.0 P derives its id from it)
-    route: str
-    body_request_id: str | None = (
-        None  # the body's request_id (pre-0.13.0 /v1/responses id)  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
-    )
+    route: str  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
+    body_request_id: str | None = None  # the body's request_id (pre-0.13.0 /v1/responses id)
     params: KVTransferParams
     cause: str  # a sidecar.classify.Cause value
     status: int | None = None

@@ -1,0 +1,145 @@
+"""The verdict of a run: did any release reach P for a request D admitted, and did every
+admitted request get its tokens? A pure function of what the run measured.
+
+The simulators know both sides. D's ``/sim/log`` says which requests it
+admitted; P's ``/sim/requests/{id}`` says how many notifications each rank
+got for a request, and ``notifs_unknown`` counts notifications for ids P no
+longer held. D notifies each P rank once per admitted request, so a rank
+notified more than once for an admitted request, or any notification for an
+unknown id, is a wrong or double release: either a release reached P for a
+request D admitted (before D read: silently wrong output; after: P logs an
+error), or a rejected request was released twice. P cannot tell those
+apart, so both fail the run. Against a real vLLM P, only its count of
+notifications for unknown ids would show it, where the release exports one;
+it is reported, and its absence is said. A request D admitted (by D's log,
+else by its answer) that ended without its tokens fails the run as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.loadtest.flow import REJECTED, FlowResult
+
+LogEntry = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything the verdict reads; ``None`` where the run could not measure it."""
+
+    flows: Sequence[FlowResult]
+    p_kind: str  # "simulator" or "prometheus"
+    p_delta: Mapping[str, float]  # P's counters over the run
+    d_log: Mapping[str, LogEntry] | None = None  # D's log by request id (the simulator)
+    p_requests: Mapping[str, LogEntry | None] | None = None  # P's record by P's id (the simulator)
+    sidecar_delta: Mapping[str, float] | None = None  # the sidecar's counters over the run
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """PASS or FAIL, the reasons, and what could not be checked."""
+
+    ok: bool
+    problems: tuple[str, ...]
+    notes: tuple[str, ...]
+    wrong_releases: int  # admitted requests a P rank was notified for more than once
+    unknown_notifications: float | None  # None: P does not count them
+    admitted_without_tokens: int
+
+    @property
+    def line(self) -> str:
+        """The one-line verdict printed at the end of a run."""
+        if self.ok:
+            return "verdict: PASS - no wrong release seen, every admitted request got its tokens"
+        return "verdict: FAIL - " + "; ".join(self.problems)
+
+
+def was_admitted(flow: FlowResult, d_log: Mapping[str, LogEntry] | None) -> bool:
+    """D's log when it has the request, else the answer: a 200 that did not open with an error."""
+    entry = d_log.get(flow.request_id) if d_log is not None else None
+    if entry is not None:
+        return bool(entry.get("admitted"))
+    if d_log is not None and flow.decode_status not in (0, 200):
+        return False  # never reached D (down, injected) or refused before D's log
+    return flow.decode_status == 200 and flow.outcome != "stream_rejected" and not flow.injected
+
+
+def judge(evidence: Evidence) -> Verdict:
+    """The verdict of one run (see the module docstring)."""
+    problems: list[str] = []
+    notes: list[str] = []
+    admitted = [flow for flow in evidence.flows if was_admitted(flow, evidence.d_log)]
+    starved = [flow for flow in admitted if flow.outcome != "ok"]
+    if starved:
+        example = f"{starved[0].request_id}: {starved[0].detail or starved[0].outcome}"
+        problems.append(f"{len(starved)} request(s) D admitted ended without their tokens (e.g. {example})")
+    wrong = _notified_twice(admitted, evidence.p_requests)
+    if wrong:
+        problems.append(f"{len(wrong)} request(s) D admitted were notified more than once on a P rank")
+    unknown = evidence.p_delta.get("notifs_unknown")
+    if unknown:
+        problems.append(
+            f"P got {unknown:.0f} notification(s) for request ids it no longer held: a wrong or double "
+            "release (a release for a request D admitted, or a second release of a rejected one)"
+        )
+    problems += _sidecar_problems(evidence)
+    notes += _notes(evidence, admitted)
+    return Verdict(
+        ok=not problems,
+        problems=tuple(problems),
+        notes=tuple(notes),
+        wrong_releases=len(wrong),
+        unknown_notifications=unknown,
+        admitted_without_tokens=len(starved),
+    )
+
+
+def _notified_twice(
+    admitted: Sequence[FlowResult], p_requests: Mapping[str, LogEntry | None] | None
+) -> list[str]:
+    if p_requests is None:
+        return []
+    wrong = []
+    for flow in admitted:
+        record = p_requests.get(flow.p_request_id or "")
+        if record is not None and any(count > 1 for count in record.get("notification_counts", ())):
+            wrong.append(flow.request_id)
+    return wrong
+
+
+def _sidecar_problems(evidence: Evidence) -> list[str]:
+    if evidence.sidecar_delta is None:
+        return []
+    sent = evidence.sidecar_delta.get("releases.sent", 0.0)
+    rejected = sum(1 for flow in evidence.flows if flow.outcome in REJECTED and flow.blocks)
+    if sent > rejected:
+        return [f"the sidecar sent {sent:.0f} releases for {rejected} rejected request(s) holding blocks"]
+    return []
+
+
+def _notes(evidence: Evidence, admitted: Sequence[FlowResult]) -> list[str]:
+    notes = []
+    if evidence.d_log is None:
+        notes.append("D is not the simulator: 'admitted' is judged from D's answers")
+    if evidence.p_kind != "simulator":
+        notes.append("P is not the simulator: per-request notification counts cannot be checked")
+    if evidence.p_delta.get("notifs_unknown") is None:
+        notes.append(
+            "P exports no count of notifications for unknown ids: look for 'unrecognized request' "
+            "in P's log to see wrong or double releases"
+        )
+    if evidence.p_requests is not None:
+        expired = [
+            flow.request_id
+            for flow in admitted
+            if (evidence.p_requests.get(flow.p_request_id or "") or {}).get("freed_by") == "expiry"
+        ]
+        if expired:
+            notes.append(
+                f"{len(expired)} request(s) D admitted were freed by P's lease, not by D's notification "
+                "(D does not speak NIXL, or read too late)"
+            )
+    return notes

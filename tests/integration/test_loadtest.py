@@ -1,0 +1,113 @@
+"""``kv-release-sidecar loadtest`` against the simulators: P (NIXL, TP 2), vLLM-D, the sidecar.
+
+Real servers on ephemeral loopback ports; the load generator runs through
+the CLI in the test's thread. A clean run passes, with the sidecar's
+injected rejections released over NIXL and every one confirmed by P; a D
+that sends P one extra notification for every request it admitted (what a
+wrong release looks like from P) makes the verdict fail with exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.cli import main
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode_nixl import VllmDHooks, engine_request_id
+from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from tests.integration.conftest import Sidecar, run_sidecar
+from tests.servers import ServerThread, serve
+
+pytestmark = pytest.mark.nixl
+
+
+class DoubleReleasingHooks(VllmDHooks):
+    """A faulty D: after freeing an admitted request the normal way, it notifies every P
+    rank once more through its ``DecodeClient``, as a wrong release would."""
+
+    async def admitted(self, request_id: str, route: str, kv_transfer_params: dict[str, Any]) -> None:
+        await super().admitted(request_id, route, kv_transfer_params)
+        await self.client.release(kv_transfer_params, engine_request_id(route, request_id))
+
+
+@contextmanager
+def cluster(hooks: VllmDHooks, **sidecar: Any) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
+    p_config = PrefillSimConfig(
+        port=0, tp=2, num_blocks=512, lease=10, side_channel_port=0, model="sim-model", log_level="error"
+    )
+    d_config = DecodeSimConfig(port=0, served_model="sim-model", event_delay=0.002, vllm_d=True)
+    settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
+    with (
+        serve(create_prefill_app(p_config)) as p,
+        serve(create_decode_app(d_config, hooks)) as d,
+        run_sidecar(d.url, **settings) as sc,
+    ):
+        yield p, d, sc
+
+
+def loadtest(p: ServerThread, sc: Sidecar, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    report = tmp_path / "report.json"
+    argv = [
+        "loadtest",
+        *("--prefill-url", p.url, "--decode-url", sc.url, "--sidecar-admin-url", sc.admin_url),
+        *("--duration", "1.5", "--max-requests", "40", "--seed", "3", "--max-prompt", "96"),
+        *("--report", str(report), "--drain-timeout", "10", "--progress", "off"),
+        *extra,
+    ]
+    code = main(argv)
+    return code, json.loads(report.read_text())
+
+
+def test_clean_run_passes_and_every_injected_rejection_is_released(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with cluster(VllmDHooks("0.33.0"), inject_rate=0.3, inject_seed=5) as (p, _d, sc):
+        plot = tmp_path / "plot.png"
+        extra = ("--rate", "30", "--route", "chat", "--stream-share", "0.5", "--plot", str(plot))
+        code, report = loadtest(p, sc, tmp_path, *extra)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PASS" in out
+    assert report["verdict"]["ok"] and report["p_probe"] == "simulator"
+    outcomes = report["requests"]["by_outcome"]
+    injected = report["rejections"]["by_status"].get("503 (injected)", 0)
+    assert injected > 0 and outcomes["ok"] > 0
+    assert outcomes["ok"] + injected == report["requests"]["started"]
+    assert report["releases"]["releases.sent"] == injected  # one release per injected rejection
+    assert report["rejected_fates"] == {"freed_by_notification": injected}
+    assert report["p"]["notifs_unknown"] == 0
+    assert report["p"]["freed_by_notification"] == report["requests"]["started"]
+    assert report["latency_ms"]["ttft"]["p50"] is not None
+    assert any(flow["stream"] for flow in report["flows"]) and any(not f["stream"] for f in report["flows"])
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("probe", ["stats", "metrics"])  # metrics: how a real vLLM P is read
+def test_a_wrong_release_fails_the_verdict(
+    probe: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with cluster(DoubleReleasingHooks("0.33.0")) as (p, _d, sc):
+        extra = ("--concurrency", "4", "--max-requests", "12", "--prefill-probe", probe)
+        code, report = loadtest(p, sc, tmp_path, *extra)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "verdict: FAIL" in out and "wrong or double release" in out
+    assert not report["verdict"]["ok"]
+    assert report["p_probe"] == ("simulator" if probe == "stats" else "prometheus")
+    started = report["requests"]["started"]
+    assert started == 12 and report["requests"]["by_outcome"] == {"ok": 12}
+    assert report["verdict"]["unknown_notifications"] == 2 * started  # one extra per request per rank
+    assert report["p"]["blocks_total"] == 512 and report["p"]["peak_blocks_in_use"] is not None
+
+
+def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["loadtest", "--prefill-url", "http://127.0.0.1:1", "--decode-url", "http://127.0.0.1:2"]
+    assert main([*argv, "--rate", "5", "--concurrency", "2"]) == 2
+    assert "exactly one of --rate and --concurrency" in capsys.readouterr().err

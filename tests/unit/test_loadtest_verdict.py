@@ -1,0 +1,152 @@
+"""The load generator's verdict, percentiles and metric parsing, as tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from sidecar.loadtest.flow import FlowResult
+from sidecar.loadtest.probes import prometheus_snapshot, sidecar_counters_from_text
+from sidecar.loadtest.report import deltas, percentiles
+from sidecar.loadtest.verdict import Evidence, judge, was_admitted
+from sidecar.metrics import Metrics
+from sidecar.sim.prefill_metrics import build_registry
+
+
+def flow(rid: str, outcome: str = "ok", status: int = 200, **extra: Any) -> FlowResult:
+    fields: dict[str, Any] = {"p_request_id": f"p-{rid}", "blocks": 2, "decode_status": status, **extra}
+    return FlowResult(
+        index=0,
+        request_id=rid,
+        kind="plain",
+        stream=False,
+        prompt_words=5,
+        start=0.0,
+        outcome=outcome,
+        **fields,
+    )
+
+
+OK, REJ = flow("a"), flow("b", "rejected", 400, error_type="Bad Request")
+LOG = {"a": {"admitted": True, "origin": None}, "b": {"admitted": False, "origin": "pre_handler"}}
+RECORDS = {"p-a": {"notification_counts": [1, 1], "freed_by": "notification"}, "p-b": None}
+
+
+@pytest.mark.parametrize(
+    ("evidence", "ok", "phrase"),
+    [
+        (
+            Evidence([OK, REJ], "simulator", {"notifs_unknown": 0}, LOG, RECORDS, {"releases.sent": 1}),
+            True,
+            "",
+        ),
+        (Evidence([OK], "simulator", {"notifs_unknown": 2}, LOG, RECORDS), False, "wrong or double release"),
+        (
+            Evidence([OK], "simulator", {"notifs_unknown": 0}, LOG, {"p-a": {"notification_counts": [2, 1]}}),
+            False,
+            "notified more than once",
+        ),
+        (
+            Evidence([flow("a", "incomplete", detail="cut")], "simulator", {"notifs_unknown": 0}, LOG),
+            False,
+            "without their tokens",
+        ),
+        (Evidence([OK, REJ], "simulator", {}, LOG, None, {"releases.sent": 2}), False, "sent 2 releases"),
+        # A 200 stream that opens with an error is a rejection, not an admitted request without tokens.
+        (
+            Evidence([flow("s", "stream_rejected", stream_error=400)], "prometheus", {}, None, None),
+            True,
+            "",
+        ),
+    ],
+)
+def test_judge(evidence: Evidence, ok: bool, phrase: str) -> None:
+    verdict = judge(evidence)
+    assert verdict.ok is ok
+    assert phrase in verdict.line
+    assert verdict.line.startswith("verdict: PASS" if ok else "verdict: FAIL")
+
+
+def test_without_the_simulators_the_gaps_are_said() -> None:
+    verdict = judge(Evidence([OK], "prometheus", {}, None, None))
+    assert verdict.ok and verdict.unknown_notifications is None
+    assert any("unrecognized request" in note for note in verdict.notes)
+    assert any("judged from D's answers" in note for note in verdict.notes)
+
+
+def test_admitted_comes_from_ds_log_when_it_has_the_request() -> None:
+    assert was_admitted(flow("a"), LOG)
+    assert not was_admitted(flow("x", "rejected", 503), {})  # never reached D
+    assert was_admitted(flow("x"), None) and not was_admitted(flow("x", injected=True), None)
+
+
+def test_percentiles_nearest_rank() -> None:
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "max": None}
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert percentiles(values) == {"p50": 50.0, "p90": 90.0, "p99": 99.0, "max": 100.0}
+
+
+VLLM_METRICS = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+# HELP vllm:nixl_num_failed_notifications Number of failed NIXL notifications
+# TYPE vllm:nixl_num_failed_notifications counter
+vllm:nixl_num_failed_notifications_total{engine="0",model_name="m"} 3.0
+"""
+
+
+def test_a_real_vllm_ps_metrics() -> None:
+    snap = prometheus_snapshot(VLLM_METRICS)
+    assert snap.usage == 0.25 and snap.blocks_total == 1000 and snap.blocks_in_use == 250
+    assert snap.counters == {"vllm:nixl_num_failed_notifications_total": 3.0}
+    assert snap.pinned_requests is None and "notifs_unknown" not in snap.counters
+
+
+def test_the_prefill_simulators_metrics() -> None:
+    stats = {
+        "blocks_total": 64,
+        "blocks_in_use": 16,
+        "pinned_requests": 3,
+        "listener_alive": True,
+        "pinned_block_seconds": 12.5,
+        "refused_no_blocks": 2,
+        "handshakes_served": 1,
+        "notifs_unknown": 4,
+        "notifs_malformed": 0,
+        "notifs_heartbeat": 0,
+        "worker_errors": 0,
+        "requests_pinned": 9,
+        "registration_generation": 0,
+        "freed_by_notification": 5,
+        "freed_by_expiry": 1,
+        "notifs_per_rank": [5, 5],
+    }
+    snap = prometheus_snapshot(generate_latest(build_registry(lambda: stats)).decode())
+    assert (snap.blocks_in_use, snap.blocks_total, snap.pinned_requests) == (16, 64, 3)
+    assert snap.usage == 0.25
+    expected = {"pinned_block_seconds": 12.5, "refused_no_blocks": 2, "notifs_unknown": 4}
+    assert snap.counters == {
+        **expected,
+        "requests_pinned": 9,
+        "freed_by_notification": 5,
+        "freed_by_expiry": 1,
+    }
+
+
+def test_the_sidecars_release_counters() -> None:
+    metrics = Metrics()
+    metrics.releases.labels("nixl", "sent").inc(3)
+    metrics.releases.labels("nixl", "covered_by_engine").inc()
+    metrics.rejections.labels("rejected_4xx").inc(4)
+    metrics.queue_depth.set(2)
+    counters = sidecar_counters_from_text(generate_latest(metrics.registry).decode())
+    assert counters["releases.sent"] == 3 and counters["releases.covered_by_engine"] == 1
+    assert counters["rejections.rejected_4xx"] == 4 and counters["queue_depth"] == 2
+    assert deltas({"releases.sent": 1.0}, counters)["releases.sent"] == 2
+    assert deltas({"queue_depth": 5.0}, counters)["queue_depth"] == 2  # a gauge is taken as it is
