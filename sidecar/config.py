@@ -20,6 +20,7 @@ import msgspec
 
 ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
 PrefillPolicy = Literal["least-outstanding", "round-robin"]
+TrustMode = Literal["any", "token", "hmac"]
 LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -78,6 +79,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill_timeout: float = 300.0
     prefill_backoff: float = 5.0  # a failing P is skipped this long
     decode_only_fallback: bool = False  # no P left (or n > 1): D prefills itself
+    # Which kv_transfer_params may trigger a release (sidecar.trust): any, a router token, an HMAC.
+    trust: TrustMode = "any"
+    trust_token: str = ""
+    trust_token_file: str = ""
+    trust_key: str = ""  # HMAC key shared with the router; prefer trust_key_file
+    trust_key_file: str = ""
     # Rejection injection for load tests (off by default): the sidecar answers an error itself,
     # never forwards the request, and releases P's blocks as for a real rejection.
     inject_rate: float = 0.0  # share of releasable do_remote_prefill requests, 0..1

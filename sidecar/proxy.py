@@ -50,6 +50,7 @@ from sidecar.router import (
     prefill_headers,
 )
 from sidecar.sse import FirstEventScanner
+from sidecar.trust import InFlight, Trust
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
 
@@ -82,6 +83,8 @@ class Proxy:
     def __init__(self, config: Config, upstream: Upstream, pipeline: Pipeline, metrics: Metrics) -> None:
         self.config = config
         self.injector = Injector(config)
+        self.trust = Trust(config)
+        self.inflight = InFlight(config.ledger_size, config.release_deadline)
         self.router = PrefillPool(config) if config.prefill or config.prefill_allow else None
         self.upstream = upstream
         self.pipeline = pipeline
@@ -117,7 +120,7 @@ class Proxy:
             if routed is not None or self.router.static:
                 await self._route(scope, receive, send, headers, body, route, request_id, routed)
                 return
-        exchange = self._exchange(body, route, request_id)
+        exchange = self._exchange(body, route, request_id, scope["headers"])
         if self.stopping:
             await self._refuse(send, exchange, Failure.SHUTTING_DOWN, "the sidecar is shutting down")
             return
@@ -197,7 +200,10 @@ class Proxy:
                 await self._inject(send, exchange, status)
                 return
         decode = decode_body(request, prefilled.params)
-        await self._forward(scope, receive, send, _sized(headers, decode), decode, exchange, watcher)
+        signed = (
+            self.trust.outgoing(request_id, msgspec.json.encode(prefilled.params)) if prefilled.params else []
+        )
+        await self._forward(scope, receive, send, _sized(headers, decode) + signed, decode, exchange, watcher)
 
     async def _prefill_leg(
         self,
@@ -329,7 +335,9 @@ class Proxy:
             injected=True,
         )
 
-    def _exchange(self, body: bytes, route: str, request_id: str) -> Exchange:
+    def _exchange(
+        self, body: bytes, route: str, request_id: str, client_headers: list[tuple[bytes, bytes]]
+    ) -> Exchange:
         started = time.monotonic()
         try:
             view = VIEW_DECODER.decode(body)
@@ -346,9 +354,14 @@ class Proxy:
                     extra={"request_id": request_id, "detail": eligibility.detail},
                 )
         body_id = view.request_id if isinstance(view.request_id, str) else None
-        return Exchange(
-            request_id, route, eligibility.params, view.stream is True, started, body_request_id=body_id
-        )
+        params = eligibility.params
+        if params is not None and not self.trust.trusted(
+            client_headers, request_id, bytes(view.kv_transfer_params)
+        ):
+            # Forwarded unchanged, never released: anyone could name another tenant's blocks.
+            self.metrics.ineligible.labels("untrusted").inc()
+            params = None
+        return Exchange(request_id, route, params, view.stream is True, started, body_request_id=body_id)
 
     async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
         raw = tail_params(body.tail) if body.complete else None
@@ -377,6 +390,8 @@ class Proxy:
     ) -> None:
         watcher = watcher or _DisconnectWatcher(receive)
         exchange.sent = Sent()
+        if exchange.params is not None:
+            self.inflight.forwarded(_key(exchange))
         try:
             try:
                 response = await self.upstream.send(
@@ -510,8 +525,20 @@ class Proxy:
         params = exchange.params
         if params is None:
             return decision
-        if not decision.releases(self.config.release_ambiguous):
+        releases = decision.releases(self.config.release_ambiguous)
+        key = _key(exchange)
+        if exchange.sent is not None:
+            self.inflight.finished(key, admitted=not releases)
+        if not releases:
             self.metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
+            return decision
+        if self.inflight.may_be_read(key):
+            # Another request with these parameters is at D or was admitted: D may be reading them.
+            self.metrics.not_released.labels(Outcome.NO_RELEASE.value, "params_in_use").inc()
+            log.warning(
+                "rejected request reuses parameters D may be reading; not released",
+                extra={"request_id": exchange.request_id},
+            )
             return decision
         self.metrics.rejections.labels(decision.cause.value).inc()
         now = time.monotonic()
@@ -540,6 +567,12 @@ class Proxy:
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
+
+
+def _key(exchange: Exchange) -> tuple[str, str]:
+    params = exchange.params
+    assert params is not None
+    return (params.remote_engine_id or "", params.remote_request_id or exchange.request_id)
 
 
 def _client_gone(exchange: Exchange) -> Event:

@@ -23,6 +23,7 @@ import uvicorn
 from sidecar import config as config_mod
 from sidecar import logs
 from sidecar.app import ProxyApp, create_admin_app, create_app
+from sidecar.trust import Trust
 
 log = logging.getLogger("sidecar.serve")
 
@@ -48,6 +49,7 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
+        Trust(config)  # secrets readable and present, before any socket opens
     except config_mod.ConfigError as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2

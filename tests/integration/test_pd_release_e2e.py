@@ -29,10 +29,10 @@ pytestmark = pytest.mark.nixl
 
 @contextmanager
 def cluster(
-    version: str, tp: int, pp: int = 1, *, vllm_d: bool = True, **sidecar: Any
+    version: str, tp: int, pp: int = 1, *, vllm_d: bool = True, lease: float = 0, **sidecar: Any
 ) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
     p_config = PrefillSimConfig(
-        port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=0, side_channel_port=0
+        port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=lease, side_channel_port=0
     )
     hooks = VllmDHooks(version) if vllm_d else None
     d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, served_model="sim-prefill")
@@ -198,18 +198,31 @@ def test_p_restarted_with_new_agents_gets_a_new_handshake() -> None:
 
 
 def test_release_for_a_request_p_no_longer_holds_is_harmless() -> None:
-    with cluster("0.33.0", 2) as (p, _d, sc):
+    with cluster("0.33.0", 2, lease=0.5) as (p, _d, sc):
         params = prefill(p, "gone-1")
-        assert decode(sc, "gone-1", params, prompt_words=5).status_code == 200  # D frees it
+        wait_stats(p, lambda s: s["freed_by_expiry"] == 1)  # P's lease ran out first
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        after = wait_stats(p, lambda s: s["notifs_unknown"] == 2)  # one per rank, logged by P
+        assert after["listener_alive"] and after["worker_errors"] == 0
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+        again = prefill(p, "after-1")  # P still serves and frees normally
+        assert decode(sc, "after-1", again, prompt_words=5).status_code == 200
+        wait_stats(p, lambda s: s["freed_by_notification"] == 1)
+
+
+def test_replayed_failing_copy_of_an_admitted_request_is_not_released() -> None:
+    with cluster("0.33.0", 2) as (p, _d, sc):
+        params = prefill(p, "live-1")
+        assert decode(sc, "live-1", params, prompt_words=5).status_code == 200  # D admitted and read it
         wait_stats(p, lambda s: s["pinned_requests"] == 0)
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
-        # a client replaying the same parameters to a rejecting route: P no longer holds the id
-        httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "gone-1-replay"})
-        after = wait_stats(p, lambda s: sum(s["notifs_per_rank"]) == 4)
-        assert after["notifs_unknown"] == 2  # one per rank, logged by P, nothing else
-        assert after["listener_alive"] and after["worker_errors"] == 0
-        again = prefill(p, "after-1")
-        assert decode(sc, "after-1", again, prompt_words=5).status_code == 200
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        sc.settle()
+        assert sc.sample("kvr_not_released_total", outcome="no_release", cause="params_in_use") == 1
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
+        assert stats(p)["notifs_unknown"] == 0
 
 
 def test_unknown_vllm_release_sends_nothing() -> None:

@@ -1,0 +1,113 @@
+"""Which ``kv_transfer_params`` the sidecar may act on.
+
+A release is triggered by parameters inside a request. In sidecar mode anyone
+who can reach the sidecar could send a failing request carrying another
+tenant's ``remote_request_id`` and make P free blocks D is reading for that
+tenant. With ``--trust token`` a release needs the router's shared token in
+``x-kvr-router-token``; with ``--trust hmac`` it needs
+``x-kvr-params-signature``: hex HMAC-SHA256, keyed with the shared key, over
+``x-request-id``, a newline and the exact bytes of the ``kv_transfer_params``
+value in the body. Router mode signs what it forwards. Untrusted parameters
+are forwarded unchanged but never released (counted as ``untrusted``).
+
+Independently of the mode, ``InFlight`` refuses to release parameters that
+another request through this sidecar forwarded to D and that D may be
+reading (in flight, or admitted within the lease): a replayed, failing copy
+of a live request never frees its blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+from sidecar.config import Config, ConfigError
+
+TOKEN_HEADER = b"x-kvr-router-token"
+SIGNATURE_HEADER = b"x-kvr-params-signature"
+
+
+def _secret(value: str, path: str, field: str) -> bytes:
+    if path:
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(field + "_file", path, f"cannot read: {exc.strerror}") from exc
+    return value.encode()
+
+
+def sign(key: bytes, request_id: str, raw_params: bytes) -> str:
+    """The signature a router puts in ``x-kvr-params-signature``."""
+    return hmac.new(key, request_id.encode("latin-1") + b"\n" + raw_params, hashlib.sha256).hexdigest()
+
+
+class Trust:
+    """Decides whether a request's parameters may trigger a release."""
+
+    def __init__(self, config: Config) -> None:
+        self.mode = config.trust
+        self.token = _secret(config.trust_token, config.trust_token_file, "trust_token")
+        self.key = _secret(config.trust_key, config.trust_key_file, "trust_key")
+        if self.mode == "token" and not self.token:
+            raise ConfigError("trust_token", "", "--trust token needs trust_token or trust_token_file")
+        if self.mode == "hmac" and not self.key:
+            raise ConfigError("trust_key", "", "--trust hmac needs trust_key or trust_key_file")
+
+    def trusted(self, headers: list[tuple[bytes, bytes]], request_id: str, raw_params: bytes) -> bool:
+        if self.mode == "any":
+            return True
+        wanted = TOKEN_HEADER if self.mode == "token" else SIGNATURE_HEADER
+        given = next((value for name, value in headers if name == wanted), None)
+        if given is None:
+            return False
+        expected = self.token if self.mode == "token" else sign(self.key, request_id, raw_params).encode()
+        return hmac.compare_digest(given, expected)
+
+    def outgoing(self, request_id: str, raw_params: bytes) -> list[tuple[str, str]]:
+        """Headers a router adds to its decode leg so the sidecar in front of D trusts it."""
+        headers = []
+        if self.key:
+            headers.append((SIGNATURE_HEADER.decode(), sign(self.key, request_id, raw_params)))
+        if self.token:
+            headers.append((TOKEN_HEADER.decode(), self.token.decode("latin-1")))
+        return headers
+
+
+class InFlight:
+    """Keys of parameters forwarded to D that D may still read: in flight, or admitted recently."""
+
+    def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._size, self._ttl, self._clock = size, ttl, clock
+        self._live: dict[Hashable, int] = {}
+        self._admitted: OrderedDict[Hashable, float] = OrderedDict()
+
+    def forwarded(self, key: Hashable) -> None:
+        self._live[key] = self._live.get(key, 0) + 1
+
+    def finished(self, key: Hashable, admitted: bool) -> None:
+        count = self._live.get(key, 0) - 1
+        if count > 0:
+            self._live[key] = count
+        else:
+            self._live.pop(key, None)
+        if admitted:
+            self._admitted[key] = self._clock() + self._ttl
+            self._admitted.move_to_end(key)
+            while len(self._admitted) > self._size:
+                self._admitted.popitem(last=False)
+
+    def may_be_read(self, key: Hashable) -> bool:
+        """Another request with these parameters is at D, or D admitted one within the lease."""
+        if self._live.get(key, 0) > 0:
+            return True
+        expires = self._admitted.get(key)
+        if expires is None:
+            return False
+        if expires <= self._clock():
+            del self._admitted[key]
+            return False
+        return True

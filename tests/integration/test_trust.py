@@ -1,0 +1,143 @@
+"""Trust: only parameters the sidecar can trust trigger releases; replays of live ones never do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from sidecar.config import Config, ConfigError
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.trust import InFlight, Trust, sign
+from tests.integration.conftest import run_sidecar
+from tests.servers import ServerThread, serve
+
+KEY = "shared-router-key"
+
+
+def params(rid: str) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p",
+        "remote_request_id": rid,
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "remote_block_ids": [[1]],
+        "tp_size": 1,
+    }
+
+
+def rejected(rid: str) -> bytes:
+    """A body D rejects (validation, before its handler), carrying ``params(rid)`` as its last member."""
+    return msgspec.json.encode(
+        {"model": "sim-model", "prompt": "x", "max_tokens": "x", "kv_transfer_params": params(rid)}
+    )
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[ServerThread]:
+    with serve(create_decode_app(DecodeSimConfig(port=0))) as server:
+        yield server
+
+
+def test_hmac_mode_releases_only_signed_parameters(decode: ServerThread) -> None:
+    with run_sidecar(decode.url, trust="hmac", trust_key=KEY) as sc:
+        raw = msgspec.json.encode(params("signed"))
+        good = {"x-request-id": "r1", "x-kvr-params-signature": sign(KEY.encode(), "r1", raw)}
+        assert (
+            httpx.post(sc.url + "/v1/completions", content=rejected("signed"), headers=good).status_code
+            == 400
+        )
+        unsigned = {"x-request-id": "r2"}
+        assert (
+            httpx.post(sc.url + "/v1/completions", content=rejected("unsigned"), headers=unsigned).status_code
+            == 400
+        )
+        # a valid signature of other parameters, or for another request id, does not transfer
+        moved = {"x-request-id": "r3", "x-kvr-params-signature": good["x-kvr-params-signature"]}
+        assert (
+            httpx.post(sc.url + "/v1/completions", content=rejected("signed2"), headers=moved).status_code
+            == 400
+        )
+        forged = {"x-request-id": "r4", "x-kvr-params-signature": "00" * 32}
+        assert (
+            httpx.post(sc.url + "/v1/completions", content=rejected("forged"), headers=forged).status_code
+            == 400
+        )
+        sc.settle()
+        assert sc.released() == ["signed"]
+        assert sc.sample("kvr_ineligible_total", reason="untrusted") == 3
+
+
+def test_token_mode(decode: ServerThread) -> None:
+    with run_sidecar(decode.url, trust="token", trust_token="t0ken") as sc:
+        for rid, token in [("a", "t0ken"), ("b", "wrong"), ("c", None)]:
+            headers = {"x-kvr-router-token": token} if token else {}
+            assert (
+                httpx.post(sc.url + "/v1/completions", content=rejected(rid), headers=headers).status_code
+                == 400
+            )
+        sc.settle()
+        assert sc.released() == ["a"]
+
+
+def test_untrusted_parameters_are_still_forwarded(decode: ServerThread) -> None:
+    with run_sidecar(decode.url, trust="hmac", trust_key=KEY) as sc:
+        body = {"model": "sim-model", "prompt": "hello", "kv_transfer_params": params("fwd")}
+        response = httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "fwd-1"})
+        assert response.status_code == 200
+        log = {e["request_id"]: e for e in httpx.get(decode.url + "/sim/log").json()}
+        assert log["fwd-1"]["kv_transfer_params"]["remote_request_id"] == "fwd"
+
+
+def test_router_signs_what_it_forwards_and_the_sidecar_in_front_of_d_trusts_it(decode: ServerThread) -> None:
+    # router (releases off, signs) -> sidecar (trust hmac, releases) -> D; P is a fake answering params
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def prefill(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({"id": "cmpl-p", "choices": [], "kv_transfer_params": params("via-router")})
+
+    fake_p = Starlette(routes=[Route("/v1/completions", prefill, methods=["POST"])])
+    with (
+        serve(fake_p) as p,
+        run_sidecar(decode.url, trust="hmac", trust_key=KEY) as downstream,
+        run_sidecar(downstream.url, release="off", prefill=(p.url,), trust_key=KEY) as router,
+    ):
+        body = {"model": "sim-model", "prompt": "x", "max_tokens": "x"}  # D rejects it
+        assert httpx.post(router.url + "/v1/completions", json=body).status_code == 400
+        downstream.settle()
+        assert downstream.released() == ["via-router"]
+
+
+def test_trust_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="trust_key"):
+        Trust(Config(trust="hmac"))
+    with pytest.raises(ConfigError, match="trust_token"):
+        Trust(Config(trust="token"))
+    with pytest.raises(ConfigError, match="trust_key_file"):
+        Trust(Config(trust="hmac", trust_key_file="/nonexistent/key"))
+
+
+def test_inflight_tracks_live_and_admitted_keys() -> None:
+    now = [0.0]
+    inflight = InFlight(size=2, ttl=30, clock=lambda: now[0])
+    inflight.forwarded("a")
+    inflight.forwarded("a")
+    assert inflight.may_be_read("a")
+    inflight.finished("a", admitted=False)
+    assert inflight.may_be_read("a")  # the other copy is still at D
+    inflight.finished("a", admitted=False)
+    assert not inflight.may_be_read("a")
+    inflight.forwarded("b")
+    inflight.finished("b", admitted=True)
+    assert inflight.may_be_read("b")
+    now[0] = 31
+    assert not inflight.may_be_read("b")  # P's lease is over
