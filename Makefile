@@ -35,6 +35,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench
 	$(UV) run --frozen --no-sync python -m bench.bench_release
+	$(UV) run --frozen --no-sync python -m bench.bench_storm
 
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)

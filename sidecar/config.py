@@ -46,7 +46,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     pool_size: int = 1024
     release: ReleaseStrategy = "dry-run"
     release_queue_size: int = 4096
-    release_workers: int = 4
+    # Concurrent release jobs (asyncio tasks). Each waits on a hop to the NIXL thread, so a
+    # storm needs many in flight: 4 fell behind 1,700 rejections/s, 32 kept up (make bench).
+    release_workers: int = 32
     # P's lease in vLLM 0.22.0+; after it P frees the blocks itself.
     release_deadline: float = 30.0
     release_retry_initial: float = 0.05
@@ -92,6 +94,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     inject_statuses: tuple[int, ...] = (503,)
     inject_routes: tuple[str, ...] = ()  # empty: all three completion routes
     inject_header: bool = False  # honour x-kvr-inject-reject: <status>
+    # Server limits on the proxy and admin ports (docs/limits.md); enforced by sidecar.serve.
+    limit_concurrency: int = 0  # requests in flight on the proxy port; over it: 503; 0 = unlimited
+    timeout_keep_alive: float = 5.0  # idle keep-alive connection closed after this (vLLM's default)
+    max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431 and close
+    client_header_timeout: float = 10.0  # a complete header block within this; else 408 and close
+    client_body_timeout: float = 60.0  # largest gap between two reads of a request body; else 408
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -107,6 +115,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(name, value, "must be greater than 0")
+        if self.limit_concurrency < 0:
+            raise ConfigError(
+                "limit_concurrency", self.limit_concurrency, "must be 0 (unlimited) or positive"
+            )
+        if self.max_header_bytes < MIN_HEADER_BYTES:
+            raise ConfigError(
+                "max_header_bytes", self.max_header_bytes, f"must be at least {MIN_HEADER_BYTES} bytes"
+            )
         for name in ("read_timeout", "shutdown_delay"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be 0 (off) or positive")
@@ -158,7 +174,12 @@ _POSITIVE = (
     "auto_probe_interval",
     "prefill_timeout",
     "prefill_backoff",
+    "timeout_keep_alive",
+    "client_header_timeout",
+    "client_body_timeout",
 )
+# A request line and a few ordinary headers; below this every request would be refused.
+MIN_HEADER_BYTES = 1024
 
 
 class ConfigError(Exception):

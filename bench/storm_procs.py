@@ -1,0 +1,144 @@
+"""The three servers of ``bench.bench_storm`` as child processes: P, D and the sidecar releasing over NIXL.
+
+The same way as ``bench.procs``: each child is ``python -m sidecar ...`` in a
+session of its own, pinned before exec (the sidecar on its own core, P and D
+on the load core beside the load generators), dying with this process, and
+polled for readiness against a deadline (P's and D's ``GET /health``, the
+sidecar's ``GET /readyz``, which needs its NIXL agent up).
+
+P (``sim-prefill``) speaks vLLM 0.33.0's side channel with one TP worker, a
+pool large enough for every prepared request and no lease, so a block is
+freed only by a notification and every release the sidecar sends shows up in
+P's ``freed_by_notification``. D (``sim-decode``) is plain (it notifies no
+one) and serves P's model name. The sidecar runs ``--release nixl`` for
+0.33.0 with P's loopback address allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from bench.procs import HOST, STOP_TIMEOUT, BenchError, Child, CorePlan, free_port
+
+VLLM_VERSION = "0.33.0"
+MODEL = "sim-prefill"  # P's default model name; D serves the same
+PREFILL_BLOCKS = 200_000
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StormServers:
+    prefill: Child
+    decode: Child
+    sidecar: Child
+    prefill_url: str
+    decode_url: str
+    sidecar_url: str
+    admin_url: str
+
+    @property
+    def children(self) -> tuple[Child, Child, Child]:
+        return (self.prefill, self.decode, self.sidecar)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {child.name} log:\n{child.log_tail()}" for child in self.children)
+
+
+def _argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sidecar", *args]
+
+
+@contextlib.contextmanager
+def launched(plan: CorePlan, release_queue_size: int, release_workers: int) -> Iterator[StormServers]:
+    """Start P, D and the sidecar (not yet known ready); stop all three on exit."""
+    p_port, d_port, s_port, a_port = free_port(), free_port(), free_port(), free_port()
+    urls = [f"http://{HOST}:{port}" for port in (p_port, d_port, s_port, a_port)]
+    started: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="kvr-bench-storm-") as logs:
+        log_dir = Path(logs)
+        try:
+            started.append(Child("sim-prefill", _argv(
+                "sim-prefill",
+                "--host", HOST,
+                "--port", str(p_port),
+                "--vllm-version", VLLM_VERSION,
+                "--tp", "1",
+                "--num-blocks", str(PREFILL_BLOCKS),
+                "--block-size", str(BLOCK_SIZE),
+                "--lease", "0",
+                "--side-channel-port", "0",
+                "--log-level", "warning",
+            ), plan.load, log_dir))  # fmt: skip
+            started.append(Child("sim-decode", _argv(
+                "sim-decode",
+                "--host", HOST,
+                "--port", str(d_port),
+                "--version", VLLM_VERSION,
+                "--served-model", MODEL,
+                "--max-model-len", str(MAX_MODEL_LEN),
+            ), plan.load, log_dir))  # fmt: skip
+            started.append(Child("sidecar", _argv(
+                "serve",
+                "--decode-url", urls[1],
+                "--host", HOST,
+                "--port", str(s_port),
+                "--admin-host", HOST,
+                "--admin-port", str(a_port),
+                "--release", "nixl",
+                "--prefill-allow", HOST,
+                "--vllm-version", VLLM_VERSION,
+                "--release-queue-size", str(release_queue_size),
+                "--release-workers", str(release_workers),
+                "--log-level", "error",
+                "--drain-timeout", "2",
+                "--flush-timeout", "1",
+            ), plan.sidecar, log_dir))  # fmt: skip
+            prefill, decode, sidecar = started
+            yield StormServers(prefill, decode, sidecar, *urls)
+        finally:
+            _stop(started)
+
+
+def _stop(children: list[Child]) -> None:
+    """SIGTERM to all at once (each shuts down on its own), then ``Child.stop`` (SIGKILL if stuck)."""
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+        child.stop()
+
+
+async def wait_ready(servers: StormServers, deadline: float) -> None:
+    """Poll P's and D's ``/health``, then the sidecar's ``/readyz``, until 200 or ``deadline``."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        await _poll(session, servers.prefill, servers.prefill_url + "/health", deadline)
+        await _poll(session, servers.decode, servers.decode_url + "/health", deadline)
+        await _poll(session, servers.sidecar, servers.admin_url + "/readyz", deadline)
+
+
+async def _poll(session: aiohttp.ClientSession, child: Child, url: str, deadline: float) -> None:
+    while True:
+        if child.process.poll() is not None:
+            raise BenchError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url) as response:
+                if response.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise BenchError(f"{child.name} not ready at {url} before the deadline:\n{child.log_tail()}")
+        await asyncio.sleep(0.05)  # poll interval, not a readiness guess
