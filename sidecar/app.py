@@ -212,7 +212,11 @@ def create_admin_app(app: ProxyApp) -> Starlette:
         if app.runtime is None:
             return JSONResponse({"ready": False, "checks": {"started": False}}, status_code=503)
         ok, checks = await runtime().ready()
-        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+        body: dict[str, object] = {"ready": ok, "checks": checks}
+        detail = getattr(runtime().releaser, "detail", None)  # optional: auto names the path it uses
+        if callable(detail):
+            body["release"] = detail()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
         if app.runtime is not None:

@@ -1,8 +1,8 @@
 """Release pipeline: the ``Releaser`` protocol, the queue that feeds it, one module per strategy.
 
 ``make_releaser`` picks the strategy named by ``config.release``; strategy
-modules are imported only when chosen, so ``off`` and ``dry-run`` never load
-ZMQ or NIXL.
+modules are imported only when chosen, so ``off``, ``dry-run`` and ``http`` never
+load ZMQ or NIXL (``auto`` loads both ``http`` and ``nixl``).
 """
 
 from __future__ import annotations
@@ -31,4 +31,12 @@ def make_releaser(config: Config, decode_version: DecodeVersion, registry: Colle
         from sidecar.release.nixl import NixlReleaser
 
         return NixlReleaser(config, decode_version, registry)
+    if config.release == "http":
+        from sidecar.release.http import HttpReleaser
+
+        return HttpReleaser(config, decode_version, registry)
+    if config.release == "auto":
+        from sidecar.release.auto import AutoReleaser
+
+        return AutoReleaser(config, decode_version, registry)
     raise NotImplementedError(f"release strategy {config.release!r} is not available in this build")

@@ -1,0 +1,341 @@
+"""The ``http`` release strategy: ask D's control endpoint (``sidecar.vllm_plugin``) to release.
+
+For one job: leave D's own handler rejections to D when its release has the
+fix (``coverage``; D's version from ``--vllm-version`` or D's ``GET
+/version``), pick the id D's engine should use (P's id for the request, which
+D's NIXL connector needs before vLLM 0.13.0), and ``POST`` the job to
+``--control-url`` (default: the decode URL plus ``/kv_release/v1/release``)
+with the bearer token read once at start. D then does what vLLM's own fix
+does and its NIXL connector notifies P. Off the request path, so httpx
+(``trust_env=False``, one short timeout for every phase, a small pool).
+
+Failures, translated once here (``reason`` is the metric label)::
+
+    ReleaseError
+    +-- RetryableReleaseError
+    |   +-- ControlUnreachable "unreachable"   connect error or connect/pool timeout: nothing delivered
+    |   +-- ControlFailed      "timeout"       no answer in time: the engine may have acted
+    |                          "transport"     connection lost after sending
+    |                          "server_error"  5xx (503: no engine, engine failed)
+    |                          "throttled"     408, 429
+    +-- PermanentReleaseError  "bad_request" (400, 413, 422), "unauthorized" (401), "forbidden" (403),
+                               "not_found" (404, 405: no plugin, or it has no token), "rejected" (other 4xx),
+                               "no_request_id", "push_mode", "no_blocks"
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import httpx
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from sidecar import __version__
+from sidecar.config import Config
+from sidecar.nixl.versions import NEWEST, Version, WireProfile, engine_request_id, parse_version
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
+from sidecar.release.coverage import engine_covers
+from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH, ReleaseRequest
+from sidecar.wire import KVTransferParams
+
+log = logging.getLogger(__name__)
+
+VERSION_TTL = 60.0
+LOG_INTERVAL = 10.0
+#: Permanent reasons for which the plugin certainly did not act (another path is safe).
+NOT_DELIVERED = frozenset({"not_found", "unauthorized", "forbidden"})
+Probe = Literal["present", "absent", "unauthorized", "forbidden", "no_engine", "unreachable", "error"]
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ControlUnreachable(RetryableReleaseError):
+    """The control endpoint could not be reached: the request was never delivered."""
+
+    reason = "unreachable"
+
+
+class ControlFailed(RetryableReleaseError):
+    """The request may have reached D's engine, but no success came back."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def classify(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
+    """The result label of an answer, and the error it raises (None: released)."""
+    if 200 <= status < 300:
+        return "accepted", None
+    if status >= 500:
+        return "server_error", ControlFailed
+    if status in (408, 429):
+        return "throttled", ControlFailed
+    labels = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_found"}
+    label = labels.get(status, "bad_request" if status in (400, 413, 422) else "rejected")
+    return label, PermanentReleaseError
+
+
+def release_url(config: Config) -> str:
+    return config.control_url.rstrip("/") or config.decode_url.rstrip("/") + RELEASE_PATH
+
+
+def health_url(config: Config) -> str:
+    """The plugin's health route beside the release route (``.../release`` -> ``.../health``)."""
+    base = release_url(config).rsplit("/", 1)[0]
+    return base + "/" + HEALTH_PATH.rsplit("/", 1)[1]
+
+
+def read_token(config: Config) -> str:
+    """``control_token``, else the first line of ``control_token_file``; raises OSError if unreadable."""
+    if config.control_token or not config.control_token_file:
+        return config.control_token.strip()
+    with open(config.control_token_file, encoding="utf-8") as handle:
+        return handle.read().strip()
+
+
+class ControlMetrics:
+    """``kvr_control_*`` collectors, on the registry passed in (a private one without)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter(
+            "kvr_control_requests",
+            "Release requests to D's control endpoint, by result.",
+            ["result"],
+            registry=reg,
+        )
+        self.latency = Histogram(
+            "kvr_control_latency_seconds",
+            "Round trip of one release request to D's control endpoint.",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.probes = Counter(
+            "kvr_control_probes", "Probes of D's control endpoint, by result.", ["result"], registry=reg
+        )
+
+
+class HttpReleaser:
+    """``Releaser`` that posts each job to D's control endpoint (see the module docstring)."""
+
+    name = "http"
+
+    def __init__(
+        self,
+        config: Config,
+        decode_version: Callable[[], Awaitable[str | None]],
+        registry: CollectorRegistry | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._config = config
+        self._decode_version = decode_version
+        self._transport = transport
+        self.metrics = ControlMetrics(registry)
+        self.release_url, self.health_url = release_url(config), health_url(config)
+        self._client: httpx.AsyncClient | None = None
+        self._headers: dict[str, str] = {}
+        self._version: tuple[float, str] | None = None
+        self._logged: dict[str, float] = {}
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        token = read_token(self._config)  # an unreadable file stops start-up: fix it, do not guess
+        if not token:
+            log.warning(
+                "no control token (--control-token-file or KVR_CONTROL_TOKEN): D's control endpoint "
+                "will answer 401 unless it runs with KVR_CONTROL_INSECURE=1"
+            )
+        self._headers = {
+            "content-type": "application/json",
+            "user-agent": f"kv-release-sidecar/{__version__}",
+        }
+        if token:
+            self._headers["authorization"] = f"Bearer {token}"
+        size = self._config.release_workers + 1  # one per worker, plus the probe
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self._config.control_timeout),
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            trust_env=False,
+            transport=self._transport,
+        )
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def ready(self) -> bool:
+        return self._client is not None
+
+    # --- one job ---------------------------------------------------------------------------
+
+    async def release(self, job: ReleaseJob) -> Result:
+        _check_target(job.params)
+        text = self._config.vllm_version or await self._d_version()
+        profile = WireProfile.for_version(text) if text else None
+        version = profile.low if profile is not None else _newer_than_known(text)
+        if version is None:
+            self._log_refusal(
+                "unknown_version", f"D's vLLM release {text!r} is unknown: coverage not checked"
+            )
+        elif engine_covers(version, job):
+            self.metrics.requests.labels("covered_by_engine").inc()
+            return Result.COVERED_BY_ENGINE
+        request_id = _request_id(profile, job)
+        body = ReleaseRequest(request_id=request_id, kv_transfer_params=params_dict(job.params))
+        try:
+            status, content = await self._post(ENCODER.encode(body))
+        except (ControlUnreachable, ControlFailed) as exc:
+            self.metrics.requests.labels(exc.reason).inc()
+            raise
+        label, error = classify(status)
+        self.metrics.requests.labels(label).inc()
+        if error is None:
+            self._log_accepted(job, content)
+            return Result.SENT
+        message = f"control endpoint answered {status}: {_error_message(content)}"
+        if error is ControlFailed:
+            raise ControlFailed(message, label)
+        self._log_refusal(label, message)
+        raise PermanentReleaseError(message, label)
+
+    async def probe(self) -> Probe:
+        """Whether D serves the control endpoint to this sidecar's token (``GET .../health``)."""
+        result = await self._probe()
+        self.metrics.probes.labels(result).inc()
+        return result
+
+    async def _probe(self) -> Probe:
+        assert self._client is not None, "start() first"
+        try:
+            response = await self._client.get(self.health_url, headers=self._headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+            return "unreachable"
+        except httpx.HTTPError:
+            return "error"
+        statuses: dict[int, Probe] = {
+            200: "present",
+            401: "unauthorized",
+            403: "forbidden",
+            404: "absent",
+            405: "absent",
+            503: "no_engine",
+        }
+        return statuses.get(response.status_code, "error")
+
+    async def _post(self, content: bytes) -> tuple[int, bytes]:
+        assert self._client is not None, "start() first"
+        started = time.perf_counter()
+        try:
+            response = await self._client.post(self.release_url, content=content, headers=self._headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise ControlUnreachable(f"control endpoint unreachable: {exc!r}") from exc
+        except httpx.TimeoutException as exc:
+            raise ControlFailed(f"control endpoint timed out: {exc!r}", "timeout") from exc
+        except httpx.HTTPError as exc:
+            raise ControlFailed(f"control endpoint connection failed: {exc!r}", "transport") from exc
+        self.metrics.latency.observe(time.perf_counter() - started)
+        return response.status_code, response.content
+
+    # --- D's release and P's id ------------------------------------------------------------
+
+    async def _d_version(self) -> str | None:
+        now = time.monotonic()
+        if self._version is not None and now - self._version[0] < VERSION_TTL:
+            return self._version[1]
+        try:
+            text = await self._decode_version()
+        except Exception as exc:  # an injected callable: never let it fail a release
+            log.warning("asking D for its version failed", extra={"error": str(exc)})
+            text = None
+        if text:
+            self._version = (now, text)
+            return text
+        return self._version[1] if self._version is not None else None
+
+    # --- logs ------------------------------------------------------------------------------
+
+    def _log_accepted(self, job: ReleaseJob, content: bytes) -> None:
+        try:
+            accepted = ACCEPTED_DECODER.decode(content)
+        except msgspec.DecodeError:
+            return
+        log.debug(
+            "control endpoint accepted the release",
+            extra={
+                "request_id": job.request_id,
+                "outcome": accepted.outcome,
+                "duplicate": accepted.duplicate,
+            },
+        )
+
+    def _log_refusal(self, reason: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(reason, -LOG_INTERVAL) >= LOG_INTERVAL:
+            self._logged[reason] = now
+            log.warning("http release: %s", message, extra={"reason": reason})
+
+
+def params_dict(params: KVTransferParams) -> dict[str, object]:
+    """P's parameters as D's connector reads them: absent fields stay absent (not null)."""
+    return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
+
+
+def _newer_than_known(text: str | None) -> Version | None:
+    """A release newer than the sidecar knows keeps the newest known behaviour (the fix stays)."""
+    parsed = parse_version(text) if text else None
+    return parsed.release if parsed is not None and parsed.release > NEWEST else None
+
+
+def _request_id(profile: WireProfile | None, job: ReleaseJob) -> str:
+    """P's id for the request: ``remote_request_id`` (0.13.0+), else derived from X-Request-Id."""
+    if profile is not None:
+        found = engine_request_id(profile, job.params, job.request_id, job.route, job.body_request_id)
+    else:  # release unknown: P's parameters tell (remote_request_id is there from 0.13.0 on)
+        found = job.params.remote_request_id or _derived_id(job)
+    if not found:
+        raise PermanentReleaseError(
+            f"P's id for this request cannot be known (route {job.route}, x-request-id "
+            f"{job.request_id!r}, no remote_request_id)",
+            "no_request_id",
+        )
+    return found
+
+
+def _derived_id(job: ReleaseJob) -> str | None:
+    """Before 0.13.0 D's engine id equals P's (reference 0): ``chatcmpl-<id>``, ``cmpl-<id>-0``, or
+    the body's ``request_id`` for ``/v1/responses``."""
+    if job.route == "/v1/responses":
+        return job.body_request_id or None
+    if not job.request_id:
+        return None
+    if job.route == "/v1/chat/completions":
+        return f"chatcmpl-{job.request_id}"
+    if job.route == "/v1/completions":
+        return f"cmpl-{job.request_id}-0"
+    return None
+
+
+def _check_target(params: KVTransferParams) -> None:
+    if params.transfer_mode == "push":
+        raise PermanentReleaseError("push mode: only P's own WRITE completion frees the blocks", "push_mode")
+    blocks = params.remote_block_ids or []
+    if not blocks or all(isinstance(b, list) and not b for b in blocks):
+        raise PermanentReleaseError("remote_block_ids is empty: P holds nothing", "no_blocks")
+
+
+def _error_message(content: bytes) -> str:
+    try:
+        decoded = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return content[:200].decode("utf-8", "replace")
+    error = decoded.get("error") if isinstance(decoded, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", ""))[:500]
+    return str(error or decoded)[:200]

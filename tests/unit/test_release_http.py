@@ -1,0 +1,341 @@
+"""``HttpReleaser``'s HTTP edge cases against respx: statuses, transport errors, ids, coverage, token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import respx
+from prometheus_client import CollectorRegistry
+
+from sidecar.config import Config
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
+from sidecar.release.http import (
+    ControlFailed,
+    ControlUnreachable,
+    HttpReleaser,
+    classify,
+    health_url,
+    params_dict,
+)
+from sidecar.wire import KVTransferParams
+
+D = "http://d.test:8200"
+RELEASE = D + "/kv_release/v1/release"
+HEALTH = D + "/kv_release/v1/health"
+TOKEN = "sidecar-token-0123456789"
+ACCEPTED = {"request_id": "x", "action": "notify", "outcome": "notified", "duplicate": False}
+
+
+def params(**fields: Any) -> KVTransferParams:
+    base: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p-engine",
+        "remote_request_id": "cmpl-r1-0-abcd1234",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "remote_block_ids": [[4, 5]],
+        "tp_size": 2,
+    }
+    return KVTransferParams(**{**base, **fields})
+
+
+def job(route: str = "/v1/completions", **fields: Any) -> ReleaseJob:
+    now = time.monotonic()
+    return ReleaseJob(
+        request_id=fields.pop("request_id", "r1"),
+        route=route,
+        params=fields.pop("params", params()),
+        cause=fields.pop("cause", "rejected_4xx"),
+        status=fields.pop("status", 400),
+        error_type=fields.pop("error_type", "Bad Request"),
+        detected_at=now,
+        deadline=now + 30,
+        **fields,
+    )
+
+
+def version(text: str | None) -> Callable[[], Awaitable[str | None]]:
+    async def decode_version() -> str | None:
+        return text
+
+    return decode_version
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+async def releaser(registry: CollectorRegistry) -> AsyncIterator[HttpReleaser]:
+    config = Config(decode_url=D, release="http", control_token=TOKEN, control_timeout=0.5)
+    http = HttpReleaser(config, version("0.33.0"), registry)
+    await http.start()
+    yield http
+    await http.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "label", "error"),
+    [
+        (202, "accepted", None),
+        (200, "accepted", None),
+        (400, "bad_request", PermanentReleaseError),
+        (413, "bad_request", PermanentReleaseError),
+        (401, "unauthorized", PermanentReleaseError),
+        (403, "forbidden", PermanentReleaseError),
+        (404, "not_found", PermanentReleaseError),
+        (405, "not_found", PermanentReleaseError),
+        (409, "rejected", PermanentReleaseError),
+        (408, "throttled", ControlFailed),
+        (429, "throttled", ControlFailed),
+        (500, "server_error", ControlFailed),
+        (503, "server_error", ControlFailed),
+    ],
+)
+def test_classify(status: int, label: str, error: type[Exception] | None) -> None:
+    assert classify(status) == (label, error)
+
+
+def test_urls() -> None:
+    assert health_url(Config(decode_url=D + "/")) == HEALTH
+    custom = Config(control_url="http://127.0.0.1:9000/x/kv_release/v1/release/")
+    assert health_url(custom) == "http://127.0.0.1:9000/x/kv_release/v1/health"
+
+
+def test_params_dict_leaves_absent_fields_absent() -> None:
+    out = params_dict(params())
+    assert "pp_size" not in out and "dcp_size" not in out and "transfer_mode" not in out
+    assert out["remote_block_ids"] == [[4, 5]] and out["tp_size"] == 2
+
+
+@respx.mock(assert_all_called=True)
+async def test_accepted_posts_the_job(releaser: HttpReleaser, respx_mock: respx.MockRouter) -> None:
+    route = respx_mock.post(RELEASE).respond(202, json=ACCEPTED)
+    assert await releaser.release(job()) is Result.SENT
+    request = route.calls.last.request
+    assert request.headers["authorization"] == f"Bearer {TOKEN}"
+    assert request.headers["content-type"] == "application/json"
+    body = json.loads(request.content)
+    assert body == {
+        "request_id": "cmpl-r1-0-abcd1234",  # P's id: D's connector names the request to P by it
+        "kv_transfer_params": params_dict(params()),
+        "data_parallel_rank": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (400, "bad_request"),
+        (401, "unauthorized"),
+        (403, "forbidden"),
+        (404, "not_found"),
+        (422, "bad_request"),
+    ],
+)
+async def test_permanent_statuses(
+    releaser: HttpReleaser, registry: CollectorRegistry, status: int, reason: str
+) -> None:
+    with respx.mock:
+        respx.post(RELEASE).respond(
+            status, json={"error": {"message": "nope", "type": "x", "param": None, "code": 1}}
+        )
+        with pytest.raises(PermanentReleaseError) as caught:
+            await releaser.release(job())
+    assert caught.value.reason == reason
+    assert "nope" in str(caught.value)
+    assert registry.get_sample_value("kvr_control_requests_total", {"result": reason}) == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"), [(500, "server_error"), (503, "server_error"), (429, "throttled")]
+)
+async def test_retryable_statuses(releaser: HttpReleaser, status: int, reason: str) -> None:
+    with respx.mock:
+        respx.post(RELEASE).respond(status, text="upstream trouble")
+        with pytest.raises(ControlFailed) as caught:
+            await releaser.release(job())
+    assert caught.value.reason == reason and "upstream trouble" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("exc", "error", "reason"),
+    [
+        (httpx.ConnectError("refused"), ControlUnreachable, "unreachable"),
+        (httpx.ConnectTimeout("slow connect"), ControlUnreachable, "unreachable"),
+        (httpx.PoolTimeout("pool"), ControlUnreachable, "unreachable"),
+        (httpx.ReadTimeout("slow answer"), ControlFailed, "timeout"),
+        (httpx.WriteTimeout("slow write"), ControlFailed, "timeout"),
+        (httpx.RemoteProtocolError("dropped"), ControlFailed, "transport"),
+        (httpx.ReadError("reset"), ControlFailed, "transport"),
+    ],
+)
+async def test_transport_errors(
+    releaser: HttpReleaser, exc: Exception, error: type[Exception], reason: str
+) -> None:
+    with respx.mock:
+        respx.post(RELEASE).mock(side_effect=exc)
+        with pytest.raises(error) as caught:
+            await releaser.release(job())
+    assert getattr(caught.value, "reason", None) == reason
+
+
+async def test_handler_rejection_is_left_to_d_on_0_21_and_later(releaser: HttpReleaser) -> None:
+    with respx.mock:
+        route = respx.post(RELEASE).respond(202, json=ACCEPTED)
+        covered = await releaser.release(job(status=400, error_type="BadRequestError"))
+        uncovered = await releaser.release(job(status=400, error_type="Bad Request"))
+    assert covered is Result.COVERED_BY_ENGINE and uncovered is Result.SENT
+    assert route.call_count == 1  # only the validation error went to D
+
+
+@pytest.mark.parametrize(
+    ("d_version", "the_job", "sent_id", "covered"),
+    [
+        ("0.20.2", job(status=400, error_type="BadRequestError"), "cmpl-r1-0-abcd1234", False),
+        ("0.34.0", job(status=400, error_type="BadRequestError"), None, True),  # newer: the fix stays
+        (
+            None,
+            job(status=400, error_type="BadRequestError"),
+            "cmpl-r1-0-abcd1234",
+            False,
+        ),  # unknown: release
+        ("0.11.0", job(params=params(remote_request_id=None)), "cmpl-r1-0", False),
+        ("0.11.0", job("/v1/chat/completions", params=params(remote_request_id=None)), "chatcmpl-r1", False),
+        (
+            "0.11.0",
+            job("/v1/responses", params=params(remote_request_id=None), body_request_id="b"),
+            "b",
+            False,
+        ),
+        (None, job("/v1/chat/completions", params=params(remote_request_id=None)), "chatcmpl-r1", False),
+    ],
+)
+async def test_request_id_and_coverage_per_release(
+    d_version: str | None, the_job: ReleaseJob, sent_id: str | None, covered: bool
+) -> None:
+    http = HttpReleaser(Config(decode_url=D, control_token=TOKEN), version(d_version), CollectorRegistry())
+    await http.start()
+    try:
+        with respx.mock:
+            route = respx.post(RELEASE).respond(202, json=ACCEPTED)
+            result = await http.release(the_job)
+    finally:
+        await http.close()
+    assert result is (Result.COVERED_BY_ENGINE if covered else Result.SENT)
+    if sent_id is not None:
+        assert json.loads(route.calls.last.request.content)["request_id"] == sent_id
+
+
+@pytest.mark.parametrize(
+    ("the_job", "reason"),
+    [
+        (job("/v1/responses", params=params(remote_request_id=None)), "no_request_id"),
+        (job(params=params(transfer_mode="push")), "push_mode"),
+        (job(params=params(remote_block_ids=[[]])), "no_blocks"),
+    ],
+)
+async def test_refused_before_sending(releaser: HttpReleaser, the_job: ReleaseJob, reason: str) -> None:
+    releaser._config = Config(decode_url=D, vllm_version="0.11.0")
+    with respx.mock:
+        route = respx.post(RELEASE).respond(202, json=ACCEPTED)
+        with pytest.raises(PermanentReleaseError) as caught:
+            await releaser.release(the_job)
+    assert caught.value.reason == reason and route.call_count == 0
+
+
+async def test_token_file_is_read_once_at_start(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN + "\n")
+    http = HttpReleaser(Config(decode_url=D, control_token_file=str(secret)), version("0.33.0"))
+    await http.start()
+    secret.write_text("changed")
+    try:
+        with respx.mock:
+            route = respx.post(RELEASE).respond(202, json=ACCEPTED)
+            await http.release(job())
+    finally:
+        await http.close()
+    assert route.calls.last.request.headers["authorization"] == f"Bearer {TOKEN}"
+
+
+async def test_unreadable_token_file_stops_start(tmp_path: Path) -> None:
+    http = HttpReleaser(Config(decode_url=D, control_token_file=str(tmp_path / "missing")), version(None))
+    with pytest.raises(OSError):
+        await http.start()
+    assert not http.ready()
+
+
+async def test_without_token_no_authorization_header() -> None:
+    http = HttpReleaser(Config(decode_url=D), version("0.33.0"))
+    await http.start()
+    try:
+        with respx.mock:
+            route = respx.post(RELEASE).respond(202, json=ACCEPTED)
+            await http.release(job())
+    finally:
+        await http.close()
+    assert "authorization" not in route.calls.last.request.headers
+
+
+async def test_client_ignores_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.setenv("ALL_PROXY", "http://proxy.invalid:3128")
+    http = HttpReleaser(Config(decode_url=D, control_token=TOKEN, control_timeout=0.25), version("0.33.0"))
+    await http.start()
+    try:
+        client = http._client
+        assert client is not None and not client.trust_env
+        assert client.timeout == httpx.Timeout(0.25)  # every phase bounded, pool included
+    finally:
+        await http.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "probe"),
+    [
+        (httpx.Response(200, json={"status": "ok", "action": "notify"}), "present"),
+        (httpx.Response(404, json={"detail": "Not Found"}), "absent"),
+        (httpx.Response(405), "absent"),
+        (httpx.Response(401), "unauthorized"),
+        (httpx.Response(403), "forbidden"),
+        (httpx.Response(503), "no_engine"),
+        (httpx.Response(500), "error"),
+        (httpx.ConnectError("refused"), "unreachable"),
+        (httpx.ReadTimeout("slow"), "error"),
+    ],
+)
+async def test_probe(releaser: HttpReleaser, registry: CollectorRegistry, answer: Any, probe: str) -> None:
+    with respx.mock:
+        route = respx.get(HEALTH)
+        route.mock(side_effect=answer) if isinstance(answer, Exception) else route.mock(return_value=answer)
+        assert await releaser.probe() == probe
+    assert route.calls.last.request.headers["authorization"] == f"Bearer {TOKEN}"
+    assert registry.get_sample_value("kvr_control_probes_total", {"result": probe}) == 1
+
+
+def test_make_releaser_builds_http_without_zmq_or_nixl() -> None:
+    code = (
+        "import sys\n"
+        "from prometheus_client import CollectorRegistry\n"
+        "from sidecar.config import Config\n"
+        "from sidecar.release import make_releaser\n"
+        "async def version(): return None\n"
+        "http = make_releaser(Config(release='http'), version, CollectorRegistry())\n"
+        "heavy = [m for m in sys.modules if m.startswith(('zmq', 'nixl', 'sidecar.release.nixl'))]\n"
+        "auto = make_releaser(Config(release='auto'), version, CollectorRegistry())\n"
+        "print(len(heavy), type(http).__name__, type(auto).__name__, type(auto.nixl).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.split() == ["0", "HttpReleaser", "AutoReleaser", "NixlReleaser"]
