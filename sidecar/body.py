@@ -72,16 +72,19 @@ def tail_params(tail: bytes) -> bytes | None:
     object (a JSON string cannot contain the unescaped key).
     """
     index = tail.rfind(_KEY)
-    if index < 0:
+    if index <= 0:  # at 0 nothing shows it opens a key rather than ends a string
         return None
-    text = tail[index + len(_KEY) :].decode("utf-8", "replace")
+    backslashes = len(tail[:index]) - len(tail[:index].rstrip(b"\\"))
+    if backslashes % 2:  # an escaped quote inside a string or key, not the key itself
+        return None
+    text = tail[index + len(_KEY) :].decode("utf-8", "surrogateescape")  # bad UTF-8: malformed, as in a body
     rest = text.lstrip()
     if not rest.startswith(":"):
         return None
     rest = rest[1:].lstrip()
     try:
         value, end = json.JSONDecoder().raw_decode(rest)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if rest[end:].strip() != "}" or not isinstance(value, dict):
         return None

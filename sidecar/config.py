@@ -94,7 +94,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     inject_statuses: tuple[int, ...] = (503,)
     inject_routes: tuple[str, ...] = ()  # empty: all three completion routes
     inject_header: bool = False  # honour x-kvr-inject-reject: <status>
-    # Server limits on the proxy and admin ports (docs/limits.md); enforced by sidecar.serve.
+    # Server limits on the proxy and admin ports (docs/limits.md); enforced by sidecar.limits.
     limit_concurrency: int = 0  # requests in flight on the proxy port; over it: 503; 0 = unlimited
     timeout_keep_alive: float = 5.0  # idle keep-alive connection closed after this (vLLM's default)
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431 and close

@@ -21,6 +21,9 @@ from sidecar.wire import PARAMS_DECODER, KVTransferParams
 MAX_ID_LEN = 512
 MAX_HOST_LEN = 253
 MAX_RANKS = 1024  # tp_size * pp_size; a release handshakes every rank
+# 4M tokens at vLLM's block size 16, over every KV-cache group: far above any real request, and
+# it bounds what one queued release job holds (docs/limits.md).
+MAX_BLOCK_IDS = 1 << 18
 
 
 class Ineligible(StrEnum):
@@ -49,8 +52,11 @@ def _blocks_valid(block_ids: list[object] | None) -> bool:
     if block_ids is None:
         return True
     if all(isinstance(b, list) for b in block_ids):
-        return all(isinstance(x, int) for group in block_ids for x in group)  # type: ignore[attr-defined]
-    return all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids)
+        groups: list[list[object]] = block_ids  # type: ignore[assignment]
+        if sum(len(group) for group in groups) > MAX_BLOCK_IDS:
+            return False
+        return all(type(x) is int for group in block_ids for x in group)  # type: ignore[attr-defined]
+    return len(block_ids) <= MAX_BLOCK_IDS and all(type(b) is int for b in block_ids)
 
 
 def _problem(p: KVTransferParams) -> str:
@@ -62,11 +68,11 @@ def _problem(p: KVTransferParams) -> str:
         return "remote_host missing or too long"
     if p.remote_port is None or not 0 < p.remote_port <= 65535:
         return "remote_port missing or outside 1-65535"
-    pp = p.pp_size or 1
+    pp = 1 if p.pp_size is None else p.pp_size
     if p.tp_size < 1 or pp < 1 or p.tp_size * pp > MAX_RANKS:
         return f"tp_size/pp_size must be >= 1 with at most {MAX_RANKS} ranks"
     if not _blocks_valid(p.remote_block_ids):
-        return "remote_block_ids is not a list of ints or of int lists"
+        return f"remote_block_ids is not a list of ints or of int lists, or holds over {MAX_BLOCK_IDS}"
     return ""
 
 
@@ -79,11 +85,14 @@ def check(raw: msgspec.Raw | bytes) -> Eligibility:
         params = PARAMS_DECODER.decode(data)
     except msgspec.ValidationError as exc:
         # D acts on a truthy do_remote_prefill; mistyped fields then mean "malformed".
-        loose = msgspec.json.decode(data)
+        try:
+            loose = msgspec.json.decode(data)
+        except (msgspec.DecodeError, RecursionError):  # broken, or too deep, past the type error
+            return Eligibility(None, Ineligible.MALFORMED, str(exc))
         if not isinstance(loose, dict) or not loose.get("do_remote_prefill"):
             return Eligibility(None, Ineligible.NO_PARAMS)
         return Eligibility(None, Ineligible.MALFORMED, str(exc))
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         return Eligibility(None, Ineligible.MALFORMED, str(exc))
     if not params.do_remote_prefill:
         return Eligibility(None, Ineligible.NO_PARAMS)

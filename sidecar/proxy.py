@@ -147,7 +147,7 @@ class Proxy:
         started = time.monotonic()
         try:
             request = msgspec.json.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             request = None
         if not isinstance(request, dict):  # D answers a body that is not a JSON object
             await self._forward(
@@ -341,7 +341,7 @@ class Proxy:
         started = time.monotonic()
         try:
             view = VIEW_DECODER.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             # Not a JSON object: forwarded as it is, D answers it; nothing to release.
             self.metrics.ineligible.labels("not_json").inc()
             return Exchange(request_id, route, None, False, started)

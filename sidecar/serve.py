@@ -4,7 +4,8 @@ Shutdown is bounded and ordered: on SIGTERM or SIGINT ``/readyz`` turns 503
 first, the proxy keeps serving for ``shutdown_delay`` (so load balancers
 notice), then stops accepting and drains in-flight requests for up to
 ``drain_timeout``; the lifespan then flushes queued releases for up to
-``flush_timeout`` and the admin server stops last.
+``flush_timeout`` and the admin server stops last. Both servers enforce the
+client limits of ``sidecar.limits``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uvicorn
 from sidecar import config as config_mod
 from sidecar import logs
 from sidecar.app import ProxyApp, create_admin_app, create_app
+from sidecar.limits import ServerLimits, server_options
 from sidecar.trust import Trust
 
 log = logging.getLogger("sidecar.serve")
@@ -78,20 +80,23 @@ class _Server(uvicorn.Server):
         yield
 
 
-def uvicorn_config(app: object, host: str, port: int, **extra: object) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        host=host,
-        port=port,
-        http="httptools",
-        loop="none",
-        log_config=None,
-        access_log=False,
-        server_header=False,  # D's own Server/Date headers pass through
-        date_header=False,
-        proxy_headers=False,  # the sidecar never reads the client address
-        **extra,  # type: ignore[arg-type]
-    )
+def uvicorn_config(
+    app: object, host: str, port: int, limits: ServerLimits, **extra: object
+) -> uvicorn.Config:
+    """One server's uvicorn settings: httptools behind ``GuardedProtocol``, no uvicorn logging."""
+    options: dict[str, object] = {
+        "host": host,
+        "port": port,
+        "loop": "none",
+        "log_config": None,
+        "access_log": False,
+        "server_header": False,  # D's own Server/Date headers pass through
+        "date_header": False,
+        "proxy_headers": False,  # the sidecar never reads the client address
+        **server_options(limits),
+        **extra,
+    }
+    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
 
 
 async def serve(config: config_mod.Config, stop: asyncio.Event | None = None) -> None:
@@ -102,14 +107,17 @@ async def serve(config: config_mod.Config, stop: asyncio.Event | None = None) ->
             app,
             config.host,
             config.port,
+            ServerLimits.of(config),
             lifespan="on",
             timeout_graceful_shutdown=config.drain_timeout,
             backlog=2048,
-            limit_concurrency=None,
         )
     )
+    admin_limits = ServerLimits.of(config, admin=True)
     admin = _Server(
-        uvicorn_config(create_admin_app(app), config.admin_host, config.admin_port, lifespan="off")
+        uvicorn_config(
+            create_admin_app(app), config.admin_host, config.admin_port, admin_limits, lifespan="off"
+        )
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -39,7 +39,7 @@ class FirstEventScanner:
         end = _event_end(self._buffer)
         if end < 0:
             if len(self._buffer) > LIMIT:
-                self.result = FirstEvent(None, None)
+                self.result, self._buffer = FirstEvent(None, None), b""
             return self.result
         self.result = parse_event(self._buffer[:end])
         self._buffer = b""
@@ -64,7 +64,7 @@ def parse_event(event: bytes) -> FirstEvent:
         return FirstEvent(None, None)
     try:
         payload = _ANY.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # msgspec raises RecursionError past ~1000 levels
         return FirstEvent(None, None)
     if not isinstance(payload, dict):
         return FirstEvent(None, None)
@@ -79,7 +79,7 @@ def parse_event(event: bytes) -> FirstEvent:
 def _from_error(error: dict[str, object]) -> FirstEvent:
     code = error.get("code")
     type_ = error.get("type")
-    if isinstance(code, str) and code.isdigit():
+    if isinstance(code, str) and code.isascii() and code.isdigit() and len(code) <= 9:
         code = int(code)
     if not isinstance(code, int) or isinstance(code, bool):
         return FirstEvent(None, type_ if isinstance(type_, str) else None)

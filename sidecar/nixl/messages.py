@@ -246,7 +246,7 @@ def decode_reply(profile: WireProfile, frames: list[bytes]) -> PeerMetadata:
         view = _AGENT_DECODER.decode(document)
         if len(frames) == 2:
             _TIMESTAMP_DECODER.decode(frames[1])  # P's perf_counter; only its shape is checked
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise BadReply(f"undecodable handshake reply: {exc}") from exc
     if not view.agent_metadata:
         raise BadReply("handshake reply has empty agent_metadata")

@@ -130,7 +130,7 @@ def decode_view(body: bytes) -> BodyView | Rejection:
     except msgspec.ValidationError:
         try:
             value: Any = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             value = None
         return _validation_error(
             "model_attributes_type",
@@ -138,7 +138,7 @@ def decode_view(body: bytes) -> BodyView | Rejection:
             "Input should be a valid dictionary or object to extract fields from",
             value,
         )
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # vLLM's JSON parser refuses deep nesting too
         return _json_error(body)
 
 
@@ -328,7 +328,7 @@ def _json_error(body: bytes) -> Rejection:
         json.loads(body)
     except json.JSONDecodeError as exc:
         loc, ctx = f"body.{exc.pos}", {"error": exc.msg}
-    except ValueError as exc:  # not UTF-8
+    except (ValueError, RecursionError) as exc:  # not UTF-8, or nested past the parser's limit
         loc, ctx = "body", {"error": str(exc)}
     else:  # valid for json, not for msgspec (e.g. NaN): report it like a decode error
         loc, ctx = "body", {"error": "Invalid JSON"}

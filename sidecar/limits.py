@@ -1,0 +1,229 @@
+"""Client limits on the sidecar's ports: uvicorn's httptools protocol plus what it lacks.
+
+Both servers speak HTTP/1.1 through ``GuardedProtocol``: uvicorn's httptools
+protocol plus the client limits it lacks (``docs/limits.md``). uvicorn 0.54
+with httptools has no header size limit (llhttp accumulates any header), no
+timer on a connection before its first response (a client trickling a header
+block, or one never sending, holds its connection forever; the keep-alive
+timer runs only after a response) and none on a request body; its
+``limit_concurrency`` counts idle connections and answers plain text.
+``GuardedProtocol`` answers 431 over ``max_header_bytes``, 408 past
+``client_header_timeout`` or ``client_body_timeout`` (then closes), and a
+vLLM-shaped 503 above ``limit_concurrency`` requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import ClassVar, Literal
+
+from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from sidecar import config as config_mod
+from sidecar.wire import error_body
+
+log = logging.getLogger("sidecar.serve")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """The limits a server enforces on its clients (``Config`` fields of the same meaning)."""
+
+    max_header_bytes: int = 64 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    concurrency: int = 0  # requests in flight; 0 = unlimited
+    keep_alive: float = 5.0
+
+    @classmethod
+    def of(cls, config: config_mod.Config, admin: bool = False) -> ServerLimits:
+        """The proxy port's limits; the admin port has no concurrency limit (probes must answer)."""
+        return cls(
+            max_header_bytes=config.max_header_bytes,
+            header_timeout=config.client_header_timeout,
+            body_timeout=config.client_body_timeout,
+            concurrency=0 if admin else config.limit_concurrency,
+            keep_alive=config.timeout_keep_alive,
+        )
+
+
+def _raw_error(status: int, type_: str, message: str) -> bytes:
+    """A complete HTTP/1.1 error response in vLLM's shape that closes the connection."""
+    body = error_body(message, status, type_)
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+async def _overloaded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+    """Above ``limit_concurrency``: a vLLM-shaped 503; D never sees the request."""
+    body = error_body("the sidecar is at its concurrency limit", 503, "ServiceUnavailableError")
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),  # sheds the connection, as uvicorn's own limit does
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a header size limit, header and body timeouts and a
+    concurrency limit that counts requests; ``limits`` is set by ``guarded_protocol``.
+
+    One timer per connection: the header timer runs from the connection's opening, or from
+    the first byte after a response, until its header block is complete; the body timer from
+    then until the body is complete, measuring the gap since the latest read, and not counted
+    while the server itself holds reading back (flow control, ``Expect: 100-continue``).
+    """
+
+    limits: ClassVar[ServerLimits] = ServerLimits()
+
+    _phase: Literal["head", "body"] | None = None
+    _timer: asyncio.TimerHandle | None = None
+    _last_read = 0.0  # loop time of the latest body bytes (the body timer checks it when it fires)
+    _head_bytes = 0
+    _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is None and (self.cycle is None or self.cycle.response_complete):
+            self._start_head()  # any byte between requests, even a stray CRLF, opens a header block
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._phase == "head":
+            # Still incomplete: all of this read was head (llhttp keeps it until the block ends).
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._refuse(431, "RequestHeaderFieldsTooLargeError", self._too_large())
+        elif self._phase == "body":
+            self._last_read = self.loop.time()
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        super().on_message_begin()
+        if self._phase != "head":
+            self._start_head()
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._refuse(431, "RequestHeaderFieldsTooLargeError", self._too_large())
+            return
+        self._phase, self._last_read = "body", self.loop.time()
+        self._arm(self.limits.body_timeout)
+        limit = self.limits.concurrency
+        if not limit or len(self.tasks) < limit:
+            super().on_headers_complete()
+            return
+        log.warning("concurrency limit reached, answering 503", extra={"limit": limit})
+        app, self.app = self.app, _overloaded
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._phase = None
+        self._stop_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self.transport.is_closing():  # not when a limit already answered
+            super().send_400_response(msg)
+
+    def _too_large(self) -> str:
+        return f"request header block exceeds the limit of {self.limits.max_header_bytes} bytes"
+
+    def _start_head(self) -> None:
+        self._phase, self._head_bytes = "head", 0
+        self._arm(self.limits.header_timeout)
+
+    def _arm(self, seconds: float) -> None:
+        self._stop_timer()
+        self._timer = self.loop.call_later(seconds, self._expired)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self.transport.get_protocol() is not self:
+            return  # closed, or handed over (a WebSocket upgrade)
+        cycle = self.cycle
+        if self._phase == "body":
+            idle = self.loop.time() - self._last_read
+            if idle < self.limits.body_timeout:
+                self._arm(self.limits.body_timeout - idle)  # bytes came since: one timer, not one per read
+            elif self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+                self._last_read = self.loop.time()  # the wait is the server's: the client's gap restarts
+                self._arm(self.limits.body_timeout)
+            else:
+                self._refuse(408, "RequestTimeoutError", "request body not received in time")
+        elif cycle is not None and not cycle.response_complete:
+            self._arm(self.limits.header_timeout)  # a pipelined head waits for the answer before it
+        elif self._head_bytes == 0:
+            self._refuse(0, "", "")  # nothing sent: close quietly, as for an idle keep-alive
+        else:
+            self._refuse(408, "RequestTimeoutError", "request header block not received in time")
+
+    def _refuse(self, status: int, type_: str, message: str) -> None:
+        """Answer ``status`` unless the connection is answering something else, then close."""
+        self._refused = True
+        self._stop_timer()
+        cycle = self.cycle
+        if status and self._may_answer():
+            log.warning("refused a client", extra={"status": status, "detail": message})
+            self.transport.write(_raw_error(status, type_, message))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
+            cycle.message_event.set()
+        self.transport.close()
+
+    def _may_answer(self) -> bool:
+        cycle = self.cycle
+        if self._phase == "body":  # the current cycle is the late request's own
+            return cycle is not None and not cycle.response_started
+        # A head: the cycle, if any, is the previous request's; it must be answered in full.
+        return cycle is None or cycle.response_complete
+
+
+def guarded_protocol(limits: ServerLimits) -> type[GuardedProtocol]:
+    """A ``GuardedProtocol`` class bound to ``limits`` (uvicorn instantiates it per connection)."""
+    return type("GuardedProtocol", (GuardedProtocol,), {"limits": limits})
+
+
+def server_options(limits: ServerLimits) -> dict[str, object]:
+    """The uvicorn options that enforce ``limits`` (also used by the integration tests)."""
+    return {
+        "http": guarded_protocol(limits),
+        "timeout_keep_alive": limits.keep_alive,
+        "limit_concurrency": None,  # GuardedProtocol counts requests, not idle connections
+    }

@@ -1,0 +1,75 @@
+"""``sidecar.classify.classify``: total, and a release only for a definite pre-admission rejection."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.classify import Cause, Event, Failure, Outcome, classify
+
+statuses = st.one_of(st.none(), st.integers(min_value=-1, max_value=1000), st.integers())
+codes = st.one_of(st.none(), st.integers(min_value=0, max_value=700), st.integers())
+events = st.builds(
+    Event,
+    status=statuses,
+    stream=st.booleans(),
+    first_event_error=codes,
+    failure=st.one_of(st.none(), st.sampled_from(list(Failure))),
+)
+
+DEFINITE = {
+    Cause.REJECTED_4XX,
+    Cause.REJECTED_5XX,
+    Cause.UNREACHABLE,
+    Cause.BODY_TOO_LARGE,
+    Cause.SHUTTING_DOWN,
+    Cause.INJECTED,
+    Cause.CLIENT_GONE_BEFORE_FORWARD,
+    Cause.STREAM_ADMISSION_ERROR,
+}
+
+
+@given(events)
+def test_every_event_has_one_decision(event: Event) -> None:
+    decision = classify(event)
+    assert decision.outcome in Outcome and decision.cause in Cause
+    assert (decision.outcome is Outcome.RELEASE) == (decision.cause in DEFINITE)
+    assert decision.releases(False) == (decision.outcome is Outcome.RELEASE)
+    assert decision.releases(True) == (decision.outcome is not Outcome.NO_RELEASE)
+
+
+@given(events)
+def test_a_release_needs_a_rejection_d_never_admitted(event: Event) -> None:
+    decision = classify(event)
+    if event.failure is not None or decision.outcome is not Outcome.RELEASE:
+        return
+    status = event.status or 0
+    if 200 <= status < 300:  # only an in-band 4xx admission error in a stream's first event
+        assert event.stream and event.first_event_error is not None and 400 <= event.first_event_error < 500
+    else:
+        assert 400 <= status < 600 and status not in (502, 504)
+
+
+@given(st.integers(), st.booleans(), codes)
+def test_statuses_outside_4xx_5xx_never_release_without_a_stream_error(
+    status: int, stream: bool, code: int | None
+) -> None:
+    if 400 <= status < 600:
+        return
+    decision = classify(Event(status=status, stream=stream, first_event_error=code))
+    if not (200 <= status < 300 and stream and code is not None and 400 <= code < 500):
+        assert decision.outcome is not Outcome.RELEASE
+
+
+@given(st.sampled_from([502, 504]), st.booleans(), codes)
+def test_gateway_statuses_are_ambiguous(status: int, stream: bool, code: int | None) -> None:
+    assert classify(Event(status=status, stream=stream, first_event_error=code)).outcome is Outcome.AMBIGUOUS
+
+
+@given(st.sampled_from(list(Failure)), statuses, codes)
+def test_a_failure_decides_whatever_else_the_event_says(
+    failure: Failure, status: int | None, code: int | None
+) -> None:
+    assert classify(Event(status=status, first_event_error=code, failure=failure)) == classify(
+        Event(failure=failure)
+    )
