@@ -31,9 +31,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
+from sidecar.limits import ServerLimits, server_options
 from sidecar.params import MAX_BLOCK_IDS
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.limits import ServerLimits, server_options
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode_config import DecodeSimConfig
 from tests.integration.conftest import Sidecar

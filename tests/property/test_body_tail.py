@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
