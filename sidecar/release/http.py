@@ -39,12 +39,12 @@ from sidecar.config import Config
 from sidecar.nixl.versions import NEWEST, Version, WireProfile, engine_request_id, parse_version
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
 from sidecar.release.coverage import engine_covers
+from sidecar.release.version import DecodeRelease
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH, ReleaseRequest
 from sidecar.wire import KVTransferParams
 
 log = logging.getLogger(__name__)
 
-VERSION_TTL = 60.0
 LOG_INTERVAL = 10.0
 #: Permanent reasons for which the plugin certainly did not act (another path is safe).
 NOT_DELIVERED = frozenset({"not_found", "unauthorized", "forbidden"})
@@ -133,13 +133,12 @@ class HttpReleaser:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._config = config
-        self._decode_version = decode_version
+        self._d_release = DecodeRelease(decode_version)
         self._transport = transport
         self.metrics = ControlMetrics(registry)
         self.release_url, self.health_url = release_url(config), health_url(config)
         self._client: httpx.AsyncClient | None = None
         self._headers: dict[str, str] = {}
-        self._version: tuple[float, str] | None = None
         self._logged: dict[str, float] = {}
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -177,7 +176,7 @@ class HttpReleaser:
 
     async def release(self, job: ReleaseJob) -> Result:
         _check_target(job.params)
-        text = self._config.vllm_version or await self._d_version()
+        text = self._config.vllm_version or await self._d_release.get()
         profile = WireProfile.for_version(text) if text else None
         version = profile.low if profile is not None else _newer_than_known(text)
         if version is None:
@@ -244,20 +243,6 @@ class HttpReleaser:
         return response.status_code, response.content
 
     # --- D's release and P's id ------------------------------------------------------------
-
-    async def _d_version(self) -> str | None:
-        now = time.monotonic()
-        if self._version is not None and now - self._version[0] < VERSION_TTL:
-            return self._version[1]
-        try:
-            text = await self._decode_version()
-        except Exception as exc:  # an injected callable: never let it fail a release
-            log.warning("asking D for its version failed", extra={"error": str(exc)})
-            text = None
-        if text:
-            self._version = (now, text)
-            return text
-        return self._version[1] if self._version is not None else None
 
     # --- logs ------------------------------------------------------------------------------
 

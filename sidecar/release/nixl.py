@@ -40,11 +40,11 @@ from sidecar.release.base import (
     RetryableReleaseError,
 )
 from sidecar.release.coverage import engine_covers
+from sidecar.release.version import DecodeRelease
 from sidecar.wire import KVTransferParams
 
 log = logging.getLogger(__name__)
 
-VERSION_TTL = 60.0  # re-ask D's /version after this; the last answer stays valid while D is down
 LOG_INTERVAL = 10.0  # at most one refusal warning per reason per interval
 LOOPBACK_LOG_INTERVAL = 60.0
 PROGRESS_SIZE = 65536
@@ -73,7 +73,7 @@ class NixlReleaser:
         peer: NixlPeer | None = None,
     ) -> None:
         self._config = config
-        self._decode_version = decode_version
+        self._d_release = DecodeRelease(decode_version)
         self.metrics = NixlMetrics(registry)
         self._allowlist = Allowlist(config.prefill_allow)
         self.peer = peer or NixlPeer()
@@ -82,7 +82,6 @@ class NixlReleaser:
         self._cache = HandshakeCache(config.handshake_cache_size, config.handshake_cache_ttl)
         self._inflight: dict[str, asyncio.Future[PeerSet]] = {}
         self._progress: OrderedDict[tuple[str, str], _Progress] = OrderedDict()
-        self._version: tuple[float, str] | None = None  # (fetched at, D's version)
         self._profiles: dict[str, WireProfile | None] = {}
         self._logged: dict[str, float] = {}
         self._loopback_warned: set[str] = set()
@@ -204,7 +203,7 @@ class NixlReleaser:
     # --- versions --------------------------------------------------------------------------
 
     async def _profile(self) -> WireProfile:
-        text = self._config.vllm_version or await self._d_version()
+        text = self._config.vllm_version or await self._d_release.get()
         if not text:
             raise PermanentReleaseError(
                 "P's vLLM release is unknown: set --vllm-version (D's GET /version gave nothing)",
@@ -220,21 +219,6 @@ class NixlReleaser:
                 "unknown_version",
             )
         return profile
-
-    async def _d_version(self) -> str | None:
-        now = time.monotonic()
-        if self._version is not None and now - self._version[0] < VERSION_TTL:
-            return self._version[1]
-        try:
-            text = await self._decode_version()
-        except Exception as exc:  # an injected callable: never let it fail a release
-            log.warning("asking D for its version failed", extra={"error": str(exc)})
-            text = None
-        if text:
-            self._version = (now, text)
-            return text
-        # D unreachable: its last answer is still the best knowledge of P's release.
-        return self._version[1] if self._version is not None else None
 
     # --- handshakes and the cache ----------------------------------------------------------
 
