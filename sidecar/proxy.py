@@ -417,6 +417,8 @@ class Proxy:
         self._decide(exchange, Event(failure=exc.failure))
         status = FAILURE_STATUS[exc.failure]
         self._count(exchange.route, status)
+        if exchange.router:
+            self.metrics.leg_failures.labels("decode", exc.failure.value).inc()
         log.warning(
             "decode server failed before answering",
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
@@ -426,6 +428,10 @@ class Proxy:
     async def _respond(self, send: Send, response: UpstreamResponse, exchange: Exchange) -> None:
         status = response.status
         self._count(exchange.route, status)
+        if exchange.router:
+            self.metrics.leg_latency.labels("decode").observe(time.monotonic() - exchange.started)
+            if status >= 400:
+                self.metrics.leg_failures.labels("decode", f"status_{status // 100}xx").inc()
         head = response_headers(response.headers, exchange.request_id)
         if not 200 <= status < 300:
             body = await response.read(ERROR_BODY_LIMIT)

@@ -110,6 +110,7 @@ def test_d_rejection_is_released_by_the_router() -> None:
         assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+        assert sc.sample("kvr_leg_failures_total", leg="decode", cause="status_4xx") == 1
 
 
 def test_d_unreachable_releases_and_answers_503() -> None:
@@ -129,6 +130,7 @@ def test_d_unreachable_releases_and_answers_503() -> None:
         response = httpx.post(sc.url + "/v1/completions", json=completion(20))
         assert response.status_code == 503
         wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["freed_by_notification"] == 1)
+        assert sc.sample("kvr_leg_failures_total", leg="decode", cause="connect_refused") == 1
 
 
 def test_decode_leg_header_timeout_releases() -> None:
