@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench
 	$(UV) run --frozen --no-sync python -m bench.bench_release
 	$(UV) run --frozen --no-sync python -m bench.bench_storm
+	$(UV) run --frozen --no-sync python -m bench.bench_router
 
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)

@@ -137,10 +137,10 @@ class PrefillPool:
         urls = parse_targets(header, self.allowlist) if header is not None else list(self.static)
         now = self._clock()
         healthy = [u for u in urls if self._unhealthy_until.get(u, 0.0) <= now]
-        if self.config.prefill_policy == "round-robin":
-            shift = next(self._rotation) % max(len(healthy), 1)
-            healthy = healthy[shift:] + healthy[:shift]
-        else:
+        shift = next(self._rotation) % max(len(healthy), 1)
+        healthy = healthy[shift:] + healthy[:shift]
+        if self.config.prefill_policy == "least-outstanding":
+            # A stable sort of the rotated list: ties (an idle pool) take turns.
             healthy.sort(key=lambda u: self._outstanding.get(u, 0))
         return healthy
 

@@ -248,3 +248,14 @@ def test_client_gone_around_the_prefill_answer_releases() -> None:
         asyncio.run(leave_early())
         after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         assert after["freed_by_notification"] == 1
+
+
+def test_an_idle_pool_takes_turns() -> None:
+    from sidecar.config import Config
+    from sidecar.router import PrefillPool
+
+    pool = PrefillPool(Config(prefill=("http://a:1", "http://b:1", "http://c:1")))
+    firsts = [pool.candidates(None)[0] for _ in range(6)]
+    assert firsts == ["http://a:1", "http://b:1", "http://c:1"] * 2
+    pool._outstanding["http://b:1"] = 1  # busy P goes last
+    assert all(pool.candidates(None)[-1] == "http://b:1" for _ in range(3))
