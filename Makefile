@@ -8,10 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance image clean
+.PHONY: help demo test lint bench conformance faults soak image clean
 
 help:
-	@echo "make demo | test | lint | bench | conformance | image | clean"
+	@echo "make demo | test | lint | bench | conformance | faults | soak | image | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -41,6 +41,14 @@ bench: $(STAMP)
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)
 	$(UV) run --frozen --no-sync pytest -q tests/conformance
+
+# The slow fault scenarios (the fast ones run in make test).
+faults: $(STAMP)
+	$(UV) run --frozen --no-sync pytest -q -m slow_faults tests/faults
+
+# A bounded soak through the simulators with random faults (about 15 minutes; stops by itself).
+soak: $(STAMP)
+	$(UV) run --frozen --no-sync python -m tests.faults.soak
 
 # nixl-cu12 ships x86_64 wheels only.
 image:

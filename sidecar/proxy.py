@@ -434,7 +434,16 @@ class Proxy:
                 self.metrics.leg_failures.labels("decode", f"status_{status // 100}xx").inc()
         head = response_headers(response.headers, exchange.request_id)
         if not 200 <= status < 300:
-            body = await response.read(ERROR_BODY_LIMIT)
+            try:
+                body = await response.read(ERROR_BODY_LIMIT)
+            except UpstreamError as exc:
+                # D refused the request (the status says so), then broke off its error body.
+                self._decide(exchange, Event(status=status, stream=exchange.stream))
+                log.warning("decode server broke off its error response", extra={"detail": str(exc)})
+                await send_error(
+                    send, status, f"decode server broke off its error response: {exc}", exchange.request_id
+                )
+                return
             self._decide(exchange, Event(status=status, stream=exchange.stream), _error_type(body))
             exchange.responded = True
             await send({"type": "http.response.start", "status": status, "headers": head})

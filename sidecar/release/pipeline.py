@@ -56,6 +56,7 @@ class Pipeline:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._busy = 0
+        self._running: dict[int, ReleaseJob] = {}  # by id(): jobs hold lists, so are unhashable
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -97,8 +98,10 @@ class Pipeline:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for job in self._queue:
+        # Jobs cut off mid-retry and jobs still queued: each ends with a decision and a count.
+        for job in [*self._running.values(), *self._queue]:
             self._finish(job, Result.DROPPED, "sidecar stopped before the release was sent")
+        self._running.clear()
         self._queue.clear()
 
     async def _worker(self) -> None:
@@ -112,8 +115,10 @@ class Pipeline:
             job = self._queue.popleft()
             self._metrics.queue_depth.set(len(self._queue))
             self._busy += 1
+            self._running[id(job)] = job
             try:
                 await self._run(job)
+                self._running.pop(id(job), None)
             finally:
                 self._busy -= 1
                 if not self._queue and self._busy == 0:
@@ -133,28 +138,38 @@ class Pipeline:
                 self._attempt(exc.reason)
                 self._finish(job, Result.REFUSED, str(exc), reason=exc.reason)
                 return
-            except (RetryableReleaseError, TimeoutError) as exc:
-                reason = getattr(exc, "reason", "timeout")
-                self._attempt(reason)
-                delay = self._backoff(attempt)
-                attempt += 1
-                if self._clock() + delay >= job.deadline:
-                    self._finish(job, Result.FAILED, f"gave up at the deadline: {exc}", reason=reason)
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this worker is being stopped
+                # A cancellation that is not ours (a shared handshake another job abandoned): retry.
+                if not await self._retry_or_fail(job, RetryableReleaseError(f"cancelled: {exc!r}"), attempt):
                     return
-                log.debug(
-                    "release attempt failed, retrying",
-                    extra={"request_id": job.request_id, "error": str(exc)},
-                )
-                await asyncio.sleep(delay)
-                continue
+            except (RetryableReleaseError, TimeoutError) as exc:
+                if not await self._retry_or_fail(job, exc, attempt):
+                    return
             except Exception as exc:  # a strategy bug must not kill the worker
                 log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
                 self._attempt("bug")
                 self._finish(job, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
                 return
-            self._attempt("ok")
-            self._finish(job, result, "done")
-            return
+            else:
+                self._attempt("ok")
+                self._finish(job, result, "done")
+                return
+            attempt += 1
+
+    async def _retry_or_fail(self, job: ReleaseJob, exc: BaseException, attempt: int) -> bool:
+        """Count a failed attempt; sleep the backoff and return True, or finish the job as failed."""
+        reason = getattr(exc, "reason", "timeout")
+        self._attempt(reason)
+        delay = self._backoff(attempt)
+        if self._clock() + delay >= job.deadline:
+            self._finish(job, Result.FAILED, f"gave up at the deadline: {exc}", reason=reason)
+            return False
+        log.debug("release attempt failed, retrying", extra={"request_id": job.request_id, "error": str(exc)})
+        await asyncio.sleep(delay)
+        return True
 
     def _backoff(self, attempt: int) -> float:
         initial, cap = self._retry
