@@ -21,6 +21,7 @@ from http import HTTPStatus
 from typing import ClassVar, Literal
 
 from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar import config as config_mod
@@ -75,6 +76,21 @@ async def _overloaded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISend
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+class _ClockedFlowControl(FlowControl):
+    """uvicorn's flow control, telling the protocol when the server lets the client send again."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedProtocol) -> None:
+        super().__init__(transport)
+        self._protocol = protocol
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            # The client's gap starts now: bytes it sent while reading was held back arrive on
+            # the next loop iteration, which may come after a body timer due this very instant.
+            self._protocol._last_read = self._protocol.loop.time()
+        super().resume_reading()
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header size limit, header and body timeouts and a
     concurrency limit that counts requests; ``limits`` is set by ``guarded_protocol``.
@@ -95,6 +111,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _ClockedFlowControl(transport, self)
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -1,0 +1,94 @@
+"""GuardedProtocol's body timer against uvicorn's flow control, driven by hand on a fake transport.
+
+The timer and the read that resumes a held-back body can fall in the same loop
+iteration; only a hand-driven protocol makes that order certain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.server import ServerState
+
+from sidecar.limits import GuardedProtocol, ServerLimits, guarded_protocol
+
+HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
+
+
+class FakeTransport:
+    """The transport calls uvicorn's protocol makes, recorded."""
+
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.closing = False
+        self.reading = True
+        self.protocol: Any = None
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
+
+    def get_protocol(self) -> Any:
+        return self.protocol
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+async def _holding_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await asyncio.Event().wait()  # never reads the body: the server holds reading back
+
+
+def _connect(limits: ServerLimits) -> tuple[GuardedProtocol, FakeTransport]:
+    config = uvicorn.Config(app=_holding_app, lifespan="off", log_level="critical")
+    protocol = guarded_protocol(limits)(config, ServerState(), {}, asyncio.get_running_loop())
+    transport = FakeTransport()
+    transport.protocol = protocol
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    return protocol, transport
+
+
+async def test_a_body_timer_due_as_reading_resumes_does_not_blame_the_client() -> None:
+    protocol, transport = _connect(ServerLimits(body_timeout=1.0))
+    protocol.data_received(HEAD + b"x" * 70_000)  # past uvicorn's high water mark
+    assert protocol.flow.read_paused and not transport.reading
+    protocol._last_read -= 10.0  # the server held reading back for ten body timeouts
+    protocol.flow.resume_reading()  # the app reads again; the client's bytes arrive next iteration
+    protocol._expired()  # ...after a body timer due this very iteration
+    assert not transport.closing and bytes(transport.written) == b""
+    protocol._last_read -= 1.5  # the client then really stays silent past the timeout
+    protocol._expired()
+    assert transport.closing and transport.written.startswith(b"HTTP/1.1 408 ")
+    protocol.connection_lost(None)
+    for task in protocol.tasks:
+        task.cancel()
+    await asyncio.gather(*protocol.tasks, return_exceptions=True)
+
+
+async def test_a_body_timer_while_reading_is_held_back_restarts_the_clients_gap() -> None:
+    protocol, transport = _connect(ServerLimits(body_timeout=1.0))
+    protocol.data_received(HEAD + b"x" * 70_000)
+    protocol._last_read -= 10.0
+    protocol._expired()  # reading is paused: the wait is the server's
+    assert not transport.closing
+    assert protocol.loop.time() - protocol._last_read < 0.5
+    protocol.connection_lost(None)
+    for task in protocol.tasks:
+        task.cancel()
+    await asyncio.gather(*protocol.tasks, return_exceptions=True)
