@@ -190,6 +190,10 @@ class NixlPeer:
 
         def send() -> list[str | None]:
             agent = self._require()
+            # One progress call first: UCX notices the remote agents that went away while this
+            # agent was idle (P re-registered its workers), so send_notif to them fails here and
+            # the caller handshakes again, instead of "succeeding" into a dead endpoint.
+            agent.get_new_notifs()
             results: list[str | None] = []
             for name, message in messages:
                 try:

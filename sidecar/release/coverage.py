@@ -44,6 +44,16 @@ Evidence, read in every wheel 0.21.0-0.33.0 (0.22.1, 0.25.1, 0.27.1 included):
   (the handler raises ``engine_client.dead_error``), and then the notify fails
   too (it is only logged: "Failed to notify KV connector").
 
+A request the sidecar gave up on after sending it (``header_timeout``, and
+``client_gone_after_forward``: both release only with ``--release-ambiguous``
+or in router mode) is covered too: the sidecar closes its connection, vLLM's
+``with_cancellation`` cancels the handler, and the wrapper "also fires when
+the handler is cancelled" (reference 5). Releasing it as well would reach P
+twice per rank (an "unrecognized request" error on P each time), and, if D had
+admitted the request and was reading, the sidecar's notification could free
+blocks under that read; D's own abort path waits for its read. The one case
+left to P's lease: D accepted the request but its handler never started.
+
 Known gap: a non-streaming request whose ``X-data-parallel-rank`` is out of
 range gets 400 ``"BadRequestError"`` from inside the handler, and D's notify
 fails on the same rank; it is counted as covered. Only a misconfigured router
@@ -61,6 +71,9 @@ FIX_SINCE: Version = (0, 21, 0)
 WRAPPED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 #: ``sidecar.classify.Cause`` values for "D answered with an error status".
 D_ANSWERED = frozenset({"rejected_4xx", "rejected_5xx"})
+#: Causes for which the sidecar closed a connection on which D had the whole request and had
+#: not answered: vLLM's ``with_cancellation`` cancels the handler, and the wrapper notifies P.
+ABORTED_BY_SIDECAR = frozenset({"header_timeout", "client_gone_after_forward"})
 #: (first release, status, error.type) of answers that only a wrapped handler gives.
 IN_HANDLER: tuple[tuple[Version, int, str], ...] = (
     ((0, 21, 0), 400, "BadRequestError"),
@@ -72,10 +85,12 @@ IN_HANDLER: tuple[tuple[Version, int, str], ...] = (
 
 def engine_covers(version: Version, job: ReleaseJob) -> bool:
     """True when D of ``version`` releases ``job`` itself, so the sidecar must not."""
-    if version < FIX_SINCE or job.injected or job.cause not in D_ANSWERED:
-        return False  # not D's answer: unreachable, the sidecar's own rejection, after-200 errors
-    if job.route.split("?", 1)[0] not in WRAPPED_ROUTES or job.error_type is None:
+    if version < FIX_SINCE or job.injected or job.route.split("?", 1)[0] not in WRAPPED_ROUTES:
         return False
+    if job.cause in ABORTED_BY_SIDECAR:
+        return True  # D's handler had the request and the sidecar's abort cancelled it
+    if job.cause not in D_ANSWERED or job.error_type is None:
+        return False  # not D's answer: unreachable, the sidecar's own rejection, after-200 errors
     return any(
         version >= since and job.status == status and job.error_type == type_
         for since, status, type_ in IN_HANDLER

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.allowlist import Allowlist
 from sidecar.config import Config
-from sidecar.nixl import EngineMismatch, NixlError
+from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, resolve_target
 from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
@@ -239,6 +239,12 @@ class NixlReleaser:
         self._inflight[engine_id] = future
         try:
             peers = await self._handshake(engine_id, generation, endpoint, profile, ranks)
+        except asyncio.CancelledError:
+            # The job that began it was cancelled (its deadline): the jobs waiting on this
+            # handshake get a timeout they retry, not a cancellation that is not theirs.
+            future.set_exception(HandshakeTimeout("the handshake was abandoned by the job that began it"))
+            future.exception()
+            raise
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # retrieved here; waiters re-raise it

@@ -94,18 +94,7 @@ def _idle(s: Scene) -> bool:
 
 @pytest.mark.parametrize(
     "idle",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: P re-registered its agents while the sidecar's NIXL agent made no "
-                "progress; send_notif to the dead agents reports success and the release is lost "
-                "(docs/reliability.md, findings)",
-            ),
-        ),
-    ],
+    [False, True],
     ids=["restart-while-progressing", "restart-while-idle"],
 )
 def test_p_restarted_with_new_agents(cluster: Backends, idle: bool) -> None:

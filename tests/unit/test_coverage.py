@@ -72,6 +72,12 @@ TABLE = [
     (V033, job(400, "BadRequestError", cause="client_gone_before_forward"), False, "never reached D"),
     (V033, job(400, "BadRequestError", injected=True), False, "injected: D never saw it"),
     (V033, job(400, "BadRequestError", cause="injected"), False, "injected cause"),
+    (V021, job(None, None, cause="header_timeout"), True, "the sidecar's abort cancels D's handler"),
+    (V033, job(None, None, cause="client_gone_after_forward", route=RESP), True, "cancelled handler"),
+    ((0, 20, 2), job(None, None, cause="header_timeout"), False, "no cleanup of a cancelled handler"),
+    (V033, job(None, None, cause="header_timeout", route="/v1/messages"), False, "no wrapper there"),
+    (V033, job(None, None, cause="reset_after_send"), False, "D's connection broke: no proof it ran"),
+    (V033, job(None, None, cause="gateway_error"), False, "a layer in between answered"),
 ]
 
 
