@@ -19,8 +19,9 @@ import ipaddress
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
@@ -31,6 +32,8 @@ from sidecar.nixl import HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import PermanentReleaseError
+
+_T = TypeVar("_T")
 
 Rank = tuple[int, int]  # (pp_rank, tp_rank)
 
@@ -133,8 +136,12 @@ class HandshakeClient:
             sock.connect(endpoint)
             replies: dict[Rank, PeerMetadata] = {}
             for pp_rank, tp_rank in ranks:
-                await sock.send(encode_request(profile, pp_rank, tp_rank))
-                frames = await _receive(sock, watcher, deadline, endpoint)
+                # The send is bounded too: a REQ whose connection P's end refused or garbled
+                # may have no pipe to queue on, and would wait for a reconnect forever.
+                await _bounded(
+                    sock.send(encode_request(profile, pp_rank, tp_rank)), watcher, deadline, endpoint
+                )
+                frames = await _bounded(sock.recv_multipart(), watcher, deadline, endpoint)
                 replies[(pp_rank, tp_rank)] = decode_reply(profile, frames)
             return replies
         finally:
@@ -152,27 +159,28 @@ async def _watch(monitor: zmq.asyncio.Socket) -> int:
             return int(event)
 
 
-async def _receive(
-    sock: zmq.asyncio.Socket, watcher: asyncio.Future[int], deadline: float, endpoint: str
-) -> list[bytes]:
+async def _bounded(
+    operation: Awaitable[_T], watcher: asyncio.Future[int], deadline: float, endpoint: str
+) -> _T:
+    """``operation``'s result, unless the deadline passes or the monitor saw the connection fail."""
     loop = asyncio.get_running_loop()
-    receive: asyncio.Future[list[bytes]] = asyncio.ensure_future(sock.recv_multipart())
+    pending: asyncio.Future[_T] = asyncio.ensure_future(operation)
     try:
-        waiting: set[asyncio.Future[object]] = {receive, watcher}  # type: ignore[arg-type]
+        waiting: set[asyncio.Future[object]] = {pending, watcher}  # type: ignore[arg-type]
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise HandshakeTimeout(f"no handshake reply from {endpoint} in time")
             done, _ = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            if receive in done:
-                return receive.result()
+            if pending in done:
+                return pending.result()
             if watcher in done:
                 if watcher.result() != zmq.EVENT_MONITOR_STOPPED:
                     raise PeerUnreachable(f"P side channel {endpoint} refused or dropped the connection")
-                waiting = {receive}  # type: ignore[arg-type]
+                waiting = {pending}  # type: ignore[arg-type]
     finally:
-        if not receive.done():
-            receive.cancel()
+        if not pending.done():
+            pending.cancel()
 
 
 @dataclass(slots=True)
