@@ -54,6 +54,7 @@ class Scene:
     flows: Flows
 
     def observe(self, sent: Sent, expected: Fate | None = None, **options: Any) -> Observed:
+        options.setdefault("note", sent.error)
         return Observed(
             sent.request_id, sent.p_request_id, sent.status, sent.sidecar_answered, expected, **options
         )

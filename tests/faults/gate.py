@@ -73,7 +73,7 @@ class FaultGate:
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._open: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"fault-gate-{self.port}", daemon=True)
 
@@ -139,22 +139,28 @@ class FaultGate:
         self._open.clear()
 
     async def _close(self) -> None:
+        self._closing = True
         await self._unlisten()
         self._cut_all()
-        for task in list(self._tasks):
+        # Handlers of connections accepted just now have not run yet: let them start (they see
+        # _closing and reset their connection), then cancel whatever still runs.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        current = asyncio.current_task()
+        tasks = [task for task in asyncio.all_tasks() if task is not current]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(0)  # let the aborted transports close their sockets
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         mode = self.mode
         self.stats[f"accepted_{mode}"] += 1
         self._open.add(writer)
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
         try:
-            if mode == "script" and self.script is not None:
+            if self._closing or mode == "down":  # accepted just before the listener closed
+                _reset(writer)
+            elif mode == "script" and self.script is not None:
                 await self.script(reader, writer)
             elif mode == "garbage":
                 writer.write(GARBAGE)
@@ -171,8 +177,6 @@ class FaultGate:
                 await self._relay(reader, writer)
         finally:
             self._open.discard(writer)
-            if task is not None:
-                self._tasks.discard(task)
             if not writer.transport.is_closing():
                 writer.transport.abort()
 

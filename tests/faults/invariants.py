@@ -13,7 +13,11 @@ and the client's answer ``derive_fate`` says who must free P's blocks:
 * ``d``: D admitted it (D reads and notifies P), or D's own fix (vLLM 0.21.0+)
   releases it (a rejection raised in D's handler, or the handler cancelled);
 * ``none``: nobody may free it now (ambiguous: D may have admitted it, and the
-  sidecar runs without ``--release-ambiguous``); P's lease will.
+  sidecar runs without ``--release-ambiguous``); P's lease will;
+* ``unseen``: D never saw it and the client got no status (its connection
+  broke): whether the sidecar forwarded it is unknowable from outside, and D
+  cannot read blocks it never saw, so either decision is sound; P must agree
+  with the one the sidecar made (freed once if released, untouched if not).
 
 Invariants (each failure is listed, all at once, by ``Report.verify``):
 
@@ -50,7 +54,7 @@ import httpx
 from sidecar.sim.dclient import DecodeClient
 from tests.faults.evidence import SidecarView, total
 
-Fate = Literal["sidecar", "d", "none"]
+Fate = Literal["sidecar", "d", "none", "unseen"]
 PROGRESS_SIZE = 65536  # sidecar.release.nixl.PROGRESS_SIZE
 POLL = 0.02
 
@@ -66,6 +70,7 @@ class Observed:
     expected: Fate | None = None  # None: derived from ground truth alone
     reachable: bool = True  # P is reachable before the job's deadline
     may_drop: bool = False  # a full release queue may drop it (counted)
+    note: str = ""  # what the client saw when no status came (its transport error)
 
 
 class Truth:
@@ -284,9 +289,12 @@ class InvariantChecker:
                     f"(client {obs.status}, D {entry and (entry['outcome'], entry['status'])})"
                 )
             fate = derived or obs.expected
+            if fate is None and obs.request_id not in entries and obs.status == 0:
+                fate = "unseen"  # neither D nor the client saw an answer: see the module docstring
             if fate is None:
                 report.fail(
-                    f"{obs.request_id}: fate unknown (client {obs.status}, no D entry, none expected)"
+                    f"{obs.request_id}: fate unknown "
+                    f"(client {obs.status} {obs.note}, D {entries.get(obs.request_id)})"
                 )
             else:
                 fates[obs.request_id] = fate
@@ -347,6 +355,11 @@ class InvariantChecker:
             if sent:
                 report.fail(f"{rid}: ambiguous (D may have admitted it) but released ({decisions})")
             _expect_pinned(report, rid, record, "nobody may free it")
+        elif fate == "unseen" and sent:
+            if record["freed_by"] != "notification" or counts != [1] * self.ranks:
+                report.fail(f"{rid}: released, but P shows {record['freed_by']} {counts} ({obs.note})")
+        elif fate == "unseen":
+            _expect_pinned(report, rid, record, f"not released ({decisions}; client: {obs.note})")
 
     def _p_unharmed(
         self, report: Report, stats: Mapping[str, Any], expected: int, allow_unknown: int

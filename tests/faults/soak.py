@@ -10,7 +10,8 @@ then sends P->D flows in rounds (``--round``, 32 in flight) until
 too long in D's handler: D's own fix; an error event opening a stream: the
 sidecar's). Faults are drawn at random per round: P re-registers its NIXL
 agents (``/sim/restart-agents``, at a random point of the round, after the
-flows then in flight ended, so D's own releases stay sound), D slow to send
+flows then in flight ended and P holds nothing, so no notification is still
+on its way to the agents being replaced), D slow to send
 headers (past the sidecar's ``header_timeout``: 504), D cutting streams, and
 clients leaving while D still works.
 
@@ -107,6 +108,7 @@ class RoundRecord:
     sidecar_rss_kib: int
     sidecar_tasks: int
     cumulative: int = 0
+    restart_at: int | None = None  # the flow of the round before which P re-registered its agents
     internals: dict[str, int] = field(default_factory=dict)
 
 
@@ -276,6 +278,7 @@ class Traffic:
             if offset == restart_at:
                 if tasks:
                     await asyncio.wait(tasks)  # the flows in flight end first: D's releases stay sound
+                await self._quiet_p()
                 async with self.session.post(self.cluster.p_url + "/sim/restart-agents") as response:
                     restarts += response.status == 200
             await gate.acquire()
@@ -287,6 +290,30 @@ class Traffic:
         if tasks:
             await asyncio.wait(tasks)
         return flows, restarts
+
+    async def _quiet_p(self, bound: float = 10.0) -> None:
+        """Until P frees nothing more: the notifications sent so far reached the agents being replaced.
+
+        A notification still on its way when P drops its agents is lost with them (a real P
+        re-registering loses it too); without this wait the soak would blame D's releases for it.
+        Quiet means P holds nothing, or its frees stood still for 0.2 s (a request no one may free,
+        ``unseen`` in the checker, stays pinned). Past ``bound`` seconds the restart goes ahead and
+        the checker reports what stayed pinned.
+        """
+        deadline = time.monotonic() + bound
+        last: tuple[int, int] | None = None
+        still_since = time.monotonic()
+        while time.monotonic() < deadline:
+            async with self.session.get(self.cluster.p_url + "/stats") as response:
+                stats = await response.json()
+            now = (stats["pinned_requests"], stats["freed_by_notification"])
+            if now[0] == 0:
+                return
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since >= 0.2:
+                return
+            await asyncio.sleep(0.01)  # polling P, bounded by the deadline above
 
     async def _flow(self, flow: Flow, gate: asyncio.Semaphore) -> None:
         try:
@@ -329,7 +356,9 @@ class Traffic:
         }.get(kind, "")
         if kind == "reject":
             body["max_tokens"] = "x"
-        timeout = aiohttp.ClientTimeout(total=0.15 if kind == "disconnect" else 60)
+        # A leaving client gives up 0.15 s after its request was written (not counting the wait for
+        # a connection), so the sidecar has it: D, still in its handler, sees the abort.
+        timeout = aiohttp.ClientTimeout(sock_read=0.15) if kind == "disconnect" else aiohttp.ClientTimeout(60)
         headers = {"x-request-id": flow.request_id}
         try:
             async with self.session.post(
@@ -425,7 +454,7 @@ async def run(config: SoakConfig, cluster: Cluster, log: Any) -> dict[str, Any]:
                 judge_round, checker, cluster, flows, kinds, seconds, len(rounds)
             )
             sent += len(flows)
-            record.cumulative, record.p_restarts = sent, restarts
+            record.cumulative, record.p_restarts, record.restart_at = sent, restarts, restart_at
             rounds.append(record)
             print(
                 f"round {record.index:3d}: {sent:7d} flows, {record.flows_per_second:6.1f}/s, "

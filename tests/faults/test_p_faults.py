@@ -126,7 +126,6 @@ def test_p_restarted_with_new_agents(cluster: Backends, idle: bool) -> None:
         assert s.sample("kvr_nixl_handshakes_total", result="ok") >= 2
 
 
-@pytest.mark.slow_faults  # timing-sensitive under a loaded 2-core machine: run by make faults
 def test_p_listener_answers_garbage(cluster: Backends) -> None:
     """Something that is not P's ZMQ listener answers garbage on the side-channel port, then P is back.
 

@@ -8,6 +8,7 @@ logs JSON to a file; its release decisions and errors are read from there.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -215,8 +216,6 @@ def _metric(child: Child, name: str, **labels: str) -> float:
 
 
 def _stopped(child: Child) -> dict[str, object]:
-    import json
-
     for line in child.log.read_bytes().splitlines():
         if b'"sidecar stopped"' in line:
             return {"releases_flushed": json.loads(line)["releases_flushed"]}

@@ -31,6 +31,13 @@ class Sidecar:
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
 
+    def wait_idle(self, timeout: float = 5.0) -> bool:
+        """Wait until no request is in flight (each was classified and counted)."""
+        deadline = time.monotonic() + timeout
+        while self.sample("kvr_inflight_requests") and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not self.sample("kvr_inflight_requests")
+
     def released(self) -> list[str]:
         return [job.params.remote_request_id or job.request_id for job in self.releaser.recorded]
 

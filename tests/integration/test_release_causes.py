@@ -288,6 +288,7 @@ def test_client_gone_before_forward_releases() -> None:
             released = sc.wait_released(1)
             assert released == ["wait-1"]
             assert sc.releaser.recorded[0].cause == "client_gone_before_forward"
+            assert sc.wait_idle()  # busy-1's handler may notice its client left after wait-1's did
             assert (
                 sc.sample("kvr_not_released_total", outcome="ambiguous", cause="client_gone_after_forward")
                 == 1
