@@ -78,6 +78,8 @@ async def _complete(request: Request, route: CompletionRoute) -> Response:
         return _error(request, message, "ServiceUnavailableError", 503)
     except DuplicateRequest as exc:
         return _error(request, f"Request id {exc} already running.", "BadRequestError", 400)
+    if sim.config.latency:
+        await asyncio.sleep(sim.config.latency)  # the blocks stay pinned while P "computes"
     model = body.model if isinstance(body.model, str) else sim.config.model
     payload = completion_body(
         route,

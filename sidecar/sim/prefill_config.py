@@ -38,6 +38,7 @@ class PrefillSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     side_channel_port: int | None = None  # 0 = a free port; None = the release's default
     poll_interval: float = 0.001
     agent_start_timeout: float = 30.0
+    latency: float = 0.0  # seconds between pinning the blocks and answering (the prefill's compute)
     log_level: LogLevel = "info"
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ class PrefillSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.pp > 1 and not release.supports_pp:
             reason = "PP needs vLLM 0.26.0+ (the handshake is keyed by TP rank alone before)"
             raise ConfigError("pp", self.pp, reason)
+        if self.latency < 0:
+            raise ConfigError("latency", self.latency, "must be 0 or positive")
         if self.lease is not None and self.lease < 0:
             raise ConfigError("lease", self.lease, "must be 0 (never) or positive")
         for name in ("poll_interval", "agent_start_timeout"):
@@ -96,6 +99,7 @@ _TYPES: dict[str, Any] = {
     "side_channel_port": int,
     "poll_interval": float,
     "agent_start_timeout": float,
+    "latency": float,
 }
 _HELP = {
     "vllm_version": "vLLM release whose wire format P speaks (0.9.0 - 0.33.x)",
@@ -105,6 +109,7 @@ _HELP = {
     "side_channel_port": "base side-channel port (0 = a free one)",
     "num_blocks": "usable KV blocks in P's pool",
     "block_size": "tokens per block",
+    "latency": "seconds between pinning a prompt's blocks and answering (prefill compute time)",
 }
 
 

@@ -24,12 +24,16 @@ VERSION = "0.33.0"
 
 @contextmanager
 def pd(
-    prefills: int = 1, *, static: bool = True, d_config: dict[str, Any] | None = None, **sidecar: Any
+    prefills: int = 1,
+    *,
+    static: bool = True,
+    d_config: dict[str, Any] | None = None,
+    p_config: dict[str, Any] | None = None,
+    **sidecar: Any,
 ) -> Iterator[tuple[list[ServerThread], ServerThread, Sidecar]]:
+    p_settings = {"vllm_version": VERSION, "tp": 2, "num_blocks": 64, "lease": 0, **(p_config or {})}
     p_apps = [
-        create_prefill_app(
-            PrefillSimConfig(port=0, vllm_version=VERSION, tp=2, num_blocks=64, lease=0, side_channel_port=0)
-        )
+        create_prefill_app(PrefillSimConfig(port=0, side_channel_port=0, **p_settings))
         for _ in range(prefills)
     ]
     d_settings = {"port": 0, "version": VERSION, "max_model_len": 40, "served_model": "m", **(d_config or {})}
@@ -248,6 +252,65 @@ def test_client_gone_around_the_prefill_answer_releases() -> None:
         asyncio.run(leave_early())
         after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         assert after["freed_by_notification"] == 1
+
+
+def test_p_answering_after_the_client_left_is_released() -> None:
+    """The client leaves while P still computes (blocks pinned, no answer yet).
+
+    Expected: the sidecar still waits for P's answer, then releases its blocks
+    (cause ``client_gone_before_forward``) by notification; D never sees the
+    request; the request counts as ``client_gone``.
+    """
+    with pd(p_config={"latency": 1.0}) as ([p], d, sc):
+
+        async def leave_while_p_computes() -> None:
+            async with httpx.AsyncClient() as client:
+                task = asyncio.create_task(
+                    client.post(sc.url + "/v1/completions", json=completion(20, max_tokens=4))
+                )
+                deadline = time.monotonic() + 5
+                while stats(p)["pinned_requests"] == 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
+                    await asyncio.sleep(0.001)
+                assert not task.done(), "P answered before its latency"
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        left_at = time.monotonic()
+        asyncio.run(leave_while_p_computes())
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1
+        assert time.monotonic() - left_at >= 0.5  # freed once P answered, not when the client left
+        assert httpx.get(d.url + "/sim/log").json() == []
+        assert sc.sample("kvr_rejections_total", cause="client_gone_before_forward") == 1
+        assert sc.sample("kvr_requests_total", route="completions", status_class="client_gone") == 1
+
+
+def test_client_leaving_after_p_answered_is_left_to_d() -> None:
+    """The client leaves after P answered, while D (vLLM 0.33, with its own fix) is in its handler.
+
+    Expected: the sidecar closes the decode leg; D's cleanup of the cancelled
+    handler notifies P, so the sidecar sends nothing (``covered_by_engine``)
+    and P frees the blocks exactly once per rank.
+    """
+    with pd(d_config={"latency": 0}) as ([p], d, sc):
+        body = completion(20, max_tokens=4)
+        body["prompt"] += " [[slow-headers:5]]"
+
+        async def leave_while_d_works() -> None:
+            async with httpx.AsyncClient() as client:
+                task = asyncio.create_task(client.post(sc.url + "/v1/completions", json=body))
+                deadline = time.monotonic() + 5
+                while not (await client.get(d.url + "/sim/log")).json() and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
+                    await asyncio.sleep(0.005)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(leave_while_d_works())
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1 and after["notifs_unknown"] == 0
+        assert sc.wait_idle()
+        assert sc.sample("kvr_nixl_notifications_total", result="ok") == 0
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == 1
 
 
 def test_an_idle_pool_takes_turns() -> None:
