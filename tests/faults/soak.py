@@ -439,7 +439,10 @@ async def run(config: SoakConfig, cluster: Cluster, log: Any) -> dict[str, Any]:
     rounds: list[RoundRecord] = []
     started = time.monotonic()
     sent = 0
-    connector = aiohttp.TCPConnector(limit=config.concurrency * 2)
+    # Pooled connections are dropped after 1 s idle, well before the servers' 5 s keep-alive
+    # timeout: reusing one the server is closing fails the request ("Server disconnected"),
+    # which the soak would misread as a fault of the sidecar (idle gaps come while a round is judged).
+    connector = aiohttp.TCPConnector(limit=config.concurrency * 2, keepalive_timeout=1.0)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         traffic = Traffic(config, cluster, session)
         while sent < config.requests and time.monotonic() - started < config.duration:
