@@ -30,6 +30,8 @@ from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline
+from sidecar.tracing import Tracing
+from sidecar.tracing import build as build_tracing
 from sidecar.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("sidecar.app")
@@ -45,6 +47,7 @@ class Deps:
     registry: CollectorRegistry | None = None
     releaser: Releaser | None = None
     clock: Callable[[], float] = time.monotonic
+    tracing: Tracing | None = None  # e.g. sidecar.tracing.build(config, InMemorySpanExporter())
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Runtime:
     releaser: Releaser
     pipeline: Pipeline
     proxy: Proxy
+    tracing: Tracing
     draining: bool = False
     _health: tuple[float, bool] = (0.0, False)
     _version: tuple[float, str | None] = (0.0, None)
@@ -142,6 +146,7 @@ class ProxyApp:
 
     async def startup(self) -> Runtime:
         config = self.config
+        tracing = self.deps.tracing or build_tracing(config)
         metrics = Metrics(self.deps.registry)
         upstream = Upstream(
             config.decode_url,
@@ -157,7 +162,7 @@ class ProxyApp:
         async def decode_version() -> str | None:
             return await holder[0].decode_version()
 
-        releaser = self.deps.releaser or make_releaser(config, decode_version, metrics.registry)
+        releaser = self.deps.releaser or make_releaser(config, decode_version, metrics.registry, tracing)
         await releaser.start()
         ledger = Ledger(config.ledger_size, config.ledger_ttl, self.deps.clock)
         pipeline = Pipeline(
@@ -169,10 +174,11 @@ class ProxyApp:
             retry_max=config.release_retry_max,
             ledger=ledger,
             clock=self.deps.clock,
+            tracing=tracing,
         )
         pipeline.start()
-        proxy = Proxy(config, upstream, pipeline, metrics)
-        self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, proxy)
+        proxy = Proxy(config, upstream, pipeline, metrics, tracing)
+        self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, proxy, tracing)
         holder.append(self.runtime)
         log.info("sidecar started", extra={"config": dump(config)})
         return self.runtime
@@ -190,6 +196,7 @@ class ProxyApp:
         if runtime.proxy.router is not None:
             await runtime.proxy.router.close()
         await runtime.upstream.close()
+        await runtime.tracing.shutdown(self.config.flush_timeout)  # last: the release spans ended
         log.info("sidecar stopped", extra={"releases_flushed": flushed})
 
 

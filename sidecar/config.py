@@ -100,6 +100,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431 and close
     client_header_timeout: float = 10.0  # a complete header block within this; else 408 and close
     client_body_timeout: float = 60.0  # largest gap between two reads of a request body; else 408
+    # OpenTelemetry tracing (sidecar.tracing; needs kv-release-sidecar[otel]): OTLP/HTTP, off when empty.
+    otlp_traces_endpoint: str = ""  # e.g. http://otel-collector:4318 (/v1/traces is added to a bare URL)
+    trace_sample_ratio: float = 1.0  # share of new traces sampled; a sampled traceparent is always honoured
+    trace_service_name: str = "kv-release-sidecar"
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -150,6 +154,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             reason = allow_pattern_error(pattern)
             if reason:
                 raise ConfigError("prefill_allow", pattern, reason)
+        traces = urlsplit(self.otlp_traces_endpoint)
+        if self.otlp_traces_endpoint and (traces.scheme not in ("http", "https") or not traces.hostname):
+            raise ConfigError(
+                "otlp_traces_endpoint", self.otlp_traces_endpoint, "must be an http(s) URL (OTLP/HTTP)"
+            )
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ConfigError("trace_sample_ratio", self.trace_sample_ratio, "must be between 0 and 1")
+        if not self.trace_service_name.strip():
+            raise ConfigError("trace_service_name", self.trace_service_name, "must not be empty")
 
 
 _POSITIVE = (

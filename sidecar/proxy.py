@@ -33,7 +33,7 @@ from sidecar.classify import ROUTER_RELEASES, Decision, Event, Failure, Outcome,
 from sidecar.config import Config
 from sidecar.errors import FAILURE_STATUS, send_error, send_raw
 from sidecar.faults import Injector
-from sidecar.headers import request_headers, response_headers
+from sidecar.headers import data_parallel_rank, request_headers, response_headers
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
 from sidecar.release.pipeline import Pipeline
@@ -50,6 +50,7 @@ from sidecar.router import (
     prefill_headers,
 )
 from sidecar.sse import FirstEventScanner
+from sidecar.tracing import OFF, Leg, Tracing
 from sidecar.trust import InFlight, Trust
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
@@ -75,13 +76,24 @@ class Exchange:
     router: bool = False  # router mode: the sidecar ran the prefill leg itself
     body_request_id: str | None = None  # the body's request_id field, if a string
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
+    leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
+    raw_params: bytes | None = None  # kv_transfer_params as received (for the http strategy)
+    data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
 
 
 class Proxy:
     """The proxy's ASGI handler for ``http`` scopes."""
 
-    def __init__(self, config: Config, upstream: Upstream, pipeline: Pipeline, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: Config,
+        upstream: Upstream,
+        pipeline: Pipeline,
+        metrics: Metrics,
+        tracing: Tracing = OFF,
+    ) -> None:
         self.config = config
+        self.tracing = tracing  # hooks below are guarded by tracing.enabled (one attribute check)
         self.injector = Injector(config)
         self.trust = Trust(config)
         self.inflight = InFlight(config.ledger_size, config.release_deadline)
@@ -97,7 +109,11 @@ class Proxy:
         route = path if scope["method"] == "POST" and path in ROUTES else None
         self.metrics.inflight.inc()
         try:
-            await self._handle(scope, receive, send, route)
+            if route is not None and self.tracing.enabled:
+                with self.tracing.server_span(scope) as span:
+                    await self._handle(scope, receive, span.watch(send), route)
+            else:
+                await self._handle(scope, receive, send, route)
         finally:
             self.metrics.inflight.dec()
 
@@ -179,7 +195,8 @@ class Proxy:
         if prefilled is None:  # the client left during the prefill leg (released there)
             watcher.stop()
             return
-        eligibility = params_mod.check(msgspec.json.encode(prefilled.params)) if prefilled.params else None
+        raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
+        eligibility = params_mod.check(raw) if raw else None
         exchange = Exchange(
             request_id,
             route,
@@ -188,6 +205,8 @@ class Proxy:
             started,
             router=True,
             rewriter=UsageRewriter(prefilled.cached_tokens, stream),
+            raw_params=raw,
+            data_parallel_rank=data_parallel_rank(scope["headers"]),
         )
         if self.stopping:
             watcher.stop()
@@ -229,11 +248,12 @@ class Proxy:
         if task.cancelled() or task.exception() is not None:
             return None
         result = task.result()
-        eligibility = params_mod.check(msgspec.json.encode(result.params)) if result.params else None
+        raw = msgspec.json.encode(result.params) if result.params else None
+        eligibility = params_mod.check(raw) if raw else None
         exchange = Exchange(
             request_id, route, eligibility.params if eligibility else None, False, time.monotonic()
         )
-        exchange.router = True
+        exchange.router, exchange.raw_params = True, raw
         self._decide(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._count(route, -1)
         return None
@@ -248,7 +268,11 @@ class Proxy:
         for url in candidates[:2]:  # a failing P leg is tried once on another P
             started = time.monotonic()
             try:
-                result = await self.router.prefill(url, route, body, p_headers)
+                if self.tracing.enabled:
+                    with self.tracing.leg_span("kvr.prefill", "POST", url + route, p_headers) as leg:
+                        result = await self.router.prefill(url, route, body, leg.headers)
+                else:
+                    result = await self.router.prefill(url, route, body, p_headers)
             except RouterError as exc:
                 if exc.status < 500:
                     raise  # P refused the request itself: the client sees P's answer
@@ -361,13 +385,23 @@ class Proxy:
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
             self.metrics.ineligible.labels("untrusted").inc()
             params = None
-        return Exchange(request_id, route, params, view.stream is True, started, body_request_id=body_id)
+        return Exchange(
+            request_id,
+            route,
+            params,
+            view.stream is True,
+            started,
+            body_request_id=body_id,
+            raw_params=bytes(view.kv_transfer_params) if params is not None else None,
+            data_parallel_rank=data_parallel_rank(client_headers),
+        )
 
     async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
         raw = tail_params(body.tail) if body.complete else None
         eligibility = params_mod.check(raw) if raw else None
         params = eligibility.params if eligibility else None
         exchange = Exchange(request_id, route, params, False, time.monotonic())
+        exchange.raw_params = bytes(raw) if params is not None and raw else None
         message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
         await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message)
 
@@ -392,6 +426,9 @@ class Proxy:
         exchange.sent = Sent()
         if exchange.params is not None:
             self.inflight.forwarded(_key(exchange))
+        if self.tracing.enabled:
+            exchange.leg = self.tracing.leg("kvr.decode", scope["method"], self._decode_url(scope), headers)
+            headers = exchange.leg.headers
         try:
             try:
                 response = await self.upstream.send(
@@ -410,10 +447,24 @@ class Proxy:
             if not exchange.decided:
                 self._decide(exchange, _client_gone(exchange))
                 self._count(exchange.route, -1)
+            if exchange.leg is not None:
+                exchange.leg.failed("client_gone", "the client disconnected")
+        except Exception as exc:
+            if exchange.leg is not None:
+                failure = exc.failure.value if isinstance(exc, UpstreamError) else type(exc).__name__
+                exchange.leg.failed(failure, str(exc))
+            raise
         finally:
             watcher.stop()
+            if exchange.leg is not None:
+                exchange.leg.end()
+
+    def _decode_url(self, scope: Scope) -> str:
+        return self.upstream.base_url + _target(scope)
 
     async def _upstream_failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
+        if exchange.leg is not None:
+            exchange.leg.failed(exc.failure.value, str(exc))
         self._decide(exchange, Event(failure=exc.failure))
         status = FAILURE_STATUS[exc.failure]
         self._count(exchange.route, status)
@@ -428,6 +479,8 @@ class Proxy:
     async def _respond(self, send: Send, response: UpstreamResponse, exchange: Exchange) -> None:
         status = response.status
         self._count(exchange.route, status)
+        if exchange.leg is not None:
+            exchange.leg.status(status)
         if exchange.router:
             self.metrics.leg_latency.labels("decode").observe(time.monotonic() - exchange.started)
             if status >= 400:
@@ -539,6 +592,8 @@ class Proxy:
         exchange.decided = True
         params = exchange.params
         if params is None:
+            if self.tracing.enabled:
+                self.tracing.decided(decision.outcome.value, decision.cause.value, "no_params")
             return decision
         releases = decision.releases(self.config.release_ambiguous)
         key = _key(exchange)
@@ -546,6 +601,8 @@ class Proxy:
             self.inflight.finished(key, admitted=not releases)
         if not releases:
             self.metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
+            if self.tracing.enabled:
+                self.tracing.decided(decision.outcome.value, decision.cause.value, "not_released")
             return decision
         if self.inflight.may_be_read(key):
             # Another request with these parameters is at D or was admitted: D may be reading them.
@@ -554,10 +611,12 @@ class Proxy:
                 "rejected request reuses parameters D may be reading; not released",
                 extra={"request_id": exchange.request_id},
             )
+            if self.tracing.enabled:
+                self.tracing.decided(decision.outcome.value, decision.cause.value, "params_in_use")
             return decision
         self.metrics.rejections.labels(decision.cause.value).inc()
         now = time.monotonic()
-        self.pipeline.submit(
+        queued = self.pipeline.submit(
             ReleaseJob(
                 request_id=exchange.request_id,
                 route=exchange.route,
@@ -569,8 +628,14 @@ class Proxy:
                 injected=event.failure is Failure.INJECTED,
                 detected_at=now,
                 deadline=now + self.config.release_deadline,
+                raw_params=exchange.raw_params,
+                data_parallel_rank=exchange.data_parallel_rank,
+                trace_context=self.tracing.job_context() if self.tracing.enabled else None,
             )
         )
+        if self.tracing.enabled:
+            release = "queued" if queued else "duplicate"
+            self.tracing.decided(decision.outcome.value, decision.cause.value, release)
         return decision
 
     def _count(self, route: str, status: int) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Generator
 import uvicorn
 
 from sidecar import config as config_mod
-from sidecar import logs
+from sidecar import logs, tracing
 from sidecar.app import ProxyApp, create_admin_app, create_app
 from sidecar.limits import ServerLimits, server_options
 from sidecar.trust import Trust
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
         Trust(config)  # secrets readable and present, before any socket opens
+        tracing.require(config)  # the otel extra installed when tracing is configured
     except config_mod.ConfigError as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2

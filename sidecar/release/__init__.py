@@ -13,12 +13,15 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
 from sidecar.release.base import Releaser
+from sidecar.tracing import OFF, Tracing
 
 DecodeVersion = Callable[[], Awaitable[str | None]]
 
 
-def make_releaser(config: Config, decode_version: DecodeVersion, registry: CollectorRegistry) -> Releaser:
-    """The strategy named by ``config.release``."""
+def make_releaser(
+    config: Config, decode_version: DecodeVersion, registry: CollectorRegistry, tracing: Tracing = OFF
+) -> Releaser:
+    """The strategy named by ``config.release``; ``tracing`` reaches the NIXL handshakes."""
     if config.release == "off":
         from sidecar.release.off import OffReleaser
 
@@ -30,7 +33,7 @@ def make_releaser(config: Config, decode_version: DecodeVersion, registry: Colle
     if config.release == "nixl":
         from sidecar.release.nixl import NixlReleaser
 
-        return NixlReleaser(config, decode_version, registry)
+        return NixlReleaser(config, decode_version, registry, tracing=tracing)
     if config.release == "http":
         from sidecar.release.http import HttpReleaser
 
@@ -38,5 +41,10 @@ def make_releaser(config: Config, decode_version: DecodeVersion, registry: Colle
     if config.release == "auto":
         from sidecar.release.auto import AutoReleaser
 
-        return AutoReleaser(config, decode_version, registry)
+        if not tracing.enabled:
+            return AutoReleaser(config, decode_version, registry)
+        from sidecar.release.nixl import NixlReleaser
+
+        nixl = NixlReleaser(config, decode_version, registry, tracing=tracing)
+        return AutoReleaser(config, decode_version, registry, nixl=nixl)
     raise NotImplementedError(f"release strategy {config.release!r} is not available in this build")

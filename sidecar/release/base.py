@@ -12,7 +12,7 @@ owns retries, de-duplication and metrics.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -51,6 +51,14 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     injected: bool = False
     detected_at: float
     deadline: float
+    # The request's span context (sidecar.tracing) when tracing is on: kvr.release is its child.
+    trace_context: Any = None
+    # kv_transfer_params exactly as they came (JSON): the http strategy hands D's engine every
+    # field, also those a newer vLLM appends and ``KVTransferParams`` does not know.
+    raw_params: bytes | None = None
+    # The request's ``X-data-parallel-rank`` (vLLM routes it to that engine core): the http
+    # strategy's release goes to the same rank.
+    data_parallel_rank: int | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -41,6 +41,7 @@ from sidecar.release.base import (
 )
 from sidecar.release.coverage import engine_covers
 from sidecar.release.version import DecodeRelease
+from sidecar.tracing import OFF, Tracing
 from sidecar.wire import KVTransferParams
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ class NixlReleaser:
         registry: CollectorRegistry | None = None,
         *,
         peer: NixlPeer | None = None,
+        tracing: Tracing = OFF,
     ) -> None:
         self._config = config
+        self._tracing = tracing
         self._d_release = DecodeRelease(decode_version)
         self.metrics = NixlMetrics(registry)
         self._allowlist = Allowlist(config.prefill_allow)
@@ -257,6 +260,20 @@ class NixlReleaser:
                 del self._inflight[engine_id]
 
     async def _handshake(
+        self,
+        engine_id: str,
+        generation: int | None,
+        endpoint: tuple[str, int],
+        profile: WireProfile,
+        ranks: list[Rank],
+    ) -> PeerSet:
+        if not self._tracing.enabled:
+            return await self._handshake_now(engine_id, generation, endpoint, profile, ranks)
+        # On the event loop around the await; the NIXL owner thread never touches a span.
+        with self._tracing.handshake_span(engine_id, endpoint, ranks):
+            return await self._handshake_now(engine_id, generation, endpoint, profile, ranks)
+
+    async def _handshake_now(
         self,
         engine_id: str,
         generation: int | None,

@@ -26,6 +26,7 @@ from sidecar.release.base import (
     RetryableReleaseError,
 )
 from sidecar.release.ledger import Ledger
+from sidecar.tracing import OFF, Tracing
 
 log = logging.getLogger("sidecar.release")
 
@@ -44,8 +45,10 @@ class Pipeline:
         retry_max: float,
         ledger: Ledger,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing = OFF,
     ) -> None:
         self.releaser = releaser
+        self._tracing = tracing
         self._metrics = metrics
         self._queue: collections.deque[ReleaseJob] = collections.deque()
         self._queue_size = queue_size
@@ -117,7 +120,11 @@ class Pipeline:
             self._busy += 1
             self._running[id(job)] = job
             try:
-                await self._run(job)
+                if self._tracing.enabled:
+                    with self._tracing.release_span(job, self.releaser.name):
+                        await self._run(job)
+                else:
+                    await self._run(job)
                 self._running.pop(id(job), None)
             finally:
                 self._busy -= 1
@@ -177,10 +184,14 @@ class Pipeline:
 
     def _attempt(self, outcome: str) -> None:
         self._metrics.release_attempts.labels(self.releaser.name, outcome).inc()
+        if self._tracing.enabled:
+            self._tracing.release_attempt(outcome)
 
     def _finish(self, job: ReleaseJob, result: Result, detail: str, reason: str = "") -> None:
         strategy = self.releaser.name
         self._metrics.releases.labels(strategy, result.value).inc()
+        if self._tracing.enabled:
+            self._tracing.release_finished(result.value, reason, detail)
         if result in (Result.SENT, Result.DRY_RUN):
             self._metrics.release_latency.labels(strategy).observe(self._clock() - job.detected_at)
         self._metrics.ledger_size.set(len(self._ledger))
