@@ -5,6 +5,9 @@
 # interpreter link (/usr/local/bin/python3.11) is valid in the runtime stage.
 
 FROM python:3.11-slim-bookworm AS build
+# Optional extras: `docker build --build-arg EXTRAS=otel .` adds OpenTelemetry tracing
+# (docs/operations.md, "Tracing"). Empty by default: the default image is unchanged.
+ARG EXTRAS=""
 ENV UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
     UV_PYTHON_DOWNLOADS=never \
@@ -16,10 +19,10 @@ COPY pyproject.toml uv.lock README.md ./
 # imports it; pyproject's [tool.uv] override-dependencies keeps it out of uv.lock, and --frozen
 # installs exactly the lock.
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-install-project
+    uv sync --frozen --no-dev --no-install-project ${EXTRAS:+--extra "$EXTRAS"}
 COPY sidecar ./sidecar
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-editable
+    uv sync --frozen --no-dev --no-editable ${EXTRAS:+--extra "$EXTRAS"}
 # Fail the build, not the pod: no torch, and NIXL with its bundled UCX makes an agent.
 RUN /opt/venv/bin/python -c "import importlib.util as u, sys; sys.exit('torch is in the image' if u.find_spec('torch') else 0)" \
  && /opt/venv/bin/python -c "from nixl_cu12._api import nixl_agent as a, nixl_agent_config as c; a('image-check', c(backends=['UCX']))"

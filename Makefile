@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench.bench_release
 	$(UV) run --frozen --no-sync python -m bench.bench_storm
 	$(UV) run --frozen --no-sync python -m bench.bench_router
+	$(UV) run --frozen --no-sync python -m bench.bench_tracing
 
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)

@@ -1,0 +1,396 @@
+"""``python -m bench.bench_tracing [--quick] [--json PATH]``: what OpenTelemetry tracing costs the sidecar.
+
+One run, three paths to the same D (``sim-decode``), non-streaming chat
+completions carrying ``kv_transfer_params`` (the inspected path):
+
+* direct: the client talks to D;
+* off: through a sidecar with tracing off (the default);
+* on: through a sidecar with ``--otlp-traces-endpoint`` pointing at a local
+  OTLP/HTTP sink (every trace sampled: the worst case), which decodes and
+  counts the spans it receives.
+
+Each path is measured at 1 and at 32 connections, ``rounds`` times, the
+path order rotated every round, after its own warm-up. Reported: req/s, p50,
+the sidecar's CPU seconds per 1,000 requests (``/proc``, all threads, so the
+exporter's thread counts), the ratios to direct and on/off, and the spans
+the sink received. A micro-measurement times the guards tracing-off leaves on
+the request path (``tracing.enabled`` checks, ``exchange.leg`` tests) per
+request, in process. Processes are laid out as in ``bench.procs``: D, the
+sink and this load generator on one core, both sidecars on the other.
+
+Exit codes: 0 when the run completed; 1 when the benchmark broke; 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+import uvloop
+
+from bench.load import LoadClient, Sample
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores
+from bench.stats import ms, percentile
+
+PathName = Literal["direct", "off", "on"]
+PATHS: tuple[PathName, ...] = ("direct", "off", "on")
+DEFAULT_JSON = Path("out/bench-tracing.json")
+SPANS_PER_REQUEST = 2  # kvr.proxy and kvr.decode (D answers 200: no release)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
+    warmup: int  # requests per connection before each measured phase
+    rounds: int
+    total_bound: float  # the whole run, start-up included
+    ready_timeout: float
+    request_timeout: float = 30.0
+    shutdown_reserve: float = 1.5
+
+
+FULL = Settings(requests={1: 2000, 32: 8000}, warmup=20, rounds=2, total_bound=75.0, ready_timeout=15.0)
+QUICK = Settings(requests={1: 200, 32: 600}, warmup=5, rounds=1, total_bound=14.0, ready_timeout=6.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Servers:
+    urls: dict[PathName, str]
+    sink_url: str
+    sidecars: dict[PathName, Child]
+    children: tuple[Child, ...]
+
+
+@contextlib.contextmanager
+def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
+    """Start D, the sink and both sidecars (not yet known ready); stop them all on exit."""
+    d, sink, off, off_admin, on, on_admin = (free_port() for _ in range(6))
+    d_url, sink_url = f"http://{HOST}:{d}", f"http://{HOST}:{sink}"
+    common = ["serve", "--host", HOST, "--admin-host", HOST, "--decode-url", d_url, "--log-level", "error"]
+    common += ["--release", "dry-run", "--drain-timeout", "1", "--flush-timeout", "1"]
+    specs: list[tuple[str, list[str], frozenset[int], str]] = [
+        ("sim-decode", [sys.executable, "-m", "sidecar", "sim-decode", "--host", HOST, "--port", str(d)],
+         plan.load, d_url + "/health"),
+        ("otlp-sink", [sys.executable, "-m", "bench.bench_tracing", "--sink", str(sink)], plan.load,
+         sink_url + "/stats"),
+        ("sidecar-off", [sys.executable, "-m", "sidecar", *common, "--port", str(off),
+                         "--admin-port", str(off_admin)], plan.sidecar, f"http://{HOST}:{off_admin}/readyz"),
+        ("sidecar-on", [sys.executable, "-m", "sidecar", *common, "--port", str(on),
+                        "--admin-port", str(on_admin), "--otlp-traces-endpoint", sink_url],
+         plan.sidecar, f"http://{HOST}:{on_admin}/readyz"),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvr-bench-tracing-") as logs, contextlib.ExitStack() as stack:
+        ready: dict[Child, str] = {}
+        for name, argv, cpus, url in specs:
+            child = Child(name, argv, cpus, Path(logs))
+            stack.callback(child.stop)
+            ready[child] = url
+        children = tuple(ready)
+        urls: dict[PathName, str] = {
+            "direct": d_url,
+            "off": f"http://{HOST}:{off}",
+            "on": f"http://{HOST}:{on}",
+        }
+        yield Servers(urls, sink_url, {"off": children[2], "on": children[3]}, children), ready
+
+
+async def wait_ready(ready: dict[Child, str], deadline: float) -> None:
+    """Poll every child's readiness URL until 200, or raise past ``deadline`` (monotonic)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+        for child, url in ready.items():
+            while True:
+                if child.process.poll() is not None:
+                    raise BenchError(
+                        f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.get(url) as response:
+                        if response.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise BenchError(
+                        f"{child.name} not ready at {url} before the deadline:\n{child.log_tail()}"
+                    )
+                await asyncio.sleep(0.05)  # poll interval, not a readiness guess
+
+
+@dataclass(slots=True)
+class Pooled:
+    latencies: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def figures(self) -> dict[str, float]:
+        if not self.latencies or self.wall <= 0:
+            raise BenchError("a phase completed no request")
+        figures = {
+            "requests": len(self.latencies),
+            "rps": len(self.latencies) / self.wall,
+            "p50_ms": ms(percentile(self.latencies, 50)),
+        }
+        if self.cpu:
+            figures["cpu_s_per_1k"] = self.cpu / len(self.latencies) * 1000
+        return figures
+
+
+async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]:
+    started = time.monotonic()
+    end = started + settings.total_bound - settings.shutdown_reserve
+    pooled = {(c, path): Pooled() for c in settings.requests for path in PATHS}
+    stopped_early: list[str] = []
+    with launched(plan) as (servers, ready):
+        await wait_ready(ready, min(end, started + settings.ready_timeout))
+        _progress(f"ready after {time.monotonic() - started:.1f} s; {_cores(plan)}")
+        left = len(settings.requests) * settings.rounds * len(PATHS)
+        for connections, count in settings.requests.items():
+            for round_ in range(settings.rounds):
+                shift = round_ % len(PATHS)
+                for path in PATHS[shift:] + PATHS[:shift]:
+                    bound = (end - time.monotonic()) / left
+                    left -= 1
+                    if bound <= 0.2:
+                        raise BenchError("no time left for the measured phases (start-up too slow)")
+                    sample, cpu = await _measure(servers, settings, path, connections, count, bound)
+                    entry = pooled[connections, path]
+                    entry.latencies += sample.latencies
+                    entry.wall += sample.wall
+                    entry.cpu += cpu
+                    if sample.bounded:
+                        stopped_early.append(f"c{connections} {path} round {round_ + 1}")
+                    done = len(sample.latencies)
+                    _progress(
+                        f"c{connections:<2} round {round_ + 1} {path:<6} {done:>6} in {sample.wall:5.2f} s"
+                        f"  {done / sample.wall:7.0f}/s  p50 {ms(percentile(sample.latencies, 50)):6.2f} ms"
+                    )
+        sent_on = sum(len(pooled[c, "on"].latencies) for c in settings.requests)
+        # SIGTERM: the sidecar's shutdown flushes what its batch processor still holds.
+        await asyncio.to_thread(servers.sidecars["on"].stop)
+        sink = await _sink_stats(servers, time.monotonic() + 1.0, sent_on * SPANS_PER_REQUEST)
+    figures = {path: {f"c{c}": pooled[c, path].figures() for c in settings.requests} for path in PATHS}
+    ratios: dict[str, dict[str, float]] = {}
+    for c in settings.requests:
+        f = {path: figures[path][f"c{c}"] for path in PATHS}
+        ratios[f"c{c}"] = {
+            "off_rps_vs_direct": f["off"]["rps"] / f["direct"]["rps"],
+            "on_rps_vs_direct": f["on"]["rps"] / f["direct"]["rps"],
+            "on_rps_vs_off": f["on"]["rps"] / f["off"]["rps"],
+            "on_cpu_vs_off": f["on"]["cpu_s_per_1k"] / f["off"]["cpu_s_per_1k"],
+        }
+    hook_ns = disabled_hook_ns()
+    off_cpu_ns = figures["off"]["c32"]["cpu_s_per_1k"] * 1e6  # ns of sidecar CPU per request
+    return {
+        "quick": quick,
+        "cores": _cores(plan),
+        "seconds": time.monotonic() - started,
+        **figures,
+        "ratios": ratios,
+        "sink": {**sink, "requests_traced": sent_on, "expected_spans_at_least": sent_on * SPANS_PER_REQUEST},
+        "disabled_hooks": {"ns_per_request": hook_ns, "share_of_off_cpu": hook_ns / off_cpu_ns},
+        "stopped_early": stopped_early,
+    }
+
+
+async def _measure(
+    servers: Servers, settings: Settings, path: PathName, connections: int, count: int, bound: float
+) -> tuple[Sample, float]:
+    sidecar = servers.sidecars.get(path)
+    async with LoadClient(servers.urls[path], connections, settings.request_timeout) as client:
+        warm = await client.run("json", settings.warmup * connections, min(bound / 4, 2.0))
+        _check(warm, servers, path, connections, "warm-up")
+        cpu = sidecar.cpu_seconds() if sidecar else 0.0
+        sample = await client.run("json", count, bound - warm.wall)
+        cpu = sidecar.cpu_seconds() - cpu if sidecar else 0.0
+    _check(sample, servers, path, connections, "measured phase")
+    return sample, cpu
+
+
+def _check(sample: Sample, servers: Servers, path: PathName, connections: int, what: str) -> None:
+    if sample.errors:
+        problem = f"{sample.errors} failed request(s); first: {sample.first_errors}"
+    elif not sample.latencies:
+        problem = "no request completed"
+    else:
+        return
+    logs = "\n".join(f"--- {c.name} log:\n{c.log_tail()}" for c in servers.children)
+    raise BenchError(f"{path} at {connections} connection(s), {what}: {problem}\n{logs}")
+
+
+async def _sink_stats(servers: Servers, deadline: float, expected: int) -> dict[str, int]:
+    """The sink's counts once every span arrived (polled until ``deadline``, then as they are)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+        while True:
+            async with session.get(servers.sink_url + "/stats") as response:
+                stats: dict[str, int] = json.loads(await response.read())
+            if stats["spans"] >= expected or time.monotonic() > deadline:
+                return stats
+            await asyncio.sleep(0.02)  # poll interval
+
+
+def disabled_hook_ns(loops: int = 200_000) -> float:
+    """ns per request of the guards tracing-off leaves on a sidecar-mode request, measured in process.
+
+    A sidecar-mode request passes ``Proxy.__call__`` (``route is not None and
+    tracing.enabled``), ``_forward`` (``tracing.enabled``), ``_respond`` and the
+    end of ``_forward`` (``exchange.leg is not None``, twice) and ``_decide``
+    (``tracing.enabled``, once): the same guards, against the same objects,
+    timed against the same function without them.
+    """
+    from sidecar.proxy import Exchange
+    from sidecar.tracing import OFF
+
+    class Holder:
+        tracing = OFF
+
+    proxy, exchange, route = Holder(), Exchange("r", "/v1/chat/completions", None, False, 0.0), "/x"
+
+    def guarded() -> int:
+        n = 0
+        if route is not None and proxy.tracing.enabled:
+            n += 1
+        if proxy.tracing.enabled:
+            n += 1
+        if exchange.leg is not None:
+            n += 1
+        if exchange.leg is not None:
+            n += 1
+        if proxy.tracing.enabled:
+            n += 1
+        return n
+
+    def bare() -> int:
+        return 0
+
+    best = min(timeit.repeat(guarded, number=loops, repeat=5)) - min(
+        timeit.repeat(bare, number=loops, repeat=5)
+    )
+    return max(best, 0.0) / loops * 1e9
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"tracing cost ({'quick' if report['quick'] else 'full'} run, {report['seconds']:.1f} s; "
+        f"{report['cores']})",
+        f"{'':<4} {'path':<7} {'requests':>8} {'req/s':>9} {'p50 ms':>8} {'CPU s/1k':>9}",
+    ]
+    for conns in report["ratios"]:
+        for path in PATHS:
+            f = report[path][conns]
+            cpu = f"{f['cpu_s_per_1k']:>9.3f}" if "cpu_s_per_1k" in f else f"{'-':>9}"
+            lines.append(
+                f"{conns:<4} {path:<7} {f['requests']:>8} {f['rps']:>9.0f} {f['p50_ms']:>8.2f} {cpu}"
+            )
+        r = report["ratios"][conns]
+        lines.append(
+            f"{conns:<4} req/s off/direct {r['off_rps_vs_direct']:.2f}x, "
+            f"on/direct {r['on_rps_vs_direct']:.2f}x, on/off {r['on_rps_vs_off']:.2f}x; "
+            f"CPU per request on/off {r['on_cpu_vs_off']:.2f}x"
+        )
+    s, h = report["sink"], report["disabled_hooks"]
+    lines.append(
+        f"sink: {s['spans']} spans in {s['requests']} exports for {s['requests_traced']} traced requests "
+        f"(expected at least {s['expected_spans_at_least']})"
+    )
+    lines.append(
+        f"tracing off, guards left on the request path: {h['ns_per_request']:.0f} ns per request "
+        f"({h['share_of_off_cpu'] * 100:.3f}% of the off sidecar's CPU per request at c32)"
+    )
+    if report["stopped_early"]:
+        lines.append("stopped early by the time bound: " + ", ".join(report["stopped_early"]))
+    return "\n".join(lines)
+
+
+# --- the OTLP/HTTP sink (a child process) ------------------------------------------------------
+
+
+def sink(port: int) -> int:
+    """Accept ``POST /v1/traces`` (protobuf), count requests and spans; ``GET /stats`` reports them."""
+    import uvicorn
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    counts = {"requests": 0, "spans": 0, "bytes": 0}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        answer, status = b"", 404
+        if scope["method"] == "POST" and scope["path"] == "/v1/traces":
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            counts["requests"] += 1
+            counts["bytes"] += len(body)
+            counts["spans"] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            answer, status = ExportTraceServiceRequest().SerializeToString(), 200
+        elif scope["path"] == "/stats":
+            answer, status = json.dumps(counts).encode(), 200
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-length", b"%d" % len(answer))],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+    uvicorn.run(app, host=HOST, port=port, log_level="error", lifespan="off", http="httptools", loop="uvloop")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_tracing", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run bounded to 15 s")
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"raw figures (default {DEFAULT_JSON})"
+    )
+    parser.add_argument("--sink", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args(argv)
+    if args.sink is not None:
+        return sink(args.sink)
+    plan = plan_cores()
+    os.sched_setaffinity(0, plan.load)  # the load generator shares D's and the sink's core
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            report = runner.run(run(QUICK if args.quick else FULL, plan, args.quick))
+    except BenchError as exc:
+        print(f"bench_tracing: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(render(report))
+    print(f"raw figures: {args.json}")
+    return 0
+
+
+def _cores(plan: CorePlan) -> str:
+    if not plan.pinned:
+        return f"not pinned: only CPUs {sorted(plan.load)} available"
+    return (
+        f"load generator + D + sink on CPU {sorted(plan.load)}, both sidecars on CPU {sorted(plan.sidecar)}"
+    )
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
