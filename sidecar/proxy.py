@@ -33,7 +33,7 @@ from sidecar.classify import ROUTER_RELEASES, Decision, Event, Failure, Outcome,
 from sidecar.config import Config
 from sidecar.errors import FAILURE_STATUS, send_error, send_raw
 from sidecar.faults import Injector
-from sidecar.headers import data_parallel_rank, request_headers, response_headers
+from sidecar.headers import request_headers, response_headers
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
 from sidecar.release.pipeline import Pipeline
@@ -77,8 +77,6 @@ class Exchange:
     body_request_id: str | None = None  # the body's request_id field, if a string
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
     leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
-    raw_params: bytes | None = None  # kv_transfer_params as received (for the http strategy)
-    data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
 
 
 class Proxy:
@@ -195,8 +193,7 @@ class Proxy:
         if prefilled is None:  # the client left during the prefill leg (released there)
             watcher.stop()
             return
-        raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
-        eligibility = params_mod.check(raw) if raw else None
+        eligibility = params_mod.check(msgspec.json.encode(prefilled.params)) if prefilled.params else None
         exchange = Exchange(
             request_id,
             route,
@@ -205,8 +202,6 @@ class Proxy:
             started,
             router=True,
             rewriter=UsageRewriter(prefilled.cached_tokens, stream),
-            raw_params=raw,
-            data_parallel_rank=data_parallel_rank(scope["headers"]),
         )
         if self.stopping:
             watcher.stop()
@@ -248,12 +243,11 @@ class Proxy:
         if task.cancelled() or task.exception() is not None:
             return None
         result = task.result()
-        raw = msgspec.json.encode(result.params) if result.params else None
-        eligibility = params_mod.check(raw) if raw else None
+        eligibility = params_mod.check(msgspec.json.encode(result.params)) if result.params else None
         exchange = Exchange(
             request_id, route, eligibility.params if eligibility else None, False, time.monotonic()
         )
-        exchange.router, exchange.raw_params = True, raw
+        exchange.router = True
         self._decide(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._count(route, -1)
         return None
@@ -385,23 +379,13 @@ class Proxy:
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
             self.metrics.ineligible.labels("untrusted").inc()
             params = None
-        return Exchange(
-            request_id,
-            route,
-            params,
-            view.stream is True,
-            started,
-            body_request_id=body_id,
-            raw_params=bytes(view.kv_transfer_params) if params is not None else None,
-            data_parallel_rank=data_parallel_rank(client_headers),
-        )
+        return Exchange(request_id, route, params, view.stream is True, started, body_request_id=body_id)
 
     async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
         raw = tail_params(body.tail) if body.complete else None
         eligibility = params_mod.check(raw) if raw else None
         params = eligibility.params if eligibility else None
         exchange = Exchange(request_id, route, params, False, time.monotonic())
-        exchange.raw_params = bytes(raw) if params is not None and raw else None
         message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
         await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message)
 
@@ -628,8 +612,6 @@ class Proxy:
                 injected=event.failure is Failure.INJECTED,
                 detected_at=now,
                 deadline=now + self.config.release_deadline,
-                raw_params=exchange.raw_params,
-                data_parallel_rank=exchange.data_parallel_rank,
                 trace_context=self.tracing.job_context() if self.tracing.enabled else None,
             )
         )
