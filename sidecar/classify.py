@@ -31,6 +31,7 @@ class Cause(StrEnum):
     UNREACHABLE = "unreachable"
     BODY_TOO_LARGE = "body_too_large"
     SHUTTING_DOWN = "shutting_down"
+    OVERLOADED = "overloaded"  # over the sidecar's own limit_concurrency
     INJECTED = "injected"
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
     STREAM_ADMISSION_ERROR = "stream_admission_error"
@@ -56,6 +57,7 @@ class Failure(StrEnum):
     RESET_AFTER_SEND = "reset_after_send"
     BODY_TOO_LARGE = "body_too_large"
     SHUTTING_DOWN = "shutting_down"
+    OVERLOADED = "overloaded"
     INJECTED = "injected"
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
     CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
@@ -88,6 +90,7 @@ _FAILURES: dict[Failure, Decision] = {
     Failure.POOL_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
     Failure.BODY_TOO_LARGE: Decision(Outcome.RELEASE, Cause.BODY_TOO_LARGE),
     Failure.SHUTTING_DOWN: Decision(Outcome.RELEASE, Cause.SHUTTING_DOWN),
+    Failure.OVERLOADED: Decision(Outcome.RELEASE, Cause.OVERLOADED),
     Failure.INJECTED: Decision(Outcome.RELEASE, Cause.INJECTED),
     Failure.CLIENT_GONE_BEFORE_FORWARD: Decision(Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
     Failure.HEADER_TIMEOUT: Decision(Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),

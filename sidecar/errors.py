@@ -42,13 +42,21 @@ FAILURE_STATUS = {
     Failure.RESET_AFTER_SEND: 502,
     Failure.BODY_TOO_LARGE: 413,
     Failure.SHUTTING_DOWN: 503,
+    Failure.OVERLOADED: 503,
 }
 
 
 async def send_error(
-    send: Send, status: int, message: str, request_id: str, param: str | None = None, injected: bool = False
+    send: Send,
+    status: int,
+    message: str,
+    request_id: str,
+    param: str | None = None,
+    injected: bool = False,
+    close: bool = False,
 ) -> None:
-    """Send a complete vLLM-shaped JSON error response (``x-kvr-injected`` when injected)."""
+    """Send a complete vLLM-shaped JSON error response (``x-kvr-injected`` when injected;
+    ``connection: close`` when ``close``, which sheds the client's connection)."""
     fallback = "BadRequestError" if status < 500 else "InternalServerError"
     body = error_body(message, status, ERROR_TYPES.get(status, fallback), param)
     headers = [
@@ -58,6 +66,8 @@ async def send_error(
     ]
     if injected:
         headers.append((b"x-kvr-injected", b"true"))
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -79,3 +79,18 @@ def response_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tu
     if not has_id:
         out.append((REQUEST_ID, request_id.encode("latin-1")))
     return out
+
+
+DATA_PARALLEL_RANK = b"x-data-parallel-rank"
+_MAX_DP_RANK = 1 << 16  # far above any data-parallel size; bounds the int() parse
+
+
+def data_parallel_rank(raw: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's ``X-data-parallel-rank`` (vLLM's DP routing header), when a plain rank."""
+    for name, value in raw:
+        if name.lower() == DATA_PARALLEL_RANK:
+            text = value.strip()
+            if text.isdigit() and len(text) <= 5 and int(text) < _MAX_DP_RANK:
+                return int(text)
+            return None  # vLLM answers a bad value itself; the release goes to its default rank
+    return None

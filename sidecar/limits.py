@@ -8,19 +8,23 @@ block, or one never sending, holds its connection forever; the keep-alive
 timer runs only after a response) and none on a request body; its
 ``limit_concurrency`` counts idle connections and answers plain text.
 ``GuardedProtocol`` answers 431 over ``max_header_bytes``, 408 past
-``client_header_timeout`` or ``client_body_timeout`` (then closes), and a
-vLLM-shaped 503 above ``limit_concurrency`` requests in flight.
+``client_header_timeout`` or ``client_body_timeout`` (then closes), and
+marks a request above ``limit_concurrency`` requests in flight
+(``over_limit``): the app it serves must answer such a request with a 503
+and ``connection: close`` (``Proxy`` does, after reading an inspected body
+so that the blocks it names are released).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
-from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -64,16 +68,25 @@ def _raw_error(status: int, type_: str, message: str) -> bytes:
     return head.encode("ascii") + body
 
 
-async def _overloaded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-    """Above ``limit_concurrency``: a vLLM-shaped 503; D never sees the request."""
-    body = error_body("the sidecar is at its concurrency limit", 503, "ServiceUnavailableError")
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),  # sheds the connection, as uvicorn's own limit does
-    ]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+OVER_LIMIT = "kvr.over_limit"  # scope extension: the request arrived above limit_concurrency
+
+
+def over_limit(scope: Mapping[str, Any]) -> bool:
+    """Whether ``GuardedProtocol`` marked this request as above ``limit_concurrency``."""
+    extensions = scope.get("extensions")
+    return extensions is not None and OVER_LIMIT in extensions
+
+
+def _marked(app: ASGI3Application) -> ASGI3Application:
+    """``app``, seeing the request marked as over the limit: it answers 503 itself (``Proxy``
+    reads the body first, so P's blocks named in it are released)."""
+
+    async def marked(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        extensions: dict[str, object] = {**cast(dict[str, object], scope.get("extensions") or {})}
+        extensions[OVER_LIMIT] = {}
+        await app(cast(Scope, {**scope, "extensions": extensions}), receive, send)
+
+    return marked
 
 
 class _ClockedFlowControl(FlowControl):
@@ -153,7 +166,7 @@ class GuardedProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             return
         log.warning("concurrency limit reached, answering 503", extra={"limit": limit})
-        app, self.app = self.app, _overloaded
+        app, self.app = self.app, _marked(self.app)
         try:
             super().on_headers_complete()
         finally:

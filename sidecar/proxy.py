@@ -33,7 +33,8 @@ from sidecar.classify import ROUTER_RELEASES, Decision, Event, Failure, Outcome,
 from sidecar.config import Config
 from sidecar.errors import FAILURE_STATUS, send_error, send_raw
 from sidecar.faults import Injector
-from sidecar.headers import request_headers, response_headers
+from sidecar.headers import data_parallel_rank, request_headers, response_headers
+from sidecar.limits import over_limit
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
 from sidecar.release.pipeline import Pipeline
@@ -77,6 +78,8 @@ class Exchange:
     body_request_id: str | None = None  # the body's request_id field, if a string
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
     leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
+    raw_params: bytes | None = None  # kv_transfer_params as received (for the http strategy)
+    data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
 
 
 class Proxy:
@@ -101,6 +104,10 @@ class Proxy:
         self.metrics = metrics
         self.stopping = False  # set once the drain began: new inspected requests are refused
         self._scan_limit = config.max_body_bytes * 4
+        # Bodies read at once for requests above limit_concurrency (to release what they name);
+        # past this many, such requests are refused unread and P's lease frees their blocks.
+        self._over_limit_cap = max(8, config.limit_concurrency // 4)
+        self._over_limit_reads = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -117,6 +124,9 @@ class Proxy:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str | None) -> None:
         headers, request_id = request_headers(scope["headers"])
+        if over_limit(scope):
+            await self._over_limit(scope, receive, send, route, request_id)
+            return
         if route is None:
             await self._passthrough(scope, receive, send, headers, request_id)
             return
@@ -193,7 +203,8 @@ class Proxy:
         if prefilled is None:  # the client left during the prefill leg (released there)
             watcher.stop()
             return
-        eligibility = params_mod.check(msgspec.json.encode(prefilled.params)) if prefilled.params else None
+        raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
+        eligibility = params_mod.check(raw) if raw else None
         exchange = Exchange(
             request_id,
             route,
@@ -202,6 +213,8 @@ class Proxy:
             started,
             router=True,
             rewriter=UsageRewriter(prefilled.cached_tokens, stream),
+            raw_params=raw,
+            data_parallel_rank=data_parallel_rank(scope["headers"]),
         )
         if self.stopping:
             watcher.stop()
@@ -243,11 +256,12 @@ class Proxy:
         if task.cancelled() or task.exception() is not None:
             return None
         result = task.result()
-        eligibility = params_mod.check(msgspec.json.encode(result.params)) if result.params else None
+        raw = msgspec.json.encode(result.params) if result.params else None
+        eligibility = params_mod.check(raw) if raw else None
         exchange = Exchange(
             request_id, route, eligibility.params if eligibility else None, False, time.monotonic()
         )
-        exchange.router = True
+        exchange.router, exchange.raw_params = True, raw
         self._decide(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._count(route, -1)
         return None
@@ -379,22 +393,66 @@ class Proxy:
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
             self.metrics.ineligible.labels("untrusted").inc()
             params = None
-        return Exchange(request_id, route, params, view.stream is True, started, body_request_id=body_id)
+        return Exchange(
+            request_id,
+            route,
+            params,
+            view.stream is True,
+            started,
+            body_request_id=body_id,
+            raw_params=bytes(view.kv_transfer_params) if params is not None else None,
+            data_parallel_rank=data_parallel_rank(client_headers),
+        )
 
     async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
         raw = tail_params(body.tail) if body.complete else None
         eligibility = params_mod.check(raw) if raw else None
         params = eligibility.params if eligibility else None
         exchange = Exchange(request_id, route, params, False, time.monotonic())
+        exchange.raw_params = bytes(raw) if params is not None and raw else None
         message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
         await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message)
 
-    async def _refuse(self, send: Send, exchange: Exchange, failure: Failure, message: str) -> None:
+    async def _refuse(
+        self, send: Send, exchange: Exchange, failure: Failure, message: str, close: bool = False
+    ) -> None:
         """The sidecar answers itself; D never sees the request."""
         self._decide(exchange, Event(failure=failure))
         status = FAILURE_STATUS[failure]
         self._count(exchange.route, status)
-        await send_error(send, status, message, exchange.request_id)
+        await send_error(send, status, message, exchange.request_id, close=close)
+
+    async def _over_limit(
+        self, scope: Scope, receive: Receive, send: Send, route: str | None, request_id: str
+    ) -> None:
+        """Above ``limit_concurrency``: 503 and the connection shed; D never sees the request.
+
+        An inspected request's body is read first (the usual caps and timers) so that the
+        blocks it names are released, as for any rejection before D (cause ``overloaded``);
+        at most ``_over_limit_cap`` such bodies at once. A passthrough request, a router-mode
+        request (no prefill ran yet; client parameters are dropped there) and any past the
+        cap are refused unread.
+        """
+        message = "the sidecar is at its concurrency limit"
+        routed = self.router is not None and (self.router.static or _header(scope, ROUTER_HEADER) is not None)
+        if route is None or routed or self._over_limit_reads >= self._over_limit_cap:
+            if route is not None:
+                self._count(route, 503)
+            await send_error(send, 503, message, request_id, close=True)
+            return
+        self._over_limit_reads += 1
+        try:
+            body = await read_body(receive, self.config.max_body_bytes, self._scan_limit)
+        except ClientGone:
+            self.metrics.request_counter(ROUTES[route], "client_gone").inc()
+            return
+        finally:
+            self._over_limit_reads -= 1
+        if isinstance(body, Oversized):
+            await self._too_large(send, body, route, request_id)
+            return
+        exchange = self._exchange(body, route, request_id, scope["headers"])
+        await self._refuse(send, exchange, Failure.OVERLOADED, message, close=True)
 
     async def _forward(
         self,
@@ -612,6 +670,8 @@ class Proxy:
                 injected=event.failure is Failure.INJECTED,
                 detected_at=now,
                 deadline=now + self.config.release_deadline,
+                raw_params=exchange.raw_params,
+                data_parallel_rank=exchange.data_parallel_rank,
                 trace_context=self.tracing.job_context() if self.tracing.enabled else None,
             )
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import msgspec
@@ -187,7 +187,11 @@ class HttpReleaser:
             self.metrics.requests.labels("covered_by_engine").inc()
             return Result.COVERED_BY_ENGINE
         request_id = _request_id(profile, job)
-        body = ReleaseRequest(request_id=request_id, kv_transfer_params=params_dict(job.params))
+        body = ReleaseRequest(
+            request_id=request_id,
+            kv_transfer_params=_params_for_engine(job),
+            data_parallel_rank=job.data_parallel_rank,
+        )
         try:
             status, content = await self._post(ENCODER.encode(body))
         except (ControlUnreachable, ControlFailed) as exc:
@@ -265,6 +269,15 @@ class HttpReleaser:
         if now - self._logged.get(reason, -LOG_INTERVAL) >= LOG_INTERVAL:
             self._logged[reason] = now
             log.warning("http release: %s", message, extra={"reason": reason})
+
+
+def _params_for_engine(job: ReleaseJob) -> dict[str, Any]:
+    """P's parameters as they came (every field, also those this sidecar does not know)."""
+    if job.raw_params is not None:
+        loose = msgspec.json.decode(job.raw_params)
+        if isinstance(loose, dict):
+            return loose
+    return params_dict(job.params)
 
 
 def params_dict(params: KVTransferParams) -> dict[str, object]:

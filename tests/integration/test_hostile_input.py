@@ -631,9 +631,46 @@ def test_over_the_concurrency_limit_answers_vllm_shaped_503(decode: ServerThread
             thread.join(10)
         assert held == [200, 200]
         assert not seen_by_d(decode, "over")
-        sc.settle()
-        assert sc.released() == []  # refused before the sidecar read it: P's lease frees the blocks
+        # A rejection before D like any other: the body was read and P's blocks are released.
+        assert sc.wait_released(1) == ["over"] and sc.releaser.recorded[0].cause == "overloaded"
+        assert sc.sample("kvr_rejections_total", cause="overloaded") == 1
         assert httpx.post(sc.url + "/v1/chat/completions", json=chat("hi", "after")).status_code == 200
+
+
+def test_over_the_limit_bodies_are_read_up_to_a_cap_then_refused_unread(
+    dial: Dial, decode: ServerThread
+) -> None:
+    """Above the limit at most 8 bodies are read at once (to release what they name); the next
+    over-limit request is refused at once, unread, and not released; passthrough too."""
+    with guarded_sidecar(decode.url, limit_concurrency=1) as sc:
+        holder = dial(sc.url)
+        held = json.dumps(chat("hi [[slow-headers:3]]", "held")).encode()
+        holder.sendall(body_head(len(held), "held") + held)
+        deadline = time.monotonic() + 5
+        while sc.sample("kvr_inflight_requests") < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        stalled = [json.dumps(chat(TOO_LONG, f"slot-{i}")).encode() for i in range(8)]
+        readers = [dial(sc.url) for _ in range(8)]
+        for i, sock in enumerate(readers):  # each sends half its body and waits: a read slot held
+            sock.sendall(body_head(len(stalled[i]), f"slot-{i}") + stalled[i][: len(stalled[i]) // 2])
+        while sc.sample("kvr_inflight_requests") < 9 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sc.sample("kvr_inflight_requests") == 9
+        started = time.monotonic()
+        body = json.dumps(chat(TOO_LONG, "unread")).encode()
+        refused = post_raw(sc, body, "unread")
+        assert refused.status_code == 503 and refused.headers["connection"] == "close"
+        assert time.monotonic() - started < 1.0  # not queued behind anything
+        assert httpx.get(sc.url + "/health").status_code == 503  # passthrough: refused too
+        for i, sock in enumerate(readers):  # the read slots complete their bodies: released
+            sock.sendall(stalled[i][len(stalled[i]) // 2 :])
+            answer = read_answer(sock, time.monotonic() + 5)
+            assert answer.status == 503 and answer.closed
+        assert sorted(sc.wait_released(8)) == sorted(f"slot-{i}" for i in range(8))
+        sc.settle()
+        assert "unread" not in sc.released()
+        assert not seen_by_d(decode, "unread") and not any(seen_by_d(decode, f"slot-{i}") for i in range(8))
+        assert read_answer(holder, time.monotonic() + 10, wait_close=False).status == 200
 
 
 # --- the serve process itself -----------------------------------------------------------------

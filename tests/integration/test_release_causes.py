@@ -7,6 +7,7 @@ behind the sidecar, whose ``dry-run`` releaser records every job it gets.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -337,3 +338,22 @@ def test_job_carries_the_body_request_id(sidecar: Sidecar) -> None:
     sidecar.settle()
     [job] = sidecar.releaser.recorded
     assert (job.route, job.body_request_id) == ("/v1/responses", "resp_client-7")
+
+
+def test_the_job_carries_the_params_as_sent_and_the_dp_rank(sidecar: Sidecar) -> None:
+    """The http strategy hands D's engine P's parameters verbatim (also fields a newer vLLM
+    appends) and the request's DP rank; the job carries both."""
+    body = chat("word " * 80, "r-raw")
+    body["kv_transfer_params"]["a_newer_field"] = {"nested": [1, 2]}
+    content = json.dumps(body, separators=(",", ":")).encode()
+    response = httpx.post(
+        sidecar.url + "/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json", "x-data-parallel-rank": "2"},
+    )
+    assert response.status_code == 400
+    assert sidecar.wait_released(1) == ["r-raw"]
+    job = sidecar.releaser.recorded[0]
+    assert job.raw_params is not None
+    assert json.loads(job.raw_params) == body["kv_transfer_params"]
+    assert job.data_parallel_rank == 2

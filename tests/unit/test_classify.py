@@ -22,6 +22,7 @@ TABLE = [
     (Event(failure=Failure.POOL_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
     (Event(failure=Failure.BODY_TOO_LARGE), Outcome.RELEASE, Cause.BODY_TOO_LARGE),
     (Event(failure=Failure.SHUTTING_DOWN), Outcome.RELEASE, Cause.SHUTTING_DOWN),
+    (Event(failure=Failure.OVERLOADED), Outcome.RELEASE, Cause.OVERLOADED),
     (Event(failure=Failure.INJECTED), Outcome.RELEASE, Cause.INJECTED),
     (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
     (Event(status=200, stream=True, first_event_error=400), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sidecar.headers import request_headers, response_headers
+import pytest
+
+from sidecar.headers import data_parallel_rank, request_headers, response_headers
 
 
 def test_request_strips_hop_by_hop_and_host_and_keeps_the_rest() -> None:
@@ -52,3 +54,24 @@ def test_response_keeps_encoding_adds_request_id() -> None:
 def test_response_keeps_ds_request_id() -> None:
     out = response_headers([(b"x-request-id", b"from-d")], "rid")
     assert out == [(b"x-request-id", b"from-d")]
+
+
+@pytest.mark.parametrize(
+    ("value", "rank"),
+    [
+        (b"0", 0),
+        (b"3", 3),
+        (b" 7 ", 7),
+        (b"-1", None),
+        (b"x", None),
+        (b"", None),
+        (b"99999999999999999999", None),
+        (b"65536", None),
+    ],
+)
+def test_data_parallel_rank(value: bytes, rank: int | None) -> None:
+    assert data_parallel_rank([(b"x-other", b"1"), (b"X-Data-Parallel-Rank", value)]) == rank
+
+
+def test_data_parallel_rank_absent() -> None:
+    assert data_parallel_rank([(b"x-request-id", b"1")]) is None

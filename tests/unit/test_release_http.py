@@ -132,6 +132,19 @@ async def test_accepted_posts_the_job(releaser: HttpReleaser, respx_mock: respx.
     }
 
 
+@respx.mock(assert_all_called=True)
+async def test_raw_params_and_dp_rank_reach_the_engine(
+    releaser: HttpReleaser, respx_mock: respx.MockRouter
+) -> None:
+    """Fields this sidecar does not know (a newer vLLM's) and the request's DP rank are kept."""
+    raw = json.dumps({**params_dict(params()), "future_field": {"x": 1}}).encode()
+    route = respx_mock.post(RELEASE).respond(202, json=ACCEPTED)
+    assert await releaser.release(job(raw_params=raw, data_parallel_rank=3)) is Result.SENT
+    body = json.loads(route.calls.last.request.content)
+    assert body["kv_transfer_params"] == json.loads(raw)
+    assert body["data_parallel_rank"] == 3
+
+
 @pytest.mark.parametrize(
     ("status", "reason"),
     [
