@@ -140,7 +140,8 @@ class Flows:
         self.backends = backends
         self.prefix = f"{prefix}-{secrets.token_hex(3)}"
         self._ids = itertools.count()
-        self.client = httpx.Client(timeout=30)
+        # Dropped after 1 s idle, before a server's 5 s keep-alive closes them (a reset on reuse).
+        self.client = httpx.Client(timeout=30, limits=httpx.Limits(keepalive_expiry=1.0))
         self.sent: list[Sent] = []
 
     def close(self) -> None:

@@ -78,7 +78,9 @@ class Truth:
 
     def __init__(self, p_url: str, d_url: str, version: str) -> None:
         self.p_url, self.d_url, self.version = p_url, d_url, version
-        self.client = httpx.Client(timeout=10)
+        # Idle connections are dropped after 1 s, before the simulators' 5 s keep-alive closes them:
+        # reusing one the server is closing fails with a reset (seen in a soak between rounds).
+        self.client = httpx.Client(timeout=10, limits=httpx.Limits(keepalive_expiry=1.0))
 
     def close(self) -> None:
         self.client.close()
