@@ -527,7 +527,8 @@ def deep_body(depth: int, rid: str) -> bytes:
 
 def test_deep_nesting_is_answered_and_the_sidecar_carries_on(sidecar: Sidecar) -> None:
     response = post_raw(sidecar, deep_body(10_000, "deep-1"), "deep-1")
-    assert response.status_code in (400, 500)  # today: 500; once forwarded: D's answer
+    # Forwarded unread (too deep to decode): D's own answer, a 400 from its JSON decoder.
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
     sidecar.settle()
     assert sidecar.released() == []
     assert (
