@@ -23,7 +23,8 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,19 @@ class PrefillPool:
             healthy.sort(key=lambda u: self._outstanding.get(u, 0))
         return healthy
 
+    @contextmanager
+    def leg(self, url: str) -> Iterator[None]:
+        """Count one prefill leg in flight on ``url`` while the block runs (least-outstanding)."""
+        self._outstanding[url] = self._outstanding.get(url, 0) + 1
+        try:
+            yield
+        finally:
+            self._outstanding[url] -= 1
+
+    def outstanding(self, url: str) -> int:
+        """Prefill legs in flight on ``url``."""
+        return self._outstanding.get(url, 0)
+
     def mark_failed(self, url: str) -> None:
         self._unhealthy_until[url] = self._clock() + self.config.prefill_backoff
 
@@ -176,14 +190,11 @@ class PrefillPool:
         self, url: str, route: str, body: bytes, headers: list[tuple[str, str]]
     ) -> PrefillResult:
         """Run the prefill leg on ``url``; raises UpstreamError or RouterError."""
-        self._outstanding[url] = self._outstanding.get(url, 0) + 1
-        try:
+        with self.leg(url):
             client = await self.client(url)
             async with await client.send("POST", route, headers, body) as response:
                 answer = await response.read(PREFILL_BODY_LIMIT)
                 status = response.status
-        finally:
-            self._outstanding[url] -= 1
         if status != 200:
             message = f"prefill server answered {status}"
             raise RouterError(status, message, body=answer)

@@ -320,5 +320,7 @@ def test_an_idle_pool_takes_turns() -> None:
     pool = PrefillPool(Config(prefill=("http://a:1", "http://b:1", "http://c:1")))
     firsts = [pool.candidates(None)[0] for _ in range(6)]
     assert firsts == ["http://a:1", "http://b:1", "http://c:1"] * 2
-    pool._outstanding["http://b:1"] = 1  # busy P goes last
-    assert all(pool.candidates(None)[-1] == "http://b:1" for _ in range(3))
+    with pool.leg("http://b:1"):  # busy P goes last
+        assert pool.outstanding("http://b:1") == 1
+        assert all(pool.candidates(None)[-1] == "http://b:1" for _ in range(3))
+    assert pool.outstanding("http://b:1") == 0
