@@ -53,6 +53,12 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     deadline: float
     # The request's span context (sidecar.tracing) when tracing is on: kvr.release is its child.
     trace_context: Any = None
+    # kv_transfer_params exactly as they came (JSON): the http strategy hands D's engine every
+    # field, also those a newer vLLM appends and ``KVTransferParams`` does not know.
+    raw_params: bytes | None = None
+    # The request's ``X-data-parallel-rank`` (vLLM routes it to that engine core): the http
+    # strategy's release goes to the same rank.
+    data_parallel_rank: int | None = None
 
     @property
     def key(self) -> tuple[str, str]:
