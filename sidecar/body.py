@@ -65,7 +65,7 @@ async def _drain(receive: Receive, tail: bytes, size: int, more: bool, scan_limi
 
 
 def tail_params(tail: bytes) -> bytes | None:
-    """Raw JSON of a top-level, last-member ``kv_transfer_params`` in a body's tail.
+    """Raw JSON (the bytes as sent) of a top-level, last-member ``kv_transfer_params`` in a body's tail.
 
     The member counts only when nothing but white space and the closing brace
     of the body follows its value, which makes it a member of the outermost
@@ -88,4 +88,6 @@ def tail_params(tail: bytes) -> bytes | None:
         return None
     if rest[end:].strip() != "}" or not isinstance(value, dict):
         return None
-    return json.dumps(value).encode()
+    # The value's bytes exactly as sent (surrogateescape round-trips them): a router's HMAC
+    # covers these bytes, so the trust check sees what the signer signed.
+    return rest[:end].encode("utf-8", "surrogateescape")

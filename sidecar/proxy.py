@@ -108,6 +108,7 @@ class Proxy:
         # past this many, such requests are refused unread and P's lease frees their blocks.
         self._over_limit_cap = max(8, config.limit_concurrency // 4)
         self._over_limit_reads = 0
+        self._keeps_raw = config.release in ("http", "auto")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -137,7 +138,7 @@ class Proxy:
             self.metrics.request_counter(ROUTES[route], "client_gone").inc()
             return
         if isinstance(body, Oversized):
-            await self._too_large(send, body, route, request_id)
+            await self._too_large(scope, send, body, route, request_id)
             return
         if self.router is not None:
             routed = _header(scope, ROUTER_HEADER)
@@ -193,7 +194,9 @@ class Proxy:
             return
         watcher = _DisconnectWatcher(receive)
         try:
-            prefilled = await self._prefill_leg(candidates, route, request, headers, request_id, watcher)
+            prefilled = await self._prefill_leg(
+                candidates, route, request, headers, request_id, watcher, data_parallel_rank(scope["headers"])
+            )
         except RouterError as exc:
             watcher.stop()
             await self._prefill_failed(
@@ -213,7 +216,7 @@ class Proxy:
             started,
             router=True,
             rewriter=UsageRewriter(prefilled.cached_tokens, stream),
-            raw_params=raw,
+            raw_params=self._raw_for_release(raw),
             data_parallel_rank=data_parallel_rank(scope["headers"]),
         )
         if self.stopping:
@@ -240,6 +243,7 @@ class Proxy:
         headers: list[tuple[str, str]],
         request_id: str,
         watcher: _DisconnectWatcher,
+        dp_rank: int | None,
     ) -> PrefillResult | None:
         """Try one P, then one other; None when the client left (P's blocks are released)."""
         assert self.router is not None
@@ -261,7 +265,8 @@ class Proxy:
         exchange = Exchange(
             request_id, route, eligibility.params if eligibility else None, False, time.monotonic()
         )
-        exchange.router, exchange.raw_params = True, raw
+        exchange.router, exchange.raw_params = True, self._raw_for_release(raw)
+        exchange.data_parallel_rank = dp_rank
         self._decide(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._count(route, -1)
         return None
@@ -400,18 +405,35 @@ class Proxy:
             view.stream is True,
             started,
             body_request_id=body_id,
-            raw_params=bytes(view.kv_transfer_params) if params is not None else None,
+            raw_params=self._raw_for_release(bytes(view.kv_transfer_params) if params is not None else None),
             data_parallel_rank=data_parallel_rank(client_headers),
         )
 
-    async def _too_large(self, send: Send, body: Oversized, route: str, request_id: str) -> None:
+    async def _too_large(
+        self, scope: Scope, send: Send, body: Oversized, route: str, request_id: str
+    ) -> None:
         raw = tail_params(body.tail) if body.complete else None
         eligibility = params_mod.check(raw) if raw else None
         params = eligibility.params if eligibility else None
+        if params is not None and self._routed(scope):
+            params = None  # router mode drops client parameters: they could name any P's blocks
+        if params is not None and raw and not self.trust.trusted(scope["headers"], request_id, raw):
+            self.metrics.ineligible.labels("untrusted").inc()
+            params = None
         exchange = Exchange(request_id, route, params, False, time.monotonic())
-        exchange.raw_params = bytes(raw) if params is not None and raw else None
+        exchange.raw_params = self._raw_for_release(raw if params is not None else None)
         message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
         await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message)
+
+    def _routed(self, scope: Scope) -> bool:
+        """Router mode for this request: a static P pool, or llm-d's prefiller header."""
+        return self.router is not None and (
+            bool(self.router.static) or _header(scope, ROUTER_HEADER) is not None
+        )
+
+    def _raw_for_release(self, raw: bytes | None) -> bytes | None:
+        """The parameters as sent, kept only for strategies that hand them on (``http``, ``auto``)."""
+        return raw if raw is not None and self._keeps_raw else None
 
     async def _refuse(
         self, send: Send, exchange: Exchange, failure: Failure, message: str, close: bool = False
@@ -434,8 +456,7 @@ class Proxy:
         cap are refused unread.
         """
         message = "the sidecar is at its concurrency limit"
-        routed = self.router is not None and (self.router.static or _header(scope, ROUTER_HEADER) is not None)
-        if route is None or routed or self._over_limit_reads >= self._over_limit_cap:
+        if route is None or self._routed(scope) or self._over_limit_reads >= self._over_limit_cap:
             if route is not None:
                 self._count(route, 503)
             await send_error(send, 503, message, request_id, close=True)
@@ -449,7 +470,7 @@ class Proxy:
         finally:
             self._over_limit_reads -= 1
         if isinstance(body, Oversized):
-            await self._too_large(send, body, route, request_id)
+            await self._too_large(scope, send, body, route, request_id)
             return
         exchange = self._exchange(body, route, request_id, scope["headers"])
         await self._refuse(send, exchange, Failure.OVERLOADED, message, close=True)
@@ -656,6 +677,11 @@ class Proxy:
             if self.tracing.enabled:
                 self.tracing.decided(decision.outcome.value, decision.cause.value, "params_in_use")
             return decision
+        if exchange.sent is not None and decision.cause in ROUTER_RELEASES:
+            # The sidecar aborted a request D had (header timeout, client gone): D's handler cleans
+            # up (vLLM 0.21.0+) or D is still reading. A later request with these parameters must
+            # not be released meanwhile, as after an admission.
+            self.inflight.admitted(key)
         self.metrics.rejections.labels(decision.cause.value).inc()
         now = time.monotonic()
         queued = self.pipeline.submit(

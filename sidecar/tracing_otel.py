@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -179,7 +179,7 @@ class OtelTracing(Tracing):
                 "http.request.method": method,
                 "server.address": parts.hostname or "",
                 "server.port": parts.port or (443 if parts.scheme == "https" else 80),
-                "url.full": url,
+                "url.full": _redacted(parts),
             },
         )
         return _Leg(span, headers)
@@ -322,3 +322,15 @@ def _record(span: Span, exc: BaseException, *, status: bool = True) -> None:
     span.record_exception(exc)
     if status:
         span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def _redacted(parts: SplitResult) -> str:
+    """``url.full`` without credentials (OpenTelemetry's HTTP conventions: a ``user:pass@`` in
+    ``decode_url`` or a P URL must not reach the collector)."""
+    if parts.username is None and parts.password is None:
+        return parts.geturl()
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"REDACTED:REDACTED@{host}" + (f":{parts.port}" if parts.port is not None else "")
+    return parts._replace(netloc=netloc).geturl()

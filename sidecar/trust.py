@@ -95,10 +95,14 @@ class InFlight:
         else:
             self._live.pop(key, None)
         if admitted:
-            self._admitted[key] = self._clock() + self._ttl
-            self._admitted.move_to_end(key)
-            while len(self._admitted) > self._size:
-                self._admitted.popitem(last=False)
+            self.admitted(key)
+
+    def admitted(self, key: Hashable) -> None:
+        """D may read these parameters for the next ``ttl`` seconds (it admitted, or is aborting, one)."""
+        self._admitted[key] = self._clock() + self._ttl
+        self._admitted.move_to_end(key)
+        while len(self._admitted) > self._size:
+            self._admitted.popitem(last=False)
 
     def may_be_read(self, key: Hashable) -> bool:
         """Another request with these parameters is at D, or D admitted one within the lease."""

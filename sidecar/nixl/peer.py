@@ -193,7 +193,10 @@ class NixlPeer:
             # One progress call first: UCX notices the remote agents that went away while this
             # agent was idle (P re-registered its workers), so send_notif to them fails here and
             # the caller handshakes again, instead of "succeeding" into a dead endpoint.
-            agent.get_new_notifs()
+            try:
+                agent.get_new_notifs()
+            except Exception as exc:  # NIXL's own types: the job retries (NixlError is retryable)
+                raise NixlError(f"NIXL progress before sending failed: {exc}") from exc
             results: list[str | None] = []
             for name, message in messages:
                 try:

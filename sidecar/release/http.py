@@ -192,11 +192,12 @@ class HttpReleaser:
             kv_transfer_params=_params_for_engine(job),
             data_parallel_rank=job.data_parallel_rank,
         )
-        try:
-            status, content = await self._post(ENCODER.encode(body))
-        except (ControlUnreachable, ControlFailed) as exc:
-            self.metrics.requests.labels(exc.reason).inc()
-            raise
+        status, content = await self._send(body)
+        if status == 400 and body.data_parallel_rank is not None:
+            # A rank D does not have (the client's header, which D may never have seen): any of
+            # D's engine cores can notify P, so the release goes to the default one instead.
+            self.metrics.requests.labels("bad_request").inc()
+            status, content = await self._send(msgspec.structs.replace(body, data_parallel_rank=None))
         label, error = classify(status)
         self.metrics.requests.labels(label).inc()
         if error is None:
@@ -207,6 +208,13 @@ class HttpReleaser:
             raise ControlFailed(message, label)
         self._log_refusal(label, message)
         raise PermanentReleaseError(message, label)
+
+    async def _send(self, body: ReleaseRequest) -> tuple[int, bytes]:
+        try:
+            return await self._post(ENCODER.encode(body))
+        except (ControlUnreachable, ControlFailed) as exc:
+            self.metrics.requests.labels(exc.reason).inc()
+            raise
 
     async def probe(self) -> Probe:
         """Whether D serves the control endpoint to this sidecar's token (``GET .../health``)."""

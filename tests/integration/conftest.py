@@ -54,12 +54,16 @@ class Sidecar:
 
 
 @contextmanager
-def run_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
-    """A sidecar in front of ``decode_url``; ``dry-run`` (recording) unless ``release`` is given."""
+def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Iterator[Sidecar]:
+    """A sidecar in front of ``decode_url``; ``dry-run`` (recording) unless ``release`` is given.
+
+    ``record``: the recording releaser stands in for the configured strategy (the proxy still
+    behaves as configured for it, e.g. keeping raw parameters for ``http``).
+    """
     settings = {"release": "dry-run", "log_level": "warning", **settings}
     config = Config(decode_url=decode_url, **settings)
     releaser = DryRunReleaser(keep=100_000)
-    injected = releaser if config.release == "dry-run" else None
+    injected = releaser if record or config.release == "dry-run" else None
     app = create_app(config, Deps(releaser=injected, registry=CollectorRegistry()))
     with serve(app, create_admin_app(app), server_header=False, date_header=False) as server:
         yield Sidecar(server, app, releaser)

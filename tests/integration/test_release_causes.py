@@ -340,9 +340,16 @@ def test_job_carries_the_body_request_id(sidecar: Sidecar) -> None:
     assert (job.route, job.body_request_id) == ("/v1/responses", "resp_client-7")
 
 
-def test_the_job_carries_the_params_as_sent_and_the_dp_rank(sidecar: Sidecar) -> None:
+@pytest.mark.parametrize("strategy", ["http", "auto", "nixl"])
+def test_the_job_carries_the_params_as_sent_and_the_dp_rank(decode: ServerThread, strategy: str) -> None:
     """The http strategy hands D's engine P's parameters verbatim (also fields a newer vLLM
-    appends) and the request's DP rank; the job carries both."""
+    appends) and the request's DP rank; the job carries both (the raw bytes only for the
+    strategies that use them)."""
+    with run_sidecar(decode.url, record=True, release=strategy, control_token="t") as sidecar:
+        _post_with_rank(sidecar, strategy)
+
+
+def _post_with_rank(sidecar: Sidecar, strategy: str) -> None:
     body = chat("word " * 80, "r-raw")
     body["kv_transfer_params"]["a_newer_field"] = {"nested": [1, 2]}
     content = json.dumps(body, separators=(",", ":")).encode()
@@ -354,6 +361,9 @@ def test_the_job_carries_the_params_as_sent_and_the_dp_rank(sidecar: Sidecar) ->
     assert response.status_code == 400
     assert sidecar.wait_released(1) == ["r-raw"]
     job = sidecar.releaser.recorded[0]
-    assert job.raw_params is not None
-    assert json.loads(job.raw_params) == body["kv_transfer_params"]
+    if strategy == "nixl":
+        assert job.raw_params is None  # the NIXL strategy never hands them on: not kept
+    else:
+        assert job.raw_params is not None
+        assert json.loads(job.raw_params) == body["kv_transfer_params"]
     assert job.data_parallel_rank == 2

@@ -309,6 +309,7 @@ def test_client_leaving_after_p_answered_is_left_to_d() -> None:
         after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         assert after["freed_by_notification"] == 1 and after["notifs_unknown"] == 0
         assert sc.wait_idle()
+        sc.settle()  # the job finished (it may ask D's /version first)
         assert sc.sample("kvr_nixl_notifications_total", result="ok") == 0
         assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == 1
 

@@ -85,6 +85,45 @@ def test_token_mode(decode: ServerThread) -> None:
         assert sc.released() == ["a"]
 
 
+def oversized(rid: str) -> bytes:
+    """A body over a 4 KiB cap whose last member is ``params(rid)`` (found by the tail scan)."""
+    return msgspec.json.encode(
+        {"model": "sim-model", "prompt": "x " * 4000, "kv_transfer_params": params(rid)}
+    )
+
+
+def test_an_oversized_body_is_released_only_for_trusted_parameters(decode: ServerThread) -> None:
+    """The 413 path finds the parameters at the body's end without decoding it: trust applies
+    there too (HMAC over the bytes as sent, or the router token)."""
+    with run_sidecar(decode.url, trust="hmac", trust_key=KEY, max_body_bytes=4096) as sc:
+        raw = msgspec.json.encode(params("big-signed"))
+        signed = {"x-request-id": "b1", "x-kvr-params-signature": sign(KEY.encode(), "b1", raw)}
+        for rid, headers in [("big-signed", signed), ("big-unsigned", {"x-request-id": "b2"})]:
+            response = httpx.post(sc.url + "/v1/completions", content=oversized(rid), headers=headers)
+            assert response.status_code == 413
+        sc.settle()
+        assert sc.released() == ["big-signed"]
+        assert sc.sample("kvr_ineligible_total", reason="untrusted") == 1
+    with run_sidecar(decode.url, trust="token", trust_token="t0ken", max_body_bytes=4096) as sc:
+        for rid, token in [("t-good", "t0ken"), ("t-none", None)]:
+            headers = {"x-kvr-router-token": token} if token else {}
+            response = httpx.post(sc.url + "/v1/completions", content=oversized(rid), headers=headers)
+            assert response.status_code == 413
+        sc.settle()
+        assert sc.released() == ["t-good"]
+
+
+def test_an_oversized_body_in_router_mode_releases_nothing(decode: ServerThread) -> None:
+    """Router mode drops client parameters (they could name any P): also in a 413."""
+    with run_sidecar(
+        decode.url, prefill=("http://127.0.0.1:9",), prefill_allow=("127.0.0.1",), max_body_bytes=4096
+    ) as sc:
+        response = httpx.post(sc.url + "/v1/completions", content=oversized("router-big"))
+        assert response.status_code == 413
+        sc.settle()
+        assert sc.released() == []
+
+
 def test_untrusted_parameters_are_still_forwarded(decode: ServerThread) -> None:
     with run_sidecar(decode.url, trust="hmac", trust_key=KEY) as sc:
         body = {"model": "sim-model", "prompt": "hello", "kv_transfer_params": params("fwd")}
@@ -141,3 +180,23 @@ def test_inflight_tracks_live_and_admitted_keys() -> None:
     assert inflight.may_be_read("b")
     now[0] = 31
     assert not inflight.may_be_read("b")  # P's lease is over
+
+
+def test_parameters_of_an_aborted_request_are_not_released_again(decode: ServerThread) -> None:
+    """A header timeout (released with ``--release-ambiguous``) leaves D holding the request until
+    its handler cleans up: a later rejected request naming the same parameters is not released."""
+    with run_sidecar(decode.url, release_ambiguous=True, header_timeout=0.3) as sc:
+        slow = {"model": "sim-model", "prompt": "x [[slow-headers:2]]", "kv_transfer_params": params("again")}
+        assert (
+            httpx.post(sc.url + "/v1/completions", json=slow, headers={"x-request-id": "a1"}).status_code
+            == 504
+        )
+        sc.settle()
+        assert sc.released() == ["again"]
+        replay = httpx.post(
+            sc.url + "/v1/completions", content=rejected("again"), headers={"x-request-id": "a2"}
+        )
+        assert replay.status_code == 400
+        sc.settle()
+        assert sc.released() == ["again"]  # only the first
+        assert sc.sample("kvr_not_released_total", outcome="no_release", cause="params_in_use") == 1

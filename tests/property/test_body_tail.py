@@ -15,7 +15,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sidecar.body import TAIL_WINDOW, tail_params
-from sidecar.params import Ineligible, check
+from sidecar.params import check
+from sidecar.wire import VIEW_DECODER
 from tests.property.strategies import ids, json_values, params_dicts, valid_params
 
 KEY = "kv_transfer_params"
@@ -57,18 +58,24 @@ def test_finds_only_the_outermost_last_member(case: tuple[bytes, Any], cut: int)
 @example(b'"kv_transfer_params": ' + b"[" * 50_000)
 @example(b'"kv_transfer_params": {"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}")
 @example(b'"kv_transfer_params": {"remote_engine_id": "\xff"}}')
+@example(b'{"x": 1, "kv_transfer_params": {"remote_engine_id": "\xff"}}')
 def test_never_raises_and_stays_bounded(tail: bytes) -> None:
     found = tail_params(tail)
     if found is not None:
-        assert isinstance(json.loads(found), dict)
-        assert len(found) <= 6 * len(tail)  # ASCII escapes at most sextuple a character
+        assert isinstance(json.loads(found.decode("utf-8", "surrogateescape")), dict)
+        assert found in tail  # a slice of what was sent, never more
+        assert tail.rstrip().endswith(b"}") and b"}" in tail[tail.rfind(found) + len(found) :]
 
 
-def test_invalid_utf8_in_the_tail_params_is_malformed_not_replaced() -> None:
-    tail = b'{"x": 1, "kv_transfer_params": ' + json.dumps(valid_params()).encode()[:-1] + b', "y": "\xff"}}'
+def test_invalid_utf8_in_the_tail_params_is_kept_as_sent_and_judged_as_in_a_body() -> None:
+    """Never replaced: the bytes as sent (a router's HMAC covers them), judged exactly as the
+    same parameters in a body under the cap are (``VIEW_DECODER`` then ``check``)."""
+    raw = json.dumps(valid_params()).encode()[:-1] + b', "y": "\xff"}'
+    tail = b'{"x": 1, "kv_transfer_params": ' + raw + b"}"
     found = tail_params(tail)
-    assert found is not None
-    assert check(found).reason is Ineligible.MALFORMED
+    assert found == raw
+    in_body = check(VIEW_DECODER.decode(tail).kv_transfer_params)
+    assert check(found) == in_body
 
 
 def test_window_is_bounded() -> None:

@@ -145,6 +145,32 @@ async def test_raw_params_and_dp_rank_reach_the_engine(
     assert body["data_parallel_rank"] == 3
 
 
+@respx.mock(assert_all_called=True)
+async def test_a_rank_d_refuses_is_retried_on_the_default_rank(
+    releaser: HttpReleaser, respx_mock: respx.MockRouter
+) -> None:
+    """A DP rank out of D's range (the client's header) must not lose the release."""
+    refused = {"error": {"message": "data_parallel_rank 9 out of range", "type": "BadRequestError"}}
+    route = respx_mock.post(RELEASE).mock(
+        side_effect=[httpx.Response(400, json=refused), httpx.Response(202, json=ACCEPTED)]
+    )
+    assert await releaser.release(job(data_parallel_rank=9)) is Result.SENT
+    ranks = [json.loads(call.request.content)["data_parallel_rank"] for call in route.calls]
+    assert ranks == [9, None]
+
+
+@respx.mock(assert_all_called=True)
+async def test_a_400_without_a_rank_is_not_retried(
+    releaser: HttpReleaser, respx_mock: respx.MockRouter
+) -> None:
+    route = respx_mock.post(RELEASE).respond(
+        400, json={"error": {"message": "bad", "type": "BadRequestError"}}
+    )
+    with pytest.raises(PermanentReleaseError):
+        await releaser.release(job())
+    assert route.call_count == 1
+
+
 @pytest.mark.parametrize(
     ("status", "reason"),
     [

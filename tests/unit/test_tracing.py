@@ -85,3 +85,22 @@ def test_without_an_endpoint_the_packages_are_not_needed(monkeypatch: pytest.Mon
         monkeypatch.setitem(sys.modules, module, None)
     tracing.require(Config())
     assert tracing.build(Config()) is tracing.OFF
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://d:8200/v1/completions", "http://d:8200/v1/completions"),
+        ("http://user:secret@d:8200/v1/completions", "http://REDACTED:REDACTED@d:8200/v1/completions"),
+        (
+            "https://tok@[::1]/v1/chat/completions?x=1",
+            "https://REDACTED:REDACTED@[::1]/v1/chat/completions?x=1",
+        ),
+    ],
+)
+def test_url_full_never_carries_credentials(url: str, shown: str) -> None:
+    from urllib.parse import urlsplit
+
+    from sidecar.tracing_otel import _redacted
+
+    assert _redacted(urlsplit(url)) == shown
