@@ -71,8 +71,12 @@ class FaultGate:
         self._sock = _listener(0)
         self.port: int = self._sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
-        self._server: asyncio.AbstractServer | None = None
+        self._listening = False
         self._open: set[asyncio.StreamWriter] = set()
+        # The gate accepts by hand and holds every accepted socket and handler task until it is
+        # done with them: nothing it accepted can be collected open, or outlive stop().
+        self._raw: set[socket.socket] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
         self._closing = False
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"fault-gate-{self.port}", daemon=True)
@@ -115,7 +119,32 @@ class FaultGate:
     async def _listen(self) -> None:
         if self._sock.fileno() < 0:
             self._sock = _listener(self.port)
-        self._server = await asyncio.start_server(self._accept, sock=self._sock)
+        self._sock.setblocking(False)
+        self._loop.add_reader(self._sock.fileno(), self._accept_ready, self._sock)
+        self._listening = True
+
+    def _accept_ready(self, listener: socket.socket) -> None:
+        """Accept what is waiting (a plain callback: no task can be cancelled holding a socket)."""
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # nothing more waiting (BlockingIOError), or the listener is closed
+                return
+            conn.setblocking(False)
+            self._raw.add(conn)
+            task = self._loop.create_task(self._serve(conn))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except OSError:
+            conn.close()
+            return
+        finally:
+            self._raw.discard(conn)
+        await self._accept(reader, writer)
 
     async def _switch(self, mode: Mode, delay: float) -> None:
         was, self.mode, self.delay = self.mode, mode, delay
@@ -128,10 +157,10 @@ class FaultGate:
             await self._listen()
 
     async def _unlisten(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()  # closes the listening socket: connections are refused now
-        self._sock.close()
+        if self._listening:
+            self._loop.remove_reader(self._sock.fileno())
+            self._listening = False
+        self._sock.close()  # connections are refused now
 
     def _cut_all(self) -> None:
         for writer in list(self._open):
@@ -142,15 +171,17 @@ class FaultGate:
         self._closing = True
         await self._unlisten()
         self._cut_all()
-        # Handlers of connections accepted just now have not run yet: let them start (they see
-        # _closing and reset their connection), then cancel whatever still runs.
-        for _ in range(3):
-            await asyncio.sleep(0)
-        current = asyncio.current_task()
-        tasks = [task for task in asyncio.all_tasks() if task is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Every handler runs to its end: one accepted just now sees _closing and resets its
+        # connection, the others were cut above. One still running after the bound (a script
+        # that hangs) is cancelled; its finally aborts its transport.
+        if self._handlers:
+            _, pending = await asyncio.wait(set(self._handlers), timeout=5.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for conn in list(self._raw):
+            conn.close()
+        self._raw.clear()
         await asyncio.sleep(0)  # let the aborted transports close their sockets
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
