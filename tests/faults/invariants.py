@@ -78,19 +78,42 @@ class Truth:
 
     def __init__(self, p_url: str, d_url: str, version: str) -> None:
         self.p_url, self.d_url, self.version = p_url, d_url, version
-        # Idle connections are dropped after 1 s, before the simulators' 5 s keep-alive closes them:
-        # reusing one the server is closing fails with a reset (seen in a soak between rounds).
-        self.client = httpx.Client(timeout=10, limits=httpx.Limits(keepalive_expiry=1.0))
+        # One client per thread (``p_records`` reads from 16 at once; a shared pool closing an
+        # expired connection under another thread gave EBADF in a soak). Idle connections are
+        # dropped after 1 s, before the simulators' 5 s keep-alive closes them (a reset on reuse).
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> httpx.Client:
+        client: httpx.Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = httpx.Client(timeout=10, limits=httpx.Limits(keepalive_expiry=1.0))
+            self._local.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+    def _get(self, url: str) -> httpx.Response:
+        """GET (idempotent: a read of the simulators' records), once more after a transport error."""
+        try:
+            return self.client.get(url)
+        except httpx.TransportError:
+            return self.client.get(url)
 
     def p_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self.client.get(self.p_url + "/stats").json()
+        stats: dict[str, Any] = self._get(self.p_url + "/stats").json()
         return stats
 
     def p_record(self, p_request_id: str) -> dict[str, Any] | None:
-        response = self.client.get(f"{self.p_url}/sim/requests/{p_request_id}")
+        response = self._get(f"{self.p_url}/sim/requests/{p_request_id}")
         return response.json() if response.status_code == 200 else None
 
     def p_records(self, p_request_ids: Sequence[str]) -> dict[str, dict[str, Any] | None]:
@@ -101,7 +124,7 @@ class Truth:
             return dict(zip(p_request_ids, pool.map(self.p_record, p_request_ids), strict=True))
 
     def d_log(self, ids: set[str]) -> dict[str, dict[str, Any]]:
-        entries = self.client.get(self.d_url + "/sim/log").json()
+        entries = self._get(self.d_url + "/sim/log").json()
         return {e["request_id"]: e for e in entries if e["request_id"] in ids}
 
     def fresh_handshake(self, stats: Mapping[str, Any]) -> str | None:
