@@ -33,7 +33,7 @@ from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends, un
 from tests.faults.conftest import scene
 from tests.servers import serve
 
-pytestmark = [pytest.mark.nixl, pytest.mark.slow_faults]
+pytestmark = [pytest.mark.nixl, pytest.mark.slow_faults, pytest.mark.netns_first]
 
 P_PORT = 18100
 
