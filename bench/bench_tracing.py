@@ -41,7 +41,7 @@ import aiohttp
 import uvloop
 
 from bench.load import LoadClient, Sample
-from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores
+from bench.procs import HOST, BenchError, Child, CorePlan, check, free_port, plan_cores, wait_all_ready
 from bench.stats import ms, percentile
 
 PathName = Literal["direct", "off", "on"]
@@ -106,26 +106,6 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
         yield Servers(urls, sink_url, {"off": children[2], "on": children[3]}, children), ready
 
 
-async def wait_ready(ready: dict[Child, str], deadline: float) -> None:
-    """Poll every child's readiness URL until 200, or raise past ``deadline`` (monotonic)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
-        for child, url in ready.items():
-            while True:
-                if child.process.poll() is not None:
-                    raise BenchError(
-                        f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with session.get(url) as response:
-                        if response.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise BenchError(
-                        f"{child.name} not ready at {url} before the deadline:\n{child.log_tail()}"
-                    )
-                await asyncio.sleep(0.05)  # poll interval, not a readiness guess
-
-
 @dataclass(slots=True)
 class Pooled:
     latencies: list[float] = field(default_factory=list)
@@ -151,7 +131,7 @@ async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]
     stopped_early: list[str] = []
     with launched(plan) as (servers, ready):
         # Start-up has its own bound; the measured phases keep their whole budget after it.
-        await wait_ready(ready, started + settings.ready_timeout)
+        await wait_all_ready(ready, started + settings.ready_timeout)
         end = time.monotonic() + settings.total_bound - settings.shutdown_reserve
         _progress(f"ready after {time.monotonic() - started:.1f} s; {_cores(plan)}")
         left = len(settings.requests) * settings.rounds * len(PATHS)
@@ -209,23 +189,12 @@ async def _measure(
     sidecar = servers.sidecars.get(path)
     async with LoadClient(servers.urls[path], connections, settings.request_timeout) as client:
         warm = await client.run("json", settings.warmup * connections, min(bound / 4, 2.0))
-        _check(warm, servers, path, connections, "warm-up")
+        check(warm, servers.children, f"{path} at {connections} connection(s), warm-up")
         cpu = sidecar.cpu_seconds() if sidecar else 0.0
         sample = await client.run("json", count, bound - warm.wall)
         cpu = sidecar.cpu_seconds() - cpu if sidecar else 0.0
-    _check(sample, servers, path, connections, "measured phase")
+    check(sample, servers.children, f"{path} at {connections} connection(s), measured phase")
     return sample, cpu
-
-
-def _check(sample: Sample, servers: Servers, path: PathName, connections: int, what: str) -> None:
-    if sample.errors:
-        problem = f"{sample.errors} failed request(s); first: {sample.first_errors}"
-    elif not sample.latencies:
-        problem = "no request completed"
-    else:
-        return
-    logs = "\n".join(f"--- {c.name} log:\n{c.log_tail()}" for c in servers.children)
-    raise BenchError(f"{path} at {connections} connection(s), {what}: {problem}\n{logs}")
 
 
 async def _sink_stats(servers: Servers, deadline: float, expected: int) -> dict[str, int]:

@@ -25,10 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import aiohttp
 
@@ -194,9 +194,37 @@ def launched(plan: CorePlan, stream_events: int) -> Iterator[Servers]:
 
 async def wait_ready(servers: Servers, deadline: float) -> None:
     """Poll D's ``/health`` then the sidecar's ``/readyz`` until 200 or ``deadline`` (monotonic)."""
+    await wait_all_ready(
+        {servers.decode: servers.decode_url + "/health", servers.sidecar: servers.admin_url + "/readyz"},
+        deadline,
+    )
+
+
+async def wait_all_ready(ready: Mapping[Child, str], deadline: float) -> None:
+    """Poll each child's readiness URL, in order, until 200, or raise past ``deadline`` (monotonic)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-        await _poll(session, servers.decode, servers.decode_url + "/health", deadline)
-        await _poll(session, servers.sidecar, servers.admin_url + "/readyz", deadline)
+        for child, url in ready.items():
+            await _poll(session, child, url, deadline)
+
+
+class Measured(Protocol):
+    """What ``check`` reads of a phase's sample (``bench.load.Sample`` and the router bench's)."""
+
+    latencies: list[float]
+    errors: int
+    first_errors: list[str]
+
+
+def check(sample: Measured, children: Iterable[Child], what: str) -> None:
+    """Wrong answers break a benchmark: raise saying ``what`` failed, with the servers' last log lines."""
+    if sample.errors:
+        problem = f"{sample.errors} failed request(s); first: {sample.first_errors}"
+    elif not sample.latencies:
+        problem = "no request completed"
+    else:
+        return
+    logs = "\n".join(f"--- {c.name} log:\n{c.log_tail()}" for c in children)
+    raise BenchError(f"{what}: {problem}\n{logs}")
 
 
 async def _poll(session: aiohttp.ClientSession, child: Child, url: str, deadline: float) -> None:

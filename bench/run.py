@@ -21,7 +21,7 @@ import msgspec
 
 from bench.load import Kind, LoadClient, Sample
 from bench.noise import Other, Snapshot, snapshot
-from bench.procs import BenchError, CorePlan, Servers, launched, wait_ready
+from bench.procs import CorePlan, Servers, check, launched, wait_ready
 from bench.report import (
     JsonFigures,
     OtherCpu,
@@ -182,26 +182,14 @@ async def _measure(
     async with LoadClient(url, phase.concurrency, settings.request_timeout) as client:
         warmup = max(settings.warmup_requests, phase.concurrency)
         warm = await client.run(phase.kind, warmup, settings.warmup_bound)
-        _check(warm, phase, path, "warm-up", servers)
+        check(warm, (servers.decode, servers.sidecar), f"{phase.name} via {path}, warm-up")
         before = snapshot(plan, servers)
         cpu = servers.sidecar.cpu_seconds()
         sample = await client.run(phase.kind, phase.count, bound)
         cpu = servers.sidecar.cpu_seconds() - cpu
         after = snapshot(plan, servers)
-    _check(sample, phase, path, "measured phase", servers)
+    check(sample, (servers.decode, servers.sidecar), f"{phase.name} via {path}, measured phase")
     return sample, cpu, (before, after)
-
-
-def _check(sample: Sample, phase: Phase, path: PathName, what: str, servers: Servers) -> None:
-    """Wrong answers break the benchmark: say which, with the servers' last log lines."""
-    if sample.errors:
-        problem = f"{sample.errors} failed request(s); first: {sample.first_errors}"
-    elif not sample.latencies:
-        problem = "no request completed"
-    else:
-        return
-    logs = "\n".join(f"--- {c.name} log:\n{c.log_tail()}" for c in (servers.decode, servers.sidecar))
-    raise BenchError(f"{phase.name} via {path}, {what}: {problem}\n{logs}")
 
 
 def _figures(pooled: dict[tuple[PhaseName, PathName], _Pooled], path: PathName) -> PathFigures:

@@ -241,7 +241,9 @@ class NixlReleaser:
         future: asyncio.Future[PeerSet] = asyncio.get_running_loop().create_future()
         self._inflight[engine_id] = future
         try:
-            peers = await self._handshake(engine_id, generation, endpoint, profile, ranks)
+            # The span is made on the event loop around the await; the NIXL thread never sees it.
+            with self._tracing.handshake_span(engine_id, endpoint, ranks):
+                peers = await self._handshake(engine_id, generation, endpoint, profile, ranks)
         except asyncio.CancelledError:
             # The job that began it was cancelled (its deadline): the jobs waiting on this
             # handshake get a timeout they retry, not a cancellation that is not theirs.
@@ -260,20 +262,6 @@ class NixlReleaser:
                 del self._inflight[engine_id]
 
     async def _handshake(
-        self,
-        engine_id: str,
-        generation: int | None,
-        endpoint: tuple[str, int],
-        profile: WireProfile,
-        ranks: list[Rank],
-    ) -> PeerSet:
-        if not self._tracing.enabled:
-            return await self._handshake_now(engine_id, generation, endpoint, profile, ranks)
-        # On the event loop around the await; the NIXL owner thread never touches a span.
-        with self._tracing.handshake_span(engine_id, endpoint, ranks):
-            return await self._handshake_now(engine_id, generation, endpoint, profile, ranks)
-
-    async def _handshake_now(
         self,
         engine_id: str,
         generation: int | None,

@@ -72,3 +72,18 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
 @pytest.fixture
 def sidecar_factory() -> Callable[..., Any]:
     return run_sidecar
+
+
+def kv_params(rid: str, **changes: Any) -> dict[str, Any]:
+    """``kv_transfer_params`` as P answers them (vLLM 0.13.0+ pull mode, TP 1), with ``changes``."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "p-engine",
+        "remote_request_id": rid,
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "remote_block_ids": [[1, 2]],
+        "tp_size": 1,
+        **changes,
+    }

@@ -37,6 +37,7 @@ from sidecar.release.dryrun import DryRunReleaser
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode_config import DecodeSimConfig
 from tests.integration.conftest import Sidecar
+from tests.integration.conftest import kv_params as params
 from tests.integration.test_lifecycle import sidecar_process
 from tests.servers import ServerThread, serve
 
@@ -73,20 +74,6 @@ def decode() -> Iterator[ServerThread]:
 def sidecar(decode: ServerThread) -> Iterator[Sidecar]:
     with guarded_sidecar(decode.url) as sc:
         yield sc
-
-
-def params(rid: str, **changes: Any) -> dict[str, Any]:
-    base = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "p-engine",
-        "remote_request_id": rid,
-        "remote_host": "10.0.0.7",
-        "remote_port": 5600,
-        "remote_block_ids": [[1, 2]],
-        "tp_size": 1,
-    }
-    return {**base, **changes}
 
 
 def chat(text: str, rid: str, **changes: Any) -> dict[str, Any]:

@@ -24,22 +24,8 @@ from starlette.routing import Route
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode_config import DecodeSimConfig
 from tests.integration.conftest import Sidecar, run_sidecar
+from tests.integration.conftest import kv_params as params
 from tests.servers import ServerThread, free_port, serve
-
-
-def params(rid: str, **changes: Any) -> dict[str, Any]:
-    base = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "p-engine",
-        "remote_request_id": rid,
-        "remote_host": "10.0.0.7",
-        "remote_port": 5600,
-        "remote_block_ids": [[1, 2]],
-        "tp_size": 1,
-    }
-    base.update(changes)
-    return base
 
 
 def chat(text: str, rid: str, stream: bool = False, **extra: Any) -> dict[str, Any]:

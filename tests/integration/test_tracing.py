@@ -31,7 +31,7 @@ from sidecar.config import Config
 from sidecar.release.base import ReleaseJob, Result, RetryableReleaseError
 from sidecar.release.dryrun import DryRunReleaser
 from sidecar.tracing import build
-from tests.integration.conftest import Sidecar
+from tests.integration.conftest import Sidecar, kv_params
 from tests.servers import ServerThread, free_port, serve
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -88,19 +88,6 @@ def answer_reject(path: str, body: bytes) -> tuple[int, bytes]:
 def answer_prefill(path: str, body: bytes) -> tuple[int, bytes]:
     params = {**kv_params("r-p"), "remote_request_id": "p-req-1"}
     return 200, json.dumps({"kv_transfer_params": params, "usage": {"prompt_tokens": 3}}).encode()
-
-
-def kv_params(rid: str) -> dict[str, Any]:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "p-engine",
-        "remote_request_id": rid,
-        "remote_host": "10.0.0.7",
-        "remote_port": 5600,
-        "remote_block_ids": [[1, 2]],
-        "tp_size": 1,
-    }
 
 
 def completion(**extra: Any) -> dict[str, Any]:
@@ -361,34 +348,15 @@ def test_sample_ratio_zero_exports_nothing_but_still_forwards() -> None:
 def test_spans_reach_a_real_otlp_http_receiver_after_the_shutdown_flush() -> None:
     received: list[ExportTraceServiceRequest] = []
 
-    async def receiver(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        status = 404
-        if scope["method"] == "POST" and scope["path"] == "/v1/traces":
-            request = ExportTraceServiceRequest()
-            request.ParseFromString(body)
-            received.append(request)
-            status = 200
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/x-protobuf")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b""})
+    def collect(path: str, body: bytes) -> tuple[int, bytes]:
+        if path != "/v1/traces":
+            return 404, b""
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        received.append(request)
+        return 200, b""
 
-    with serve(receiver) as collector, recorder(answer_ok) as (_d, d_server):
+    with serve(Recorder(collect)) as collector, recorder(answer_ok) as (_d, d_server):
         # A bare URL: the sidecar adds /v1/traces, as OTEL_EXPORTER_OTLP_ENDPOINT does.
         with traced_sidecar(
             d_server.url, otlp_traces_endpoint=collector.url, trace_service_name="kvr-test"
