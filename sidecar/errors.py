@@ -23,6 +23,7 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    409: "ConflictError",
     413: "RequestEntityTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

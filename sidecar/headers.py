@@ -37,8 +37,9 @@ def new_request_id() -> str:
     return os.urandom(16).hex()
 
 
-def request_headers(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], str]:
-    """Headers to send to D, and the request id (propagated, or generated and added).
+def request_headers(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str]], str, bool]:
+    """Headers to send to D, the request id (propagated, or generated and added), and whether
+    it was generated here (then no other server, P included, knows it).
 
     Names arrive lower-cased from the ASGI server (the ASGI spec requires it).
     """
@@ -58,7 +59,8 @@ def request_headers(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str
     if not request_id:
         request_id = new_request_id()
         out.append(("x-request-id", request_id))
-    return out, request_id
+        return out, request_id, True
+    return out, request_id, False
 
 
 def response_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:

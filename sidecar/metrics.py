@@ -50,6 +50,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.replays = Counter(
+            "kvr_released_replays",
+            "Requests naming kv_transfer_params already released: refused (409), or forwarded "
+            "when the strategy frees nothing.",
+            ["action"],
+            registry=r,
+        )
         self.releases = Counter(
             "kvr_releases",
             "Release jobs finished, by strategy and result.",

@@ -54,7 +54,7 @@ from sidecar.sse import FirstEventScanner
 from sidecar.tracing import OFF, Leg, Tracing
 from sidecar.trust import InFlight, Trust
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
-from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams
+from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams, lax_bool
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -80,6 +80,8 @@ class Exchange:
     leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
     raw_params: bytes | None = None  # kv_transfer_params as received (for the http strategy)
     data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
+    # Sidecar mode, no X-Request-Id from the client: the sidecar made one up, which P never saw.
+    request_id_generated: bool = False
 
 
 class Proxy:
@@ -109,6 +111,7 @@ class Proxy:
         self._over_limit_cap = max(8, config.limit_concurrency // 4)
         self._over_limit_reads = 0
         self._keeps_raw = config.release in ("http", "auto")
+        self._frees = config.release in ("nixl", "http", "auto")  # off and dry-run free nothing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -124,7 +127,7 @@ class Proxy:
             self.metrics.inflight.dec()
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str | None) -> None:
-        headers, request_id = request_headers(scope["headers"])
+        headers, request_id, generated = request_headers(scope["headers"])
         if over_limit(scope):
             await self._over_limit(scope, receive, send, route, request_id)
             return
@@ -146,6 +149,13 @@ class Proxy:
                 await self._route(scope, receive, send, headers, body, route, request_id, routed)
                 return
         exchange = self._exchange(body, route, request_id, scope["headers"])
+        exchange.request_id_generated = generated
+        if (
+            exchange.params is not None
+            and self.pipeline.holds(_key(exchange))
+            and await self._replay(send, exchange)
+        ):
+            return
         if self.stopping:
             await self._refuse(send, exchange, Failure.SHUTTING_DOWN, "the sidecar is shutting down")
             return
@@ -181,7 +191,7 @@ class Proxy:
             return
         if request.pop("kv_transfer_params", None) is not None:
             self.metrics.ineligible.labels("client_params_dropped").inc()
-        stream = request.get("stream") is True
+        stream = lax_bool(request.get("stream")) is True
         n = request.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             await self._multi_choice(scope, receive, send, headers, request, route, request_id, started)
@@ -356,7 +366,7 @@ class Proxy:
     ) -> None:
         """D prefills itself: the request goes to D without kv_transfer_params."""
         body = decode_body(request, None)
-        exchange = Exchange(request_id, route, None, request.get("stream") is True, started)
+        exchange = Exchange(request_id, route, None, lax_bool(request.get("stream")) is True, started)
         await self._forward(scope, receive, send, _sized(headers, body), body, exchange)
 
     async def _inject(self, send: Send, exchange: Exchange, status: int) -> None:
@@ -402,12 +412,41 @@ class Proxy:
             request_id,
             route,
             params,
-            view.stream is True,
+            lax_bool(view.stream) is True,
             started,
             body_request_id=body_id,
             raw_params=self._raw_for_release(bytes(view.kv_transfer_params) if params is not None else None),
             data_parallel_rank=data_parallel_rank(client_headers),
         )
+
+    async def _replay(self, send: Send, exchange: Exchange) -> bool:
+        """A request naming parameters already handed to a release: refused when P frees them.
+
+        Once released, P may reuse those blocks: D reading them would decode from another
+        request's cache, silently. So the parameters are single-use after a rejection (as
+        with vLLM's own release, 0.21.0+), and the caller must prefill again. With a strategy
+        that frees nothing (``off``, ``dry-run``) the request is forwarded and only counted.
+        True when the request was answered here.
+        """
+        if not self._frees:
+            self.metrics.replays.labels("forwarded").inc()
+            log.warning(
+                "request reuses parameters of a released request (forwarded: the strategy frees nothing)",
+                extra={"request_id": exchange.request_id},
+            )
+            return False
+        self.metrics.replays.labels("refused").inc()
+        self._count(exchange.route, 409)
+        log.warning(
+            "request reuses parameters already released to P; refused",
+            extra={"request_id": exchange.request_id},
+        )
+        message = (
+            "kv_transfer_params were released to the prefill server after an earlier rejection of a "
+            "request with them; run the prefill again"
+        )
+        await send_error(send, 409, message, exchange.request_id, "kv_transfer_params")
+        return True
 
     async def _too_large(
         self, scope: Scope, send: Send, body: Oversized, route: str, request_id: str
@@ -566,16 +605,19 @@ class Proxy:
             await send({"type": "http.response.body", "body": body, "more_body": True})
             await self._pump(send, response.chunks(), None)
             return
+        # D's content type is the word on streaming: vLLM also streams for a lax "stream": "true"
+        # or 1, which the request view does not read as a stream.
+        streamed = exchange.stream or _event_stream(head)
         rewriter = exchange.rewriter
-        if rewriter is not None and not rewriter.stream and not _encoded(head):
+        if rewriter is not None and not streamed and not _encoded(head):
             await self._respond_rewritten(send, response, exchange, head, rewriter)
             return
         exchange.responded = True
         await send({"type": "http.response.start", "status": status, "headers": head})
-        if exchange.stream and exchange.params is not None:
+        if streamed and exchange.params is not None:
             await self._pump(send, response.chunks(), _StreamJudge(self, exchange), rewriter)
         else:
-            self._decide(exchange, Event(status=status, stream=exchange.stream))
+            self._decide(exchange, Event(status=status, stream=streamed))
             await self._pump(send, response.chunks(), None, rewriter)
 
     async def _respond_rewritten(
@@ -586,12 +628,27 @@ class Proxy:
         head: list[tuple[bytes, bytes]],
         rewriter: UsageRewriter,
     ) -> None:
-        """Router mode, a JSON answer: correct ``cached_tokens`` before it leaves."""
+        """Router mode, a JSON answer: correct ``cached_tokens`` before it leaves.
+
+        A body larger than ``REWRITE_LIMIT`` passes through unchanged (streamed, not held);
+        one D breaks off before it is whole is answered 502 in vLLM's error shape.
+        """
         self._decide(exchange, Event(status=response.status, stream=False))
-        body = rewriter.json(await response.read(REWRITE_LIMIT))
+        try:
+            body = await response.read(REWRITE_LIMIT)
+        except UpstreamError as exc:
+            log.warning("decode server broke off its answer", extra={"detail": str(exc)})
+            await send_error(send, 502, f"decode server broke off its answer: {exc}", exchange.request_id)
+            return
+        exchange.responded = True
+        if len(body) >= REWRITE_LIMIT:  # more may follow: forwarded as it is
+            await send({"type": "http.response.start", "status": response.status, "headers": head})
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await self._pump(send, response.chunks(), None)
+            return
+        body = rewriter.json(body)
         head = [(n, v) for n, v in head if n != b"content-length"]
         head.append((b"content-length", str(len(body)).encode()))
-        exchange.responded = True
         await send({"type": "http.response.start", "status": response.status, "headers": head})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -687,6 +744,7 @@ class Proxy:
         queued = self.pipeline.submit(
             ReleaseJob(
                 request_id=exchange.request_id,
+                request_id_generated=exchange.request_id_generated and not exchange.router,
                 route=exchange.route,
                 body_request_id=exchange.body_request_id,
                 params=params,
@@ -737,7 +795,7 @@ class _StreamJudge:
 
     def __init__(self, proxy: Proxy, exchange: Exchange) -> None:
         self._proxy, self._exchange = proxy, exchange
-        self._scanner = FirstEventScanner()
+        self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
 
     def feed(self, chunk: bytes) -> None:
         if self._exchange.decided:
@@ -842,6 +900,13 @@ def _sized(headers: list[tuple[str, str]], body: bytes) -> list[tuple[str, str]]
     out = [(n, v) for n, v in headers if n not in ("content-length", "x-prefiller-host-port")]
     out.append(("content-length", str(len(body))))
     return out
+
+
+def _event_stream(head: list[tuple[bytes, bytes]]) -> bool:
+    return any(
+        name == b"content-type" and value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+        for name, value in head
+    )
 
 
 def _encoded(head: list[tuple[bytes, bytes]]) -> bool:

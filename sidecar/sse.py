@@ -5,6 +5,13 @@ first event, ``data: {"error": {..., "code": 400}}`` (flat
 ``{"object": "error", ..., "code": 400}`` before 0.10.1). The scanner sees
 each chunk as it is forwarded, keeps at most ``LIMIT`` bytes until the first
 event ends, and then stops looking.
+
+A ``/v1/responses`` stream opens with ``response.created`` and
+``response.in_progress`` before D's engine has the request (vLLM yields both
+before the engine generator runs, ``responses/serving.py``
+``responses_stream_generator``, 0.10.0-0.33.0), so on that route those lead
+events are skipped and the first other event decides (``LEAD_EVENTS``). A
+stream cut before one arrives is then judged as cut before its first event.
 """
 
 from __future__ import annotations
@@ -15,6 +22,15 @@ import msgspec
 
 LIMIT = 64 * 1024
 _ANY = msgspec.json.Decoder()
+# /v1/responses events sent before the engine has the request.
+LEAD_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
+
+
+class _Typed(msgspec.Struct):
+    type: object = None
+
+
+_TYPED = msgspec.json.Decoder(_Typed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,24 +42,30 @@ class FirstEvent:
 class FirstEventScanner:
     """Feed chunks; ``result`` is set once the first event is complete (or over the limit)."""
 
-    __slots__ = ("_buffer", "result")
+    __slots__ = ("_buffer", "_skip_lead", "result")
 
-    def __init__(self) -> None:
+    def __init__(self, skip_lead: bool = False) -> None:
         self._buffer = b""
+        self._skip_lead = skip_lead  # a /v1/responses stream: LEAD_EVENTS do not decide
         self.result: FirstEvent | None = None
 
     def feed(self, chunk: bytes) -> FirstEvent | None:
         if self.result is not None:
             return self.result
         self._buffer += chunk
-        end = _event_end(self._buffer)
-        if end < 0:
-            if len(self._buffer) > LIMIT:
-                self.result, self._buffer = FirstEvent(None, None), b""
+        while True:
+            end = _event_end(self._buffer)
+            if end < 0:
+                if len(self._buffer) > LIMIT:
+                    self.result, self._buffer = FirstEvent(None, None), b""
+                return self.result
+            event = self._buffer[:end]
+            if self._skip_lead and _is_lead(event):
+                self._buffer = self._buffer[end:].lstrip(b"\r\n")
+                continue
+            self.result = parse_event(event)
+            self._buffer = b""
             return self.result
-        self.result = parse_event(self._buffer[:end])
-        self._buffer = b""
-        return self.result
 
     def finish(self) -> FirstEvent:
         """At end of stream: judge whatever arrived."""
@@ -57,9 +79,21 @@ def _event_end(buffer: bytes) -> int:
     return min(ends) if ends else -1
 
 
+def _data(event: bytes) -> bytes:
+    return b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
+
+
+def _is_lead(event: bytes) -> bool:
+    try:
+        kind = _TYPED.decode(_data(event)).type
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return False
+    return isinstance(kind, str) and kind in LEAD_EVENTS
+
+
 def parse_event(event: bytes) -> FirstEvent:
     """The error code and type of one SSE event, or ``FirstEvent(None, None)``."""
-    data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
+    data = _data(event)
     if not data or data.strip() == b"[DONE]":
         return FirstEvent(None, None)
     try:

@@ -73,6 +73,27 @@ class SSEErrorEvent(msgspec.Struct):
     error: ErrorInfo
 
 
+_TRUE_TEXT = frozenset({"1", "t", "y", "on", "yes", "true"})
+_FALSE_TEXT = frozenset({"0", "f", "n", "no", "off", "false"})
+
+
+def lax_bool(value: Any) -> bool | None:
+    """``value`` as vLLM's request models (pydantic, lax mode) read a bool, or None when they
+    refuse it: a bool; 0 or 1 (int or float); ``"true"``, ``"yes"``, ``"on"``, ``"1"``...
+    (case-insensitive, pydantic-core ``str_as_bool``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return bool(value) if value in (0, 1) else None
+    if isinstance(value, str):
+        text = value.lower()
+        if text in _TRUE_TEXT:
+            return True
+        if text in _FALSE_TEXT:
+            return False
+    return None
+
+
 VIEW_DECODER = msgspec.json.Decoder(RequestView)
 PARAMS_DECODER = msgspec.json.Decoder(KVTransferParams)
 SSE_ERROR_DECODER = msgspec.json.Decoder(SSEErrorEvent)

@@ -42,6 +42,10 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     request_id: str  # the x-request-id seen by D (pre-0.13.0 P derives its id from it)
+    # The sidecar made ``request_id`` up (the client sent none): P never saw it, so before
+    # 0.13.0 P's id cannot be derived from it (a notification for a made-up id would be
+    # "unrecognized" at best, and crash 0.9.x-0.10.0 engines).
+    request_id_generated: bool = False
     route: str  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
     body_request_id: str | None = None  # the body's request_id (pre-0.13.0 /v1/responses id)
     params: KVTransferParams
@@ -59,6 +63,11 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     # The request's ``X-data-parallel-rank`` (vLLM routes it to that engine core): the http
     # strategy's release goes to the same rank.
     data_parallel_rank: int | None = None
+
+    @property
+    def x_request_id(self) -> str:
+        """The X-Request-Id P may have seen: empty when the sidecar made it up."""
+        return "" if self.request_id_generated else self.request_id
 
     @property
     def key(self) -> tuple[str, str]:

@@ -302,13 +302,13 @@ def _newer_than_known(text: str | None) -> Version | None:
 def _request_id(profile: WireProfile | None, job: ReleaseJob) -> str:
     """P's id for the request: ``remote_request_id`` (0.13.0+), else derived from X-Request-Id."""
     if profile is not None:
-        found = engine_request_id(profile, job.params, job.request_id, job.route, job.body_request_id)
+        found = engine_request_id(profile, job.params, job.x_request_id, job.route, job.body_request_id)
     else:  # release unknown: P's parameters tell (remote_request_id is there from 0.13.0 on)
         found = job.params.remote_request_id or _derived_id(job)
     if not found:
         raise PermanentReleaseError(
             f"P's id for this request cannot be known (route {job.route}, x-request-id "
-            f"{job.request_id!r}, no remote_request_id)",
+            f"{job.x_request_id!r}, no remote_request_id)",
             "no_request_id",
         )
     return found
@@ -319,12 +319,13 @@ def _derived_id(job: ReleaseJob) -> str | None:
     the body's ``request_id`` for ``/v1/responses``."""
     if job.route == "/v1/responses":
         return job.body_request_id or None
-    if not job.request_id:
+    x_request_id = job.x_request_id
+    if not x_request_id:
         return None
     if job.route == "/v1/chat/completions":
-        return f"chatcmpl-{job.request_id}"
+        return f"chatcmpl-{x_request_id}"
     if job.route == "/v1/completions":
-        return f"cmpl-{job.request_id}-0"
+        return f"cmpl-{x_request_id}-0"
     return None
 
 

@@ -34,5 +34,10 @@ class Ledger:
         self._expire(now)
         return True
 
+    def __contains__(self, key: Hashable) -> bool:
+        """``key`` was added and has not expired or been evicted."""
+        expires = self._entries.get(key)
+        return expires is not None and expires > self._clock()
+
     def discard(self, key: Hashable) -> None:
         self._entries.pop(key, None)

@@ -151,7 +151,7 @@ class NixlReleaser:
                 "holds; releases need --allow-unsafe-vllm",
                 "unsafe_version",
             )
-        request_id = engine_request_id(profile, params, job.request_id, job.route, job.body_request_id)
+        request_id = engine_request_id(profile, params, job.x_request_id, job.route, job.body_request_id)
         if request_id is None:
             raise PermanentReleaseError(
                 f"P's id for this request cannot be known on vLLM {profile.text} "

@@ -67,6 +67,14 @@ class Pipeline:
     def depth(self) -> int:
         return len(self._queue)
 
+    def holds(self, key: tuple[str, str]) -> bool:
+        """A release of ``key`` is queued, running, or was finished within the ledger's TTL.
+
+        A job dropped from a full queue, or refused by the strategy, is forgotten (nothing
+        was sent), so it is not held.
+        """
+        return key in self._ledger
+
     def submit(self, job: ReleaseJob) -> bool:
         """Queue ``job`` unless its key was seen before. Never blocks."""
         if not self._ledger.add(job.key):
@@ -143,6 +151,8 @@ class Pipeline:
                     result = await self.releaser.release(job)
             except PermanentReleaseError as exc:
                 self._attempt(exc.reason)
+                # Nothing was freed: the parameters stay usable, so the key is forgotten.
+                self._ledger.discard(job.key)
                 self._finish(job, Result.REFUSED, str(exc), reason=exc.reason)
                 return
             except asyncio.CancelledError as exc:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from sidecar.wire import error_body
+from sidecar.wire import error_body, lax_bool
 
 Origin = Literal["pre_handler", "handler", "stream"]
 
@@ -152,6 +152,10 @@ def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
     """Check the body like vLLM's request model for ``route`` (pydantic, before the handler)."""
     for name, kinds, kind_name in _SCALARS:
         value = getattr(view, name)
+        if name == "stream":  # pydantic's lax bool: "true", 1, "yes"... are streams too
+            if value is not None and lax_bool(value) is None:
+                return _validation_error("bool_parsing", f"body.{name}", _TYPE_MSGS[kind_name], value)
+            continue
         if value is not None and (not isinstance(value, kinds) or _is_bool_as_int(value, kinds)):
             return _validation_error(f"{kind_name}_type", f"body.{name}", _TYPE_MSGS[kind_name], value)
     counted = _count_prompt(route, view)
@@ -162,7 +166,7 @@ def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
     options = view.stream_options
     return ParsedRequest(
         model=view.model,
-        stream=bool(view.stream),
+        stream=lax_bool(view.stream) is True,
         include_usage=bool(options.get("include_usage")) if isinstance(options, dict) else False,
         prompt_tokens=tokens,
         text=text,

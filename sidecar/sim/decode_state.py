@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sidecar.sim.decode_config import COMPLETION_ROUTES, DecodeSimConfig
 from sidecar.sim.decode_rules import BodyView, Origin, Rejection, kv_params_of
+from sidecar.wire import lax_bool
 
 Outcome = Literal["pending", "admitted", "rejected", "stream_error", "dropped", "cancelled"]
 
@@ -95,7 +96,7 @@ class SimState:
         entry = LogEntry(request_id=request_id, route=route)
         if isinstance(view, BodyView):
             entry.kv_transfer_params = kv_params_of(view)
-            entry.stream = view.stream is True
+            entry.stream = lax_bool(view.stream) is True
         self.log.append(entry)
         return entry
 

@@ -170,17 +170,79 @@ def test_target_outside_allowlist_is_never_contacted() -> None:
         assert current["pinned_requests"] == 1
 
 
-def test_duplicate_release_sends_one_notification_per_rank() -> None:
-    with cluster("0.11.0", 2) as (p, _d, sc):
+def test_replays_of_released_parameters_are_refused_and_release_once() -> None:
+    # Once the release is sent P may reuse the blocks: a retry carrying the same parameters
+    # must not reach D (it would decode from whatever the blocks hold by then).
+    with cluster("0.11.0", 2) as (p, d, sc):
         params = prefill(p, "dup-1")
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
-        for _ in range(3):
-            response = httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "dup-1"})
-            assert response.status_code == 400
+        first = httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "dup-1"})
+        assert first.status_code == 400
+        for _ in range(2):
+            again = httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": "dup-1"})
+            assert again.status_code == 409
+            error = again.json()["error"]
+            assert error["type"] == "ConflictError" and error["code"] == 409
+            assert error["param"] == "kv_transfer_params" and "prefill again" in error["message"]
+            assert again.headers["x-request-id"] == "dup-1"
         after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         sc.settle()
         assert after["notifs_per_rank"] == [1, 1]
-        assert sc.sample("kvr_releases_total", strategy="nixl", result="duplicate") == 2
+        assert len(httpx.get(d.url + "/sim/log").json()) == 1  # D saw only the first
+        assert sc.sample("kvr_released_replays_total", action="refused") == 2
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+        assert sc.sample("kvr_requests_total", route="completions", status_class="4xx") == 3
+
+
+def test_a_replay_while_the_release_is_still_retrying_is_refused() -> None:
+    # P's side channel is not there: the job retries until its deadline. A retry meanwhile
+    # would have D read blocks the job may free any moment.
+    with cluster("0.33.0", 1, release_deadline=3.0) as (p, d, sc):
+        params = prefill(p, "busy-1")
+        params["remote_port"] = params["remote_port"] + 1 if params["remote_port"] < 65535 else 1
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        failed = ("unreachable", "handshake_timeout", "timeout", "retryable")
+        attempts = "kvr_release_attempts_total"
+        wait_until(lambda: sum(sc.sample(attempts, strategy="nixl", outcome=o) for o in failed) >= 1)
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="failed") == 0  # still retrying
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 409
+        assert len(httpx.get(d.url + "/sim/log").json()) == 1
+
+
+def test_a_release_the_strategy_refused_leaves_the_parameters_usable() -> None:
+    # Nothing was sent (an unknown vLLM release), so P still holds the blocks: a retry goes to D.
+    with cluster("0.33.0", 2, vllm_version="0.99.0") as (p, d, sc):
+        params = prefill(p, "keep-1")
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
+        assert decode(sc, "keep-1", params, prompt_words=5).status_code == 200  # D read them
+        assert len(httpx.get(d.url + "/sim/log").json()) == 2
+        assert sc.sample("kvr_released_replays_total", action="refused") == 0
+
+
+def test_before_0_13_a_request_id_the_sidecar_made_up_is_never_sent_to_p() -> None:
+    # P's id derives from the X-Request-Id the router sent P; without one at the sidecar, the id
+    # the sidecar generates for D was never P's: a notification for it would be "unrecognized"
+    # (0.10.1-0.12.0) or crash P's engine (0.9.x-0.10.0).
+    with cluster("0.11.0", 2) as (p, _d, sc):
+        params = prefill(p, "anon-1")
+        body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+        response = httpx.post(sc.url + "/v1/completions", json=body)  # no x-request-id
+        assert response.status_code == 400 and len(response.headers["x-request-id"]) == 32
+        wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
+        assert sc.sample("kvr_release_attempts_total", strategy="nixl", outcome="no_request_id") == 1
+        current = stats(p)
+        assert current["notifs_unknown"] == 0 and current["handshakes_served"] == 0
+        assert current["pinned_requests"] == 1  # left to P's timeout, as without the sidecar
+
+
+def wait_until(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
 
 
 def test_p_restarted_with_new_agents_gets_a_new_handshake() -> None:

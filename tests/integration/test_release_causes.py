@@ -28,7 +28,7 @@ from tests.integration.conftest import kv_params as params
 from tests.servers import ServerThread, free_port, serve
 
 
-def chat(text: str, rid: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str, Any]:
     return {
         "model": "sim-model",
         "messages": [{"role": "user", "content": text}],
@@ -67,6 +67,14 @@ RELEASES = [
     (
         "stream admission failure",
         chat("hi [[stream-error:400]]", "r-sse", stream=True),
+        200,
+        "stream_admission_error",
+    ),
+    (
+        # vLLM's pydantic reads "yes" (or 1, "true", "on") as a bool: D streams, and its
+        # content type tells the sidecar to judge the first event.
+        "stream admission failure, lax stream flag",
+        chat("hi [[stream-error:400]]", "r-sse-lax", stream="yes"),
         200,
         "stream_admission_error",
     ),
@@ -308,12 +316,15 @@ def test_thousand_concurrent_requests_release_exactly_the_rejected_once(decode: 
         released = sc.released()
         assert sorted(released) == sorted(rejected)
         assert len(released) == len(set(released))
-        # a client retrying the same rejected requests releases nothing more
+        # a client retrying the same rejected requests releases nothing more (dry-run frees
+        # nothing, so the retries still go to D: only counted)
         for rid in sorted(rejected)[:5]:
-            httpx.post(sc.url + "/v1/chat/completions", json=chat("word " * 80, rid))
+            retry = httpx.post(sc.url + "/v1/chat/completions", json=chat("word " * 80, rid))
+            assert retry.status_code == 400  # D's answer
         sc.settle()
         assert len(sc.released()) == 100
         assert sc.sample("kvr_releases_total", strategy="dry-run", result="duplicate") == 5
+        assert sc.sample("kvr_released_replays_total", action="forwarded") == 5
 
 
 def test_job_carries_the_body_request_id(sidecar: Sidecar) -> None:
@@ -353,3 +364,50 @@ def _post_with_rank(sidecar: Sidecar, strategy: str) -> None:
         assert job.raw_params is not None
         assert json.loads(job.raw_params) == body["kv_transfer_params"]
     assert job.data_parallel_rank == 2
+
+
+def responses_body(text: str, rid: str) -> dict[str, Any]:
+    return {"model": "sim-model", "input": text, "stream": True, "kv_transfer_params": params(rid)}
+
+
+def test_responses_stream_is_judged_after_its_lead_events(sidecar: Sidecar) -> None:
+    # vLLM sends response.created and response.in_progress before its engine has the request:
+    # they do not show an admission; the next event does.
+    with httpx.stream("POST", sidecar.url + "/v1/responses", json=responses_body("hello", "rs-ok")) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("event:")]
+    assert events[:3] == ["event: response.created", "event: response.in_progress", events[2]]
+    assert events[2] not in ("event: response.created", "event: response.in_progress")
+    sidecar.settle()
+    assert sidecar.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
+    assert sidecar.released() == []
+
+
+def test_responses_stream_cut_after_its_lead_events_is_ambiguous_not_admitted(sidecar: Sidecar) -> None:
+    # vLLM 0.33.0 lets an engine admission error escape the Responses stream: the connection
+    # is cut after the two lead events. D may or may not have the request: ambiguous.
+    body = responses_body("hi [[stream-error:400]]", "rs-cut")
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream("POST", sidecar.url + "/v1/responses", json=body) as r,
+    ):
+        assert r.status_code == 200
+        r.read()
+    assert sidecar.wait_idle()
+    sidecar.settle()
+    assert sidecar.sample("kvr_not_released_total", outcome="ambiguous", cause="reset_after_send") == 1
+    assert sidecar.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 0
+    assert sidecar.released() == []
+
+
+def test_responses_stream_cut_after_its_lead_events_is_released_when_configured(decode: ServerThread) -> None:
+    with run_sidecar(decode.url, release_ambiguous=True) as sc:
+        body = responses_body("hi [[stream-error:400]]", "rs-cut-2")
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            httpx.stream("POST", sc.url + "/v1/responses", json=body) as r,
+        ):
+            r.read()
+        assert sc.wait_idle()
+        sc.settle()
+        assert sc.released() == ["rs-cut-2"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -325,3 +326,36 @@ def test_an_idle_pool_takes_turns() -> None:
         assert pool.outstanding("http://b:1") == 1
         assert all(pool.candidates(None)[-1] == "http://b:1" for _ in range(3))
     assert pool.outstanding("http://b:1") == 0
+
+
+def test_decode_json_broken_off_is_a_502_in_vllm_shape() -> None:
+    # D admitted the request (200) and broke its JSON answer off: nothing to release (D has it),
+    # and the client gets vLLM's error shape rather than a cut body.
+    with pd() as ([p], _d, sc):
+        response = httpx.post(sc.url + "/v1/chat/completions", json=chat("hello [[drop-mid-stream]]"))
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["type"] == "BadGatewayError" and error["code"] == 502
+        assert "broke off" in error["message"]
+        sc.settle()
+        assert sc.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
+        assert stats(p)["notifs_unknown"] == 0
+
+
+def test_lax_stream_flag_is_streamed_not_buffered() -> None:
+    # vLLM streams for "stream": "yes": the answer must pass through as events (chunked), with
+    # cached_tokens corrected in them, not be held whole and rewritten as JSON.
+    with pd(d_config={"prompt_tokens_details": True}) as ([p], _d, sc):
+        body = chat("hello there", stream="yes", stream_options={"include_usage": True})
+        with httpx.stream("POST", sc.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert "content-length" not in r.headers
+            text = b"".join(r.iter_raw()).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        data = [line[5:] for line in text.splitlines() if line.startswith("data:")]
+        usage = [json.loads(line) for line in data if '"usage"' in line]
+        # D reports the whole prompt as cached (it came from P); P computed it all: 0
+        assert usage and usage[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["freed_by_notification"] == 1)

@@ -22,18 +22,21 @@ def test_request_strips_hop_by_hop_and_host_and_keeps_the_rest() -> None:
         (b"content-encoding", b"gzip"),
         (b"x-request-id", b"abc"),
     ]
-    headers, request_id = request_headers(raw)
+    headers, request_id, generated = request_headers(raw)
     names = [name for name, _ in headers]
-    assert request_id == "abc"
+    assert request_id == "abc" and not generated
     assert names == ["authorization", "content-type", "content-encoding", "x-request-id"]
 
 
 def test_request_id_generated_when_missing() -> None:
-    headers, request_id = request_headers([(b"content-type", b"application/json")])
-    assert len(request_id) == 32
+    headers, request_id, generated = request_headers([(b"content-type", b"application/json")])
+    assert len(request_id) == 32 and generated
     assert ("x-request-id", request_id) in headers
-    _, other = request_headers([])
+    _, other, _ = request_headers([])
     assert other != request_id
+    # An empty header is no id: one is generated (vLLM would make up its own too).
+    _, made, generated = request_headers([(b"x-request-id", b"")])
+    assert made and generated
 
 
 def test_response_keeps_encoding_adds_request_id() -> None:

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from sidecar.params import Ineligible, check
-from sidecar.wire import VIEW_DECODER
+from sidecar.wire import VIEW_DECODER, lax_bool
 
 GOOD = {
     "do_remote_prefill": True,
@@ -100,3 +100,29 @@ def test_view_decodes_only_needed_fields(body: bytes, stream: object, has_params
 def test_view_rejects_non_objects(body: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         VIEW_DECODER.decode(body)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (True, True),
+        (False, False),
+        (1, True),
+        (0, False),
+        (1.0, True),
+        (2, None),
+        ("true", True),
+        ("Yes", True),
+        ("on", True),
+        ("1", True),
+        ("off", False),
+        ("F", False),
+        (" true", None),  # pydantic does not strip
+        ("2", None),
+        (None, None),
+        ([], None),
+    ],
+)
+def test_lax_bool_reads_like_vllms_request_models(value: object, expected: bool | None) -> None:
+    # Checked against pydantic 2 (vLLM's OpenAIBaseModel, lax mode) for a ``stream: bool`` field.
+    assert lax_bool(value) is expected

@@ -154,6 +154,35 @@ async def test_full_queue_drops_oldest_and_never_blocks() -> None:
     assert pipeline.submit(job("q0"))
 
 
+async def test_holds_a_key_from_submit_until_it_expires_unless_nothing_was_sent() -> None:
+    # ``holds`` is what the proxy asks before forwarding parameters again: while a release is
+    # queued, running or sent, D must not be sent them.
+    gate = asyncio.Event()
+    pipeline, _ = make(FakeReleaser(gate=gate), queue_size=1, workers=1)
+    pipeline.start()
+    key = job("a").key
+    assert not pipeline.holds(key)
+    pipeline.submit(job("a"))
+    assert pipeline.holds(key)  # queued
+    await asyncio.sleep(0)
+    assert pipeline.holds(key)  # running
+    pipeline.submit(job("b"))
+    pipeline.submit(job("c"))  # the queue holds one: b is dropped, nothing sent for it
+    assert not pipeline.holds(job("b").key) and pipeline.holds(job("c").key)
+    gate.set()
+    assert await pipeline.flush(2)
+    assert pipeline.holds(key)  # sent: P may reuse the blocks
+    await pipeline.stop()
+
+    refused, _ = make(FakeReleaser(permanent=True))
+    refused.start()
+    refused.submit(job("r"))
+    assert refused.holds(job("r").key)
+    assert await refused.flush(2)
+    assert not refused.holds(job("r").key)  # refused: nothing was freed, the parameters stay usable
+    await refused.stop()
+
+
 async def test_flush_times_out_and_stop_drops_the_rest() -> None:
     releaser = FakeReleaser(gate=asyncio.Event())
     pipeline, metrics = make(releaser, workers=1)
@@ -167,6 +196,12 @@ async def test_flush_times_out_and_stop_drops_the_rest() -> None:
 
 def test_ledger_ttl_and_size() -> None:
     now = [0.0]
+    ledger = Ledger(size=2, ttl=10, clock=lambda: now[0])
+    assert "k" not in ledger
+    assert ledger.add("k") and "k" in ledger
+    now[0] = 10.0
+    assert "k" not in ledger  # expired
+    now[0] = 0.0
     ledger = Ledger(size=2, ttl=10, clock=lambda: now[0])
     assert ledger.add("a") and ledger.add("b")
     assert not ledger.add("a")

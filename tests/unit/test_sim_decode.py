@@ -224,7 +224,7 @@ def test_read_markers(text: str, markers: Markers) -> None:
         (CHAT, b"[1, 2]", "body", "valid dictionary or object"),
         (CHAT, b'{"model": "sim-model"}', "body.messages", "Field required"),
         (CHAT, b'{"messages": "hi"}', "body.messages", "valid list"),
-        (CHAT, b'{"messages": [], "stream": "yes"}', "body.stream", "valid boolean"),
+        (CHAT, b'{"messages": [], "stream": "maybe"}', "body.stream", "valid boolean"),
         (CHAT, b'{"messages": [], "max_tokens": "10"}', "body.max_tokens", "valid integer"),
         (CHAT, b'{"messages": [], "kv_transfer_params": [1]}', "body.kv_transfer_params", "valid dictionary"),
         (COMPLETIONS, b'{"model": "sim-model"}', "prompt", "Either prompt or prompt_embeds"),

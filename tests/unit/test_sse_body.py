@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sidecar.body import tail_params
-from sidecar.sse import LIMIT, FirstEventScanner, parse_event
+from sidecar.sse import LIMIT, FirstEvent, FirstEventScanner, parse_event
 
 ERROR_EVENT = (
     b'data: {"error": {"message": "too long", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
@@ -74,3 +74,32 @@ def test_tail_params_finds_last_top_level_member() -> None:
 )
 def test_tail_params_ignores_everything_else(body: str) -> None:
     assert tail_params(body.encode()) is None
+
+
+CREATED = b'event: response.created\ndata: {"type": "response.created", "response": {}}\n\n'
+IN_PROGRESS = b'event: response.in_progress\ndata: {"type": "response.in_progress", "response": {}}\n\n'
+ITEM = b'event: response.output_item.added\ndata: {"type": "response.output_item.added"}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("chunks", "decided", "code"),
+    [
+        ([CREATED, IN_PROGRESS], False, None),  # only the lead events: nothing decided yet
+        ([CREATED + IN_PROGRESS + ITEM], True, None),  # admitted: the engine produced output
+        ([CREATED, IN_PROGRESS[:7], IN_PROGRESS[7:] + ERROR_EVENT], True, 400),  # split, then an error
+        ([CREATED.replace(b"\n\n", b"\r\n\r\n"), ERROR_EVENT], True, 400),
+        ([b'data: {"type": "error", "code": "x"}\n\n'], True, None),  # not a lead event: decides
+    ],
+)
+def test_responses_lead_events_do_not_decide(chunks: list[bytes], decided: bool, code: int | None) -> None:
+    scanner = FirstEventScanner(skip_lead=True)
+    result = None
+    for chunk in chunks:
+        result = scanner.feed(chunk)
+    assert (result is not None) == decided
+    if result is not None:
+        assert result.error_code == code
+
+
+def test_lead_events_decide_on_other_routes() -> None:
+    assert FirstEventScanner().feed(CREATED) == FirstEvent(None, None)
