@@ -3,9 +3,10 @@
 The machine may be shared (test suites, other benchmarks). Per-core busy time
 comes from ``/proc/stat`` (user + nice + system); what the benchmark's own
 processes used on each core (this process and D on the load core, the
-sidecar on its own core) is subtracted, and the rest, as a share of one core
-over the phase's wall time, is reported next to the figures. Interrupt time
-is left out of both sides, so loopback networking is not counted as noise.
+sidecar and the reference hops on the other) is subtracted, and the rest,
+as a share of one core over the phase's wall time, is reported next to the
+figures. Interrupt time is left out of both sides, so loopback networking is
+not counted as noise.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def snapshot(plan: CorePlan, servers: Servers) -> Snapshot:
     load = sum(busy.get(cpu, 0.0) for cpu in plan.load)
     sidecar = sum(busy.get(cpu, 0.0) for cpu in plan.sidecar)
     ours_load = time.process_time() + servers.decode.cpu_seconds()
+    ours_sidecar = sum(proxy.cpu_seconds() for proxy in servers.proxies())
     if not plan.pinned:  # everything shares the same CPUs: count it all on the load side
-        return Snapshot(time.monotonic(), load, 0.0, ours_load + servers.sidecar.cpu_seconds(), 0.0)
-    return Snapshot(time.monotonic(), load, sidecar, ours_load, servers.sidecar.cpu_seconds())
+        return Snapshot(time.monotonic(), load, 0.0, ours_load + ours_sidecar, 0.0)
+    return Snapshot(time.monotonic(), load, sidecar, ours_load, ours_sidecar)
 
 
 @dataclass(slots=True)

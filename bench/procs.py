@@ -1,16 +1,21 @@
-"""The two servers under test as child processes: start, pin, wait until ready, read, stop.
+"""The servers under test as child processes: start, pin, wait until ready, read, stop.
 
 D (``sim-decode``) and the sidecar (``serve``) run as ``python -m sidecar``
 children of this process, so their pids are the interpreters themselves and
-``/proc/<pid>`` readings are theirs alone. Each child's affinity is set in
-the child before exec, so every thread it later starts inherits it. Each
-child gets its own session, as separate services would: with the kernel's
-autogroup scheduling a session is one scheduling group whose weight is split
-over the CPUs its tasks use, so a sidecar sharing the load generator's
-session got a sliver of its own core and, beside other busy processes, sat
-runnable for seconds. A child also dies with this process (parent-death
-signal). Readiness is polled against a deadline (D's ``GET /health``, the
-sidecar's ``GET /readyz`` on the admin port), never slept on a guess.
+``/proc/<pid>`` readings are theirs alone. Beside the sidecar, on its core,
+run the reference hops: the relay (``python -m bench.relay``, the cheapest
+hop Python can run) and, when an ``nginx`` binary is available, nginx (one
+worker, upstream keep-alive, no buffering; configured in a temporary
+directory). Each child's affinity is set in the child before exec, so every
+thread or process it later starts inherits it. Each child gets its own
+session, as separate services would: with the kernel's autogroup scheduling
+a session is one scheduling group whose weight is split over the CPUs its
+tasks use, so a sidecar sharing the load generator's session got a sliver of
+its own core and, beside other busy processes, sat runnable for seconds. A
+child also dies with this process (parent-death signal). Readiness is polled
+against a deadline (D's ``GET /health``, the sidecar's ``GET /readyz`` on the
+admin port, D's ``GET /health`` through the relay and through nginx), never
+slept on a guess.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Literal, Protocol, TypeVar
 
 import aiohttp
 
@@ -36,6 +41,10 @@ HOST = "127.0.0.1"
 STOP_TIMEOUT = 10.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
+
+# The measured paths: straight to D, through the sidecar, through the reference hops.
+PathName = Literal["direct", "sidecar", "relay", "nginx"]
+_Number = TypeVar("_Number", int, float)
 
 
 class BenchError(Exception):
@@ -94,17 +103,16 @@ class Child:
         return self.process.pid
 
     def cpu_seconds(self) -> float:
-        """utime + stime of the whole process (all threads), from ``/proc/<pid>/stat``."""
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        """utime + stime of the whole process (all threads) and of its live descendants (nginx's
+        worker), from ``/proc/<pid>/stat``."""
+        return _cpu_seconds(self.pid) + sum(_gone_is_0(_cpu_seconds, pid) for pid in _descendants(self.pid))
 
     def rss_bytes(self) -> int:
-        """VmRSS from ``/proc/<pid>/status``."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise BenchError(f"{self.name}: no VmRSS in /proc/{self.pid}/status")
+        """VmRSS from ``/proc/<pid>/status``, with that of its live descendants added."""
+        own = _rss_bytes(self.pid)
+        if not own:
+            raise BenchError(f"{self.name}: no VmRSS in /proc/{self.pid}/status")
+        return own + sum(_gone_is_0(_rss_bytes, pid) for pid in _descendants(self.pid))
 
     def log_tail(self, lines: int = 20) -> str:
         self._log.flush()
@@ -112,15 +120,51 @@ class Child:
         return "\n".join(text[-lines:])
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within ``STOP_TIMEOUT``."""
+        """SIGTERM, then SIGKILL to its whole process group if it has not exited within ``STOP_TIMEOUT``."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGKILL)  # its own session: it and its descendants only
                 self.process.wait()
         self._log.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0  # a zombie has no VmRSS line
+
+
+def _descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid``, from ``/proc/<pid>/task/<tid>/children``."""
+    found: list[int] = []
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the task or the process just went
+                kids = [int(kid) for kid in children.read_text().split()]
+                found += kids
+                parents += kids
+    return found
+
+
+def _gone_is_0(read: Callable[[int], _Number], pid: int) -> _Number:
+    """``read(pid)``, or 0 when that process has just exited."""
+    try:
+        return read(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
 def _child_setup(cpus: frozenset[int]) -> Callable[[], None]:
@@ -140,64 +184,150 @@ def _sidecar_argv(*args: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class Servers:
-    """D and the sidecar as started (``wait_ready`` tells when both answer)."""
+    """D, the sidecar and the reference hops as started (``wait_ready`` tells when all answer)."""
 
     decode: Child
     sidecar: Child
+    relay: Child
+    nginx: Child | None  # only when an nginx binary was given or found
     decode_url: str
     sidecar_url: str
     admin_url: str
+    relay_url: str
+    nginx_url: str | None
+
+    def paths(self) -> tuple[PathName, ...]:
+        """The paths to measure, in their base order."""
+        return ("direct", "sidecar", "relay", "nginx") if self.nginx else ("direct", "sidecar", "relay")
+
+    def url(self, path: PathName) -> str:
+        """The base URL the load generator sends ``path``'s requests to."""
+        urls = {"direct": self.decode_url, "sidecar": self.sidecar_url, "relay": self.relay_url}
+        url = self.nginx_url if path == "nginx" else urls[path]
+        if url is None:
+            raise BenchError(f"no {path} server was started")
+        return url
+
+    def proxy(self, path: PathName) -> Child | None:
+        """The process between the load generator and D on ``path`` (none on the direct path)."""
+        return {"direct": None, "sidecar": self.sidecar, "relay": self.relay, "nginx": self.nginx}[path]
+
+    def proxies(self) -> list[Child]:
+        """Every process on the sidecar's core."""
+        return [child for child in (self.sidecar, self.relay, self.nginx) if child is not None]
 
 
 @contextlib.contextmanager
-def launched(plan: CorePlan, stream_events: int) -> Iterator[Servers]:
-    """Start D and the sidecar (not yet known ready); stop both on exit."""
-    d_port, s_port, a_port = free_port(), free_port(), free_port()
+def launched(plan: CorePlan, stream_events: int, nginx: str | None = None) -> Iterator[Servers]:
+    """Start D, the sidecar, the relay and (given its binary) nginx, not yet known ready; stop all on exit."""
+    d_port, s_port, a_port, r_port, n_port = (free_port() for _ in range(5))
     decode_url, sidecar_url = f"http://{HOST}:{d_port}", f"http://{HOST}:{s_port}"
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-") as logs:
+    relay_url, nginx_url = f"http://{HOST}:{r_port}", f"http://{HOST}:{n_port}"
+    # Exits in reverse: every child stops (last started first) before its log directory goes.
+    with tempfile.TemporaryDirectory(prefix="kvr-bench-") as logs, contextlib.ExitStack() as running:
         log_dir = Path(logs)
-        decode = Child(
+
+        def start(name: str, argv: list[str], cpus: frozenset[int]) -> Child:
+            child = Child(name, argv, cpus, log_dir)
+            running.callback(child.stop)
+            return child
+
+        decode = start(
             "sim-decode",
             _sidecar_argv(
                 "sim-decode", "--host", HOST, "--port", str(d_port), "--stream-events", str(stream_events)
             ),
             plan.load,
-            log_dir,
         )
-        try:
-            sidecar = Child(
-                "sidecar",
-                _sidecar_argv(
-                    "serve",
-                    "--decode-url", decode_url,
-                    "--host", HOST,
-                    "--port", str(s_port),
-                    "--admin-host", HOST,
-                    "--admin-port", str(a_port),
-                    "--release", "dry-run",
-                    "--log-level", "error",
-                    "--drain-timeout", "2",
-                    "--flush-timeout", "1",
-                ),
-                plan.sidecar,
-                log_dir,
-            )  # fmt: skip
-        except BaseException:
-            decode.stop()
-            raise
-        try:
-            yield Servers(decode, sidecar, decode_url, sidecar_url, f"http://{HOST}:{a_port}")
-        finally:
-            sidecar.stop()
-            decode.stop()
+        sidecar = start(
+            "sidecar",
+            _sidecar_argv(
+                "serve",
+                "--decode-url", decode_url,
+                "--host", HOST,
+                "--port", str(s_port),
+                "--admin-host", HOST,
+                "--admin-port", str(a_port),
+                "--release", "dry-run",
+                "--log-level", "error",
+                "--drain-timeout", "2",
+                "--flush-timeout", "1",
+            ),
+            plan.sidecar,
+        )  # fmt: skip
+        relay = start(
+            "relay",
+            [sys.executable, "-m", "bench.relay", "--host", HOST, "--port", str(r_port),
+             "--target", f"{HOST}:{d_port}"],
+            plan.sidecar,
+        )  # fmt: skip
+        proxy = None
+        if nginx is not None:
+            conf = nginx_config(nginx, log_dir, n_port, f"{HOST}:{d_port}")
+            proxy = start("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar)
+        yield Servers(
+            decode,
+            sidecar,
+            relay,
+            proxy,
+            decode_url,
+            sidecar_url,
+            f"http://{HOST}:{a_port}",
+            relay_url,
+            nginx_url if proxy else None,
+        )
+
+
+def nginx_config(nginx: str, directory: Path, port: int, target: str) -> Path:
+    """Write nginx's configuration into ``directory`` and return its path.
+
+    One worker, the log and every temporary path inside ``directory``, no access
+    log, HTTP/1.1 keep-alive connections to D that are never closed after a
+    number of requests (nor are the client's), and no buffering either way, so
+    stream events pass as they come. The temporary path directives of the
+    modules this binary was built without are left out (they would not parse).
+    """
+    built = subprocess.run([nginx, "-V"], capture_output=True, text=True, timeout=10, check=False).stderr
+    temp_paths = "".join(
+        f"  {module}_temp_path {directory}/{module};\n"
+        for module in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        if f"--without-http_{module}_module" not in built
+    )
+    conf = directory / "nginx.conf"
+    conf.write_text(
+        f"""worker_processes 1;
+daemon off;
+pid {directory}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+{temp_paths}  keepalive_requests 1000000;
+  upstream d {{ server {target}; keepalive 64; keepalive_requests 1000000; }}
+  server {{
+    listen {HOST}:{port};
+    location / {{
+      proxy_pass http://d;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+    )
+    return conf
 
 
 async def wait_ready(servers: Servers, deadline: float) -> None:
-    """Poll D's ``/health`` then the sidecar's ``/readyz`` until 200 or ``deadline`` (monotonic)."""
-    await wait_all_ready(
-        {servers.decode: servers.decode_url + "/health", servers.sidecar: servers.admin_url + "/readyz"},
-        deadline,
-    )
+    """Poll D's ``/health``, the sidecar's ``/readyz``, and D's ``/health`` through each reference hop,
+    until 200 or ``deadline`` (monotonic)."""
+    ready = {servers.decode: servers.decode_url + "/health", servers.sidecar: servers.admin_url + "/readyz"}
+    ready[servers.relay] = servers.relay_url + "/health"
+    if servers.nginx is not None and servers.nginx_url is not None:
+        ready[servers.nginx] = servers.nginx_url + "/health"
+    await wait_all_ready(ready, deadline)
 
 
 async def wait_all_ready(ready: Mapping[Child, str], deadline: float) -> None:

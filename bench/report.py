@@ -1,8 +1,14 @@
 """Figures of one run, their ratios to direct, the targets, the table and the JSON.
 
-``Report`` is what ``out/bench.json`` holds: every figure of both paths (all
+``Report`` is what ``out/bench.json`` holds: every figure of every path (all
 positive numbers), the sidecar's own cost, the ratios and each target with
-its verdict. ``render`` turns it into the table printed at the end of a run.
+its verdict. The targets judge the sidecar against the direct path only. The
+reference hops (the relay, and nginx when it was measured) come with their
+own ratios to direct, their own CPU and memory, and what the sidecar adds
+over each for SSE time to first byte (ms, which noise can make negative, and
+a ratio): the floor any hop in this layout pays, beside what the sidecar
+pays. ``render`` turns it into the table printed at
+the end of a run.
 """
 
 from __future__ import annotations
@@ -37,15 +43,15 @@ class SseFigures(msgspec.Struct, kw_only=True):
 
 
 class PathFigures(msgspec.Struct, kw_only=True):
-    """Everything measured on one path (client -> D, or client -> sidecar -> D)."""
+    """Everything measured on one path (client -> D, or client -> a proxy -> D)."""
 
     json_c1: JsonFigures
     json_c32: JsonFigures
     sse: SseFigures
 
 
-class SidecarCost(msgspec.Struct, kw_only=True):
-    """The sidecar process's own CPU (utime + stime) and memory."""
+class ProxyCost(msgspec.Struct, kw_only=True):
+    """A proxy's own CPU (utime + stime) and memory: the sidecar's, or a reference hop's."""
 
     cpu_s_per_1k_json_c32: float
     cpu_s_per_1k_json_c1: float
@@ -67,17 +73,41 @@ class Environment(msgspec.Struct, kw_only=True):
     loadavg_end: float
     other_cpu_direct: OtherCpu
     other_cpu_sidecar: OtherCpu
+    other_cpu_relay: OtherCpu
+    other_cpu_nginx: OtherCpu | None
     disturbed: bool
 
 
-def environment(loadavg: tuple[float, float], direct: OtherCpu, sidecar: OtherCpu) -> Environment:
-    shares = (direct.load_core, direct.sidecar_core, sidecar.load_core, sidecar.sidecar_core)
+def environment(loadavg: tuple[float, float], other: dict[str, OtherCpu]) -> Environment:
+    """``other``: each measured path's ``OtherCpu`` (direct, sidecar, relay, and maybe nginx)."""
+    shares = [share for cpu in other.values() for share in (cpu.load_core, cpu.sidecar_core)]
     return Environment(
         loadavg_start=loadavg[0],
         loadavg_end=loadavg[1],
-        other_cpu_direct=direct,
-        other_cpu_sidecar=sidecar,
+        other_cpu_direct=other["direct"],
+        other_cpu_sidecar=other["sidecar"],
+        other_cpu_relay=other["relay"],
+        other_cpu_nginx=other.get("nginx"),
         disturbed=max(shares) > DISTURBED_SHARE,
+    )
+
+
+class OverReference(msgspec.Struct, kw_only=True):
+    """What the sidecar adds over a reference hop for SSE time to first byte: ms, and sidecar / hop."""
+
+    ttfb_p50_added_ms: float
+    ttfb_p50_ratio: float
+    ttfb_p99_added_ms: float
+    ttfb_p99_ratio: float
+
+
+def over(sidecar: PathFigures, reference: PathFigures) -> OverReference:
+    mine, theirs = sidecar.sse, reference.sse
+    return OverReference(
+        ttfb_p50_added_ms=mine.ttfb_p50_ms - theirs.ttfb_p50_ms,
+        ttfb_p50_ratio=mine.ttfb_p50_ms / theirs.ttfb_p50_ms,
+        ttfb_p99_added_ms=mine.ttfb_p99_ms - theirs.ttfb_p99_ms,
+        ttfb_p99_ratio=mine.ttfb_p99_ms / theirs.ttfb_p99_ms,
     )
 
 
@@ -96,15 +126,30 @@ class Report(msgspec.Struct, kw_only=True):
     quick: bool
     cores: str
     settings: dict[str, object]
+    # Rounds run (the settings' rounds rounded up to a multiple of the number of paths).
+    rounds: int
+    paths: list[str]
     seconds: float
     direct: PathFigures
     sidecar: PathFigures
-    cost: SidecarCost
+    cost: ProxyCost
     ratios: dict[str, float]
     targets: list[Target]
     environment: Environment
     # Measured phases stopped by their time bound before their count was done.
     stopped_early: list[str]
+    # The reference hops: the relay always, nginx when its binary was available.
+    relay: PathFigures
+    nginx: PathFigures | None
+    # Per reference hop: its figures over direct (as ``ratios``), its own cost, and what
+    # the sidecar adds over it.
+    reference_ratios: dict[str, dict[str, float]]
+    reference_cost: dict[str, ProxyCost]
+    sidecar_over_reference: dict[str, OverReference]
+
+    def references(self) -> dict[str, PathFigures]:
+        """The reference hops measured, by name, in table order."""
+        return {"relay": self.relay} | ({"nginx": self.nginx} if self.nginx is not None else {})
 
 
 # (key, label, getter) for every per-path figure, in table order.
@@ -122,12 +167,13 @@ _ROWS: list[tuple[str, str, Callable[[PathFigures], float]]] = [
 ]
 
 
-def ratios(direct: PathFigures, sidecar: PathFigures) -> dict[str, float]:
-    """Sidecar over direct for every figure (req/s: higher is better; times: lower)."""
-    return {key: get(sidecar) / get(direct) for key, _, get in _ROWS}
+def ratios(direct: PathFigures, other: PathFigures) -> dict[str, float]:
+    """The other path (the sidecar, or a reference hop) over direct for every figure
+    (req/s: higher is better; times: lower)."""
+    return {key: get(other) / get(direct) for key, _, get in _ROWS}
 
 
-def targets(ratio: dict[str, float], cost: SidecarCost) -> list[Target]:
+def targets(ratio: dict[str, float], cost: ProxyCost) -> list[Target]:
     """The three targets of the sidecar, judged on this run's figures."""
 
     def judge(figure: str, value: float, op: Literal["<=", ">="], limit: float, unit: str) -> Target:
@@ -141,6 +187,15 @@ def targets(ratio: dict[str, float], cost: SidecarCost) -> list[Target]:
     ]
 
 
+# (cost key, label, getter) for every proxy cost row but the RSS, in table order.
+_COST_ROWS: list[tuple[str, str, Callable[[ProxyCost], float]]] = [
+    ("cost.cpu_s_per_1k_json_c32", "proxy CPU s/1k JSON c32", lambda c: c.cpu_s_per_1k_json_c32),
+    ("cost.cpu_s_per_1k_json_c1", "proxy CPU s/1k JSON c1", lambda c: c.cpu_s_per_1k_json_c1),
+    ("cost.cpu_ms_per_sse_stream", "proxy CPU ms/SSE stream", lambda c: c.cpu_ms_per_sse_stream),
+]
+_TARGET_WIDTH = 15  # the widest verdict, so the reference columns line up after it
+
+
 def _verdict(report: Report, figure: str) -> str:
     for target in report.targets:
         if target.figure == figure:
@@ -151,42 +206,61 @@ def _verdict(report: Report, figure: str) -> str:
 
 
 def render(report: Report) -> str:
-    """The table printed after a run."""
+    """The table printed after a run.
+
+    The sidecar against direct with the targets, as always; then one pair of
+    columns per reference hop (its figure and its ratio to direct, its own CPU
+    on the cost rows); then a line per hop saying what the sidecar adds over it.
+    """
     mode = "quick" if report.quick else "full"
-    rounds = report.settings.get("rounds")
+    refs = report.references()
     lines = [
-        f"kv-release-sidecar bench ({mode}, {rounds} round(s), {report.seconds:.0f} s; {report.cores})",
-        f"{'figure':<24}{'direct':>10}{'sidecar':>10}{'ratio':>9}   target",
+        f"kv-release-sidecar bench ({mode}, {report.rounds} round(s), {report.seconds:.0f} s;"
+        f" {report.cores})",
+        f"{'figure':<24}{'direct':>10}{'sidecar':>10}{'ratio':>9}   {'target':<{_TARGET_WIDTH}}"
+        + "".join(f"{name:>10}{'ratio':>9}" for name in refs),
     ]
     for key, label, get in _ROWS:
-        ratio = report.ratios[key]
-        lines.append(
-            f"{label:<24}{get(report.direct):>10.2f}{get(report.sidecar):>10.2f}{ratio:>8.2f}x"
-            f"   {_verdict(report, key)}".rstrip()
+        mine = (
+            f"{label:<24}{get(report.direct):>10.2f}{get(report.sidecar):>10.2f}{report.ratios[key]:>8.2f}x"
         )
-    cost = report.cost
-    lines += [
-        f"{'proxy CPU s/1k JSON c32':<24}{'':>10}{cost.cpu_s_per_1k_json_c32:>10.3f}{'':>9}"
-        f"   {_verdict(report, 'cost.cpu_s_per_1k_json_c32')}",
-        f"{'proxy CPU s/1k JSON c1':<24}{'':>10}{cost.cpu_s_per_1k_json_c1:>10.3f}",
-        f"{'proxy CPU ms/SSE stream':<24}{'':>10}{cost.cpu_ms_per_sse_stream:>10.3f}",
-        f"{'sidecar RSS MiB':<24}{'':>10}{cost.rss_mib:>10.1f}",
-    ]
-    env = report.environment
-    direct, sidecar = env.other_cpu_direct, env.other_cpu_sidecar
-    lines.append(
-        f"other processes' CPU, cores (load core / sidecar core): direct phases "
-        f"{direct.load_core:.2f} / {direct.sidecar_core:.2f}, sidecar phases "
-        f"{sidecar.load_core:.2f} / {sidecar.sidecar_core:.2f}; load average "
-        f"{env.loadavg_start:.1f} -> {env.loadavg_end:.1f}"
-    )
+        theirs = "".join(
+            f"{get(refs[name]):>10.2f}{report.reference_ratios[name][key]:>8.2f}x" for name in refs
+        )
+        lines.append(f"{mine}   {_verdict(report, key):<{_TARGET_WIDTH}}{theirs}".rstrip())
+    for figure, label, cost in _COST_ROWS:
+        mine = f"{label:<24}{'':>10}{cost(report.cost):>10.3f}{'':>9}"
+        theirs = "".join(f"{cost(report.reference_cost[name]):>10.3f}{'':>9}" for name in refs)
+        lines.append(f"{mine}   {_verdict(report, figure):<{_TARGET_WIDTH}}{theirs}".rstrip())
+    lines.append(f"{'sidecar RSS MiB':<24}{'':>10}{report.cost.rss_mib:>10.1f}")
+    for name in refs:
+        added = report.sidecar_over_reference[name]
+        lines.append(
+            f"sidecar over {name}: SSE TTFB p50 {added.ttfb_p50_added_ms:+.2f} ms"
+            f" ({added.ttfb_p50_ratio:.2f}x), p99 {added.ttfb_p99_added_ms:+.2f} ms"
+            f" ({added.ttfb_p99_ratio:.2f}x)"
+        )
+    lines.append(_environment_line(report.environment))
     if report.stopped_early:
         lines.append(f"stopped early by their time bound: {', '.join(report.stopped_early)}")
-    if env.disturbed:
+    if report.environment.disturbed:
         lines.append("WARNING: other processes were busy on the benchmark's cores; the figures are disturbed")
     missed = [t.figure for t in report.targets if not t.passed]
     lines.append("all targets met" if not missed else f"missed: {', '.join(missed)}")
     return "\n".join(lines)
+
+
+def _environment_line(env: Environment) -> str:
+    others = {"direct": env.other_cpu_direct, "sidecar": env.other_cpu_sidecar, "relay": env.other_cpu_relay}
+    if env.other_cpu_nginx is not None:
+        others["nginx"] = env.other_cpu_nginx
+    phases = ", ".join(
+        f"{path} phases {o.load_core:.2f} / {o.sidecar_core:.2f}" for path, o in others.items()
+    )
+    return (
+        f"other processes' CPU, cores (load core / sidecar core): {phases};"
+        f" load average {env.loadavg_start:.1f} -> {env.loadavg_end:.1f}"
+    )
 
 
 def write_json(report: Report, path: Path) -> None:

@@ -1,13 +1,17 @@
 """The benchmark's knobs: one frozen struct, with a full and a quick preset.
 
-Counts are fixed per phase (every phase stops by itself once its count is
-done); the time bounds stop a phase early when the servers are slow or stall,
-so a run never takes much longer than ``run_budget`` whatever the machine
-does. On a quiet 2-core machine the full preset takes about a minute and the
-quick one, the smoke run of the test suite, a few seconds.
+Counts are fixed per path and phase, and split evenly over the rounds (every
+phase stops by itself once its count is done); the time bounds stop a phase
+early when the servers are slow or stall, so a run never takes much longer
+than ``run_budget`` per path whatever the machine does. On a quiet 2-core
+machine the full preset takes under a minute with three paths (direct,
+sidecar, relay) and a little over a minute with nginx as a fourth; the quick
+one, the smoke run of the test suite, about a second per path.
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 
@@ -15,24 +19,26 @@ import msgspec
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How much load each phase sends, and the bounds that keep the run short."""
 
-    # Non-streaming JSON requests per path and round, at 1 and at 32 connections.
+    # Non-streaming JSON requests per path, at 1 and at 32 connections, over all rounds.
     json_c1_requests: int
     json_c32_requests: int
-    # 64-event SSE streams per path and round.
+    # 64-event SSE streams per path, over all rounds.
     sse_streams: int
     sse_concurrency: int = 1
     stream_events: int = 64
-    # Requests sent (and discarded) per path before each measured phase: opens the
-    # connections of both hops and warms both servers' code paths.
+    # Requests sent (and discarded) per path before each measured phase of each round:
+    # opens the connections of every hop and warms the servers' code paths.
     warmup_requests: int
-    # Each round measures direct then sidecar; odd rounds swap the order (ABBA) so
-    # drift over the run does not favour either path.
+    # At least this many rounds; a run rounds it up to a multiple of its number of paths.
+    # Round r measures every path, in the base order rotated to start at path r mod N, so
+    # each path takes each position equally often and drift over the run favours none.
     rounds: int
     # Hard time limits: of one measured phase, of one warm-up, and of all measured phases
-    # together (each phase gets at most an even share of what is left of ``run_budget``).
+    # of one path (a run's budget is that times its number of paths; each measured phase
+    # gets at most an even share of what is left of it).
     phase_bound: float = 15.0
     warmup_bound: float = 5.0
-    run_budget: float = 100.0
+    run_budget: float = 40.0
     request_timeout: float = 30.0
     ready_timeout: float = 30.0
 
@@ -41,13 +47,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             if getattr(self, name) <= 0:
                 raise ValueError(f"invalid {name} = {getattr(self, name)!r}: must be positive")
 
+    def rounds_for(self, paths: int) -> int:
+        """``rounds``, rounded up to a multiple of ``paths``."""
+        return math.ceil(self.rounds / paths) * paths
+
 
 FULL = Settings(
-    json_c1_requests=3000,
-    json_c32_requests=12000,
-    sse_streams=1500,
-    warmup_requests=300,
-    rounds=2,
+    json_c1_requests=6000,
+    json_c32_requests=24000,
+    sse_streams=6000,
+    warmup_requests=100,
+    rounds=6,
 )
 
 QUICK = Settings(
@@ -57,5 +67,5 @@ QUICK = Settings(
     warmup_requests=50,
     rounds=1,
     phase_bound=10.0,
-    run_budget=40.0,
+    run_budget=15.0,
 )
