@@ -30,7 +30,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
-	$(UV) run --frozen --no-sync mypy --strict sidecar
+	$(UV) run --frozen --no-sync mypy --strict sidecar bench
 
 bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench

@@ -159,7 +159,9 @@ async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]
         # SIGTERM: the sidecar's shutdown flushes what its batch processor still holds.
         await asyncio.to_thread(servers.sidecars["on"].stop)
         sink = await _sink_stats(servers, time.monotonic() + 1.0, sent_on * SPANS_PER_REQUEST)
-    figures = {path: {f"c{c}": pooled[c, path].figures() for c in settings.requests} for path in PATHS}
+    figures: dict[str, dict[str, dict[str, float]]] = {
+        path: {f"c{c}": pooled[c, path].figures() for c in settings.requests} for path in PATHS
+    }
     ratios: dict[str, dict[str, float]] = {}
     for c in settings.requests:
         f = {path: figures[path][f"c{c}"] for path in PATHS}
