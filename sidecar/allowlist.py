@@ -70,7 +70,32 @@ def parse_entry(entry: str) -> Entry:
 
 
 def _is_label(part: str) -> bool:
-    return len(part) <= 63 and all(c.isalnum() or c == "-" for c in part)
+    return len(part) <= 63 and part.isascii() and all(c.isalnum() or c == "-" for c in part)
+
+
+def is_host_name(host: str) -> bool:
+    """A DNS host name: ASCII letters, digits and hyphens in dot-separated labels (a trailing
+    dot allowed). Anything else (``#``, ``@``, ``/``, ``?``, spaces...) could make a URL or a
+    resolver read another host than the one checked."""
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(part and _is_label(part) for part in name.split("."))
+
+
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` with a valid host (IP literal or host name), else None."""
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = text[1:end], text[end + 1 :]
+        if end < 0 or not rest.startswith(":") or not isinstance(ip_or_none(host), ipaddress.IPv6Address):
+            return None
+        port = rest[1:]
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or ":" in host or (ip_or_none(host) is None and not is_host_name(host)):
+            return None
+    if not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) <= 65535:
+        return None
+    return host, int(port)
 
 
 def ip_or_none(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -118,6 +143,8 @@ class Allowlist:
             return False
         if ip_or_none(host) is not None:
             return self.allows_ip(host, port)
+        if not is_host_name(host):
+            return False  # not a name a resolver or a URL would read as this one
         if self.allows_name(host, port):
             return True
         return bool(resolved) and all(self.allows_ip(a, port) for a in resolved or ())

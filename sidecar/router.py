@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from sidecar.allowlist import Allowlist
+from sidecar.allowlist import Allowlist, split_host_port
 from sidecar.config import Config
 from sidecar.upstream import Upstream
 
@@ -106,13 +106,13 @@ def parse_targets(value: bytes, allowlist: Allowlist) -> list[str]:
     urls = []
     for item in value.decode("latin-1").split(","):
         text = item.strip()
-        host, sep, port = text.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        target = split_host_port(text)
+        if target is None:
             raise RouterError(
                 400, f"x-prefiller-host-port: {text!r} is not host:port", "x-prefiller-host-port"
             )
-        if not allowlist.allows(host, int(port)):
+        host, port = target
+        if not allowlist.allows(host, port):
             raise RouterError(400, f"x-prefiller-host-port: {text!r} is not in the prefill allowlist")
         urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
     if not urls:
