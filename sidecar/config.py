@@ -200,7 +200,13 @@ class ConfigError(Exception):
 
     def __init__(self, field: str, value: object, reason: str) -> None:
         self.field, self.value, self.reason = field, value, reason
-        super().__init__(f"invalid {field} ({_flag(field)}) = {value!r}: {reason}")
+        shown = REDACTED if field in SECRETS and value else value
+        super().__init__(f"invalid {field} ({_flag(field)}) = {shown!r}: {reason}")
+
+
+# Settings whose values are credentials: never logged, never echoed in an error.
+SECRETS = frozenset({"control_token", "trust_token", "trust_key"})
+REDACTED = "<redacted>"
 
 
 def _flag(field: str) -> str:
@@ -288,8 +294,17 @@ def _convert(merged: dict[str, Any]) -> Config:
 
 
 def dump(config: Config) -> dict[str, Any]:
-    """The effective config as plain data (for the start-up log line)."""
-    return dict(msgspec.to_builtins(config))
+    """The effective config as plain data for the start-up log line, credentials redacted
+    (the secret settings, and a user:password in the OTLP endpoint URL)."""
+    data = dict(msgspec.to_builtins(config))
+    for name in SECRETS:
+        if data.get(name):
+            data[name] = REDACTED
+    endpoint = urlsplit(config.otlp_traces_endpoint)
+    if endpoint.username is not None or endpoint.password is not None:
+        host = endpoint.netloc.rpartition("@")[2]
+        data["otlp_traces_endpoint"] = endpoint._replace(netloc=f"{REDACTED}@{host}").geturl()
+    return data
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

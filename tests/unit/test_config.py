@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sidecar.config import Config, ConfigError, build_parser, env_names, load
+from sidecar.config import Config, ConfigError, build_parser, dump, env_names, load
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -107,3 +107,26 @@ def test_bad_value_exits_2_before_any_socket() -> None:
     )
     assert result.returncode == 2
     assert "decode_url" in result.stderr and "'nope'" in result.stderr
+
+
+def test_dump_redacts_credentials() -> None:
+    # The start-up log line carries dump(config): a trust key or control token in it would hand
+    # anyone who reads logs the power to sign releases or call D's control endpoint.
+    config = load(
+        {"trust": "hmac", "otlp_traces_endpoint": "https://user:pw@collector:4318/v1/traces"},
+        {"KVR_TRUST_KEY": "supersecretkey123", "KVR_CONTROL_TOKEN": "ctl-token-9", "KVR_TRUST_TOKEN": "tt-7"},
+    )
+    dumped = dump(config)
+    text = repr(dumped)
+    for secret in ("supersecretkey123", "ctl-token-9", "tt-7", "user:pw"):
+        assert secret not in text
+    assert dumped["trust_key"] == dumped["control_token"] == dumped["trust_token"] == "<redacted>"
+    assert dumped["otlp_traces_endpoint"] == "https://<redacted>@collector:4318/v1/traces"
+    assert dumped["trust"] == "hmac"  # the rest is as configured
+    assert dump(load({}, {}))["trust_key"] == ""  # an empty one stays visibly empty
+
+
+def test_an_error_about_a_secret_does_not_echo_it() -> None:
+    error = ConfigError("trust_key", "supersecretkey123", "too short")
+    assert "supersecretkey123" not in str(error) and "trust_key" in str(error)
+    assert "<redacted>" in str(error)
