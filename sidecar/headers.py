@@ -49,7 +49,8 @@ def request_headers(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str
     for name, value in raw:
         if name in drop:
             if name == b"connection":
-                drop = drop | _named_in_connection(value)
+                # Never x-request-id: D (and, through the router, P) must see the id kept here.
+                drop = drop | (_named_in_connection(value) - {REQUEST_ID})
             continue
         if name == REQUEST_ID and not request_id:
             request_id = value.decode("latin-1")

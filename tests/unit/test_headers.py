@@ -78,3 +78,11 @@ def test_data_parallel_rank(value: bytes, rank: int | None) -> None:
 
 def test_data_parallel_rank_absent() -> None:
     assert data_parallel_rank([(b"x-request-id", b"1")]) is None
+
+
+def test_connection_cannot_strip_the_request_id() -> None:
+    # The id kept for the release must be the one D sees (and P, through a router).
+    raw = [(b"connection", b"x-request-id, x-private"), (b"x-private", b"p"), (b"x-request-id", b"abc")]
+    headers, request_id, generated = request_headers(raw)
+    assert (request_id, generated) == ("abc", False)
+    assert headers == [("x-request-id", "abc")]
