@@ -141,7 +141,10 @@ async def translated() -> AsyncIterator[None]:
         yield
     except TimeoutError as exc:
         raise EngineUnavailable("the engine did not answer in time") from exc
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        # IndexError: vLLM 0.21.0-0.33.0's DP load-balancing client indexes its engines by the
+        # request's rank (``core_engines[rank]``) with no check, so a rank past its DP size is a
+        # refusal of this request (the sidecar retries on the default rank), not a dead engine.
         raise EngineRefused(f"{exc.__class__.__name__}: {exc}") from exc
     except Exception as exc:  # EngineDeadError, EngineGenerateError, ZMQ errors, ...
         raise EngineUnavailable(f"{exc.__class__.__name__}: {exc}") from exc

@@ -289,6 +289,8 @@ async def test_no_engine_is_503(engine: object | None) -> None:
     ("engine", "status"),
     [
         (NotifyEngine(fail=ValueError("data_parallel_rank 9 out of range")), 400),
+        # vLLM 0.21.0-0.33.0 DPLBAsyncMPClient: core_engines[rank] with a rank past the DP size
+        (NotifyEngine(fail=IndexError("list index out of range")), 400),
         (NotifyEngine(fail=RuntimeError("EngineDeadError")), 503),
         (LegacyEngine("refuse"), 400),
     ],
