@@ -14,14 +14,14 @@ Every failure is translated once, where it happens, into this tree (the
     |   +-- PeerUnreachable    "unreachable"        connection refused or dropped, DNS failure
     |   +-- HandshakeTimeout   "handshake_timeout"  no reply within config.handshake_timeout
     |   +-- BadReply           "bad_reply"          wrong frame count, undecodable payload
-    |   +-- EngineMismatch     "engine_mismatch"    reply's engine_id is not remote_engine_id
     |   +-- NixlError          "nixl_error"         add_remote_agent / send_notif failed
     +-- PermanentReleaseError                 never retried; reasons listed in REFUSALS
+        +-- EngineMismatch     "engine_mismatch"    reply's engine_id is not remote_engine_id
 """
 
 from __future__ import annotations
 
-from sidecar.release.base import RetryableReleaseError
+from sidecar.release.base import PermanentReleaseError, RetryableReleaseError
 
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (
@@ -34,6 +34,7 @@ REFUSALS = (
     "push_mode",  # push (WRITE) mode: nothing a peer sends frees the blocks
     "no_blocks",  # P holds no block for the request
     "bad_params",  # kv_transfer_params lack what a release needs
+    "engine_mismatch",  # P's side channel serves another engine: the one named is gone
 )
 
 
@@ -55,10 +56,16 @@ class BadReply(RetryableReleaseError):
     reason = "bad_reply"
 
 
-class EngineMismatch(RetryableReleaseError):
-    """The endpoint answered for another engine than ``remote_engine_id``."""
+class EngineMismatch(PermanentReleaseError):
+    """The endpoint answered for another engine than ``remote_engine_id``.
 
-    reason = "engine_mismatch"
+    Permanent: the engine the parameters name no longer serves there (P restarted, or the
+    address now belongs to another P), so its blocks are gone with it; retrying would only
+    load that P's side channel with handshakes until the deadline.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "engine_mismatch")
 
 
 class NixlError(RetryableReleaseError):

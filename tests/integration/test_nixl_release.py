@@ -28,7 +28,7 @@ from sidecar.nixl import EngineMismatch, HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import HandshakePayload, agent_metadata_layout
 from sidecar.nixl.peer import import_nixl
 from sidecar.nixl.versions import WireProfile
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
 from sidecar.release.nixl import NixlReleaser
 from sidecar.wire import KVTransferParams
 
@@ -484,7 +484,7 @@ async def test_silent_listener_times_out(releaser_factory: Callable[..., Any]) -
         context.destroy(0)
 
 
-async def test_engine_mismatch_is_retryable_and_not_cached(
+async def test_engine_mismatch_is_refused_and_not_cached(
     prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
 ) -> None:
     p = start(prefills, "0.33.0")
@@ -492,7 +492,7 @@ async def test_engine_mismatch_is_retryable_and_not_cached(
     job = make_job(p.params("m", remote_engine_id="someone-else"), "m")
     with pytest.raises(EngineMismatch) as info:
         await releaser.release(job)
-    assert isinstance(info.value, RetryableReleaseError) and info.value.reason == "engine_mismatch"
+    assert isinstance(info.value, PermanentReleaseError) and info.value.reason == "engine_mismatch"
     assert len(releaser._cache) == 0 and all(not v for v in p.notifs.values())
 
 
