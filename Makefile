@@ -54,7 +54,8 @@ soak: $(STAMP)
 # nixl-cu12 ships x86_64 wheels only.
 image:
 	docker build --platform linux/amd64 -t kv-release-sidecar:dev .
-	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev deploy
+	rm -rf dist && $(UV) build --wheel --out-dir dist
+	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev .
 
 clean:
 	rm -rf $(TOOLS) $(VENV) .pytest_cache .mypy_cache .ruff_cache out

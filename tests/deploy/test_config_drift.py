@@ -147,6 +147,25 @@ def test_container_hardening(case: tuple[str, Pod, dict[str, Any]]) -> None:
     assert "/tmp" in mounts, "a read-only root needs a writable /tmp (UCX, Python)"
 
 
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_the_sidecar_can_read_its_mounted_secrets(case: tuple[str, Pod, dict[str, Any]]) -> None:
+    # Secret files belong to root: the sidecar (a non-root uid) reads them through the "other"
+    # bits, or the group bits when the pod's fsGroup is its group. Unreadable, it exits 2 at
+    # start-up (the trust key, the control token) and the decode pod never starts.
+    _, pod, container = case
+    uid = container["securityContext"]["runAsUser"]
+    groups = {container["securityContext"].get("runAsGroup", uid)}
+    fs_group = pod.spec.get("securityContext", {}).get("fsGroup")
+    mounted = {m["name"] for m in container.get("volumeMounts", [])}
+    secrets = [v for v in pod.spec.get("volumes", []) if "secret" in v and v["name"] in mounted]
+    for volume in secrets:
+        secret = volume["secret"]
+        modes = [item["mode"] for item in secret.get("items", []) if "mode" in item]
+        for mode in modes or [secret.get("defaultMode", 0o644)]:
+            readable = bool(mode & 0o004) or (bool(mode & 0o040) and fs_group in groups)
+            assert readable, f"{pod.name}: {volume['name']} mode {mode:o} is not readable by uid {uid}"
+
+
 def dockerfile_uid() -> int:
     users = [rest for name, rest in dockerfile_instructions(DOCKERFILE) if name == "USER"]
     return int(users[-1].split(":")[0])

@@ -138,8 +138,13 @@ def test_vllm_plugin_dockerfile_installs_this_release_into_the_deployed_vllm() -
     base = from_image(stage[0][1])
     vllm_images = {c["image"] for p in pods(rendered("sidecar")) for c in p.vllm()}
     assert {base} == vllm_images, "the plugin image must be the deployment's vLLM release"
-    runs = [rest for name, rest in stage if name == "RUN"]
-    assert runs == [f"pip install --no-cache-dir --no-deps kv-release-sidecar=={VERSION}"]
+    # The wheel of this checkout, copied in: never resolved from a package index (a name anyone
+    # could register would run as root in D's image).
+    wheel = f"kv_release_sidecar-{VERSION}-py3-none-any.whl"
+    copies = [rest for name, rest in stage if name == "COPY"]
+    assert copies == [f"dist/{wheel} /tmp/"]
+    runs = [" ".join(rest.split()) for name, rest in stage if name == "RUN"]
+    assert runs == [f"pip install --no-cache-dir --no-deps /tmp/{wheel} && rm /tmp/{wheel}"]
 
 
 def test_vllm_plugin_name_is_the_registered_entry_point() -> None:
