@@ -842,7 +842,10 @@ class _DisconnectWatcher:
                 message = await self._receive()
                 if message["type"] == "http.disconnect":
                     self._fire()
-                    return
+                    # Raised, not returned: a body that ends normally gets its chunked terminator,
+                    # and D would take a cut upload for a whole one. The client's connection
+                    # aborts the one to D instead.
+                    raise ClientGone
                 chunk = message.get("body", b"")
                 if chunk:
                     yield chunk
