@@ -73,7 +73,7 @@ def response_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tu
         lower = name.lower()
         if lower in drop:
             if lower == b"connection":
-                drop = drop | _named_in_connection(value)
+                drop = drop | (_named_in_connection(value) - {REQUEST_ID})  # the client always gets it
             continue
         has_id = has_id or lower == REQUEST_ID
         out.append((lower, value))

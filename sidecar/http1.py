@@ -84,6 +84,7 @@ class Connection(asyncio.Protocol):
         "_body",
         "_body_waiter",
         "_close",
+        "_completed_at",
         "_drain_waiter",
         "_error",
         "_extra",
@@ -133,6 +134,7 @@ class Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.complete = False
+        self._completed_at = 0.0  # loop time D's response ended: D's keep-alive clock starts then
 
     # -- the pool's view --------------------------------------------------
 
@@ -159,7 +161,9 @@ class Connection(asyncio.Protocol):
         self._head_waiter = None
         self._body = []
         self.buffered = 0
-        self.idle_since = now
+        # Idle since D finished its answer, not since the client read the last of it (a slow
+        # client can take seconds): D's keep-alive timer has been running from its last write.
+        self.idle_since = self._completed_at or now
         if self._read_paused:
             self._read_paused = False
             assert self.transport is not None
@@ -213,6 +217,7 @@ class Connection(asyncio.Protocol):
         self.headers = []
         self.keep_alive = False
         self.complete = False
+        self._completed_at = 0.0
 
     async def wait_head(self, within: float) -> None:
         """Until D's final response headers arrived (``TimeoutError`` after ``within`` seconds).
@@ -421,4 +426,5 @@ class Connection(asyncio.Protocol):
             self._interim = False
             return
         self.complete = True
+        self._completed_at = self._loop.time()
         _wake(self._body_waiter)

@@ -346,6 +346,30 @@ async def test_connection_idle_beyond_the_keepalive_is_not_reused(monkeypatch: p
 
 
 @on_both_loops
+async def test_keepalive_age_counts_from_ds_last_byte_not_from_the_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # D's keep-alive timer starts when D finished writing. A response the sidecar releases only
+    # later (a slow client still reading it) must not look freshly idle: reusing a connection
+    # D is closing turns a request D never got into an ambiguous RESET_AFTER_SEND.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(response(b"ok"))
+
+    monkeypatch.setattr("sidecar.upstream.KEEPALIVE_SECONDS", 0.2)
+    async with RawServer(handler) as server:
+        client = await started(server.url)
+        answer = await client.send("GET", "/", [], None)
+        async for _ in answer.chunks():  # read to the end: the exchange is complete
+            pass
+        await asyncio.sleep(0.3)  # the client is slow; the response is released only now
+        answer.close()
+        assert await body_of(await client.send("GET", "/", [], None)) == b"ok"
+        await client.close()
+    assert server.accepted == 2
+
+
+@on_both_loops
 async def test_close_racing_the_send_is_reset_after_send_and_never_retried() -> None:
     requests: list[bytes] = []
 

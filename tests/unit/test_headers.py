@@ -86,3 +86,8 @@ def test_connection_cannot_strip_the_request_id() -> None:
     headers, request_id, generated = request_headers(raw)
     assert (request_id, generated) == ("abc", False)
     assert headers == [("x-request-id", "abc")]
+
+
+def test_response_keeps_the_request_id_whatever_connection_names() -> None:
+    raw = [(b"Connection", b"x-request-id"), (b"X-Request-Id", b"from-d")]
+    assert response_headers(raw, "rid") == [(b"x-request-id", b"from-d")]
