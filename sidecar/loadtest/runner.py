@@ -172,6 +172,11 @@ def _blocks(snap: PSnapshot) -> float | None:
 
 
 def _idle(snap: PSnapshot) -> bool:
+    """P holds nothing, by the most precise figure it reports (with none, its counters decide)."""
     if snap.pinned_requests is not None:
         return snap.pinned_requests == 0
-    return not snap.blocks_in_use
+    if snap.blocks_in_use is not None:
+        return snap.blocks_in_use == 0
+    if snap.usage is not None:  # vLLM's /metrics gives only the fraction of the pool in use
+        return snap.usage == 0
+    return True

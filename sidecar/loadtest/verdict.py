@@ -113,11 +113,25 @@ def _notified_twice(
 def _sidecar_problems(evidence: Evidence) -> list[str]:
     if evidence.sidecar_delta is None:
         return []
+    problems = []
     sent = evidence.sidecar_delta.get("releases.sent", 0.0)
     rejected = sum(1 for flow in evidence.flows if flow.outcome in REJECTED and flow.blocks)
     if sent > rejected:
-        return [f"the sidecar sent {sent:.0f} releases for {rejected} rejected request(s) holding blocks"]
-    return []
+        problems.append(
+            f"the sidecar sent {sent:.0f} releases for {rejected} rejected request(s) holding blocks"
+        )
+    # A release the strategy refused (allowlist, version) or gave up on left P's blocks to its
+    # lease: the memory this run is meant to prove comes back did not.
+    for result, why in (
+        ("refused", "refused (allowlist? vLLM release?)"),
+        ("failed", "failed at the deadline"),
+    ):
+        count = evidence.sidecar_delta.get(f"releases.{result}", 0.0)
+        if count:
+            problems.append(
+                f"{count:.0f} release(s) {why}: P kept those blocks until its lease (kvr_releases_total)"
+            )
+    return problems
 
 
 def _notes(evidence: Evidence, admitted: Sequence[FlowResult]) -> list[str]:

@@ -8,8 +8,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from sidecar.loadtest.flow import FlowResult
-from sidecar.loadtest.probes import prometheus_snapshot, sidecar_counters_from_text
+from sidecar.loadtest.probes import PSnapshot, prometheus_snapshot, sidecar_counters_from_text
 from sidecar.loadtest.report import deltas, percentiles
+from sidecar.loadtest.runner import _idle
 from sidecar.loadtest.verdict import Evidence, judge, was_admitted
 from sidecar.metrics import Metrics
 from sidecar.sim.prefill_metrics import build_registry
@@ -54,6 +55,17 @@ RECORDS = {"p-a": {"notification_counts": [1, 1], "freed_by": "notification"}, "
             "without their tokens",
         ),
         (Evidence([OK, REJ], "simulator", {}, LOG, None, {"releases.sent": 2}), False, "sent 2 releases"),
+        # releases that did not happen: P kept the blocks the run is meant to see come back
+        (
+            Evidence([OK, REJ], "prometheus", {}, None, None, {"releases.sent": 0, "releases.refused": 1}),
+            False,
+            "1 release(s) refused",
+        ),
+        (
+            Evidence([OK, REJ], "prometheus", {}, None, None, {"releases.failed": 3}),
+            False,
+            "3 release(s) failed",
+        ),
         # A 200 stream that opens with an error is a rejection, not an admitted request without tokens.
         (
             Evidence([flow("s", "stream_rejected", stream_error=400)], "prometheus", {}, None, None),
@@ -150,3 +162,20 @@ def test_the_sidecars_release_counters() -> None:
     assert counters["rejections.rejected_4xx"] == 4 and counters["queue_depth"] == 2
     assert deltas({"releases.sent": 1.0}, counters)["releases.sent"] == 2
     assert deltas({"queue_depth": 5.0}, counters)["queue_depth"] == 2  # a gauge is taken as it is
+
+
+@pytest.mark.parametrize(
+    ("snap", "idle"),
+    [
+        (PSnapshot(pinned_requests=0, blocks_in_use=5), True),  # the simulator's exact figure wins
+        (PSnapshot(pinned_requests=2), False),
+        (PSnapshot(blocks_in_use=0.0), True),
+        (PSnapshot(blocks_in_use=3.0), False),
+        # vLLM's /metrics: only the pool fraction; blocks still held keep the drain waiting
+        (PSnapshot(usage=0.25), False),
+        (PSnapshot(usage=0.0), True),
+        (PSnapshot(), True),
+    ],
+)
+def test_drain_waits_while_p_holds_blocks(snap: PSnapshot, idle: bool) -> None:
+    assert _idle(snap) is idle
