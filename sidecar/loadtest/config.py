@@ -45,6 +45,9 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     api_key: str = ""  # sent as "Authorization: Bearer <key>" on both legs
     sample_interval: float = 0.1  # seconds between two samples of P
     drain_timeout: float = 30.0  # after the last answer, wait this long for P to free its blocks
+    # Before the run, wait up to this long for P's and D's /health (and the sidecar's /readyz):
+    # in a cluster the Job starts with pods that take minutes to load a model. 0 = do not wait.
+    ready_timeout: float = 0.0
     timeout: float = 120.0  # per leg
     max_inflight: int = 2048  # open loop, but bounded: arrivals beyond it are counted as dropped
     progress: ProgressMode = "auto"
@@ -99,13 +102,14 @@ _HELP = {
     "api_key": "bearer token for both legs",
     "sample_interval": "seconds between samples of P (default 0.1)",
     "drain_timeout": "seconds to wait at the end for P to free its blocks (default 30)",
+    "ready_timeout": "seconds to wait first for P, D (and the sidecar) to be ready (default 0: no wait)",
     "timeout": "seconds per leg (default 120)",
     "max_inflight": "flows in flight at most; later arrivals are dropped and counted (default 2048)",
     "progress": "progress on stderr: auto (a bar on a TTY, lines otherwise), bar, line, off",
     "prefill_probe": "how to read P: auto (the simulator's /stats if served), stats, metrics (Prometheus)",
 }
 _INTS = ("concurrency", "max_requests", "block_size", "max_prompt", "max_tokens", "seed", "max_inflight")
-_FLOATS = ("rate", "duration", "stream_share", "sample_interval", "drain_timeout", "timeout")
+_FLOATS = ("rate", "duration", "stream_share", "sample_interval", "drain_timeout", "ready_timeout", "timeout")
 _TYPES: dict[str, type] = {**dict.fromkeys(_INTS, int), **dict.fromkeys(_FLOATS, float)}
 _CHOICES = {
     "route": ["completions", "chat"],

@@ -39,6 +39,13 @@ from sidecar.loadtest.workload import Workload, plain_workload
 
 QUIET_SECONDS = 0.3  # P's counters unchanged this long: no release is still on its way
 DRAIN_POLL = 0.05
+READY_POLL = 1.0  # seconds between two readiness checks (pods load models for minutes)
+
+
+class ReadyTimeout(TimeoutError):
+    """P, D or the sidecar did not become ready within ``ready_timeout``."""
+
+
 MAX_CHECKED = 20_000  # per-request look-ups on P at most
 _PROBE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.DecodeError, KeyError)
 
@@ -67,6 +74,8 @@ class _Run:
 
     async def execute(self) -> dict[str, Any]:
         config = self.config
+        if config.ready_timeout > 0:
+            await self._wait_ready()
         model = config.model or await first_model(self.session, config.prefill_url)
         probe = await detect_prefill_probe(self.session, config.prefill_url, config.prefill_probe)
         sidecar_before = await self._sidecar()
@@ -97,6 +106,27 @@ class _Run:
         result = await run_flow(self.session, plan, self.config.prefill_url, t0)
         self.flows.append(result)
         self.tally.outcomes[result.outcome] += 1
+
+    async def _wait_ready(self) -> None:
+        """Poll P's and D's ``/health`` and the sidecar's ``/readyz`` until each answers 200;
+        raise ``ReadyTimeout`` naming the ones that did not within ``ready_timeout``."""
+        urls = [self.config.prefill_url + "/health", self.config.decode_url + "/health"]
+        if self.config.sidecar_admin_url:
+            urls.append(self.config.sidecar_admin_url + "/readyz")
+        deadline = time.monotonic() + self.config.ready_timeout
+        pending = list(urls)
+        while pending:
+            for url in list(pending):
+                try:
+                    async with self.session.get(url) as response:
+                        if response.status == 200:
+                            pending.remove(url)
+                except _PROBE_ERRORS:
+                    pass
+            if pending and time.monotonic() >= deadline:
+                raise ReadyTimeout(f"not ready after {self.config.ready_timeout:.0f} s: {', '.join(pending)}")
+            if pending:
+                await asyncio.sleep(READY_POLL)
 
     async def _sidecar(self) -> dict[str, float] | None:
         if not self.config.sidecar_admin_url:

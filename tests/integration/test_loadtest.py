@@ -10,6 +10,8 @@ wrong release looks like from P) makes the verdict fail with exit code 1.
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,3 +113,26 @@ def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["loadtest", "--prefill-url", "http://127.0.0.1:1", "--decode-url", "http://127.0.0.1:2"]
     assert main([*argv, "--rate", "5", "--concurrency", "2"]) == 2
     assert "exactly one of --rate and --concurrency" in capsys.readouterr().err
+
+
+def test_waits_for_readiness_and_says_what_was_not_ready(capsys: pytest.CaptureFixture[str]) -> None:
+    # In a cluster the Job starts while P and D still load their model: --ready-timeout waits,
+    # bounded, and names what never became ready.
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    argv = ["loadtest", "--prefill-url", dead, "--decode-url", dead, "--rate", "5", "--duration", "1"]
+    started = time.monotonic()
+    assert main([*argv, "--ready-timeout", "1.5", "--progress", "off"]) == 1
+    assert 1.4 < time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert "not ready after 2 s" in err and f"{dead}/health" in err
+
+
+def test_a_ready_cluster_is_not_waited_on(tmp_path: Path) -> None:
+    with cluster(VllmDHooks("0.33.0")) as (p, _d, sc):
+        started = time.monotonic()
+        code, report = loadtest(
+            p, sc, tmp_path, "--concurrency", "2", "--max-requests", "4", "--ready-timeout", "60"
+        )
+        assert code == 0 and report["requests"]["started"] == 4
+        assert time.monotonic() - started < 30
