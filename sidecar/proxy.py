@@ -462,7 +462,9 @@ class Proxy:
         exchange = Exchange(request_id, route, params, False, time.monotonic())
         exchange.raw_params = self._raw_for_release(raw if params is not None else None)
         message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
-        await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message)
+        # Past scan_limit the rest of the body is unread: shed the connection rather than have the
+        # server read and discard an unbounded remainder outside limit_concurrency.
+        await self._refuse(send, exchange, Failure.BODY_TOO_LARGE, message, close=not body.complete)
 
     def _routed(self, scope: Scope) -> bool:
         """Router mode for this request: a static P pool, or llm-d's prefiller header."""
