@@ -120,6 +120,7 @@ class GuardedProtocol(HttpToolsProtocol):
     _timer: asyncio.TimerHandle | None = None
     _last_read = 0.0  # loop time of the latest body bytes (the body timer checks it when it fires)
     _head_bytes = 0
+    _head_began_mid_read = False  # the header block opened inside the current read
     _refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -132,12 +133,19 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._head_began_mid_read = False
         if self._phase is None and (self.cycle is None or self.cycle.response_complete):
             self._start_head()  # any byte between requests, even a stray CRLF, opens a header block
         super().data_received(data)
         if self.transport.is_closing():
             return
         if self._phase == "head":
+            if self._head_began_mid_read:
+                # A pipelined request's head began after the previous body in this same read:
+                # only the next reads are all head (on_headers_complete still measures it exactly).
+                # Some of it did arrive, though: a stall now is a 408, not an idle keep-alive.
+                self._head_bytes = max(self._head_bytes, 1)
+                return
             # Still incomplete: all of this read was head (llhttp keeps it until the block ends).
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_header_bytes:
@@ -151,6 +159,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_message_begin()
         if self._phase != "head":
             self._start_head()
+            self._head_began_mid_read = True
 
     def on_headers_complete(self) -> None:
         if self._refused:

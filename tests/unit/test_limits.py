@@ -92,3 +92,24 @@ async def test_a_body_timer_while_reading_is_held_back_restarts_the_clients_gap(
     for task in protocol.tasks:
         task.cancel()
     await asyncio.gather(*protocol.tasks, return_exceptions=True)
+
+
+async def test_a_pipelined_head_is_not_charged_for_the_body_read_before_it() -> None:
+    # One read: a 100 kB body, then the start of the next request's head. Counting the whole
+    # read as head answered a silent 431 and cut the first request off.
+    protocol, transport = _connect(ServerLimits(max_header_bytes=16 * 1024))
+    try:
+        body = b"x" * 100_000
+        first = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        protocol.data_received(first + b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        assert not transport.closing and not transport.written
+        assert protocol.cycle is not None and not protocol.cycle.disconnected
+        # the next read of that head still counts: an endless head is still refused (the
+        # connection is shed; no 431 can be written while the first answer is still owed)
+        protocol.data_received(b"x-pad: " + b"y" * 20_000 + b"\r\n")
+        assert transport.closing
+    finally:
+        protocol.connection_lost(None)
+        for task in protocol.tasks:
+            task.cancel()
+        await asyncio.gather(*protocol.tasks, return_exceptions=True)
