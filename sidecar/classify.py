@@ -44,6 +44,8 @@ class Cause(StrEnum):
     GATEWAY_ERROR = "gateway_error"
     STREAM_ERROR_5XX = "stream_error_5xx"
     CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
+    # router mode with decode_releases: the decode sidecar judged D's answer and releases it
+    DELEGATED = "delegated"
 
 
 class Failure(StrEnum):

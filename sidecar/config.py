@@ -81,6 +81,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill_timeout: float = 300.0
     prefill_backoff: float = 5.0  # a failing P is skipped this long
     decode_only_fallback: bool = False  # no P left (or n > 1): D prefills itself
+    # Router mode: decode_url is a kv-release-sidecar in front of D (trust = "hmac" there, this
+    # router signing with the same key). It judges and releases D's answers itself, so this
+    # router releases only what never reached it or what it aborted (no double release).
+    decode_releases: bool = False
     # Which kv_transfer_params may trigger a release (sidecar.trust): any, a router token, an HMAC.
     trust: TrustMode = "any"
     trust_token: str = ""

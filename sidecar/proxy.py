@@ -29,7 +29,7 @@ import msgspec
 from sidecar import params as params_mod
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.body import ClientGone, Oversized, read_body, tail_params
-from sidecar.classify import ROUTER_RELEASES, Decision, Event, Failure, Outcome, classify
+from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify
 from sidecar.config import Config
 from sidecar.errors import FAILURE_STATUS, send_error, send_raw
 from sidecar.faults import Injector
@@ -709,7 +709,11 @@ class Proxy:
         self, exchange: Exchange, event: Event, error_type: str | None = None, status: int | None = None
     ) -> Decision:
         decision = classify(event)
-        if exchange.router and decision.cause in ROUTER_RELEASES:
+        if exchange.router and self.config.decode_releases and event.failure is None:
+            # An answer came back through the decode sidecar, which judged it and released what
+            # it had to: releasing here too would notify P twice.
+            decision = Decision(Outcome.NO_RELEASE, Cause.DELEGATED)
+        elif exchange.router and decision.cause in ROUTER_RELEASES:
             decision = Decision(Outcome.RELEASE, decision.cause)
         exchange.decided = True
         params = exchange.params

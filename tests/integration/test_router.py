@@ -359,3 +359,58 @@ def test_lax_stream_flag_is_streamed_not_buffered() -> None:
         # D reports the whole prompt as cached (it came from P); P computed it all: 0
         assert usage and usage[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["freed_by_notification"] == 1)
+
+
+@contextmanager
+def router_over_decode_sidecar(
+    **router: Any,
+) -> Iterator[tuple[ServerThread, ServerThread, Sidecar, Sidecar]]:
+    """P, D, a decode sidecar in front of D (trust hmac) and the router in front of that."""
+    key = "k" * 32
+    p_app = create_prefill_app(
+        PrefillSimConfig(port=0, side_channel_port=0, vllm_version=VERSION, tp=2, num_blocks=64, lease=0)
+    )
+    d_config = DecodeSimConfig(port=0, version=VERSION, max_model_len=40, served_model="m")
+    common: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), "trust_key": key}
+    with (
+        serve(p_app) as p,
+        serve(create_decode_app(d_config, VllmDHooks(VERSION))) as d,
+        run_sidecar(d.url, trust="hmac", **common) as decode_sidecar,
+        run_sidecar(decode_sidecar.url, prefill=(p.url,), **common, **router) as router_sc,
+    ):
+        yield p, d, decode_sidecar, router_sc
+
+
+def test_behind_a_router_the_decode_sidecar_releases_once() -> None:
+    # The router signs its decode leg; the decode sidecar (trust hmac) verifies and releases D's
+    # rejection; the router, told the decode URL releases (decode_releases), does not release
+    # it again: P is notified once per rank.
+    with router_over_decode_sidecar(decode_releases=True) as (p, _d, decode_sc, router_sc):
+        # refused before D's handler (a body D cannot validate): no fix inside D releases it
+        response = httpx.post(router_sc.url + "/v1/completions", json=completion(60, max_tokens="x"))
+        assert response.status_code == 400, response.text
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        router_sc.settle()
+        decode_sc.settle()
+        assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0
+        assert decode_sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+        assert decode_sc.sample("kvr_ineligible_total", reason="untrusted") == 0  # the signature held
+        assert router_sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
+        assert router_sc.sample("kvr_not_released_total", outcome="no_release", cause="delegated") == 1
+        # an admitted request is D's to free, as always
+        assert httpx.post(router_sc.url + "/v1/completions", json=completion(5)).status_code == 200
+        final = wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["freed_by_notification"] == 2)
+        assert final["notifs_per_rank"] == [2, 2] and final["notifs_unknown"] == 0
+
+
+def test_without_decode_releases_both_hops_release() -> None:
+    # The control: the same chain without the setting notifies P twice (the second for an id it
+    # no longer holds), which is why decode_releases exists.
+    with router_over_decode_sidecar() as (p, _d, decode_sc, router_sc):
+        rejected = completion(60, max_tokens="x")
+        assert httpx.post(router_sc.url + "/v1/completions", json=rejected).status_code == 400
+        router_sc.settle()
+        decode_sc.settle()
+        assert router_sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+        assert decode_sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+        wait_stats(p, lambda s: sum(s["notifs_per_rank"]) + s["notifs_unknown"] >= 4)
