@@ -19,6 +19,7 @@ proxy's CPU per request inside the benchmark's budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +34,7 @@ from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, O
 from sidecar.config import Config
 from sidecar.errors import FAILURE_STATUS, send_error, send_raw
 from sidecar.faults import Injector
-from sidecar.headers import data_parallel_rank, request_headers, response_headers
+from sidecar.headers import data_parallel_rank, new_request_id, request_headers, response_headers
 from sidecar.limits import over_limit
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.release.base import ReleaseJob
@@ -123,6 +124,13 @@ class Proxy:
                     await self._handle(scope, receive, span.watch(send), route)
             else:
                 await self._handle(scope, receive, send, route)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs past drain_timeout at shutdown (a client's own
+            # disconnect is handled where it happens). Answer in vLLM's shape if nothing was
+            # sent yet, instead of uvicorn's plain-text 500 and a logged traceback.
+            self._uncancel()
+            request_id = (_header(scope, b"x-request-id") or b"").decode("latin-1") or new_request_id()
+            await _answer_if_unanswered(send, 503, "the sidecar is shutting down", request_id)
         finally:
             self.metrics.inflight.dec()
 
@@ -207,6 +215,9 @@ class Proxy:
             prefilled = await self._prefill_leg(
                 candidates, route, request, headers, request_id, watcher, data_parallel_rank(scope["headers"])
             )
+        except asyncio.CancelledError:
+            watcher.stop()  # cancelled from outside (shutdown past drain_timeout): no watcher left behind
+            raise
         except RouterError as exc:
             watcher.stop()
             await self._prefill_failed(
@@ -779,6 +790,14 @@ class Proxy:
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
+
+
+async def _answer_if_unanswered(send: Send, status: int, message: str, request_id: str) -> None:
+    """An error answer unless a response already started (uvicorn refuses a second start);
+    bounded, so a client that reads nothing cannot hold the shutdown."""
+    with contextlib.suppress(RuntimeError, TimeoutError):
+        async with asyncio.timeout(1.0):
+            await send_error(send, status, message, request_id)
 
 
 def _key(exchange: Exchange) -> tuple[str, str]:

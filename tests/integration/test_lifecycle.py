@@ -114,3 +114,31 @@ def test_sigterm_drops_readiness_drains_streams_and_exits(decode: ServerThread) 
         assert b"".join(chunks).rstrip().endswith(b"data: [DONE]")  # the in-flight stream completed
         assert proc.wait(20) == 0
         assert time.monotonic() - began < 15
+
+
+def test_a_request_still_running_past_the_drain_gets_a_vllm_shaped_503(decode: ServerThread) -> None:
+    # uvicorn cancels what still runs after drain_timeout; the client gets vLLM's error shape,
+    # not uvicorn's plain-text 500.
+    with sidecar_process(decode.url, "--shutdown-delay", "0", "--drain-timeout", "0.5") as (proc, url, admin):
+        wait_for(admin + "/readyz")
+        answers: list[httpx.Response] = []
+
+        def hang() -> None:
+            body = {"model": "sim-model", "prompt": "hello [[hang]]", "max_tokens": 2}
+            answers.append(
+                httpx.post(url + "/v1/completions", json=body, headers={"x-request-id": "h-1"}, timeout=20)
+            )
+
+        client = threading.Thread(target=hang)
+        client.start()
+        deadline = time.monotonic() + 5
+        while "kvr_inflight_requests 1.0" not in httpx.get(admin + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        client.join(20)
+        assert proc.wait(20) == 0
+    [answer] = answers
+    assert answer.status_code == 503
+    assert answer.json()["error"]["type"] == "ServiceUnavailableError"
+    assert answer.headers["x-request-id"] == "h-1"
