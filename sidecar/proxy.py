@@ -701,13 +701,12 @@ class Proxy:
                 await send_error(send, FAILURE_STATUS[exc.failure], f"decode server: {exc}", request_id)
                 return
             async with response:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": response.status,
-                        "headers": response_headers(response.headers, request_id),
-                    }
-                )
+                head = response_headers(response.headers, request_id)
+                if response.status == 304:
+                    # A 304 may name the representation's length, but has no body: uvicorn would
+                    # wait for that many bytes and fail the response.
+                    head = [(n, v) for n, v in head if n != b"content-length"]
+                await send({"type": "http.response.start", "status": response.status, "headers": head})
                 await self._pump(send, response.chunks(), None)
         except asyncio.CancelledError:
             if not watcher.fired:
