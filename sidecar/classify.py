@@ -10,6 +10,14 @@ them under an in-flight READ (silently wrong output).
 Gateway statuses (502, 504) never come from vLLM itself; they come from a
 layer between us and D that may have delivered the request, so they are
 ambiguous, like a timeout after sending.
+
+A 4xx/5xx status before any body byte is taken as a rejection before
+admission. vLLM has a few answers that break that rule (docs/operations.md,
+"Where the classification is not exact"): a non-streaming 500 for a request
+that finished with an error, a pre-0.21.0 400 from output processing after
+the request finished (both: D already read and notified, so the release only
+repeats a done notification), and the 400 every in-flight request gets when
+D's output handler dies (D's engine is then terminated).
 """
 
 from __future__ import annotations
