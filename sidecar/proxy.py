@@ -137,7 +137,7 @@ class Proxy:
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str | None) -> None:
         headers, request_id, generated = request_headers(scope["headers"])
         if over_limit(scope):
-            await self._over_limit(scope, receive, send, route, request_id)
+            await self._over_limit(scope, receive, send, route, request_id, generated)
             return
         if route is None:
             await self._passthrough(scope, receive, send, headers, request_id)
@@ -149,15 +149,14 @@ class Proxy:
             self.metrics.request_counter(ROUTES[route], "client_gone").inc()
             return
         if isinstance(body, Oversized):
-            await self._too_large(scope, send, body, route, request_id)
+            await self._too_large(scope, send, body, route, request_id, generated)
             return
         if self.router is not None:
             routed = _header(scope, ROUTER_HEADER)
             if routed is not None or self.router.static:
                 await self._route(scope, receive, send, headers, body, route, request_id, routed)
                 return
-        exchange = self._exchange(body, route, request_id, scope["headers"])
-        exchange.request_id_generated = generated
+        exchange = self._exchange(body, route, request_id, scope["headers"], generated)
         if (
             exchange.params is not None
             and self.pipeline.holds(_key(exchange))
@@ -394,7 +393,12 @@ class Proxy:
         )
 
     def _exchange(
-        self, body: bytes, route: str, request_id: str, client_headers: list[tuple[bytes, bytes]]
+        self,
+        body: bytes,
+        route: str,
+        request_id: str,
+        client_headers: list[tuple[bytes, bytes]],
+        generated: bool,
     ) -> Exchange:
         started = time.monotonic()
         try:
@@ -428,6 +432,7 @@ class Proxy:
             body_request_id=body_id,
             raw_params=self._raw_for_release(bytes(view.kv_transfer_params) if params is not None else None),
             data_parallel_rank=data_parallel_rank(client_headers),
+            request_id_generated=generated,
         )
 
     async def _replay(self, send: Send, exchange: Exchange) -> bool:
@@ -460,7 +465,7 @@ class Proxy:
         return True
 
     async def _too_large(
-        self, scope: Scope, send: Send, body: Oversized, route: str, request_id: str
+        self, scope: Scope, send: Send, body: Oversized, route: str, request_id: str, generated: bool
     ) -> None:
         raw = tail_params(body.tail) if body.complete else None
         eligibility = params_mod.check(raw) if raw else None
@@ -470,7 +475,9 @@ class Proxy:
         if params is not None and raw and not self.trust.trusted(scope["headers"], request_id, raw):
             self.metrics.ineligible.labels("untrusted").inc()
             params = None
-        exchange = Exchange(request_id, route, params, False, time.monotonic())
+        exchange = Exchange(
+            request_id, route, params, False, time.monotonic(), request_id_generated=generated
+        )
         exchange.raw_params = self._raw_for_release(raw if params is not None else None)
         message = f"request body of {body.size} bytes exceeds the limit of {self.config.max_body_bytes}"
         # Past scan_limit the rest of the body is unread: shed the connection rather than have the
@@ -497,7 +504,7 @@ class Proxy:
         await send_error(send, status, message, exchange.request_id, close=close)
 
     async def _over_limit(
-        self, scope: Scope, receive: Receive, send: Send, route: str | None, request_id: str
+        self, scope: Scope, receive: Receive, send: Send, route: str | None, request_id: str, generated: bool
     ) -> None:
         """Above ``limit_concurrency``: 503 and the connection shed; D never sees the request.
 
@@ -522,9 +529,9 @@ class Proxy:
         finally:
             self._over_limit_reads -= 1
         if isinstance(body, Oversized):
-            await self._too_large(scope, send, body, route, request_id)
+            await self._too_large(scope, send, body, route, request_id, generated)
             return
-        exchange = self._exchange(body, route, request_id, scope["headers"])
+        exchange = self._exchange(body, route, request_id, scope["headers"], generated)
         await self._refuse(send, exchange, Failure.OVERLOADED, message, close=True)
 
     async def _forward(

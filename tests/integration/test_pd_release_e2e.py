@@ -238,6 +238,19 @@ def test_before_0_13_a_request_id_the_sidecar_made_up_is_never_sent_to_p() -> No
         assert current["pinned_requests"] == 1  # left to P's timeout, as without the sidecar
 
 
+def test_before_0_13_an_oversized_body_without_request_id_is_not_sent_to_p() -> None:
+    # The same rule on the sidecar's own refusals: a 413 releases the parameters found at the
+    # body's end, but not under an id the sidecar made up.
+    with cluster("0.11.0", 2, max_body_bytes=4096) as (p, _d, sc):
+        params = prefill(p, "big-1")
+        body = {"model": "sim-prefill", "prompt": "tok " * 2000, "kv_transfer_params": params}
+        response = httpx.post(sc.url + "/v1/completions", json=body)  # no x-request-id
+        assert response.status_code == 413
+        wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
+        assert sc.sample("kvr_release_attempts_total", strategy="nixl", outcome="no_request_id") == 1
+        assert stats(p)["notifs_unknown"] == 0 and stats(p)["pinned_requests"] == 1
+
+
 def wait_until(check: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
