@@ -132,6 +132,12 @@ def response(body: bytes, *extra: bytes) -> bytes:
     return head + b"\r\n" + body
 
 
+async def answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A keep-alive D answering every request with ``ok``."""
+    while await read_request(reader):
+        writer.write(response(b"ok"))
+
+
 # -- keep-alive ----------------------------------------------------------------------------------
 
 
@@ -332,12 +338,8 @@ async def test_connection_closed_by_d_while_idle_is_not_handed_out() -> None:
 
 @on_both_loops
 async def test_connection_idle_beyond_the_keepalive_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await read_request(reader):
-            writer.write(response(b"ok"))
-
     monkeypatch.setattr("sidecar.upstream.KEEPALIVE_SECONDS", 0.0)
-    async with RawServer(handler) as server:
+    async with RawServer(answer_ok) as server:
         client = await started(server.url)
         for _ in range(2):
             assert await body_of(await client.send("GET", "/", [], None)) == b"ok"
@@ -352,12 +354,8 @@ async def test_keepalive_age_counts_from_ds_last_byte_not_from_the_release(
     # D's keep-alive timer starts when D finished writing. A response the sidecar releases only
     # later (a slow client still reading it) must not look freshly idle: reusing a connection
     # D is closing turns a request D never got into an ambiguous RESET_AFTER_SEND.
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await read_request(reader):
-            writer.write(response(b"ok"))
-
     monkeypatch.setattr("sidecar.upstream.KEEPALIVE_SECONDS", 0.2)
-    async with RawServer(handler) as server:
+    async with RawServer(answer_ok) as server:
         client = await started(server.url)
         answer = await client.send("GET", "/", [], None)
         async for _ in answer.chunks():  # read to the end: the exchange is complete
