@@ -30,6 +30,7 @@ from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline
+from sidecar.release.value import hold_seconds
 from sidecar.tracing import Tracing
 from sidecar.tracing import build as build_tracing
 from sidecar.upstream import Upstream, UpstreamError
@@ -99,6 +100,10 @@ class Runtime:
                 return None
             self._version = (time.monotonic(), version)
             return version
+
+    def p_hold(self) -> float:
+        """P's hold of an unreleased request's blocks, by the last known release of D (and P)."""
+        return hold_seconds(self.config.vllm_version or self._version[1], self.config.p_hold_seconds)
 
     async def ready(self) -> tuple[bool, dict[str, bool]]:
         checks = {
@@ -175,6 +180,7 @@ class ProxyApp:
             ledger=ledger,
             clock=self.deps.clock,
             tracing=tracing,
+            hold=lambda: holder[0].p_hold(),
         )
         pipeline.start()
         proxy = Proxy(config, upstream, pipeline, metrics, tracing)

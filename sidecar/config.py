@@ -108,6 +108,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     otlp_traces_endpoint: str = ""  # e.g. http://otel-collector:4318 (/v1/traces is added to a bare URL)
     trace_sample_ratio: float = 1.0  # share of new traces sampled; a sampled traceparent is always honoured
     trace_service_name: str = "kv-release-sidecar"
+    # P's hold of an unreleased request's blocks, for kvr_pinned_block_seconds_saved_total;
+    # 0: from P's vLLM release (30 s lease from 0.22.0, 480 s abort timeout before).
+    p_hold_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -131,7 +134,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             raise ConfigError(
                 "max_header_bytes", self.max_header_bytes, f"must be at least {MIN_HEADER_BYTES} bytes"
             )
-        for name in ("read_timeout", "shutdown_delay"):
+        for name in ("read_timeout", "shutdown_delay", "p_hold_seconds"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, getattr(self, name), "must be 0 (off) or positive")
         if self.release_retry_initial > self.release_retry_max:

@@ -76,6 +76,20 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.released_blocks = Counter(
+            "kvr_released_blocks",
+            "P's KV blocks named by released requests (every block id of every KV-cache group), "
+            "counted once per request when its release is sent.",
+            ["strategy"],
+            registry=r,
+        )
+        self.block_seconds_saved = Counter(
+            "kvr_pinned_block_seconds_saved",
+            "Estimated pinned block-seconds the releases spared P: blocks x (P's hold without a "
+            "release - the time the release took).",
+            ["strategy"],
+            registry=r,
+        )
         self.injected = Counter(
             "kvr_injected",
             "Rejections injected by the sidecar (load tests); never forwarded to D.",

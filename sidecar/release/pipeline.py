@@ -26,6 +26,7 @@ from sidecar.release.base import (
     RetryableReleaseError,
 )
 from sidecar.release.ledger import Ledger
+from sidecar.release.value import LEASE_SECONDS, block_count, block_seconds_saved
 from sidecar.tracing import OFF, Tracing
 
 log = logging.getLogger("sidecar.release")
@@ -46,7 +47,9 @@ class Pipeline:
         ledger: Ledger,
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing = OFF,
+        hold: Callable[[], float] = lambda: LEASE_SECONDS,
     ) -> None:
+        self._hold = hold  # P's hold without a release (sidecar.release.value)
         self.releaser = releaser
         self._tracing = tracing
         self._metrics = metrics
@@ -203,7 +206,13 @@ class Pipeline:
         if self._tracing.enabled:
             self._tracing.release_finished(result.value, reason, detail)
         if result in (Result.SENT, Result.DRY_RUN):
-            self._metrics.release_latency.labels(strategy).observe(self._clock() - job.detected_at)
+            took = self._clock() - job.detected_at
+            self._metrics.release_latency.labels(strategy).observe(took)
+            if result is Result.SENT:
+                blocks = block_count(job.params)
+                self._metrics.released_blocks.labels(strategy).inc(blocks)
+                saved = block_seconds_saved(blocks, self._hold(), took)
+                self._metrics.block_seconds_saved.labels(strategy).inc(saved)
         self._metrics.ledger_size.set(len(self._ledger))
         level = logging.INFO if result not in (Result.FAILED, Result.DROPPED) else logging.WARNING
         log.log(

@@ -223,3 +223,50 @@ async def test_many_jobs_all_released(n: int) -> None:
     assert await pipeline.flush(5)
     await pipeline.stop()
     assert sorted(releaser.calls) == sorted(str(i) for i in range(n))
+
+
+async def test_sent_releases_count_blocks_and_the_block_seconds_they_saved() -> None:
+    releaser = FakeReleaser()
+    metrics = Metrics(CollectorRegistry())
+    pipeline = Pipeline(
+        releaser,
+        metrics,
+        queue_size=10,
+        workers=1,
+        retry_initial=0.005,
+        retry_max=0.02,
+        ledger=Ledger(1000, 60),
+        hold=lambda: 30.0,
+    )
+    pipeline.start()
+    grouped = job("g")
+    grouped = ReleaseJob(
+        **{
+            **{f: getattr(grouped, f) for f in grouped.__struct_fields__},
+            "params": KVTransferParams(
+                do_remote_prefill=True,
+                remote_engine_id="e",
+                remote_request_id="g",
+                remote_host="127.0.0.1",
+                remote_port=5600,
+                remote_block_ids=[[1, 2, 3], [4, 5]],
+            ),
+        }
+    )
+    pipeline.submit(job("a"))  # one block
+    pipeline.submit(grouped)  # five blocks over two KV-cache groups
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    sample = metrics.registry.get_sample_value
+    assert sample("kvr_released_blocks_total", {"strategy": "fake"}) == 6
+    saved = sample("kvr_pinned_block_seconds_saved_total", {"strategy": "fake"})
+    assert saved is not None and 6 * 29 < saved <= 6 * 30
+
+
+async def test_refused_and_failed_releases_save_nothing() -> None:
+    pipeline, metrics = make(FakeReleaser(permanent=True))
+    pipeline.start()
+    pipeline.submit(job("a"))
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert metrics.registry.get_sample_value("kvr_released_blocks_total", {"strategy": "fake"}) is None

@@ -1,0 +1,48 @@
+"""What a release saved P: its blocks, and the pinned block-seconds it spared.
+
+Without a release P keeps a rejected request's blocks until its own deadline:
+the lease (``kv_lease_duration``, 30 s by default) from vLLM 0.22.0,
+``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (480 s by default) from 0.11.1 to 0.21.x,
+120 s in 0.10.0-0.11.0, and no deadline at all before (counted as 480 s so
+the estimate stays finite). ``p_hold_seconds`` overrides the table for a P
+configured otherwise.
+"""
+
+from __future__ import annotations
+
+from sidecar.nixl.versions import parse_version
+from sidecar.wire import KVTransferParams
+
+Version = tuple[int, int, int]
+
+LEASE_SINCE: Version = (0, 22, 0)
+LEASE_SECONDS = 30.0
+ABORT_TIMEOUT_SECONDS = 480.0
+EARLY_TIMEOUT_SECONDS = 120.0  # 0.10.0-0.11.0
+
+
+def hold_seconds(version_text: str | None, configured: float = 0.0) -> float:
+    """How long P holds an unreleased request's blocks: ``configured`` when set (> 0), else by
+    P's release; an unknown release counts as the shortest hold (the lease)."""
+    if configured > 0:
+        return configured
+    parsed = parse_version(version_text) if version_text else None
+    if parsed is None:
+        return LEASE_SECONDS
+    version = parsed.release
+    if version >= LEASE_SINCE:
+        return LEASE_SECONDS
+    if (0, 10, 0) <= version < (0, 11, 1):
+        return EARLY_TIMEOUT_SECONDS
+    return ABORT_TIMEOUT_SECONDS
+
+
+def block_count(params: KVTransferParams) -> int:
+    """Every block id the parameters name, over every KV-cache group."""
+    blocks = params.remote_block_ids or []
+    return sum(len(b) if isinstance(b, list) else 1 for b in blocks)
+
+
+def block_seconds_saved(blocks: int, hold: float, took: float) -> float:
+    """``blocks`` x (P's hold - the time the release took), never negative."""
+    return blocks * max(0.0, hold - took)
