@@ -133,6 +133,10 @@ class Allowlist:
             return False
         return any(e.network is not None and address in e.network and e.port_ok(port) for e in self.entries)
 
+    def may_admit_address(self, port: int) -> bool:
+        """Some CIDR/IP entry covers ``port``: a host name's addresses could pass on it."""
+        return any(entry.network is not None and entry.port_ok(port) for entry in self.entries)
+
     def allows(self, host: str, port: int, resolved: list[str] | None = None) -> bool:
         """Whether ``host:port`` may be contacted.
 

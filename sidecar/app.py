@@ -29,7 +29,8 @@ from sidecar.proxy import Proxy
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline
+from sidecar.release.pipeline import Pipeline, Retry
+from sidecar.release.targets import BreakerPolicy
 from sidecar.release.value import hold_seconds
 from sidecar.tracing import Tracing
 from sidecar.tracing import build as build_tracing
@@ -175,12 +176,13 @@ class ProxyApp:
             metrics,
             queue_size=config.release_queue_size,
             workers=config.release_workers,
-            retry_initial=config.release_retry_initial,
-            retry_max=config.release_retry_max,
+            retry=Retry(config.release_retry_initial, config.release_retry_max),
             ledger=ledger,
             clock=self.deps.clock,
             tracing=tracing,
             hold=lambda: holder[0].p_hold(),
+            target_share=config.release_target_share,
+            breaker=BreakerPolicy(failures=config.release_target_failures),
         )
         pipeline.start()
         proxy = Proxy(config, upstream, pipeline, metrics, tracing)
@@ -196,6 +198,7 @@ class ProxyApp:
             return
         runtime.draining = True
         runtime.proxy.stopping = True
+        runtime.pipeline.hurry()
         flushed = await runtime.pipeline.flush(self.config.flush_timeout)
         await runtime.pipeline.stop()
         await runtime.releaser.close()

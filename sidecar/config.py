@@ -53,6 +53,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     release_deadline: float = 30.0
     release_retry_initial: float = 0.05
     release_retry_max: float = 1.0
+    # Share of release_workers one target (a P side channel, D's control endpoint) may use at once.
+    release_target_share: float = 0.5
+    # Consecutive connect failures after which a target's breaker opens (its jobs wait, no attempt).
+    release_target_failures: int = 3
     ledger_size: int = 65536
     ledger_ttl: float = 600.0
     # Ambiguous outcomes (D may have admitted the request) are not released by default.
@@ -147,6 +151,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 raise ConfigError(name, value, "must be an http(s) URL with a host")
         if self.vllm_version and not _is_version(self.vllm_version):
             raise ConfigError("vllm_version", self.vllm_version, "must look like 0.21.0")
+        if not 0.0 < self.release_target_share <= 1.0:
+            raise ConfigError(
+                "release_target_share", self.release_target_share, "must be above 0 and at most 1"
+            )
         if not 0.0 <= self.inject_rate <= 1.0:
             raise ConfigError("inject_rate", self.inject_rate, "must be between 0 and 1")
         for status in self.inject_statuses:
@@ -183,6 +191,7 @@ _POSITIVE = (
     "release_deadline",
     "release_retry_initial",
     "release_retry_max",
+    "release_target_failures",
     "ledger_size",
     "ledger_ttl",
     "drain_timeout",

@@ -14,6 +14,8 @@ equal to the status, as vLLM 0.10.1+ answers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sidecar.asgi import Send
 from sidecar.classify import Failure
 from sidecar.wire import error_body
@@ -47,28 +49,33 @@ FAILURE_STATUS = {
 }
 
 
+Header = tuple[bytes, bytes]
+#: The answer is an injected rejection (load tests).
+INJECTED: Header = (b"x-kvr-injected", b"true")
+#: Shed the client's connection after this answer.
+CLOSE: Header = (b"connection", b"close")
+#: The request's kv_transfer_params were released (or refused as spent): a retry with them gets
+#: 409, so a client must not retry it as it is. The OpenAI SDKs honour this header.
+NO_RETRY: Header = (b"x-should-retry", b"false")
+
+
 async def send_error(
     send: Send,
     status: int,
     message: str,
     request_id: str,
     param: str | None = None,
-    injected: bool = False,
-    close: bool = False,
+    extra: Sequence[Header] = (),
 ) -> None:
-    """Send a complete vLLM-shaped JSON error response (``x-kvr-injected`` when injected;
-    ``connection: close`` when ``close``, which sheds the client's connection)."""
+    """Send a complete vLLM-shaped JSON error response, with ``extra`` headers."""
     fallback = "BadRequestError" if status < 500 else "InternalServerError"
     body = error_body(message, status, ERROR_TYPES.get(status, fallback), param)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode("latin-1")),
+        *extra,
     ]
-    if injected:
-        headers.append((b"x-kvr-injected", b"true"))
-    if close:
-        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -65,8 +65,15 @@ class Metrics:
         )
         self.release_attempts = Counter(
             "kvr_release_attempts",
-            "Release attempts, by strategy and outcome.",
-            ["strategy", "outcome"],
+            "Release attempts, by strategy and reason: ok, the failure's reason, or target_down "
+            "(the job found its target's breaker open and waited instead of connecting).",
+            ["strategy", "reason"],
+            registry=r,
+        )
+        self.release_targets = Gauge(
+            "kvr_release_targets",
+            "Release targets (P side channels, D's control endpoint) by breaker state.",
+            ["state"],
             registry=r,
         )
         self.release_latency = Histogram(

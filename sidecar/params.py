@@ -1,4 +1,4 @@
-"""Whether a request's ``kv_transfer_params`` make it releasable at all.
+"""Whether a request's ``kv_transfer_params`` make it releasable: the one validation, one set of reasons.
 
 Decoded once per inspected request from the raw JSON of the field. A request
 is eligible only when it asks D to pull blocks from P (``do_remote_prefill``),
@@ -7,59 +7,100 @@ parameters are never released (they are logged and counted; the request is
 still forwarded, D answers it). ``remote_request_id`` may be absent: P
 releases before 0.13.0 do not emit it (the NIXL strategy then derives the id
 from ``x-request-id`` and checks the release is that old).
+
+What comes out is a ``ReleaseParams``: every field a release reads, checked,
+and the block ids reduced to their count and shape. The ids themselves are
+never turned into Python objects: a request may carry hundreds of thousands,
+and a list of that many ints per queued job, plus the memory it fragments,
+would make the sidecar's footprint grow with the requests it has seen.
+Their JSON is validated and counted in place (``_blocks``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
 import msgspec
 
-from sidecar.wire import PARAMS_DECODER, KVTransferParams
+from sidecar.wire import PARAMS_VIEW_DECODER, ParamsView
 
 MAX_ID_LEN = 512
 MAX_HOST_LEN = 253
 MAX_RANKS = 1024  # tp_size * pp_size; a release handshakes every rank
 # 4M tokens at vLLM's block size 16, over every KV-cache group: far above any real request, and
-# it bounds what one queued release job holds (docs/limits.md).
+# it bounds the work one request's parameters cost (docs/limits.md).
 MAX_BLOCK_IDS = 1 << 18
 
 
 class Ineligible(StrEnum):
     NO_PARAMS = "no_params"  # absent, null, or do_remote_prefill not true
     MALFORMED = "malformed"
-    PUSH_MODE = "push_mode"  # nothing a peer sends frees pushed blocks (reference 4)
+    PUSH_MODE = "push_mode"  # nothing a peer sends frees pushed blocks
     EMPTY_BLOCKS = "empty_blocks"  # P kept nothing
+
+
+class ReleaseParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What a release needs of ``kv_transfer_params``, validated by ``check`` (its only maker).
+
+    Pull mode and at least one block are guaranteed; ``blocks`` counts the block
+    ids over every KV-cache group, ``grouped`` says they came as one list per
+    group (vLLM 0.18.0+) rather than one flat list.
+    """
+
+    remote_engine_id: str
+    remote_request_id: str | None = None  # 0.13.0+
+    remote_host: str
+    remote_port: int
+    tp_size: int = 1
+    pp_size: int | None = None  # 0.26.0+ push, 0.29.0+ pull
+    dcp_size: int | None = None  # 0.29.0+
+    transfer_mode: str | None = None  # 0.28.0+; "pull" here
+    remote_num_tokens: int | None = None  # 0.21.0+
+    remote_registration_generation: int | None = None  # 0.33.0 (pull)
+    blocks: int
+    grouped: bool
+
+    @property
+    def ranks(self) -> int:
+        return self.tp_size * (self.pp_size or 1)
 
 
 @dataclass(frozen=True, slots=True)
 class Eligibility:
-    params: KVTransferParams | None
+    params: ReleaseParams | None
     reason: Ineligible | None
     detail: str = ""
 
 
-def _blocks_empty(block_ids: list[object] | None) -> bool:
-    if not block_ids:
-        return True
-    if all(isinstance(b, list) for b in block_ids):
-        return not any(block_ids)
-    return False
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    count: int
+    grouped: bool
 
 
-def _blocks_valid(block_ids: list[object] | None) -> bool:
-    if block_ids is None:
-        return True
-    if all(isinstance(b, list) for b in block_ids):
-        groups: list[list[object]] = block_ids  # type: ignore[assignment]
-        if sum(len(group) for group in groups) > MAX_BLOCK_IDS:
-            return False
-        return all(type(x) is int for group in block_ids for x in group)  # type: ignore[attr-defined]
-    return len(block_ids) <= MAX_BLOCK_IDS and all(type(b) is int for b in block_ids)
+# Valid JSON (msgspec checked it) made only of these characters is an array of arrays... of
+# non-negative integers; what is left once they are removed shows the nesting.
+_INT_LIST_CHARS = b"0123456789, \t\r\n"
+_MIXED = re.compile(rb"\]\s*,\s*\d|\d\s*,\s*\[")  # an int beside a group at the top level
+_EMPTY_GROUP = re.compile(rb"\[\s*\]")
+_DIGIT = re.compile(rb"\d")
 
 
-def _problem(p: KVTransferParams) -> str:
+def _blocks(raw: bytes) -> _Blocks | str:
+    """Count and shape of ``remote_block_ids`` from its JSON, or why it is malformed."""
+    brackets = raw.translate(None, _INT_LIST_CHARS)
+    if brackets == b"[]":
+        return _Blocks(raw.count(b",") + 1 if _DIGIT.search(raw) else 0, grouped=False)
+    groups = len(brackets) // 2 - 1
+    if brackets != b"[" + b"[]" * groups + b"]" or _MIXED.search(raw):
+        return "remote_block_ids is not a list of ints or of int lists"
+    empty = len(_EMPTY_GROUP.findall(raw))
+    return _Blocks(raw.count(b",") + 1 - empty, grouped=True)
+
+
+def _problem(p: ParamsView, blocks: _Blocks | str) -> str:
     if not p.remote_engine_id or len(p.remote_engine_id) > MAX_ID_LEN:
         return "remote_engine_id missing or too long"
     if p.remote_request_id is not None and not 0 < len(p.remote_request_id) <= MAX_ID_LEN:
@@ -71,9 +112,24 @@ def _problem(p: KVTransferParams) -> str:
     pp = 1 if p.pp_size is None else p.pp_size
     if p.tp_size < 1 or pp < 1 or p.tp_size * pp > MAX_RANKS:
         return f"tp_size/pp_size must be >= 1 with at most {MAX_RANKS} ranks"
-    if not _blocks_valid(p.remote_block_ids):
-        return f"remote_block_ids is not a list of ints or of int lists, or holds over {MAX_BLOCK_IDS}"
+    if isinstance(blocks, str):
+        return blocks
+    if blocks.count > MAX_BLOCK_IDS:
+        return f"remote_block_ids holds {blocks.count} ids, over {MAX_BLOCK_IDS}"
+    if p.transfer_mode not in (None, "pull", "push"):
+        return "transfer_mode is neither pull nor push"
     return ""
+
+
+def _loose(data: bytes, exc: Exception) -> Eligibility:
+    """A type error: malformed if D would act on it (a truthy do_remote_prefill), else not ours."""
+    try:
+        loose = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):  # broken, or too deep, past the type error
+        return Eligibility(None, Ineligible.MALFORMED, str(exc))
+    if not isinstance(loose, dict) or not loose.get("do_remote_prefill"):
+        return Eligibility(None, Ineligible.NO_PARAMS)
+    return Eligibility(None, Ineligible.MALFORMED, str(exc))
 
 
 def check(raw: msgspec.Raw | bytes) -> Eligibility:
@@ -82,27 +138,44 @@ def check(raw: msgspec.Raw | bytes) -> Eligibility:
     if data in (b"", b"null"):
         return Eligibility(None, Ineligible.NO_PARAMS)
     try:
-        params = PARAMS_DECODER.decode(data)
+        view = PARAMS_VIEW_DECODER.decode(data)
     except msgspec.ValidationError as exc:
-        # D acts on a truthy do_remote_prefill; mistyped fields then mean "malformed".
-        try:
-            loose = msgspec.json.decode(data)
-        except (msgspec.DecodeError, RecursionError):  # broken, or too deep, past the type error
-            return Eligibility(None, Ineligible.MALFORMED, str(exc))
-        if not isinstance(loose, dict) or not loose.get("do_remote_prefill"):
-            return Eligibility(None, Ineligible.NO_PARAMS)
-        return Eligibility(None, Ineligible.MALFORMED, str(exc))
+        return _loose(data, exc)
     except (msgspec.DecodeError, RecursionError) as exc:
         return Eligibility(None, Ineligible.MALFORMED, str(exc))
-    if not params.do_remote_prefill:
+    if not view.do_remote_prefill:
         return Eligibility(None, Ineligible.NO_PARAMS)
-    problem = _problem(params)
+    ids = bytes(view.remote_block_ids)
+    blocks = _Blocks(0, grouped=False) if ids == b"null" else _blocks(ids)
+    problem = _problem(view, blocks)
     if problem:
         return Eligibility(None, Ineligible.MALFORMED, problem)
-    if params.transfer_mode == "push":
+    assert isinstance(blocks, _Blocks)
+    if view.transfer_mode == "push":
         return Eligibility(None, Ineligible.PUSH_MODE)
-    if params.transfer_mode not in (None, "pull"):
-        return Eligibility(None, Ineligible.MALFORMED, "transfer_mode is neither pull nor push")
-    if _blocks_empty(params.remote_block_ids):
+    if blocks.count == 0:
         return Eligibility(None, Ineligible.EMPTY_BLOCKS)
+    assert view.remote_engine_id and view.remote_host and view.remote_port  # _problem checked them
+    params = ReleaseParams(
+        remote_engine_id=view.remote_engine_id,
+        remote_request_id=view.remote_request_id,
+        remote_host=view.remote_host,
+        remote_port=view.remote_port,
+        tp_size=view.tp_size,
+        pp_size=view.pp_size,
+        dcp_size=view.dcp_size,
+        transfer_mode=view.transfer_mode,
+        remote_num_tokens=view.remote_num_tokens,
+        remote_registration_generation=view.remote_registration_generation,
+        blocks=blocks.count,
+        grouped=blocks.grouped,
+    )
     return Eligibility(params, None)
+
+
+def release_params(fields: dict[str, object]) -> ReleaseParams:
+    """``ReleaseParams`` from a decoded ``kv_transfer_params`` object; ValueError if not eligible."""
+    found = check(msgspec.json.encode(fields))
+    if found.params is None:
+        raise ValueError(f"kv_transfer_params not releasable: {found.reason} {found.detail}".strip())
+    return found.params

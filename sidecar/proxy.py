@@ -32,7 +32,7 @@ from sidecar.asgi import Receive, Scope, Send
 from sidecar.body import ClientGone, Oversized, read_body, tail_params
 from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify
 from sidecar.config import Config
-from sidecar.errors import FAILURE_STATUS, send_error, send_raw
+from sidecar.errors import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error, send_raw
 from sidecar.faults import Injector
 from sidecar.headers import data_parallel_rank, new_request_id, request_headers, response_headers
 from sidecar.limits import over_limit
@@ -55,7 +55,7 @@ from sidecar.sse import FirstEventScanner
 from sidecar.tracing import OFF, Leg, Tracing
 from sidecar.trust import InFlight, Trust
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
-from sidecar.wire import ERROR_DECODER, VIEW_DECODER, KVTransferParams, lax_bool
+from sidecar.wire import ERROR_DECODER, VIEW_DECODER, lax_bool
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -69,7 +69,7 @@ class Exchange:
 
     request_id: str
     route: str
-    params: KVTransferParams | None
+    params: params_mod.ReleaseParams | None
     stream: bool
     started: float
     sent: Sent | None = None  # learns whether the request reached D's socket
@@ -83,6 +83,12 @@ class Exchange:
     data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
     # Sidecar mode, no X-Request-Id from the client: the sidecar made one up, which P never saw.
     request_id_generated: bool = False
+    # Its parameters went to a release (sidecar mode, a strategy that frees): an error answer
+    # says x-should-retry: false, since a retry with them would get 409.
+    spent: bool = False
+
+    def retry_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        return (NO_RETRY,) if self.spent else ()
 
 
 class Proxy:
@@ -389,7 +395,7 @@ class Proxy:
             status,
             "rejection injected by kv-release-sidecar (load test)",
             exchange.request_id,
-            injected=True,
+            extra=(INJECTED, *exchange.retry_headers()),
         )
 
     def _exchange(
@@ -461,7 +467,7 @@ class Proxy:
             "kv_transfer_params were released to the prefill server after an earlier rejection of a "
             "request with them; run the prefill again"
         )
-        await send_error(send, 409, message, exchange.request_id, "kv_transfer_params")
+        await send_error(send, 409, message, exchange.request_id, "kv_transfer_params", (NO_RETRY,))
         return True
 
     async def _too_large(
@@ -501,7 +507,8 @@ class Proxy:
         self._decide(exchange, Event(failure=failure))
         status = FAILURE_STATUS[failure]
         self._count(exchange.route, status)
-        await send_error(send, status, message, exchange.request_id, close=close)
+        extra = (*exchange.retry_headers(), *((CLOSE,) if close else ()))
+        await send_error(send, status, message, exchange.request_id, extra=extra)
 
     async def _over_limit(
         self, scope: Scope, receive: Receive, send: Send, route: str | None, request_id: str, generated: bool
@@ -518,7 +525,7 @@ class Proxy:
         if route is None or self._routed(scope) or self._over_limit_reads >= self._over_limit_cap:
             if route is not None:
                 self._count(route, 503)
-            await send_error(send, 503, message, request_id, close=True)
+            await send_error(send, 503, message, request_id, extra=(CLOSE,))
             return
         self._over_limit_reads += 1
         try:
@@ -596,7 +603,9 @@ class Proxy:
             "decode server failed before answering",
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
         )
-        await send_error(send, status, f"decode server: {exc}", exchange.request_id)
+        await send_error(
+            send, status, f"decode server: {exc}", exchange.request_id, extra=exchange.retry_headers()
+        )
 
     async def _respond(self, send: Send, response: UpstreamResponse, exchange: Exchange) -> None:
         status = response.status
@@ -615,12 +624,12 @@ class Proxy:
                 # D refused the request (the status says so), then broke off its error body.
                 self._decide(exchange, Event(status=status, stream=exchange.stream))
                 log.warning("decode server broke off its error response", extra={"detail": str(exc)})
-                await send_error(
-                    send, status, f"decode server broke off its error response: {exc}", exchange.request_id
-                )
+                message = f"decode server broke off its error response: {exc}"
+                await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
                 return
             self._decide(exchange, Event(status=status, stream=exchange.stream), _error_type(body))
             exchange.responded = True
+            head.extend(exchange.retry_headers())
             await send({"type": "http.response.start", "status": status, "headers": head})
             await send({"type": "http.response.body", "body": body, "more_body": True})
             await self._pump(send, response.chunks(), None)
@@ -782,6 +791,7 @@ class Proxy:
                 trace_context=self.tracing.job_context() if self.tracing.enabled else None,
             )
         )
+        exchange.spent = self._frees and not exchange.router
         if self.tracing.enabled:
             release = "queued" if queued else "duplicate"
             self.tracing.decided(decision.outcome.value, decision.cause.value, release)

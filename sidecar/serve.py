@@ -22,7 +22,7 @@ from collections.abc import Generator
 import uvicorn
 
 from sidecar import config as config_mod
-from sidecar import logs, tracing
+from sidecar import logs, memory, tracing
 from sidecar.app import ProxyApp, create_admin_app, create_app
 from sidecar.limits import ServerLimits, server_options
 from sidecar.trust import Trust
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     logs.setup(config.log_level, config.log_format)
+    memory.release_large_buffers()
     _warn(config)
     try:
         import uvloop

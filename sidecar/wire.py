@@ -52,6 +52,29 @@ class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     remote_registration_generation: int | None = None  # 0.33.0 (pull)
 
 
+class ParamsView(msgspec.Struct, kw_only=True, frozen=True):
+    """The fields of ``kv_transfer_params`` the proxy reads (``sidecar.params.check``).
+
+    Like ``KVTransferParams``, but ``remote_block_ids`` stays raw JSON: the proxy
+    only counts the ids and checks their shape, and never makes Python objects
+    of what may be hundreds of thousands of them.
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False  # unread, but typed: mistyped parameters are never released
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: msgspec.Raw = msgspec.Raw(b"null")
+    tp_size: int = 1
+    pp_size: int | None = None
+    dcp_size: int | None = None
+    transfer_mode: str | None = None
+    remote_num_tokens: int | None = None
+    remote_registration_generation: int | None = None
+
+
 class ErrorInfo(msgspec.Struct):
     """vLLM's ``ErrorInfo`` (0.10.1+)."""
 
@@ -95,7 +118,7 @@ def lax_bool(value: Any) -> bool | None:
 
 
 VIEW_DECODER = msgspec.json.Decoder(RequestView)
-PARAMS_DECODER = msgspec.json.Decoder(KVTransferParams)
+PARAMS_VIEW_DECODER = msgspec.json.Decoder(ParamsView)
 SSE_ERROR_DECODER = msgspec.json.Decoder(SSEErrorEvent)
 ERROR_DECODER = msgspec.json.Decoder(ErrorResponse)
 ENCODER = msgspec.json.Encoder()

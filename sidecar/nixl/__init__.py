@@ -21,7 +21,7 @@ Every failure is translated once, where it happens, into this tree (the
 
 from __future__ import annotations
 
-from sidecar.release.base import PermanentReleaseError, RetryableReleaseError
+from sidecar.release.base import PermanentReleaseError, RetryableReleaseError, Verdict
 
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (
@@ -31,9 +31,9 @@ REFUSALS = (
     "unsafe_retry",  # 0.9.x / 0.10.0: a send was attempted once already
     "not_allowed",  # P's endpoint is outside --prefill-allow
     "no_request_id",  # P's id for the request cannot be known
-    "push_mode",  # push (WRITE) mode: nothing a peer sends frees the blocks
-    "no_blocks",  # P holds no block for the request
-    "bad_params",  # kv_transfer_params lack what a release needs
+    "bad_host",  # remote_host is neither an IP address nor a DNS name
+    "bad_port",  # a side-channel port past 65535
+    "unresolvable",  # remote_host names no address (NXDOMAIN)
     "engine_mismatch",  # P's side channel serves another engine: the one named is gone
 )
 
@@ -42,12 +42,14 @@ class PeerUnreachable(RetryableReleaseError):
     """P's side channel refused or dropped the connection, or its name did not resolve."""
 
     reason = "unreachable"
+    verdict = Verdict.DOWN
 
 
 class HandshakeTimeout(RetryableReleaseError):
     """P's side channel did not answer within the handshake timeout."""
 
     reason = "handshake_timeout"
+    verdict = Verdict.DOWN
 
 
 class BadReply(RetryableReleaseError):
@@ -63,6 +65,8 @@ class EngineMismatch(PermanentReleaseError):
     address now belongs to another P), so its blocks are gone with it; retrying would only
     load that P's side channel with handshakes until the deadline.
     """
+
+    verdict = Verdict.UP  # something answered there: the endpoint itself is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "engine_mismatch")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,11 +26,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from sidecar.allowlist import Allowlist, ip_or_none
+from sidecar.allowlist import Allowlist, ip_or_none, is_host_name
 from sidecar.nixl import HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import PermanentReleaseError
+from sidecar.resolver import Resolver
 
 _T = TypeVar("_T")
 
@@ -60,36 +60,34 @@ class Target:
         return ipaddress.ip_address(self.address).is_loopback
 
 
-async def resolve_target(allowlist: Allowlist, host: str, ports: Sequence[int]) -> Target:
+async def resolve_target(allowlist: Allowlist, resolver: Resolver, host: str, ports: Sequence[int]) -> Target:
     """Check ``host`` on every port in ``ports`` and pick the address to connect to.
 
-    Raises ``PermanentReleaseError("not_allowed")`` when any address or port is
-    outside the allowlist, ``PeerUnreachable`` when a name does not resolve.
+    Permanent refusals, made before any connection and never retried: a host that is
+    neither an IP literal nor a DNS name (``bad_host``), a port outside 1-65535
+    (``bad_port``), a target outside the allowlist (``not_allowed``; a name no allowlist
+    entry could admit is refused without a lookup) and a name that does not exist
+    (``unresolvable``). A resolver that gives no answer now raises ``ResolveFailed``.
     """
     literal = ip_or_none(host)
+    if literal is None and not is_host_name(host):
+        raise PermanentReleaseError(f"P host {host!r} is neither an IP address nor a DNS name", "bad_host")
+    bad = [port for port in ports if not 0 < port <= 65535]
+    if bad:
+        raise PermanentReleaseError(f"P side-channel port {bad[0]} is outside 1-65535", "bad_port")
     if literal is not None:
         addresses = [str(literal)]
+    elif all(allowlist.allows_name(host, port) or allowlist.may_admit_address(port) for port in ports):
+        addresses = await resolver.resolve(host, ports[0])
     else:
-        addresses = await _resolve(host, ports[0])
+        addresses = []  # no entry can admit this name on these ports: no lookup needed
     for port in ports:
-        if not allowlist.allows(host, port, addresses if literal is None else None):
+        if not addresses or not allowlist.allows(host, port, addresses if literal is None else None):
+            shown = f" ({', '.join(addresses)})" if addresses and literal is None else ""
             raise PermanentReleaseError(
-                f"P endpoint {host}:{port} ({', '.join(addresses)}) is not in --prefill-allow",
-                reason="not_allowed",
+                f"P endpoint {host}:{port}{shown} is not in --prefill-allow", reason="not_allowed"
             )
     return Target(host=host, address=addresses[0], base_port=ports[0])
-
-
-async def _resolve(host: str, port: int) -> list[str]:
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise PeerUnreachable(f"cannot resolve P host {host!r}: {exc}") from exc
-    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
-    if not addresses:
-        raise PeerUnreachable(f"P host {host!r} resolves to no address")
-    return addresses
 
 
 def zmq_endpoint(address: str, port: int) -> str:

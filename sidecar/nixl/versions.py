@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from sidecar.wire import KVTransferParams
+from sidecar.params import ReleaseParams
 
 Version = tuple[int, int, int]
 RequestEncoding = Literal["raw", "tp", "pp_tp"]
@@ -136,7 +136,7 @@ class WireProfile:
         """Where rank ``tp_rank``'s metadata is served (1.1); ``remote_port`` is the base."""
         return base_port + tp_rank if self.wire.listener == "worker" else base_port
 
-    def ranks(self, params: KVTransferParams) -> list[tuple[int, int]]:
+    def ranks(self, params: ReleaseParams) -> list[tuple[int, int]]:
         """Every (pp_rank, tp_rank) holding blocks, only below tp_size/pp_size (1.5)."""
         pp_size = (params.pp_size or 1) if self.wire.pp_on_pull else 1
         return [(pp, tp) for pp in range(pp_size) for tp in range(params.tp_size)]
@@ -166,13 +166,10 @@ RULES = (
 )
 
 
-def _present(params: KVTransferParams, field: str) -> bool | None:
-    """Whether P sent ``field``; None when the parameters cannot tell."""
+def _present(params: ReleaseParams, field: str) -> bool:
+    """Whether P sent ``field``."""
     if field == "nested remote_block_ids":
-        blocks = params.remote_block_ids or []
-        if not blocks:
-            return None
-        return any(isinstance(b, list) for b in blocks)
+        return params.grouped
     return getattr(params, field) is not None
 
 
@@ -180,15 +177,13 @@ def _dotted(version: Version) -> str:
     return ".".join(map(str, version))
 
 
-def check_params(profile: WireProfile, params: KVTransferParams) -> str:
+def check_params(profile: WireProfile, params: ReleaseParams) -> str:
     """Why ``params`` cannot come from ``profile``'s release, or "" when they can.
 
     ``tp_size`` (0.9.2+) cannot be checked: the decoded parameters default it.
     """
     for rule in RULES:
         present = _present(params, rule.field)
-        if present is None:
-            continue
         if present and profile.high < rule.since:
             return f"{rule.field} is present, but P sends it only from vLLM {_dotted(rule.since)}"
         if not present and profile.low >= rule.since:
@@ -198,7 +193,7 @@ def check_params(profile: WireProfile, params: KVTransferParams) -> str:
 
 def engine_request_id(
     profile: WireProfile,
-    params: KVTransferParams,
+    params: ReleaseParams,
     x_request_id: str,
     route: str,
     body_request_id: str | None = None,

@@ -57,6 +57,8 @@ class ControlPath(Protocol):
 
     async def release(self, job: ReleaseJob) -> Result: ...
 
+    def target(self, job: ReleaseJob) -> str: ...
+
     async def probe(self) -> Probe: ...
 
 
@@ -129,6 +131,14 @@ class AutoReleaser:
     def ready(self) -> bool:
         return self.control.ready() if self.path == "control" else self.nixl.ready()
 
+    def target(self, job: ReleaseJob) -> str:
+        if self._via_nixl(job):
+            return self.nixl.target(job)
+        return self.control.target(job)
+
+    def _via_nixl(self, job: ReleaseJob) -> bool:
+        return job.key not in self._pinned and (job.cause == "unreachable" or self.path == "nixl")
+
     def detail(self) -> dict[str, object]:
         """For ``/readyz``: the path in use and why."""
         return {
@@ -171,7 +181,7 @@ class AutoReleaser:
 
     async def release(self, job: ReleaseJob) -> Result:
         pinned = job.key in self._pinned
-        if not pinned and (job.cause == "unreachable" or self.path == "nixl"):
+        if self._via_nixl(job):
             return await self._through_nixl(job)
         try:
             result = await self.control.release(job)

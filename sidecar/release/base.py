@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from sidecar.wire import KVTransferParams
+from sidecar.params import ReleaseParams
 
 
 class Result(StrEnum):
@@ -48,7 +48,7 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     request_id_generated: bool = False
     route: str  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
     body_request_id: str | None = None  # the body's request_id (pre-0.13.0 /v1/responses id)
-    params: KVTransferParams
+    params: ReleaseParams
     cause: str  # a sidecar.classify.Cause value
     status: int | None = None
     error_type: str | None = None
@@ -72,13 +72,22 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def key(self) -> tuple[str, str]:
         """De-duplication key: (P engine, id P knows the request by)."""
-        return (self.params.remote_engine_id or "", self.params.remote_request_id or self.request_id)
+        return (self.params.remote_engine_id, self.params.remote_request_id or self.request_id)
+
+
+class Verdict(StrEnum):
+    """What one attempt says about its target's health (``sidecar.release.targets``)."""
+
+    UP = "up"  # it reached the target: a success, or an answer the target gave
+    DOWN = "down"  # a connect-level failure: refused, unreachable, no reply in time
+    UNTOUCHED = "untouched"  # decided before any connection (allowlist, version, parameters)
 
 
 class ReleaseError(Exception):
     """Base of every error a strategy raises for one job."""
 
     reason: str = "error"  # a small enum, usable as a metric label
+    verdict: Verdict = Verdict.UP  # what the failure says about the target
 
 
 class RetryableReleaseError(ReleaseError):
@@ -91,6 +100,7 @@ class PermanentReleaseError(ReleaseError):
     """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
 
     reason = "permanent"
+    verdict = Verdict.UNTOUCHED  # most are decided before connecting; those after say UP
 
     def __init__(self, message: str, reason: str = "permanent") -> None:
         super().__init__(message)
@@ -104,6 +114,10 @@ class Releaser(Protocol):
 
     async def start(self) -> None:
         """Acquire resources (agents, sockets). Called once in the lifespan."""
+
+    def target(self, job: ReleaseJob) -> str:
+        """Where ``job``'s attempts connect (a P side channel, D's control endpoint); the
+        pipeline keeps one breaker and one concurrency cap per target."""
 
     async def close(self) -> None:
         """Release resources. Called once on shutdown, after the queue is flushed."""

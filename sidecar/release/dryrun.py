@@ -22,6 +22,9 @@ class DryRunReleaser:
     def ready(self) -> bool:
         return True
 
+    def target(self, job: ReleaseJob) -> str:
+        return ""  # nothing is ever contacted
+
     async def release(self, job: ReleaseJob) -> Result:
         self.recorded.append(job)
         return Result.DRY_RUN

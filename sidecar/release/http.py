@@ -20,15 +20,15 @@ Failures, translated once here (``reason`` is the metric label)::
     |                          "throttled"     408, 429
     +-- PermanentReleaseError  "bad_request" (400, 413, 422), "unauthorized" (401), "forbidden" (403),
                                "not_found" (404, 405: no plugin, or it has no token), "rejected" (other 4xx),
-                               "no_request_id", "push_mode", "no_blocks"
+                               "no_request_id", "no_params" (no parameters as sent)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
 
 import httpx
 import msgspec
@@ -37,11 +37,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from sidecar import __version__
 from sidecar.config import Config
 from sidecar.nixl.versions import NEWEST, Version, WireProfile, engine_request_id, parse_version
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
 from sidecar.release.coverage import engine_covers
 from sidecar.release.version import DecodeRelease
-from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH, ReleaseRequest
-from sidecar.wire import KVTransferParams
+from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,7 @@ class ControlUnreachable(RetryableReleaseError):
     """The control endpoint could not be reached: the request was never delivered."""
 
     reason = "unreachable"
+    verdict = Verdict.DOWN
 
 
 class ControlFailed(RetryableReleaseError):
@@ -64,6 +64,7 @@ class ControlFailed(RetryableReleaseError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+        self.verdict = Verdict.DOWN if reason == "timeout" else Verdict.UP
 
 
 def classify(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
@@ -172,10 +173,14 @@ class HttpReleaser:
     def ready(self) -> bool:
         return self._client is not None
 
+    def target(self, job: ReleaseJob) -> str:
+        return self.release_url  # every job goes to D's control endpoint
+
     # --- one job ---------------------------------------------------------------------------
 
     async def release(self, job: ReleaseJob) -> Result:
-        _check_target(job.params)
+        if job.raw_params is None:
+            raise PermanentReleaseError("the http strategy sends P's parameters as they came", "no_params")
         text = self._config.vllm_version or await self._d_release.get()
         profile = WireProfile.for_version(text) if text else None
         version = profile.low if profile is not None else _newer_than_known(text)
@@ -187,9 +192,9 @@ class HttpReleaser:
             self.metrics.requests.labels("covered_by_engine").inc()
             return Result.COVERED_BY_ENGINE
         request_id = _request_id(profile, job)
-        body = ReleaseRequest(
+        body = Outgoing(
             request_id=request_id,
-            kv_transfer_params=_params_for_engine(job),
+            kv_transfer_params=msgspec.Raw(job.raw_params),
             data_parallel_rank=job.data_parallel_rank,
         )
         status, content = await self._send(body)
@@ -207,9 +212,11 @@ class HttpReleaser:
         if error is ControlFailed:
             raise ControlFailed(message, label)
         self._log_refusal(label, message)
-        raise PermanentReleaseError(message, label)
+        refusal = PermanentReleaseError(message, label)
+        refusal.verdict = Verdict.UP  # the endpoint answered
+        raise refusal
 
-    async def _send(self, body: ReleaseRequest) -> tuple[int, bytes]:
+    async def _send(self, body: Outgoing) -> tuple[int, bytes]:
         try:
             return await self._post(ENCODER.encode(body))
         except (ControlUnreachable, ControlFailed) as exc:
@@ -243,8 +250,9 @@ class HttpReleaser:
     async def _post(self, content: bytes) -> tuple[int, bytes]:
         assert self._client is not None, "start() first"
         started = time.perf_counter()
+        headers = {**self._headers, "content-length": str(len(content))}
         try:
-            response = await self._client.post(self.release_url, content=content, headers=self._headers)
+            response = await self._client.post(self.release_url, content=_pieces(content), headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise ControlUnreachable(f"control endpoint unreachable: {exc!r}") from exc
         except httpx.TimeoutException as exc:
@@ -279,18 +287,25 @@ class HttpReleaser:
             log.warning("http release: %s", message, extra={"reason": reason})
 
 
-def _params_for_engine(job: ReleaseJob) -> dict[str, Any]:
-    """P's parameters as they came (every field, also those this sidecar does not know)."""
-    if job.raw_params is not None:
-        loose = msgspec.json.decode(job.raw_params)
-        if isinstance(loose, dict):
-            return loose
-    return params_dict(job.params)
+WRITE_PIECE = 64 * 1024
 
 
-def params_dict(params: KVTransferParams) -> dict[str, object]:
-    """P's parameters as D's connector reads them: absent fields stay absent (not null)."""
-    return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
+async def _pieces(content: bytes) -> AsyncIterator[bytes]:
+    """``content`` in pieces the event loop writes at once: a body of megabytes (P's block ids)
+    written whole would be buffered by uvloop's transport, which keeps that memory after the
+    write (MagicStack/uvloop#548)."""
+    view = memoryview(content)
+    for start in range(0, len(view), WRITE_PIECE):
+        yield bytes(view[start : start + WRITE_PIECE])
+
+
+class Outgoing(msgspec.Struct, frozen=True, kw_only=True):
+    """``ReleaseRequest`` as the strategy sends it: ``kv_transfer_params`` exactly as they came
+    (every field, also those a newer vLLM appends), never decoded into Python objects."""
+
+    request_id: str
+    kv_transfer_params: msgspec.Raw
+    data_parallel_rank: int | None = None
 
 
 def _newer_than_known(text: str | None) -> Version | None:
@@ -327,14 +342,6 @@ def _derived_id(job: ReleaseJob) -> str | None:
     if job.route == "/v1/completions":
         return f"cmpl-{x_request_id}-0"
     return None
-
-
-def _check_target(params: KVTransferParams) -> None:
-    if params.transfer_mode == "push":
-        raise PermanentReleaseError("push mode: only P's own WRITE completion frees the blocks", "push_mode")
-    blocks = params.remote_block_ids or []
-    if not blocks or all(isinstance(b, list) and not b for b in blocks):
-        raise PermanentReleaseError("remote_block_ids is empty: P holds nothing", "no_blocks")
 
 
 def _error_message(content: bytes) -> str:

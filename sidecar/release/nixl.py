@@ -41,8 +41,8 @@ from sidecar.release.base import (
 )
 from sidecar.release.coverage import engine_covers
 from sidecar.release.version import DecodeRelease
+from sidecar.resolver import Resolver
 from sidecar.tracing import OFF, Tracing
-from sidecar.wire import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,14 @@ class NixlReleaser:
         *,
         peer: NixlPeer | None = None,
         tracing: Tracing = OFF,
+        resolver: Resolver | None = None,
     ) -> None:
         self._config = config
         self._tracing = tracing
         self._d_release = DecodeRelease(decode_version)
         self.metrics = NixlMetrics(registry)
         self._allowlist = Allowlist(config.prefill_allow)
+        self._resolver = resolver or Resolver()
         self.peer = peer or NixlPeer()
         self._context: zmq.asyncio.Context | None = None
         self._client: HandshakeClient | None = None
@@ -112,6 +114,11 @@ class NixlReleaser:
     def ready(self) -> bool:
         return self._context is not None and self.peer.ready()
 
+    def target(self, job: ReleaseJob) -> str:
+        """P's side channel, as the parameters name it."""
+        params = job.params
+        return f"{(params.remote_host or '').lower()}:{params.remote_port}"
+
     # --- one job ---------------------------------------------------------------------------
 
     async def release(self, job: ReleaseJob) -> Result:
@@ -126,7 +133,10 @@ class NixlReleaser:
         except RetryableReleaseError as exc:
             self.metrics.releases.labels("error").inc()
             self.metrics.errors.labels(exc.reason).inc()
-            log.info("nixl release failed, will retry", extra=_fields(job, reason=exc.reason, error=str(exc)))
+            # Debug only: the job's one outcome line comes from the pipeline, not one per retry.
+            log.debug(
+                "nixl release failed, will retry", extra=_fields(job, reason=exc.reason, error=str(exc))
+            )
             raise
         self.metrics.releases.labels(result.value).inc()
         if result is Result.SENT:
@@ -135,7 +145,7 @@ class NixlReleaser:
 
     async def _release(self, job: ReleaseJob) -> tuple[Result, str]:
         params = job.params
-        engine_id, host, port = _target_of(params)
+        engine_id, host, port = params.remote_engine_id, params.remote_host, params.remote_port
         profile = await self._profile()
         problem = check_params(profile, params)
         if problem:
@@ -277,7 +287,7 @@ class NixlReleaser:
             await self._drop([old], "generation" if old.generation != generation else "replaced")
         host, base_port = endpoint
         target = await resolve_target(
-            self._allowlist, host, sorted({profile.port(base_port, tp) for _, tp in ranks})
+            self._allowlist, self._resolver, host, sorted({profile.port(base_port, tp) for _, tp in ranks})
         )
         self._warn_loopback(target)
         started = time.perf_counter()
@@ -357,23 +367,6 @@ class NixlReleaser:
             "at its default (localhost); the sidecar contacts its own host",
             target.host,
         )
-
-
-def _target_of(params: KVTransferParams) -> tuple[str, str, int]:
-    if not params.do_remote_prefill:
-        raise PermanentReleaseError("do_remote_prefill is not true", "bad_params")
-    if params.transfer_mode == "push":
-        raise PermanentReleaseError("push mode: only P's own WRITE completion frees the blocks", "push_mode")
-    blocks = params.remote_block_ids or []
-    if not blocks or all(isinstance(b, list) and not b for b in blocks):
-        raise PermanentReleaseError("remote_block_ids is empty: P holds nothing", "no_blocks")
-    if not params.remote_engine_id or not params.remote_host or not params.remote_port:
-        raise PermanentReleaseError(
-            "remote_engine_id, remote_host and remote_port are required", "bad_params"
-        )
-    if params.tp_size < 1 or (params.pp_size or 1) < 1:
-        raise PermanentReleaseError("tp_size and pp_size must be at least 1", "bad_params")
-    return params.remote_engine_id, params.remote_host, params.remote_port
 
 
 def _fields(job: ReleaseJob, **extra: str) -> dict[str, str]:

@@ -17,5 +17,8 @@ class OffReleaser:
     def ready(self) -> bool:
         return True
 
+    def target(self, job: ReleaseJob) -> str:
+        return ""  # nothing is ever contacted
+
     async def release(self, job: ReleaseJob) -> Result:
         return Result.OFF

@@ -1,21 +1,31 @@
-"""The release pipeline: a bounded queue, a few workers, retries, de-duplication.
+"""The release pipeline: bounded, de-duplicated, retried by time, isolated per target.
 
 ``submit`` never blocks and never raises: the request path hands over a job
 and moves on, so a client's error answer is never delayed by a release.
-When the queue is full the oldest job is dropped (counted and logged): the
-newest rejections have the most lease left to save. Workers call the
-strategy, retrying ``RetryableReleaseError`` with exponential backoff and
-full jitter until the job's deadline, after which P frees the blocks itself.
+Each job is a task of its own that holds a worker only while an attempt
+runs: between attempts it sleeps (exponential backoff with full jitter) and
+while its target's breaker is open it waits, both without a worker, until
+its deadline, after which P frees the blocks itself. Attempts go through
+``sidecar.release.targets``: a cap per target (a share of the workers) and a
+breaker per target, so a dead P never delays another P's releases.
+
+When more than ``queue_size`` jobs are live the oldest one not in an attempt
+is dropped (counted and logged): the newest rejections have the most lease
+left to save. Every job ends with exactly one "release decision" log line
+and one ``kvr_releases_total`` count; retries are counted in
+``kvr_release_attempts_total{reason}``, never logged above debug.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from sidecar.metrics import Metrics
 from sidecar.release.base import (
@@ -24,16 +34,42 @@ from sidecar.release.base import (
     Releaser,
     Result,
     RetryableReleaseError,
+    Verdict,
 )
 from sidecar.release.ledger import Ledger
-from sidecar.release.value import LEASE_SECONDS, block_count, block_seconds_saved
+from sidecar.release.targets import BreakerPolicy, Grant, Target, TargetDown, Targets
+from sidecar.release.value import LEASE_SECONDS, block_seconds_saved
 from sidecar.tracing import OFF, Tracing
 
 log = logging.getLogger("sidecar.release")
 
+NOT_SENT = (Result.DROPPED, Result.REFUSED)  # nothing reached P: the parameters stay usable
+
+
+@dataclass(slots=True)
+class _Live:
+    """A job between ``submit`` and its one decision."""
+
+    job: ReleaseJob
+    task: asyncio.Task[None] | None = None
+    attempting: bool = False
+    finished: bool = False
+    reason: str = ""  # the last failed attempt's reason
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Backoff between attempts of one job: full jitter, doubling up to ``cap``."""
+
+    initial: float
+    cap: float
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(self.initial / 2, min(self.cap, self.initial * 2**attempt))
+
 
 class Pipeline:
-    """Feeds release jobs to one strategy."""
+    """Feeds release jobs to one strategy (see the module docstring)."""
 
     def __init__(
         self,
@@ -42,36 +78,44 @@ class Pipeline:
         *,
         queue_size: int,
         workers: int,
-        retry_initial: float,
-        retry_max: float,
+        retry: Retry,
         ledger: Ledger,
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing = OFF,
         hold: Callable[[], float] = lambda: LEASE_SECONDS,
+        target_share: float = 0.5,
+        breaker: BreakerPolicy | None = None,
     ) -> None:
-        self._hold = hold  # P's hold without a release (sidecar.release.value)
         self.releaser = releaser
         self._tracing = tracing
         self._metrics = metrics
-        self._queue: collections.deque[ReleaseJob] = collections.deque()
         self._queue_size = queue_size
-        self._workers = workers
-        self._retry = (retry_initial, retry_max)
+        self._retry = retry
         self._ledger = ledger
         self._clock = clock
-        self._wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._busy = 0
-        self._running: dict[int, ReleaseJob] = {}  # by id(): jobs hold lists, so are unhashable
+        self._hold = hold  # P's hold without a release (sidecar.release.value)
+        self._workers = asyncio.Semaphore(workers)
+        cap = math.ceil(workers * target_share)
+        self.targets = Targets(cap, metrics.release_targets, breaker, clock=clock)
+        self._jobs: dict[int, _Live] = {}  # in submit order
+        self._attempting = 0
+        self._seq = itertools.count()
+        self._started = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
     @property
     def depth(self) -> int:
-        return len(self._queue)
+        """Jobs waiting: for their first attempt, a retry, a worker or their target."""
+        return len(self._jobs) - self._attempting
+
+    @property
+    def live(self) -> int:
+        """Jobs not decided yet (waiting or in an attempt)."""
+        return len(self._jobs)
 
     def holds(self, key: tuple[str, str]) -> bool:
-        """A release of ``key`` is queued, running, or was finished within the ledger's TTL.
+        """A release of ``key`` is live, or finished within the ledger's TTL.
 
         A job dropped from a full queue, or refused by the strategy, is forgotten (nothing
         was sent), so it is not held.
@@ -79,141 +123,181 @@ class Pipeline:
         return key in self._ledger
 
     def submit(self, job: ReleaseJob) -> bool:
-        """Queue ``job`` unless its key was seen before. Never blocks."""
+        """Start ``job`` unless its key was seen before. Never blocks."""
         if not self._ledger.add(job.key):
-            self._finish(job, Result.DUPLICATE, "duplicate of an earlier release")
+            self._finish(_Live(job), Result.DUPLICATE, "duplicate of an earlier release")
             return False
-        if len(self._queue) >= self._queue_size:
-            dropped = self._queue.popleft()
-            self._ledger.discard(dropped.key)
-            self._finish(dropped, Result.DROPPED, "release queue full, oldest job dropped")
-        self._queue.append(job)
+        if self.depth >= self._queue_size:
+            self._drop_oldest()
+        live = _Live(job)
+        seq = next(self._seq)
+        self._jobs[seq] = live
+        live.task = asyncio.get_running_loop().create_task(self._drive(seq, live), name="kvr-release")
         self._idle.clear()
-        self._metrics.queue_depth.set(len(self._queue))
-        self._metrics.ledger_size.set(len(self._ledger))
-        self._wakeup.set()
+        self._gauges()
         return True
 
+    def _drop_oldest(self) -> None:
+        for seq, live in self._jobs.items():
+            if not live.attempting:
+                del self._jobs[seq]
+                self._finish(live, Result.DROPPED, "release queue full, oldest job dropped")
+                if live.task is not None:
+                    live.task.cancel()
+                return
+
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._worker(), name=f"release-{i}") for i in range(self._workers)]
+        self._started.set()
+
+    def hurry(self) -> None:
+        """Shutdown: open breakers probe at least every ``retry.cap`` seconds during the flush."""
+        self.targets.hurry(self._retry.cap)
 
     async def flush(self, timeout: float) -> bool:  # noqa: ASYNC109 - a bound, not a cancel scope
-        """Wait up to ``timeout`` for queued and running jobs; True when all finished."""
+        """Wait up to ``timeout`` for every live job; True when all finished."""
         try:
             async with asyncio.timeout(timeout):
                 await self._idle.wait()
             return True
         except TimeoutError:
-            log.warning("release flush timed out", extra={"queued": len(self._queue), "running": self._busy})
+            log.warning("release flush timed out", extra={"live": len(self._jobs)})
             return False
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        """Cancel every live job; each ends ``dropped`` (nothing more is sent)."""
+        tasks = [live.task for live in self._jobs.values() if live.task is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        # Jobs cut off mid-retry and jobs still queued: each ends with a decision and a count.
-        for job in [*self._running.values(), *self._queue]:
-            self._finish(job, Result.DROPPED, "sidecar stopped before the release was sent")
-        self._running.clear()
-        self._queue.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.targets.close()
 
-    async def _worker(self) -> None:
-        while True:
-            if not self._queue:
-                if self._busy == 0:
-                    self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            job = self._queue.popleft()
-            self._metrics.queue_depth.set(len(self._queue))
-            self._busy += 1
-            self._running[id(job)] = job
-            try:
-                if self._tracing.enabled:
-                    with self._tracing.release_span(job, self.releaser.name):
-                        await self._run(job)
-                else:
-                    await self._run(job)
-                self._running.pop(id(job), None)
-            finally:
-                self._busy -= 1
-                if not self._queue and self._busy == 0:
-                    self._idle.set()
+    # --- one job ---------------------------------------------------------------------------
 
-    async def _run(self, job: ReleaseJob) -> None:
-        attempt = 0
-        while True:
-            remaining = job.deadline - self._clock()
-            if remaining <= 0:
-                self._finish(job, Result.FAILED, "deadline passed before the release was sent")
-                return
-            try:
-                async with asyncio.timeout(remaining):
-                    result = await self.releaser.release(job)
-            except PermanentReleaseError as exc:
-                self._attempt(exc.reason)
-                # Nothing was freed: the parameters stay usable, so the key is forgotten.
-                self._ledger.discard(job.key)
-                self._finish(job, Result.REFUSED, str(exc), reason=exc.reason)
-                return
-            except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # this worker is being stopped
-                # A cancellation that is not ours (a shared handshake another job abandoned): retry.
-                if not await self._retry_or_fail(job, RetryableReleaseError(f"cancelled: {exc!r}"), attempt):
-                    return
-            except (RetryableReleaseError, TimeoutError) as exc:
-                if not await self._retry_or_fail(job, exc, attempt):
-                    return
-            except Exception as exc:  # a strategy bug must not kill the worker
-                log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
-                self._attempt("bug")
-                self._finish(job, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
-                return
+    async def _drive(self, seq: int, live: _Live) -> None:
+        try:
+            await self._started.wait()
+            if self._tracing.enabled:
+                with self._tracing.release_span(live.job, self.releaser.name):
+                    await self._run(live)
             else:
-                self._attempt("ok")
-                self._finish(job, result, "done")
-                return
-            attempt += 1
+                await self._run(live)
+        except asyncio.CancelledError:
+            self._finish(live, Result.DROPPED, "sidecar stopped before the release was sent")
+        except Exception as exc:  # a pipeline bug must not leave the job undecided
+            log.exception("release job failed unexpectedly", extra={"request_id": live.job.request_id})
+            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
+        finally:
+            self._jobs.pop(seq, None)
+            if not self._jobs:
+                self._idle.set()
+            self._gauges()
 
-    async def _retry_or_fail(self, job: ReleaseJob, exc: BaseException, attempt: int) -> bool:
-        """Count a failed attempt; sleep the backoff and return True, or finish the job as failed."""
-        reason = getattr(exc, "reason", "timeout")
-        self._attempt(reason)
-        delay = self._backoff(attempt)
-        if self._clock() + delay >= job.deadline:
-            self._finish(job, Result.FAILED, f"gave up at the deadline: {exc}", reason=reason)
+    async def _run(self, live: _Live) -> None:
+        job = live.job
+        target = self.targets.attach(self.releaser.target(job))
+        try:
+            attempt = 0
+            while not await self._attempt(live, target):
+                delay = self._retry.delay(attempt)
+                if self._clock() + delay >= job.deadline:
+                    self._finish(live, Result.FAILED, "gave up at the deadline", reason=live.reason)
+                    return
+                await asyncio.sleep(delay)  # holds no worker and no target slot
+                attempt += 1
+        finally:
+            self.targets.detach(target)
+
+    async def _attempt(self, live: _Live, target: Target) -> bool:
+        """One attempt; True when the job is decided, False to retry it later."""
+        job = live.job
+        try:
+            grant = await target.acquire(job.deadline, lambda: self._count_attempt("target_down"))
+        except TargetDown:
+            detail = "P's endpoint stayed unreachable (its breaker open) until the deadline"
+            self._finish(live, Result.FAILED, detail, reason="target_down")
+            return True
+        except TimeoutError:
+            self._finish(live, Result.FAILED, "deadline passed before an attempt", reason="deadline")
+            return True
+        verdict = Verdict.UNTOUCHED
+        try:
+            result, verdict = await self._call(live, grant)
+        except _Retry as exc:
+            verdict = exc.verdict
             return False
-        log.debug("release attempt failed, retrying", extra={"request_id": job.request_id, "error": str(exc)})
-        await asyncio.sleep(delay)
+        finally:
+            if live.attempting:
+                live.attempting = False
+                self._attempting -= 1
+            target.done(grant, verdict)
+            self._gauges()
+        if result is not None:
+            self._count_attempt("ok")
+            self._finish(live, result, "done")
         return True
 
-    def _backoff(self, attempt: int) -> float:
-        initial, cap = self._retry
-        return random.uniform(initial / 2, min(cap, initial * 2**attempt))
+    async def _call(self, live: _Live, grant: Grant) -> tuple[Result | None, Verdict]:
+        """The strategy's attempt under a worker, bounded by the deadline; raises ``_Retry``."""
+        job = live.job
+        try:
+            async with asyncio.timeout(max(0.0, job.deadline - self._clock())):
+                async with self._workers:
+                    self._attempting += 1
+                    live.attempting = True
+                    self._gauges()
+                    result = await self.releaser.release(job)
+            return result, Verdict.UP if result is Result.SENT else Verdict.UNTOUCHED
+        except PermanentReleaseError as exc:
+            self._count_attempt(exc.reason)
+            self._finish(live, Result.REFUSED, str(exc), reason=exc.reason)
+            return None, exc.verdict
+        except RetryableReleaseError as exc:
+            self._count_attempt(exc.reason)
+            live.reason = exc.reason
+            log.debug("release attempt failed", extra={"request_id": job.request_id, "error": str(exc)})
+            raise _Retry(exc.verdict) from exc
+        except TimeoutError:
+            self._count_attempt("deadline")
+            reason = live.reason or "deadline"
+            self._finish(live, Result.FAILED, "deadline passed during an attempt", reason=reason)
+            return None, Verdict.DOWN if grant.probe else Verdict.UNTOUCHED
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this job is being dropped or the pipeline stopped
+            # A cancellation that is not ours (a shared handshake another job abandoned): retry.
+            self._count_attempt("cancelled")
+            live.reason = "cancelled"
+            raise _Retry(Verdict.UNTOUCHED) from None
+        except Exception as exc:  # a strategy bug must not kill the job's task
+            log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
+            self._count_attempt("bug")
+            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
+            return None, Verdict.UNTOUCHED
 
-    def _attempt(self, outcome: str) -> None:
-        self._metrics.release_attempts.labels(self.releaser.name, outcome).inc()
+    # --- accounting ------------------------------------------------------------------------
+
+    def _count_attempt(self, reason: str) -> None:
+        self._metrics.release_attempts.labels(self.releaser.name, reason).inc()
         if self._tracing.enabled:
-            self._tracing.release_attempt(outcome)
+            self._tracing.release_attempt(reason)
 
-    def _finish(self, job: ReleaseJob, result: Result, detail: str, reason: str = "") -> None:
-        strategy = self.releaser.name
+    def _gauges(self) -> None:
+        self._metrics.queue_depth.set(self.depth)
+        self._metrics.ledger_size.set(len(self._ledger))
+
+    def _finish(self, live: _Live, result: Result, detail: str, reason: str = "") -> None:
+        if live.finished:
+            return
+        live.finished = True
+        job, strategy = live.job, self.releaser.name
+        if result in NOT_SENT:
+            self._ledger.discard(job.key)
         self._metrics.releases.labels(strategy, result.value).inc()
         if self._tracing.enabled:
             self._tracing.release_finished(result.value, reason, detail)
         if result in (Result.SENT, Result.DRY_RUN):
-            took = self._clock() - job.detected_at
-            self._metrics.release_latency.labels(strategy).observe(took)
-            if result is Result.SENT:
-                blocks = block_count(job.params)
-                self._metrics.released_blocks.labels(strategy).inc(blocks)
-                saved = block_seconds_saved(blocks, self._hold(), took)
-                self._metrics.block_seconds_saved.labels(strategy).inc(saved)
-        self._metrics.ledger_size.set(len(self._ledger))
+            self._count_value(job, result)
         level = logging.INFO if result not in (Result.FAILED, Result.DROPPED) else logging.WARNING
         log.log(
             level,
@@ -230,3 +314,22 @@ class Pipeline:
                 "detail": detail,
             },
         )
+
+    def _count_value(self, job: ReleaseJob, result: Result) -> None:
+        strategy = self.releaser.name
+        took = self._clock() - job.detected_at
+        self._metrics.release_latency.labels(strategy).observe(took)
+        if result is Result.SENT:
+            blocks = job.params.blocks
+            self._metrics.released_blocks.labels(strategy).inc(blocks)
+            self._metrics.block_seconds_saved.labels(strategy).inc(
+                block_seconds_saved(blocks, self._hold(), took)
+            )
+
+
+class _Retry(Exception):
+    """An attempt failed in a way worth retrying; carries what it said about the target."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.value)
+        self.verdict = verdict

@@ -11,7 +11,6 @@ configured otherwise.
 from __future__ import annotations
 
 from sidecar.nixl.versions import parse_version
-from sidecar.wire import KVTransferParams
 
 Version = tuple[int, int, int]
 
@@ -35,12 +34,6 @@ def hold_seconds(version_text: str | None, configured: float = 0.0) -> float:
     if (0, 10, 0) <= version < (0, 11, 1):
         return EARLY_TIMEOUT_SECONDS
     return ABORT_TIMEOUT_SECONDS
-
-
-def block_count(params: KVTransferParams) -> int:
-    """Every block id the parameters name, over every KV-cache group."""
-    blocks = params.remote_block_ids or []
-    return sum(len(b) if isinstance(b, list) else 1 for b in blocks)
 
 
 def block_seconds_saved(blocks: int, hold: float, took: float) -> float:

@@ -536,15 +536,14 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serve":
     serve(parser.parse_args())
     sys.exit(0)
 
-import msgspec  # noqa: E402  (the child process above needs none of the test imports)
 import pytest  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from sidecar.config import Config  # noqa: E402
 from sidecar.nixl.versions import WireProfile  # noqa: E402
+from sidecar.params import release_params  # noqa: E402
 from sidecar.release.base import ReleaseJob, Result  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
-from sidecar.wire import KVTransferParams  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 
@@ -592,7 +591,7 @@ def job(version: str, p: PProcess, x_request_id: str) -> ReleaseJob:
     return ReleaseJob(
         request_id=x_request_id,
         route="/v1/chat/completions",
-        params=msgspec.convert(fields, KVTransferParams),
+        params=release_params(fields),
         cause="unreachable",  # D never answered: not D's own fix's to release
         detected_at=now,
         deadline=now + 30,

@@ -215,7 +215,8 @@ class InProcessView:
             "handshakes_in_flight": len(getattr(releaser, "_inflight", ())),
             "inflight_live": len(runtime.proxy.inflight._live),
             "inflight_admitted": len(runtime.proxy.inflight._admitted),
-            "dead_workers": sum(1 for task in runtime.pipeline._tasks if task.done()),
+            "live_jobs": runtime.pipeline.live,
+            "targets": len(runtime.pipeline.targets),
         }
 
 

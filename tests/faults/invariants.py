@@ -431,18 +431,13 @@ class InvariantChecker:
     def _idle_internals(self, report: Report, deadline: float) -> None:
         while True:
             internals = self.view.internals()
-            busy = {
-                k: v for k, v in internals.items() if k in ("handshakes_in_flight", "inflight_live") and v
-            }
+            idle_zero = ("handshakes_in_flight", "inflight_live", "live_jobs", "targets")
+            busy = {k: v for k, v in internals.items() if k in idle_zero and v}
             if not busy or time.monotonic() > deadline:
                 break
             time.sleep(POLL)
         if busy:
             report.fail(f"left in flight after every request ended: {busy}")
-        if internals.get("dead_workers", 0):
-            report.fail(
-                f"{internals['dead_workers']} release worker task(s) died: the pipeline lost capacity"
-            )
         if internals.get("progress", 0) > PROGRESS_SIZE:
             report.fail(f"retry progress map over its bound: {internals['progress']}")
 

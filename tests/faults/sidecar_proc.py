@@ -35,7 +35,8 @@ def _internals(app: ProxyApp | None) -> dict[str, int]:
         "handshakes_in_flight": len(getattr(releaser, "_inflight", ())),
         "inflight_live": len(runtime.proxy.inflight._live),
         "inflight_admitted": len(runtime.proxy.inflight._admitted),
-        "dead_workers": sum(1 for task in runtime.pipeline._tasks if task.done()),
+        "live_jobs": runtime.pipeline.live,
+        "targets": len(runtime.pipeline.targets),
     }
 
 

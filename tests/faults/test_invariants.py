@@ -12,11 +12,10 @@ import logging
 import time
 from typing import Any
 
-import msgspec
 import pytest
 
+from sidecar.params import release_params
 from sidecar.release.base import ReleaseJob
-from sidecar.wire import KVTransferParams
 from tests.faults.cluster import Backends
 from tests.faults.conftest import scene
 from tests.faults.invariants import Fate, Observed, derive_fate
@@ -64,7 +63,7 @@ def test_a_release_for_an_admitted_request_is_reported(cluster: Backends) -> Non
         job = ReleaseJob(
             request_id=admitted.request_id,
             route="/v1/completions",
-            params=msgspec.convert(admitted.params, KVTransferParams),
+            params=release_params(admitted.params),
             cause="rejected_4xx",
             status=400,
             detected_at=now,

@@ -28,9 +28,9 @@ from sidecar.nixl import EngineMismatch, HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import HandshakePayload, agent_metadata_layout
 from sidecar.nixl.peer import import_nixl
 from sidecar.nixl.versions import WireProfile
+from sidecar.params import ReleaseParams, release_params
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
 from sidecar.release.nixl import NixlReleaser
-from sidecar.wire import KVTransferParams
 
 pytestmark = pytest.mark.nixl
 
@@ -136,7 +136,7 @@ class FakePrefill:
             raise KeyError(key)
         return key
 
-    def params(self, request_id: str, **override: Any) -> KVTransferParams:
+    def params(self, request_id: str, **override: Any) -> ReleaseParams:
         """kv_transfer_params as this P emits them."""
         fields = {"generation": self.generation, "tp": self.tp, "pp": self.pp}
         return params_for(self.version, self.engine_id, self.port, request_id, **fields, **override)
@@ -179,7 +179,7 @@ def params_for(
     pp: int = 1,
     generation: int = 0,
     **override: Any,
-) -> KVTransferParams:
+) -> ReleaseParams:
     """kv_transfer_params as P of ``version`` emits them (reference 3.1)."""
     profile = WireProfile.for_version(version)
     assert profile is not None
@@ -204,11 +204,11 @@ def params_for(
     if low >= (0, 33, 0):
         fields["remote_registration_generation"] = generation
     fields.update(override)
-    return msgspec.convert(fields, KVTransferParams)
+    return release_params(fields)
 
 
 def make_job(
-    params: KVTransferParams, rid: str, route: str = "/v1/chat/completions", **fields: Any
+    params: ReleaseParams, rid: str, route: str = "/v1/chat/completions", **fields: Any
 ) -> ReleaseJob:
     now = time.monotonic()
     return ReleaseJob(

@@ -204,7 +204,7 @@ def test_a_replay_while_the_release_is_still_retrying_is_refused() -> None:
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
         failed = ("unreachable", "handshake_timeout", "timeout", "retryable")
         attempts = "kvr_release_attempts_total"
-        wait_until(lambda: sum(sc.sample(attempts, strategy="nixl", outcome=o) for o in failed) >= 1)
+        wait_until(lambda: sum(sc.sample(attempts, strategy="nixl", reason=o) for o in failed) >= 1)
         assert sc.sample("kvr_releases_total", strategy="nixl", result="failed") == 0  # still retrying
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 409
         assert len(httpx.get(d.url + "/sim/log").json()) == 1
@@ -232,7 +232,7 @@ def test_before_0_13_a_request_id_the_sidecar_made_up_is_never_sent_to_p() -> No
         response = httpx.post(sc.url + "/v1/completions", json=body)  # no x-request-id
         assert response.status_code == 400 and len(response.headers["x-request-id"]) == 32
         wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
-        assert sc.sample("kvr_release_attempts_total", strategy="nixl", outcome="no_request_id") == 1
+        assert sc.sample("kvr_release_attempts_total", strategy="nixl", reason="no_request_id") == 1
         current = stats(p)
         assert current["notifs_unknown"] == 0 and current["handshakes_served"] == 0
         assert current["pinned_requests"] == 1  # left to P's timeout, as without the sidecar
@@ -247,7 +247,7 @@ def test_before_0_13_an_oversized_body_without_request_id_is_not_sent_to_p() -> 
         response = httpx.post(sc.url + "/v1/completions", json=body)  # no x-request-id
         assert response.status_code == 413
         wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
-        assert sc.sample("kvr_release_attempts_total", strategy="nixl", outcome="no_request_id") == 1
+        assert sc.sample("kvr_release_attempts_total", strategy="nixl", reason="no_request_id") == 1
         assert stats(p)["notifs_unknown"] == 0 and stats(p)["pinned_requests"] == 1
 
 
@@ -322,4 +322,4 @@ def test_p_down_retries_then_gives_up_at_deadline() -> None:
         assert time.monotonic() - started < 0.5  # the client never waits for the release
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="failed") == 1
-        assert sc.sample("kvr_release_attempts_total", strategy="nixl", outcome="ok") == 0
+        assert sc.sample("kvr_release_attempts_total", strategy="nixl", reason="ok") == 0

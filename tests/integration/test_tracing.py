@@ -222,6 +222,9 @@ class FlakyReleaser:
     def ready(self) -> bool:
         return True
 
+    def target(self, job: ReleaseJob) -> str:
+        return "p"
+
     async def release(self, job: ReleaseJob) -> Result:
         self.calls += 1
         if self.calls == 1:

@@ -27,7 +27,6 @@ from sidecar.config import Config
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob, Result
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.release.http import params_dict
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode_config import DecodeSimConfig
 from sidecar.sim.decode_nixl import VllmDHooks
@@ -39,7 +38,6 @@ from sidecar.vllm_plugin import (
     KVReleasePlugin,
     PluginSettings,
 )
-from sidecar.wire import KVTransferParams
 from tests.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, free_port, serve
@@ -192,7 +190,7 @@ def test_sidecar_http_releases_through_the_plugin() -> None:
         covered = completion(sc, "req-2", route="/v1/chat/completions")
         assert covered.status_code == 400
         sc.settle()
-        expected = params_dict(KVTransferParams(**{**P_PARAMS, "remote_request_id": "req-1-p"}))
+        expected = {**P_PARAMS, "remote_request_id": "req-1-p"}  # as they came
         assert engine.notified == [("req-1-p", expected, None)]  # req-2 is D's own to release
         assert sc.sample("kvr_releases_total", strategy="http", result="sent") == 1
         assert sc.sample("kvr_releases_total", strategy="http", result="covered_by_engine") == 1
@@ -239,6 +237,9 @@ class RecordingNixl:
 
     def ready(self) -> bool:
         return True
+
+    def target(self, job: ReleaseJob) -> str:
+        return f"{self.name}:{job.params.remote_host}"
 
     async def release(self, job: ReleaseJob) -> Result:
         self.jobs.append(job)

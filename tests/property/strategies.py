@@ -40,7 +40,12 @@ block_ids = st.one_of(
     st.lists(ints, max_size=4),
     st.lists(st.lists(ints, max_size=3), max_size=3),
     st.lists(st.one_of(ints, st.booleans(), st.lists(ints, max_size=2)), max_size=3),
-    st.lists(st.lists(st.one_of(ints, st.booleans(), st.floats(allow_nan=False)), max_size=2), max_size=2),
+    st.lists(
+        st.lists(
+            st.one_of(ints, st.booleans(), st.floats(allow_nan=False, allow_infinity=False)), max_size=2
+        ),
+        max_size=2,
+    ),
     json_values,
 )
 

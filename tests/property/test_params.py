@@ -89,7 +89,6 @@ def assert_release_invariants(result: Eligibility) -> None:
     """What ``sidecar.release`` and ``sidecar.nixl`` take for granted of accepted parameters."""
     p = result.params
     assert p is not None and result.reason is None
-    assert p.do_remote_prefill is True
     assert p.transfer_mode in (None, "pull")
     assert p.remote_engine_id and len(p.remote_engine_id) <= MAX_ID_LEN
     assert p.remote_host and len(p.remote_host) <= MAX_HOST_LEN
@@ -97,7 +96,7 @@ def assert_release_invariants(result: Eligibility) -> None:
     assert p.remote_port is not None and 1 <= p.remote_port <= 65535 and _int(p.remote_port)
     pp = 1 if p.pp_size is None else p.pp_size
     assert _int(p.tp_size) and p.tp_size >= 1 and pp >= 1 and p.tp_size * pp <= MAX_RANKS
-    assert _blocks_ok(p.remote_block_ids)
+    assert 1 <= p.blocks <= MAX_BLOCK_IDS
     for profile in PROFILES:
         assert profile is not None
         assert 1 <= len(profile.ranks(p)) <= MAX_RANKS
@@ -118,18 +117,21 @@ def test_check_accepts_exactly_the_documented_parameters(p: dict[str, Any]) -> N
     assert (result.params is not None) == accepts(p), result
     if result.params is not None:
         assert_release_invariants(result)
-        assert all(getattr(result.params, k) == v for k, v in p.items() if k in FIELD_TYPES)
+        kept = set(FIELD_TYPES) - {"do_remote_prefill", "do_remote_decode", "remote_block_ids"}
+        assert all(getattr(result.params, k) == v for k, v in p.items() if k in kept)
+        blocks = p["remote_block_ids"]
+        grouped = all(isinstance(b, list) for b in blocks)
+        assert result.params.grouped is grouped
+        assert result.params.blocks == (sum(map(len, blocks)) if grouped else len(blocks))
     else:
         assert result.reason is not None
 
 
 @given(params_dicts)
 def test_accepted_parameters_survive_their_own_encoding(p: dict[str, Any]) -> None:
-    """Router mode re-checks ``msgspec.json.encode(params)``: the verdict must not change."""
-    result = check(encode(p))
-    if result.params is not None:
-        again = check(msgspec.json.encode(result.params))
-        assert again.params == result.params
+    """Router mode re-checks ``msgspec.json.encode(params)`` of P's decoded answer: the verdict
+    must not change with the encoder."""
+    assert check(msgspec.json.encode(p)) == check(encode(p))
 
 
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -192,7 +194,7 @@ def test_ids_with_colons_and_non_ascii_are_kept_intact() -> None:
 
 def test_block_lists_are_bounded() -> None:
     at_limit = check(encode(valid_params(blocks=list(range(MAX_BLOCK_IDS)))))
-    assert at_limit.params is not None and len(at_limit.params.remote_block_ids or []) == MAX_BLOCK_IDS
+    assert at_limit.params is not None and at_limit.params.blocks == MAX_BLOCK_IDS
     assert check(encode(valid_params(blocks=list(range(MAX_BLOCK_IDS + 1))))).reason is Ineligible.MALFORMED
     nested = [list(range(MAX_BLOCK_IDS // 2)), list(range(MAX_BLOCK_IDS // 2 + 1))]
     assert check(encode(valid_params(blocks=nested))).reason is Ineligible.MALFORMED

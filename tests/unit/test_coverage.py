@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from sidecar.params import release_params
 from sidecar.release.base import ReleaseJob
 from sidecar.release.coverage import engine_covers
-from sidecar.wire import KVTransferParams
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
@@ -24,7 +24,15 @@ def job(
     return ReleaseJob(
         request_id="x",
         route=route,
-        params=KVTransferParams(do_remote_prefill=True),
+        params=release_params(
+            {
+                "do_remote_prefill": True,
+                "remote_engine_id": "p",
+                "remote_host": "10.0.0.7",
+                "remote_port": 5600,
+                "remote_block_ids": [1],
+            }
+        ),
         cause=cause,
         status=status,
         error_type=error_type,

@@ -126,3 +126,51 @@ def test_view_rejects_non_objects(body: bytes) -> None:
 def test_lax_bool_reads_like_vllms_request_models(value: object, expected: bool | None) -> None:
     # Checked against pydantic 2 (vLLM's OpenAIBaseModel, lax mode) for a ``stream: bool`` field.
     assert lax_bool(value) is expected
+
+
+def with_blocks(ids_json: bytes) -> bytes:
+    """``GOOD`` with ``remote_block_ids`` spelled exactly as ``ids_json``."""
+    body = raw(remote_block_ids=DROP)
+    return body[:-1] + b',"remote_block_ids":' + ids_json + b"}"
+
+
+@pytest.mark.parametrize(
+    ("ids_json", "blocks", "grouped"),
+    [
+        (b"[1,2,3]", 3, False),
+        (b"[ 1 , 2 ,\n 3 ]", 3, False),
+        (b"[7]", 1, False),
+        (b"[[1,2],[3]]", 3, True),
+        (b"[[1, 2], [], [3]]", 3, True),  # an empty KV-cache group
+        (b"[[ ],[4]]", 1, True),
+        (b"[[0]]", 1, True),
+        (b"[" + b",".join(str(i).encode() for i in range(1000, 1100)) + b"]", 100, False),
+    ],
+)
+def test_block_ids_are_counted_without_decoding_them(ids_json: bytes, blocks: int, grouped: bool) -> None:
+    params = check(with_blocks(ids_json)).params
+    assert params is not None and (params.blocks, params.grouped) == (blocks, grouped)
+
+
+@pytest.mark.parametrize(
+    ("ids_json", "reason"),
+    [
+        (b"[]", Ineligible.EMPTY_BLOCKS),
+        (b"[[],[]]", Ineligible.EMPTY_BLOCKS),
+        (b"null", Ineligible.EMPTY_BLOCKS),
+        (b"[[1],2]", Ineligible.MALFORMED),  # a group and an int side by side
+        (b"[1,[2]]", Ineligible.MALFORMED),
+        (b"[[[1]]]", Ineligible.MALFORMED),  # nested too deep
+        (b"[-1]", Ineligible.MALFORMED),  # vLLM's block ids are never negative
+        (b"[1.0]", Ineligible.MALFORMED),
+        (b"[1e3]", Ineligible.MALFORMED),
+        (b'["1"]', Ineligible.MALFORMED),
+        (b"[true]", Ineligible.MALFORMED),
+        (b"[null]", Ineligible.MALFORMED),
+        (b"{}", Ineligible.MALFORMED),
+        (b"7", Ineligible.MALFORMED),
+        (b'"[1]"', Ineligible.MALFORMED),
+    ],
+)
+def test_block_ids_of_any_other_shape_are_not_released(ids_json: bytes, reason: Ineligible) -> None:
+    assert check(with_blocks(ids_json)).reason is reason

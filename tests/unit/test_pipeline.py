@@ -1,55 +1,93 @@
-"""The release pipeline: bounded queue, de-duplication, retries until the deadline, flush."""
+"""The release pipeline: bounded queue, de-duplication, retries by time, isolation per target, flush."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.metrics import Metrics
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError
+from sidecar.params import release_params
+from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline
-from sidecar.wire import KVTransferParams
+from sidecar.release.pipeline import Pipeline, Retry
+from sidecar.release.targets import BreakerPolicy
+
+
+class Down(RetryableReleaseError):
+    """A connect-level failure, as PeerUnreachable is."""
+
+    reason = "unreachable"
+    verdict = Verdict.DOWN
 
 
 class FakeReleaser:
+    """Targets are ``remote_host``; hosts in ``dead`` refuse every attempt with ``Down``."""
+
     name = "fake"
 
-    def __init__(self, failures: int = 0, permanent: bool = False, gate: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        failures: int = 0,
+        permanent: bool = False,
+        gate: asyncio.Event | None = None,
+        dead: set[str] | None = None,
+    ) -> None:
         self.calls: list[str] = []
         self.failures = failures
         self.permanent = permanent
         self.gate = gate
+        self.dead = dead if dead is not None else set()
+        self.running: collections.Counter[str] = collections.Counter()
+        self.peak: collections.Counter[str] = collections.Counter()
+        self.done_at: dict[str, float] = {}
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     def ready(self) -> bool:
         return True
 
+    def target(self, job: ReleaseJob) -> str:
+        return job.params.remote_host or ""
+
     async def release(self, job: ReleaseJob) -> Result:
+        host = self.target(job)
+        self.running[host] += 1
+        self.peak[host] = max(self.peak[host], self.running[host])
+        try:
+            return await self._release(job, host)
+        finally:
+            self.running[host] -= 1
+
+    async def _release(self, job: ReleaseJob, host: str) -> Result:
         self.calls.append(job.params.remote_request_id or "")
         if self.gate is not None:
             await self.gate.wait()
+        if host in self.dead:
+            raise Down(f"{host} refused the connection")
         if self.permanent:
             raise PermanentReleaseError("not allowed", reason="not_allowed")
         if self.failures > 0:
             self.failures -= 1
-            raise RetryableReleaseError("P unreachable")
+            raise RetryableReleaseError("P answered badly")
+        self.done_at[job.params.remote_request_id or ""] = time.monotonic()
         return Result.SENT
 
 
-def job(rid: str, deadline: float = 5.0, engine: str = "e") -> ReleaseJob:
+def job(rid: str, deadline: float = 5.0, engine: str = "e", host: str = "127.0.0.1") -> ReleaseJob:
     now = time.monotonic()
-    params = KVTransferParams(
-        do_remote_prefill=True,
-        remote_engine_id=engine,
-        remote_request_id=rid,
-        remote_host="127.0.0.1",
-        remote_port=5600,
-        remote_block_ids=[1],
+    params = release_params(
+        {
+            "do_remote_prefill": True,
+            "remote_engine_id": engine,
+            "remote_request_id": rid,
+            "remote_host": host,
+            "remote_port": 5600,
+            "remote_block_ids": [1],
+        }
     )
     return ReleaseJob(
         request_id=rid,
@@ -61,16 +99,28 @@ def job(rid: str, deadline: float = 5.0, engine: str = "e") -> ReleaseJob:
     )
 
 
-def make(releaser: FakeReleaser, queue_size: int = 100, workers: int = 2) -> tuple[Pipeline, Metrics]:
+FAST = Retry(0.005, 0.02)
+QUICK = BreakerPolicy(failures=3, interval=0.05, max_interval=0.2)
+
+
+def make(
+    releaser: FakeReleaser,
+    queue_size: int = 100,
+    workers: int = 2,
+    retry: Retry = FAST,
+    share: float = 1.0,
+    breaker: BreakerPolicy = QUICK,
+) -> tuple[Pipeline, Metrics]:
     metrics = Metrics(CollectorRegistry())
     pipeline = Pipeline(
         releaser,
         metrics,
         queue_size=queue_size,
         workers=workers,
-        retry_initial=0.005,
-        retry_max=0.02,
+        retry=retry,
         ledger=Ledger(1000, 60),
+        target_share=share,
+        breaker=breaker,
     )
     return pipeline, metrics
 
@@ -233,8 +283,7 @@ async def test_sent_releases_count_blocks_and_the_block_seconds_they_saved() -> 
         metrics,
         queue_size=10,
         workers=1,
-        retry_initial=0.005,
-        retry_max=0.02,
+        retry=Retry(0.005, 0.02),
         ledger=Ledger(1000, 60),
         hold=lambda: 30.0,
     )
@@ -243,13 +292,15 @@ async def test_sent_releases_count_blocks_and_the_block_seconds_they_saved() -> 
     grouped = ReleaseJob(
         **{
             **{f: getattr(grouped, f) for f in grouped.__struct_fields__},
-            "params": KVTransferParams(
-                do_remote_prefill=True,
-                remote_engine_id="e",
-                remote_request_id="g",
-                remote_host="127.0.0.1",
-                remote_port=5600,
-                remote_block_ids=[[1, 2, 3], [4, 5]],
+            "params": release_params(
+                {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": "e",
+                    "remote_request_id": "g",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 5600,
+                    "remote_block_ids": [[1, 2, 3], [4, 5]],
+                }
             ),
         }
     )
@@ -270,3 +321,97 @@ async def test_refused_and_failed_releases_save_nothing() -> None:
     assert await pipeline.flush(2)
     await pipeline.stop()
     assert metrics.registry.get_sample_value("kvr_released_blocks_total", {"strategy": "fake"}) is None
+
+
+def attempts(metrics: Metrics, reason: str) -> float:
+    labels = {"strategy": "fake", "reason": reason}
+    return metrics.registry.get_sample_value("kvr_release_attempts_total", labels) or 0.0
+
+
+def targets(metrics: Metrics, state: str) -> float:
+    return metrics.registry.get_sample_value("kvr_release_targets", {"state": state}) or 0.0
+
+
+async def test_a_job_waiting_to_retry_holds_no_worker() -> None:
+    # One worker; the first job fails and backs off for about a second. The second job must not
+    # wait for that backoff: it is sent while the first one sleeps.
+    releaser = FakeReleaser(failures=1)
+    pipeline, _ = make(releaser, workers=1, retry=Retry(1.0, 1.0))
+    pipeline.start()
+    pipeline.submit(job("slow"))
+    await asyncio.sleep(0.01)  # its first attempt failed; it now sleeps without the worker
+    pipeline.submit(job("quick"))
+    assert await pipeline.flush(3)
+    await pipeline.stop()
+    assert releaser.calls == ["slow", "quick", "slow"]
+    assert releaser.done_at["quick"] < releaser.done_at["slow"]
+
+
+async def test_a_dead_target_opens_its_breaker_and_never_delays_a_live_one() -> None:
+    # Forty jobs to a P that refuses every connection, then jobs to a live P with one worker
+    # each for both. After three connect failures the dead target's breaker opens: its jobs wait
+    # without a worker (counted target_down) and only a probe at growing intervals connects.
+    releaser = FakeReleaser(dead={"10.0.0.1"})
+    pipeline, metrics = make(releaser, workers=2, share=0.5)
+    pipeline.start()
+    for i in range(40):
+        pipeline.submit(job(f"dead{i}", deadline=1.0, host="10.0.0.1"))
+    await asyncio.sleep(0.02)
+    assert targets(metrics, "open") == 1
+    live_started = time.monotonic()
+    for i in range(20):
+        pipeline.submit(job(f"live{i}", host="10.0.0.2"))
+    async with asyncio.timeout(2):
+        while len([k for k in releaser.done_at if k.startswith("live")]) < 20:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+    live_done = max(releaser.done_at.values()) - live_started
+    dead_calls = sum(1 for c in releaser.calls if c.startswith("dead"))
+    assert pipeline.live == 40  # every dead job still keeps its place
+    assert await pipeline.flush(3)
+    await pipeline.stop()
+    # every live release went through while the dead jobs waited: none of them holds a worker
+    assert live_done < 0.5, live_done
+    # three failures opened it; then probes at 0.05, 0.1, 0.2, 0.2... s over the 1 s deadline
+    total_dead_calls = sum(1 for c in releaser.calls if c.startswith("dead"))
+    assert dead_calls <= 4 and total_dead_calls <= 3 + 8, (dead_calls, total_dead_calls)
+    assert releaser.peak["10.0.0.1"] == 1  # at most the cap, and only one probe at a time once open
+    assert count(metrics, Result.FAILED) == 40
+    assert count(metrics, Result.SENT) == 20
+    assert attempts(metrics, "target_down") >= 36  # every job that found it open said so, once
+    assert attempts(metrics, "unreachable") == total_dead_calls
+
+
+async def test_a_probe_that_connects_closes_the_breaker_and_frees_the_waiting_jobs() -> None:
+    releaser = FakeReleaser(dead={"10.0.0.1"})
+    pipeline, metrics = make(releaser, workers=4)
+    pipeline.start()
+    for i in range(10):
+        pipeline.submit(job(f"j{i}", deadline=3.0, host="10.0.0.1"))
+    await asyncio.sleep(0.02)
+    assert targets(metrics, "open") == 1
+    calls_while_down = len(releaser.calls)
+    releaser.dead.clear()  # P is back: the next probe connects
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert count(metrics, Result.SENT) == 10
+    assert targets(metrics, "open") == 0 and targets(metrics, "half_open") == 0
+    assert len(releaser.calls) == calls_while_down + 10  # one probe, then every waiting job once
+    assert calls_while_down == 3
+
+
+async def test_one_target_takes_at_most_its_share_of_the_workers() -> None:
+    gate = asyncio.Event()
+    releaser = FakeReleaser(gate=gate)
+    pipeline, _ = make(releaser, workers=4, share=0.5)
+    pipeline.start()
+    for i in range(10):
+        pipeline.submit(job(f"busy{i}", host="10.0.0.1"))
+    pipeline.submit(job("other", host="10.0.0.2"))
+    await asyncio.sleep(0.02)
+    assert releaser.running["10.0.0.1"] == 2  # its cap: half of four workers
+    assert releaser.running["10.0.0.2"] == 1  # another target still gets a worker
+    gate.set()
+    assert await pipeline.flush(2)
+    await pipeline.stop()
+    assert releaser.peak["10.0.0.1"] == 2
+    assert len(releaser.calls) == 11

@@ -10,14 +10,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
+from sidecar.params import release_params
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
 from sidecar.release.http import ControlFailed, ControlUnreachable, Probe
-from sidecar.wire import KVTransferParams
 
 
 class FakeControl:
     """Stands in for ``HttpReleaser``: scripted probe answers and release outcomes."""
+
+    name = "http"
 
     def __init__(self) -> None:
         self.probe_answer: Probe = "present"
@@ -38,6 +40,9 @@ class FakeControl:
     async def probe(self) -> Probe:
         self.probes += 1
         return self.probe_answer
+
+    def target(self, job: ReleaseJob) -> str:
+        return f"{self.name}:{job.params.remote_host}"
 
     async def release(self, job: ReleaseJob) -> Result:
         self.jobs.append(job)
@@ -66,6 +71,9 @@ class FakeNixl:
     def ready(self) -> bool:
         return self.started
 
+    def target(self, job: ReleaseJob) -> str:
+        return f"{self.name}:{job.params.remote_host}"
+
     async def release(self, job: ReleaseJob) -> Result:
         self.jobs.append(job)
         return Result.SENT
@@ -73,7 +81,16 @@ class FakeNixl:
 
 def job(rid: str = "r1", cause: str = "rejected_4xx") -> ReleaseJob:
     now = time.monotonic()
-    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_request_id=rid)
+    params = release_params(
+        {
+            "do_remote_prefill": True,
+            "remote_engine_id": "p",
+            "remote_request_id": rid,
+            "remote_host": "10.0.0.7",
+            "remote_port": 5600,
+            "remote_block_ids": [1],
+        }
+    )
     return ReleaseJob(
         request_id=rid,
         route="/v1/completions",

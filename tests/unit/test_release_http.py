@@ -16,6 +16,7 @@ import respx
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
+from sidecar.params import ReleaseParams, release_params
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
 from sidecar.release.http import (
     ControlFailed,
@@ -23,9 +24,7 @@ from sidecar.release.http import (
     HttpReleaser,
     classify,
     health_url,
-    params_dict,
 )
-from sidecar.wire import KVTransferParams
 
 D = "http://d.test:8200"
 RELEASE = D + "/kv_release/v1/release"
@@ -34,7 +33,9 @@ TOKEN = "sidecar-token-0123456789"
 ACCEPTED = {"request_id": "x", "action": "notify", "outcome": "notified", "duplicate": False}
 
 
-def params(**fields: Any) -> KVTransferParams:
+def fields_of(**fields: Any) -> dict[str, Any]:
+    """``kv_transfer_params`` as P sends them (vLLM 0.13.0+, TP 2), with ``fields`` changed;
+    a field set to None is left out."""
     base: dict[str, Any] = {
         "do_remote_prefill": True,
         "remote_engine_id": "p-engine",
@@ -44,15 +45,22 @@ def params(**fields: Any) -> KVTransferParams:
         "remote_block_ids": [[4, 5]],
         "tp_size": 2,
     }
-    return KVTransferParams(**{**base, **fields})
+    return {k: v for k, v in {**base, **fields}.items() if v is not None}
+
+
+def params(**fields: Any) -> dict[str, Any]:
+    return fields_of(**fields)
 
 
 def job(route: str = "/v1/completions", **fields: Any) -> ReleaseJob:
     now = time.monotonic()
+    sent: dict[str, Any] = fields.pop("params", params())
+    released: ReleaseParams = release_params(sent)
+    fields.setdefault("raw_params", json.dumps(sent).encode())
     return ReleaseJob(
         request_id=fields.pop("request_id", "r1"),
         route=route,
-        params=fields.pop("params", params()),
+        params=released,
         cause=fields.pop("cause", "rejected_4xx"),
         status=fields.pop("status", 400),
         error_type=fields.pop("error_type", "Bad Request"),
@@ -111,12 +119,6 @@ def test_urls() -> None:
     assert health_url(custom) == "http://127.0.0.1:9000/x/kv_release/v1/health"
 
 
-def test_params_dict_leaves_absent_fields_absent() -> None:
-    out = params_dict(params())
-    assert "pp_size" not in out and "dcp_size" not in out and "transfer_mode" not in out
-    assert out["remote_block_ids"] == [[4, 5]] and out["tp_size"] == 2
-
-
 @respx.mock(assert_all_called=True)
 async def test_accepted_posts_the_job(releaser: HttpReleaser, respx_mock: respx.MockRouter) -> None:
     route = respx_mock.post(RELEASE).respond(202, json=ACCEPTED)
@@ -127,7 +129,7 @@ async def test_accepted_posts_the_job(releaser: HttpReleaser, respx_mock: respx.
     body = json.loads(request.content)
     assert body == {
         "request_id": "cmpl-r1-0-abcd1234",  # P's id: D's connector names the request to P by it
-        "kv_transfer_params": params_dict(params()),
+        "kv_transfer_params": params(),  # as they came: absent fields stay absent
         "data_parallel_rank": None,
     }
 
@@ -137,7 +139,7 @@ async def test_raw_params_and_dp_rank_reach_the_engine(
     releaser: HttpReleaser, respx_mock: respx.MockRouter
 ) -> None:
     """Fields this sidecar does not know (a newer vLLM's) and the request's DP rank are kept."""
-    raw = json.dumps({**params_dict(params()), "future_field": {"x": 1}}).encode()
+    raw = json.dumps({**params(), "future_field": {"x": 1}}).encode()
     route = respx_mock.post(RELEASE).respond(202, json=ACCEPTED)
     assert await releaser.release(job(raw_params=raw, data_parallel_rank=3)) is Result.SENT
     body = json.loads(route.calls.last.request.content)
@@ -285,8 +287,7 @@ async def test_request_id_and_coverage_per_release(
             job("/v1/chat/completions", params=params(remote_request_id=None), request_id_generated=True),
             "no_request_id",
         ),
-        (job(params=params(transfer_mode="push")), "push_mode"),
-        (job(params=params(remote_block_ids=[[]])), "no_blocks"),
+        (job(raw_params=None), "no_params"),  # nothing to hand D's engine as it came
     ],
 )
 async def test_refused_before_sending(releaser: HttpReleaser, the_job: ReleaseJob, reason: str) -> None:
