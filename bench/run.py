@@ -42,14 +42,17 @@ Progress = Callable[[str], None]
 
 
 class _Budget:
-    """Time bounds of the SSE phases: each gets an even share of what is left."""
+    """Time bounds of the SSE phases: each gets an even share of what is left, counted from the first."""
 
     def __init__(self, settings: Settings, phases: int, paths: int) -> None:
-        self._end = time.monotonic() + settings.run_budget * paths
+        self._total = settings.run_budget * paths
+        self._end: float | None = None
         self._cap = settings.phase_bound
         self._left = phases
 
     def next(self) -> float:
+        if self._end is None:
+            self._end = time.monotonic() + self._total
         share = (self._end - time.monotonic()) / max(1, self._left)
         self._left -= 1
         return max(1.0, min(self._cap, share))
