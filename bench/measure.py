@@ -177,10 +177,17 @@ class Measurer:
                     sample = await client.run(phase.kind, phase.count, bound)
             decode, hop = servers.decode.cpu_seconds() - decode, _cpu(proxy) - hop
             after = snapshot(self._plan, servers)
-        check(sample, everyone, f"{phase.name} via {path}, measured phase")
+        if not stalled(sample):
+            check(sample, everyone, f"{phase.name} via {path}, measured phase")
         if phase.kind == "json" and self._json.external:  # the client's CPU on the load core was ours too
             after = dataclasses.replace(after, load_ours=after.load_ours + sample.client_cpu)
         return Measured(sample, decode, hop, peak[0], (before, after))
+
+
+def stalled(sample: Sample) -> bool:
+    """A timed run in which no request completed and none failed: the machine stalled the path
+    for the whole round (wrk does not count requests still in flight when its time is up)."""
+    return sample.completed == 0 and not sample.errors
 
 
 def _cpu(proxy: Child | None) -> float:

@@ -118,7 +118,7 @@ def _environment_lines(report: Report) -> list[str]:
         f" load average {env.loadavg_start:.1f} -> {env.loadavg_end:.1f}"
     ]
     if report.stopped_early:
-        lines.append(f"stopped early by their time bound: {', '.join(report.stopped_early)}")
+        lines.append(f"rounds that did not run their course: {', '.join(report.stopped_early)}")
     if env.disturbed:
         lines.append("WARNING: other processes were busy on the benchmark's cores; the figures are disturbed")
     return lines

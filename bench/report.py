@@ -138,7 +138,8 @@ class Report(msgspec.Struct, kw_only=True):
     # "<phase> <path>" wherever the load generator rather than the proxy saturated its core.
     client_saturated: list[str]
     environment: Environment
-    # SSE phases stopped by their time bound before their count was done.
+    # Rounds that did not run their course: an SSE phase stopped by its time bound before its
+    # count was done, a JSON phase in which no request completed (the machine stalled the path).
     stopped_early: list[str]
 
 

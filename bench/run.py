@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from bench.measure import JsonLoad, Measured, Measurer, Phase, PhaseName, Pooled, proxy_cost
+from bench.measure import JsonLoad, Measured, Measurer, Phase, PhaseName, Pooled, proxy_cost, stalled
 from bench.noise import Other
-from bench.procs import CorePlan, PathName, Servers, launched, wait_ready
+from bench.procs import BenchError, CorePlan, PathName, Servers, launched, wait_ready
 from bench.report import (
     OtherCpu,
     PathFigures,
@@ -148,7 +148,15 @@ async def _measure_all(measurer: Measurer, servers: Servers, rounds: int, progre
                 results.other[path].add(*measured.noise)
                 if measured.sample.bounded:
                     results.stopped_early.append(f"{phase.name} {path} round {round_ + 1}")
+                if stalled(measured.sample):
+                    results.stopped_early.append(
+                        f"{phase.name} {path} round {round_ + 1} (no request completed)"
+                    )
                 progress(_line(phase, round_, path, measured))
+    for path, pooled in results.pooled.items():
+        for name, phase_pooled in pooled.items():
+            if not phase_pooled.requests:
+                raise BenchError(f"{name} via {path}: no request completed in any round")
     return results
 
 
@@ -166,6 +174,8 @@ def _other_cpu(other: Other) -> OtherCpu:
 def _line(phase: Phase, round_: int, path: PathName, measured: Measured) -> str:
     sample = measured.sample
     done = sample.requests()
+    if not sample.latencies:
+        return f"{phase.name:<8} round {round_ + 1} {path:<7} no request completed in {sample.wall:.1f} s"
     bounded = " (stopped early by its time bound)" if sample.bounded else ""
     pooled = Pooled()
     pooled.add(measured)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.load import request_body
+from bench.load import Sample, request_body
+from bench.measure import stalled
 from bench.procs import BenchError
 from bench.wrk import lua_script, parse
 
@@ -63,3 +64,10 @@ def test_every_kind_of_error_wrk_counts_fails_the_sample() -> None:
 def test_output_without_the_hook_s_figures_breaks_the_bench(text: str) -> None:
     with pytest.raises(BenchError, match="wrk printed no"):
         parse(text)
+
+
+def test_a_run_that_completed_nothing_without_errors_is_a_stall_not_a_failure() -> None:
+    stalled_run = parse(output("0 1000000 0.01 0 0 0 0 0", []))
+    assert stalled(stalled_run) and stalled_run.requests() == 0
+    assert not stalled(parse(output("0 1000000 0.01 0 0 0 0 2", [])))  # timeouts are failures
+    assert not stalled(Sample(latencies=[0.001]))  # the Python client's samples never stall
