@@ -93,15 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _json_load(given: str | None, refused: bool, settings: Settings, scratch: Path) -> JsonLoad:
-    """wrk when allowed and found, else the Python load generator, saying why on stderr."""
+    """wrk when allowed and found, else the Python load generator and why (``run`` says which)."""
     body = request_body(False, settings.answer_tokens)
     found = None if refused else find_wrk(given, body, scratch)
     if found is not None:
         return found
     why = "--no-wrk given" if refused else "wrk not found on PATH (install it, e.g. apt-get install wrk)"
-    fallback = PythonJson(settings.answer_tokens, f"{why}; it may saturate its core before a hop does")
-    _progress(f"JSON load generator: {fallback.describe()}")
-    return fallback
+    return PythonJson(settings.answer_tokens, f"{why}; it may saturate its core before a hop does")
 
 
 def _progress(line: str) -> None:
