@@ -1,8 +1,11 @@
-"""``python -m bench [--quick] [--json PATH] [--nginx PATH]``: run, print the table, write the JSON.
+"""``python -m bench [--quick] [--json PATH] [--nginx PATH] [--wrk PATH | --no-wrk]``: run, print, write JSON.
 
-nginx, the optional fourth path, is measured when an ``nginx`` binary is on
-``PATH`` or given with ``--nginx``; otherwise one progress line says it was
-skipped. The bench never installs it.
+The JSON phases use wrk when a ``wrk`` binary is on ``PATH`` (or given with
+``--wrk``), and fall back to the Python load generator otherwise (or with
+``--no-wrk``), saying so on stderr and in the table. nginx, the optional
+fourth path, is measured when an ``nginx`` binary is on ``PATH`` or given
+with ``--nginx``; otherwise one progress line says it was skipped. The bench
+never installs either.
 
 Exit codes: 0 when the run completed, whatever the targets say (a MISS is a
 finding, not a failure); 1 when the benchmark itself broke (a server would
@@ -16,22 +19,27 @@ import asyncio
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import uvloop
 
+from bench.load import request_body
+from bench.measure import JsonLoad, PythonJson
 from bench.procs import BenchError, plan_cores
-from bench.report import render, write_json
+from bench.render import render
+from bench.report import write_json
 from bench.run import run
-from bench.settings import FULL, QUICK
+from bench.settings import FULL, QUICK, Settings
+from bench.wrk import find_wrk
 
 DEFAULT_JSON = Path("out/bench.json")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run of a few hundred requests")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds per path")
     parser.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"where the raw figures go (default {DEFAULT_JSON})"
     )
@@ -39,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--nginx",
         metavar="PATH",
         help="the nginx binary for the nginx reference path (default: nginx on PATH, if any; else skipped)",
+    )
+    client = parser.add_mutually_exclusive_group()
+    client.add_argument(
+        "--wrk", metavar="PATH", help="the wrk binary for the JSON phases (default: wrk on PATH, if any)"
+    )
+    client.add_argument(
+        "--no-wrk",
+        action="store_true",
+        help="use the Python load generator for the JSON phases even if wrk is there",
     )
     return parser
 
@@ -51,15 +68,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     nginx = os.path.abspath(nginx) if nginx else None
     if args.nginx and nginx is None:
         parser.error(f"--nginx {args.nginx}: not an executable")
+    if args.wrk and shutil.which(args.wrk) is None:
+        parser.error(f"--wrk {args.wrk}: not an executable")
     if nginx is None:
         _progress(
             "nginx: no nginx binary on PATH, skipping the nginx reference path (--nginx PATH to give one)"
         )
     plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generator shares D's core; D inherits it too
+    os.sched_setaffinity(0, plan.load)  # the load generators share D's core; D and wrk inherit it
     try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(run(settings, plan, args.quick, _progress, nginx))
+        with tempfile.TemporaryDirectory(prefix="kvr-bench-wrk-") as scratch:
+            json_load = _json_load(args.wrk, args.no_wrk, settings, Path(scratch))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                report = runner.run(run(settings, plan, args.quick, _progress, json_load, nginx))
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 1
@@ -69,6 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(report))
     print(f"raw figures: {args.json}")
     return 0
+
+
+def _json_load(given: str | None, refused: bool, settings: Settings, scratch: Path) -> JsonLoad:
+    """wrk when allowed and found, else the Python load generator and why (``run`` says which)."""
+    body = request_body(False, settings.answer_tokens)
+    found = None if refused else find_wrk(given, body, scratch)
+    if found is not None:
+        return found
+    why = "--no-wrk given" if refused else "wrk not found on PATH (install it, e.g. apt-get install wrk)"
+    return PythonJson(settings.answer_tokens, f"{why}; it may saturate its core before a hop does")
 
 
 def _progress(line: str) -> None:

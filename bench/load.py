@@ -1,18 +1,22 @@
-"""The load generator: a fixed number of aiohttp connections, each a closed loop.
+"""The Python load generator: a fixed number of aiohttp connections, each a closed loop.
 
 ``LoadClient`` holds one session whose pool is exactly ``concurrency``
 connections; ``run`` starts that many workers, each sending its next request
 as soon as the previous answer is fully read, until the shared count is
-spent or the phase's time bound passes (so every phase stops by itself).
-Latency is measured around the whole exchange; for SSE streams the time to
-the first body bytes (TTFB) and to the end of the stream are both kept.
-Every answer is checked (status 200, a stream ending with ``[DONE]``):
-wrong answers are errors, and figures over errors mean nothing.
+spent or the phase's time bound passes (so every phase stops by itself);
+``run_for`` sends for a fixed time instead. Latency is measured around the
+whole exchange; for SSE streams the time to the first body bytes (TTFB) and
+to the end of the stream are both kept. Every answer is checked (status 200,
+a stream ending with ``[DONE]``): wrong answers are errors, and figures over
+errors mean nothing. The CPU this process spent during a run (the client's
+own cost, as this process does nothing else meanwhile) goes with the sample,
+so a report can say when the client rather than the server was saturated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -44,13 +48,13 @@ KV_TRANSFER_PARAMS = {
 }
 
 
-def request_body(stream: bool) -> bytes:
+def request_body(stream: bool, max_tokens: int = 64) -> bytes:
     """A small chat completion request carrying ``kv_transfer_params``."""
     return msgspec.json.encode(
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
-            "max_tokens": 64,
+            "max_tokens": max_tokens,
             "stream": stream,
             "kv_transfer_params": KV_TRANSFER_PARAMS,
         }
@@ -67,6 +71,14 @@ class Sample:
     errors: int = 0
     first_errors: list[str] = field(default_factory=list)
     bounded: bool = False  # the phase hit its time bound before its count was done
+    client_cpu: float = 0.0  # CPU seconds (user + system) the load generator spent on the phase
+    # Requests completed, where ``latencies`` holds more than one per request (wrk's
+    # histogram, with its correction for coordinated omission); None: one latency each.
+    completed: int | None = None
+
+    def requests(self) -> int:
+        """How many requests completed."""
+        return len(self.latencies) if self.completed is None else self.completed
 
     def fail(self, detail: str) -> None:
         self.errors += 1
@@ -95,11 +107,11 @@ class _Budget:
 class LoadClient:
     """``concurrency`` keep-alive connections to one base URL (direct D or the sidecar)."""
 
-    def __init__(self, base_url: str, concurrency: int, request_timeout: float) -> None:
+    def __init__(self, base_url: str, concurrency: int, request_timeout: float, max_tokens: int = 64) -> None:
         self._url = URL(base_url + ROUTE)
         self._concurrency = concurrency
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
-        self._bodies = {"json": request_body(False), "sse": request_body(True)}
+        self._bodies = {"json": request_body(False, max_tokens), "sse": request_body(True, max_tokens)}
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> LoadClient:
@@ -123,11 +135,21 @@ class LoadClient:
         """Send ``count`` requests of ``kind`` over every connection at once."""
         sample = Sample()
         budget = _Budget(count, bound)
-        started = time.perf_counter()
-        await asyncio.gather(*(self._worker(kind, budget, sample) for _ in range(self._concurrency)))
-        sample.wall = time.perf_counter() - started
+        await self._run(kind, budget, sample)
         sample.bounded = budget.expired
         return sample
+
+    async def run_for(self, kind: Kind, seconds: float) -> Sample:
+        """Send requests of ``kind`` over every connection at once for ``seconds``."""
+        sample = Sample()
+        await self._run(kind, _Budget(sys.maxsize, seconds), sample)
+        return sample
+
+    async def _run(self, kind: Kind, budget: _Budget, sample: Sample) -> None:
+        started, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(self._worker(kind, budget, sample) for _ in range(self._concurrency)))
+        sample.wall = time.perf_counter() - started
+        sample.client_cpu = time.process_time() - cpu
 
     async def _worker(self, kind: Kind, budget: _Budget, sample: Sample) -> None:
         once = self._json_once if kind == "json" else self._sse_once

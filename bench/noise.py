@@ -2,7 +2,7 @@
 
 The machine may be shared (test suites, other benchmarks). Per-core busy time
 comes from ``/proc/stat`` (user + nice + system); what the benchmark's own
-processes used on each core (this process and D on the load core, the
+processes used on each core (this process, wrk and D on the load core, the
 sidecar and the reference hops on the other) is subtracted, and the rest,
 as a share of one core over the phase's wall time, is reported next to the
 figures. Interrupt time is left out of both sides, so loopback networking is
