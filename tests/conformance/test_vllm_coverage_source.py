@@ -46,12 +46,14 @@ VERSIONS = [
     for v in os.environ.get("KVR_CONFORMANCE_COVERAGE_VLLM", "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0").split(",")
     if v
 ]
+NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/"
 PREFIXES = (
     "vllm/entrypoints/",
     "vllm/renderers/",
     "vllm/v1/engine/",
     "vllm/exceptions.py",
     "vllm/outputs.py",
+    NIXL,
 )
 # Where a wrapped handler's calls may lead: its serving code, the shared bases, the renderer.
 SERVING = (
@@ -354,3 +356,33 @@ def test_stream_engine_paused_is_re_added_by_the_engine_core(vllm: Vllm) -> None
     )
     completion = src.find("completion_stream_generator", "completion/serving.py")
     assert "_convert_generation_error_to_streaming_response" in calls(handlers(completion)["GenerationError"])
+
+
+def test_push_mode_rejection_sends_p_nothing(vllm: Vllm) -> None:
+    """D's push scheduler queues an empty receive for a request aborted before it was scheduled,
+    but nothing sends P a message for it: P frees its blocks at the lease."""
+    version, src = vllm
+    if not src.has("request_finished", "nixl/push_scheduler.py"):
+        assert version < (0, 24, 0)  # push mode arrived in 0.24.0
+        return
+    finished = src.find("request_finished", "nixl/push_scheduler.py")
+    branch = next(
+        node
+        for node in ast.walk(finished)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "params.get('do_remote_prefill')"
+    )
+    assert "self._reqs_need_recv[request.request_id]" in ast.unparse(branch.body)
+    staged = {
+        name for path, name in src.sites("self._push_pending_registrations[") if "push_scheduler" in path
+    }
+    assert staged == {"update_state_after_alloc"}  # PUSH_REG: only once D has allocated blocks
+    assert "send_notif" not in calls(src.find("start_load_kv", "nixl/push_worker.py"))
+    senders = {(path.removeprefix(NIXL), name) for path, name in src.sites("send_notif(")}
+    assert senders - {("pull_worker.py", "_read_blocks"), ("pull_worker.py", "_read_blocks_for_req")} <= {
+        ("push_worker.py", "_do_send_reg_notif"),  # D: PUSH_REG
+        ("push_worker.py", "_xfer_blocks_for_req"),  # P: "write done" to D (0.25.x)
+        ("base_worker.py", "_send_heartbeats"),  # D: HB for requests its scheduler holds
+        ("base_worker.py", "_send_pending_recv_notifs"),  # filled by pull reads only
+    }
+    fillers = {path for path, _ in src.sites("self._pending_recv_notifs.setdefault(")}
+    assert fillers <= {NIXL + "pull_worker.py"}
