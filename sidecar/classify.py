@@ -11,6 +11,29 @@ Gateway statuses (502, 504) never come from vLLM itself; they come from a
 layer between us and D that may have delivered the request, so they are
 ambiguous, like a timeout after sending.
 
+A 200 stream whose first SSE event is an error failed when vLLM's engine
+generator first ran, after the status was sent. A 4xx there is a rejection
+before admission. A 5xx is ambiguous (D may have admitted the request and be
+reading) except for two answers told apart by their exact text, both raised
+before vLLM hands the request to its engine core's scheduler:
+
+* 503 typed ``"Service Unavailable"`` with the message of ``QueueOverflowError``
+  or ``MaxQueuedTokensError`` (vLLM 0.29.0+): the admission check
+  ``AsyncLLM._add_request`` runs before ``engine_core.add_request_async``
+  (``stream_admission_overflow``). D does not notify P (its handler returned
+  a stream), so the sidecar releases.
+* 503 with the message of 0.33.0's paused engine (``EngineCore.
+  _reject_add_while_paused``; typed ``"InternalServerError"`` in a chat
+  stream, ``"ServiceUnavailableError"`` in a completions stream): the engine
+  core rejected it on arrival and re-adds it only to notify P
+  (``stream_engine_paused``; ``sidecar.release.coverage`` leaves it to D).
+
+A ``/v1/completions`` body may hold several prompts, each its own engine
+request admitted on its own; one can be refused after another was admitted.
+vLLM's P/D does not serve such a body (P returns the first prompt's
+``kv_transfer_params`` only), so the overflow answer is released on that
+route too.
+
 A 4xx/5xx status before any body byte is taken as a rejection before
 admission. vLLM has a few answers that break that rule (docs/operations.md,
 "Where the classification is not exact"): a non-streaming 500 for a request
@@ -24,6 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+
+from sidecar.sse import FirstEvent
 
 
 class Outcome(StrEnum):
@@ -43,6 +68,8 @@ class Cause(StrEnum):
     INJECTED = "injected"
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
     STREAM_ADMISSION_ERROR = "stream_admission_error"
+    STREAM_ADMISSION_OVERFLOW = "stream_admission_overflow"  # vLLM 0.29.0+ queue limits
+    STREAM_ENGINE_PAUSED = "stream_engine_paused"  # vLLM 0.33.0: D's engine core notifies P
     # D admitted it (or will handle it itself)
     ADMITTED = "admitted"
     OTHER_STATUS = "other_status"
@@ -79,8 +106,10 @@ class Event:
 
     status: int | None = None
     stream: bool = False
-    # The ``code`` of an error in the first SSE event of a 200 stream, if any.
+    # The ``code`` of an error in the first SSE event of a 200 stream, if any, its type and text.
     first_event_error: int | None = None
+    first_event_type: str | None = None
+    first_event_message: str | None = None
     failure: Failure | None = None
 
 
@@ -110,6 +139,21 @@ _FAILURES: dict[Failure, Decision] = {
 
 _GATEWAY = frozenset({502, 504})
 
+#: The messages of vLLM's ``QueueOverflowError`` and ``MaxQueuedTokensError`` (0.29.0-0.33.0,
+#: ``vllm/exceptions.py``), answered with the type ``"Service Unavailable"``.
+ADMISSION_OVERFLOW_TYPE = "Service Unavailable"
+ADMISSION_OVERFLOW_MESSAGES = frozenset(
+    {
+        "The engine is currently busy and cannot accept new requests. "
+        "Please try again later or on a different instance.",
+        "The engine has reached its prefill token backlog limit. "
+        "Please try again later or on a different instance.",
+    }
+)
+#: What 0.33.0's ``EngineCore._reject_add_while_paused`` answers a request that came while paused.
+ENGINE_PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+_PAUSED_TYPES = frozenset({"InternalServerError", "ServiceUnavailableError"})  # chat, completions
+
 # Router mode holds P's parameters and closes its connection to D in these cases,
 # which aborts D's request: no live request reads the blocks any more.
 ROUTER_RELEASES = frozenset({Cause.HEADER_TIMEOUT, Cause.CLIENT_GONE_AFTER_FORWARD})
@@ -132,11 +176,30 @@ def classify(event: Event) -> Decision:
     return Decision(Outcome.NO_RELEASE, Cause.OTHER_STATUS)
 
 
+def stream_event(first: FirstEvent) -> Event:
+    """The event of a 200 stream whose first SSE event was scanned."""
+    return Event(
+        status=200,
+        stream=True,
+        first_event_error=first.error_code,
+        first_event_type=first.error_type,
+        first_event_message=first.error_message,
+    )
+
+
 def _classify_admitted(event: Event) -> Decision:
     code = event.first_event_error
     if not event.stream or code is None:
         return Decision(Outcome.NO_RELEASE, Cause.ADMITTED)
     if 400 <= code < 500:
-        # vLLM's engine admission step failed after HTTP 200 was sent (reference 6.2).
+        # vLLM's engine admission step failed after HTTP 200 was sent.
         return Decision(Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR)
+    if code == 503 and event.first_event_message is not None:
+        if (
+            event.first_event_type == ADMISSION_OVERFLOW_TYPE
+            and event.first_event_message in ADMISSION_OVERFLOW_MESSAGES
+        ):
+            return Decision(Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW)
+        if event.first_event_message == ENGINE_PAUSED_MESSAGE and event.first_event_type in _PAUSED_TYPES:
+            return Decision(Outcome.RELEASE, Cause.STREAM_ENGINE_PAUSED)
     return Decision(Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX)

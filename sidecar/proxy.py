@@ -30,7 +30,7 @@ import msgspec
 from sidecar import params as params_mod
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.body import ClientGone, Oversized, read_body, tail_params
-from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify
+from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify, stream_event
 from sidecar.config import Config
 from sidecar.errors import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error, send_raw
 from sidecar.faults import Injector
@@ -843,12 +843,12 @@ class _StreamJudge:
             return
         first = self._scanner.feed(chunk)
         if first is not None:
-            self._decide(Event(status=200, stream=True, first_event_error=first.error_code), first.error_type)
+            self._decide(stream_event(first), first.error_type)
 
     def finish(self) -> None:
         if not self._exchange.decided:
             first = self._scanner.finish()
-            self._decide(Event(status=200, stream=True, first_event_error=first.error_code), first.error_type)
+            self._decide(stream_event(first), first.error_type)
 
     def reset(self) -> None:
         """D broke the stream before its first event ended: D may have admitted it."""

@@ -2,7 +2,9 @@
 
 vLLM reports a failure of its engine admission step after HTTP 200 as the
 first event, ``data: {"error": {..., "code": 400}}`` (flat
-``{"object": "error", ..., "code": 400}`` before 0.10.1). The scanner sees
+``{"object": "error", ..., "code": 400}`` before 0.10.1); the scanner returns
+the error's code, type and message (``sidecar.classify`` tells some 503s
+apart by their exact message). The scanner sees
 each chunk as it is forwarded, keeps at most ``LIMIT`` bytes until the first
 event ends, and then stops looking.
 
@@ -37,6 +39,7 @@ _TYPED = msgspec.json.Decoder(_Typed)
 class FirstEvent:
     error_code: int | None  # the error's code when the first event is an error
     error_type: str | None
+    error_message: str | None = None
 
 
 class FirstEventScanner:
@@ -111,10 +114,11 @@ def parse_event(event: bytes) -> FirstEvent:
 
 
 def _from_error(error: dict[str, object]) -> FirstEvent:
-    code = error.get("code")
-    type_ = error.get("type")
+    code, type_, message = error.get("code"), error.get("type"), error.get("message")
     if isinstance(code, str) and code.isascii() and code.isdigit() and len(code) <= 9:
         code = int(code)
-    if not isinstance(code, int) or isinstance(code, bool):
-        return FirstEvent(None, type_ if isinstance(type_, str) else None)
-    return FirstEvent(code, type_ if isinstance(type_, str) else None)
+    return FirstEvent(
+        code if isinstance(code, int) and not isinstance(code, bool) else None,
+        type_ if isinstance(type_, str) else None,
+        message if isinstance(message, str) else None,
+    )

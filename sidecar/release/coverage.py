@@ -5,54 +5,65 @@ handlers, ``create_chat_completion``, ``create_completion`` and
 ``create_responses``; when the wrapped coroutine raises or returns an
 ``ErrorResponse`` it calls ``notify_kv_transfer_request_rejected``, which
 submits a pre-aborted one-token request straight to the engine core, whose
-NIXL connector then notifies P exactly as a releaser would (reference 5). A
-second release of the same request only makes P log an error, but a missed
-one strands the blocks until P's lease expires, so a rejection counts as
-covered only when its status and ``error.type`` prove it came from inside a
-wrapped handler *and* D's notify can still work. Everything else is released.
+NIXL connector then notifies P exactly as a releaser would. Both directions
+matter. A release the sidecar skips while D cannot send strands the blocks
+until P's lease. A release both send reaches P twice per rank, and with D's
+TP larger than P's, the sidecar's ``<id>:1`` landing between D's readers'
+messages leaves the request held until the lease (P compares its count for
+equality with the latest message's number; ``tests/conformance/
+test_vllm_duplicates.py`` shows it with vLLM's own P code). So a rejection
+counts as covered only when its status, ``error.type`` and route prove D
+notifies, and everything else is released.
 
-Evidence, read in every wheel 0.21.0-0.33.0 (0.22.1, 0.25.1, 0.27.1 included):
+Evidence, read in the 0.21.0, 0.25.1, 0.29.0, 0.31.0 and 0.33.0 wheels and
+pinned row by row in ``tests/conformance/test_vllm_coverage_source.py``:
 
-* The wrapper and ``AsyncLLM.notify_kv_transfer_request_rejected`` are
-  byte-identical in body across the span (``entrypoints/openai/engine/serving.py``
-  0.21-0.24, ``entrypoints/generate/base/serving.py`` 0.25+;
-  ``v1/engine/async_llm.py``). The public ``create_*`` methods of
-  ``entrypoints/openai/{chat_completion,completion,responses}/serving.py`` only
-  call the wrapper; model lookup (``_check_model``), engine health and, from
-  0.29.0, admission (``_preflight`` -> ``check_admission``) run inside it.
-* Before the handler, in ``entrypoints/openai/*/api_router.py``: the
-  ``validate_json_request`` dependency and body validation raise
-  ``RequestValidationError`` -> 400 with type ``"Bad Request"`` (the HTTP phrase;
-  ``validation_exception_handler`` in ``entrypoints/openai/server_utils.py``,
-  later ``entrypoints/serve/exception_handling/handlers/validation.py``); a
-  server without the API raises ``NotImplementedError`` -> 501
-  ``"NotImplementedError"``, the same body a handler's own
-  ``NotImplementedError`` gets, so 501 is never covered. Auth (401) and
-  elastic-EP scaling (503) middlewares answer ``{"error": "..."}``
-  (``error_type`` None); unknown paths get FastAPI's ``{"detail": ...}``.
-* ``create_error_response`` (``entrypoints/utils.py`` 0.21-0.22,
-  ``entrypoints/serve/utils/error_response.py`` 0.23-0.27,
-  ``entrypoints/serve/exception_handling/error_response.py`` 0.28+) gives
-  handler errors ``"BadRequestError"`` (400), ``"NotFoundError"`` (404),
-  ``"UnprocessableEntityError"`` (422, from 0.25.0), ``"NotImplementedError"``
-  (501), ``"InternalServerError"`` (500), and from 0.29.0 a
-  ``GracefulHTTPError`` (admission: ``QueueOverflowError``,
-  ``MaxQueuedTokensError`` in ``vllm/exceptions.py``) its phrase,
-  ``"Service Unavailable"`` (503). The notify bypasses admission, so a 503
-  from admission is covered.
-* 500 ``"InternalServerError"`` is not covered: it is what a dead engine gives
-  (the handler raises ``engine_client.dead_error``), and then the notify fails
-  too (it is only logged: "Failed to notify KV connector").
+* The wrapper's body is the same in every release (``entrypoints/openai/
+  engine/serving.py`` 0.21-0.24, ``entrypoints/generate/base/serving.py``
+  0.25+); ``AsyncLLM.notify_kv_transfer_request_rejected`` too, except that
+  0.33.0 adds ``watermarking=False`` to the request's sampling parameters.
+  Model lookup (``_check_model``) and, from 0.29.0, the engine check and
+  admission (``_preflight``) run inside the wrapped coroutines.
+* Before the handler, in each route's ``api_router.py``: body validation
+  answers 400 typed ``"Bad Request"`` (the HTTP phrase), other
+  ``HTTPException``s their phrase, a server without the API 501
+  ``"NotImplementedError"`` (the same body a handler's own
+  ``NotImplementedError`` gets); auth and scaling middlewares answer
+  ``{"error": ...}`` (no type).
+* ``create_error_response`` gives handler errors ``"BadRequestError"`` (400),
+  ``"NotFoundError"`` (404), ``"UnprocessableEntityError"`` (422, 0.25.0+),
+  from 0.29.0 the phrase ``"Service Unavailable"`` for admission control (503,
+  ``QueueOverflowError`` / ``MaxQueuedTokensError``; the notify bypasses
+  admission), and from 0.33.0 ``"ServiceUnavailableError"`` (503) for a
+  ``RetryableRequestError``.
+* ``/v1/responses`` answers ``"invalid_request_error"`` (400, 404) from inside
+  ``_create_responses`` only: prompt at or over ``max_model_len``
+  (``_validate_generator_input``), ``_validate_create_responses_input``, an
+  unknown ``previous_response_id`` (``_make_not_found_error``), and from 0.31.0
+  the renderer's ``render_responses``. The same type elsewhere comes from other
+  routes (retrieve/cancel a stored response, ``/v1/messages``, the render
+  server), so the row is keyed by route.
+* 0.33.0's paused engine (``/pause``, ``VLLM_SERVER_DEV_MODE``):
+  ``EngineCore._reject_add_while_paused`` answers the request with a retryable
+  error and re-adds it with ``abort_immediately``, so the engine core notifies
+  P whatever the route, and the wrapper once more on the wrapped ones. The
+  client sees 503 ``"ServiceUnavailableError"``, or as a stream the first
+  event (cause ``stream_engine_paused``).
+
+Answers that also come from where D cannot notify are not covered: 500
+``"InternalServerError"`` is a dead engine's answer (the notify then fails)
+and vLLM's catch-all exception handler's for any exception outside the
+handler; 501 is also the router's. With D's engine alive, a wrapped handler
+gives them too and D notifies: ``engine_may_cover`` names them, so the
+release can be sent after D's own notification would have reached P, never
+between D's readers' messages.
 
 A request the sidecar gave up on after sending it (``header_timeout``, and
 ``client_gone_after_forward``: both release only with ``--release-ambiguous``
 or in router mode) is covered too: the sidecar closes its connection, vLLM's
-``with_cancellation`` cancels the handler, and the wrapper "also fires when
-the handler is cancelled" (reference 5). Releasing it as well would reach P
-twice per rank (an "unrecognized request" error on P each time), and, if D had
-admitted the request and was reading, the sidecar's notification could free
-blocks under that read; D's own abort path waits for its read. The one case
-left to P's lease: D accepted the request but its handler never started.
+``with_cancellation`` cancels the handler, and the wrapper also fires when
+the handler is cancelled. The one case left to P's lease: D accepted the
+request but its handler never started.
 
 Known gap: a non-streaming request whose ``X-data-parallel-rank`` is out of
 range gets 400 ``"BadRequestError"`` from inside the handler, and D's notify
@@ -62,6 +73,8 @@ sends that header wrong, and then every request of it fails the same way.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sidecar.release.base import ReleaseJob
 
 Version = tuple[int, int, int]
@@ -69,29 +82,69 @@ Version = tuple[int, int, int]
 FIX_SINCE: Version = (0, 21, 0)
 #: The routes whose handlers the fix wraps (not /v1/messages, not the token-in/out route).
 WRAPPED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+RESPONSES = frozenset({"/v1/responses"})
 #: ``sidecar.classify.Cause`` values for "D answered with an error status".
 D_ANSWERED = frozenset({"rejected_4xx", "rejected_5xx"})
 #: Causes for which the sidecar closed a connection on which D had the whole request and had
 #: not answered: vLLM's ``with_cancellation`` cancels the handler, and the wrapper notifies P.
 ABORTED_BY_SIDECAR = frozenset({"header_timeout", "client_gone_after_forward"})
-#: (first release, status, error.type) of answers that only a wrapped handler gives.
-IN_HANDLER: tuple[tuple[Version, int, str], ...] = (
-    ((0, 21, 0), 400, "BadRequestError"),
-    ((0, 21, 0), 404, "NotFoundError"),
-    ((0, 25, 0), 422, "UnprocessableEntityError"),
-    ((0, 29, 0), 503, "Service Unavailable"),
+#: Stream causes (first SSE event) whose request D's engine core re-added to notify P, by release.
+ENGINE_CORE_STREAMS: dict[str, Version] = {"stream_engine_paused": (0, 33, 0)}
+
+
+class Row(NamedTuple):
+    """An answer D gives from where it notifies P: from ``since``, on ``routes`` (None: any)."""
+
+    since: Version
+    status: int
+    error_type: str
+    routes: frozenset[str] | None = WRAPPED_ROUTES
+
+
+#: Answers that prove D notifies P itself.
+COVERED: tuple[Row, ...] = (
+    Row((0, 21, 0), 400, "BadRequestError"),
+    Row((0, 21, 0), 404, "NotFoundError"),
+    Row((0, 25, 0), 422, "UnprocessableEntityError"),
+    Row((0, 29, 0), 503, "Service Unavailable"),
+    Row((0, 21, 0), 400, "invalid_request_error", RESPONSES),
+    Row((0, 21, 0), 404, "invalid_request_error", RESPONSES),
+    Row((0, 33, 0), 503, "ServiceUnavailableError", None),  # the paused engine core re-adds it
+)
+#: Answers D gives both where it notifies (a wrapped handler, engine alive) and where it cannot.
+MAY_BE_COVERED: tuple[Row, ...] = (
+    Row((0, 21, 0), 500, "InternalServerError"),
+    Row((0, 21, 0), 501, "NotImplementedError"),
 )
 
 
 def engine_covers(version: Version, job: ReleaseJob) -> bool:
     """True when D of ``version`` releases ``job`` itself, so the sidecar must not."""
-    if version < FIX_SINCE or job.injected or job.route.split("?", 1)[0] not in WRAPPED_ROUTES:
+    if version < FIX_SINCE or job.injected:
         return False
+    route = job.route.split("?", 1)[0]
     if job.cause in ABORTED_BY_SIDECAR:
-        return True  # D's handler had the request and the sidecar's abort cancelled it
+        return route in WRAPPED_ROUTES  # D's handler had the request and the sidecar's abort cancelled it
+    if job.cause in ENGINE_CORE_STREAMS:
+        return version >= ENGINE_CORE_STREAMS[job.cause]
+    return _answered(COVERED, version, job, route)
+
+
+def engine_may_cover(version: Version, job: ReleaseJob) -> bool:
+    """True when D of ``version`` may or may not have released ``job``: its answer alone cannot
+    tell. A release then must not reach P between D's readers' messages (send it after them)."""
+    if version < FIX_SINCE or job.injected:
+        return False
+    return _answered(MAY_BE_COVERED, version, job, job.route.split("?", 1)[0])
+
+
+def _answered(rows: tuple[Row, ...], version: Version, job: ReleaseJob, route: str) -> bool:
     if job.cause not in D_ANSWERED or job.error_type is None:
         return False  # not D's answer: unreachable, the sidecar's own rejection, after-200 errors
     return any(
-        version >= since and job.status == status and job.error_type == type_
-        for since, status, type_ in IN_HANDLER
+        version >= row.since
+        and job.status == row.status
+        and job.error_type == row.error_type
+        and (row.routes is None or route in row.routes)
+        for row in rows
     )

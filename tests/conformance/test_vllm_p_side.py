@@ -290,13 +290,30 @@ class FakeTopology:
             self.tp_ratio = types.MethodType(tp_ratio, self)
 
 
+class _Tap:
+    """The worker's NIXL agent, reporting every notification it hands vLLM's code (in order)."""
+
+    def __init__(self, agent: Any, rank: tuple[int, int]) -> None:
+        self._agent, self._rank = agent, rank
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        for messages in notifs.values():
+            for message in messages:
+                emit({"notif": message.decode(errors="replace"), "rank": list(self._rank)})
+        return notifs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
 class PWorker:
     """The state a vLLM P worker's notification and expiry code touch, plus vLLM's methods."""
 
     def __init__(
         self, module: types.ModuleType, agent: Any, engine_id: str, rank: tuple[int, int], tp: int
     ) -> None:
-        self.nixl_wrapper, self.engine_id, self.rank = agent, engine_id, rank
+        self.nixl_wrapper, self.engine_id, self.rank = _Tap(agent, rank), engine_id, rank
         self.tp_rank, self.world_size = rank[1], tp
         self._tp_size = {engine_id: tp}
         self._reqs_to_send: dict[str, float] = {}
@@ -424,6 +441,8 @@ def serve(args: argparse.Namespace) -> None:
                 emit({"held": line[1]})
             elif line[0] == "alive":
                 emit({"alive": [t.is_alive() for t in listeners]})
+            elif line[0] == "sync":  # every event of the steps before this one is out
+                emit({"synced": line[1]})
         for rank, worker in workers.items():
             try:
                 for request_id in worker.step():
@@ -493,6 +512,16 @@ class PProcess:
 
     def logs(self, needle: str) -> list[str]:
         return [e["msg"] for e in self.events if "log" in e and needle in e["msg"]]
+
+    def received(self, message: str) -> list[tuple[int, ...]]:
+        """The ranks that handed ``message`` to vLLM's notification handler, once per arrival."""
+        return sorted(tuple(e["rank"]) for e in self.events if e.get("notif") == message)
+
+    async def settle(self) -> None:
+        """Wait until the steps P is running now are over (their events are out)."""
+        token = uuid.uuid4().hex
+        self.send(f"sync {token}")
+        await self.await_(lambda: {"synced": token} in self.events, "P's step loop answered")
 
     def stop(self) -> None:
         with contextlib.suppress(BrokenPipeError):

@@ -5,15 +5,28 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.classify import Cause, Event, Failure, Outcome, classify
+from sidecar.classify import (
+    ADMISSION_OVERFLOW_MESSAGES,
+    ADMISSION_OVERFLOW_TYPE,
+    ENGINE_PAUSED_MESSAGE,
+    Cause,
+    Event,
+    Failure,
+    Outcome,
+    classify,
+)
 
 statuses = st.one_of(st.none(), st.integers(min_value=-1, max_value=1000), st.integers())
 codes = st.one_of(st.none(), st.integers(min_value=0, max_value=700), st.integers())
+VLLM_TYPES = [ADMISSION_OVERFLOW_TYPE, "InternalServerError", "ServiceUnavailableError", "BadRequestError"]
+VLLM_MESSAGES = [*sorted(ADMISSION_OVERFLOW_MESSAGES), ENGINE_PAUSED_MESSAGE]
 events = st.builds(
     Event,
     status=statuses,
     stream=st.booleans(),
-    first_event_error=codes,
+    first_event_error=st.one_of(codes, st.just(503)),
+    first_event_type=st.one_of(st.none(), st.sampled_from(VLLM_TYPES), st.text(max_size=30)),
+    first_event_message=st.one_of(st.none(), st.sampled_from(VLLM_MESSAGES), st.text(max_size=120)),
     failure=st.one_of(st.none(), st.sampled_from(list(Failure))),
 )
 
@@ -27,6 +40,8 @@ DEFINITE = {
     Cause.INJECTED,
     Cause.CLIENT_GONE_BEFORE_FORWARD,
     Cause.STREAM_ADMISSION_ERROR,
+    Cause.STREAM_ADMISSION_OVERFLOW,
+    Cause.STREAM_ENGINE_PAUSED,
 }
 
 
@@ -45,8 +60,10 @@ def test_a_release_needs_a_rejection_d_never_admitted(event: Event) -> None:
     if event.failure is not None or decision.outcome is not Outcome.RELEASE:
         return
     status = event.status or 0
-    if 200 <= status < 300:  # only an in-band 4xx admission error in a stream's first event
-        assert event.stream and event.first_event_error is not None and 400 <= event.first_event_error < 500
+    if 200 <= status < 300:  # only an in-band error in a stream's first event: 4xx, or vLLM's own 503s
+        code, message = event.first_event_error, event.first_event_message
+        assert event.stream and code is not None
+        assert 400 <= code < 500 or (code == 503 and message in VLLM_MESSAGES)
     else:
         assert 400 <= status < 600 and status not in (502, 504)
 

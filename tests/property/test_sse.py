@@ -13,9 +13,10 @@ from sidecar.sse import LIMIT, FirstEvent, FirstEventScanner, parse_event
 from tests.property.strategies import json_values
 
 SEPARATORS = [b"\n\n", b"\r\n\r\n", b"\r\r"]
+fields = {"code": json_values, "type": json_values, "message": json_values}
 error_payloads = st.one_of(
-    st.fixed_dictionaries({"error": st.fixed_dictionaries({"code": json_values, "type": json_values})}),
-    st.fixed_dictionaries({"object": st.just("error"), "code": json_values, "type": json_values}),
+    st.fixed_dictionaries({"error": st.fixed_dictionaries(fields)}),
+    st.fixed_dictionaries({"object": st.just("error"), **fields}),
     json_values,
 )
 
@@ -86,3 +87,12 @@ def test_an_int_code_is_reported_as_sent(code: Any, shape: str) -> None:
         assert first.error_code == int(code)
     else:
         assert first.error_code is None
+
+
+@given(json_values, json_values)
+def test_type_and_message_are_reported_only_as_strings(type_: Any, message: Any) -> None:
+    first = parse_event(
+        b"data: " + json.dumps({"error": {"code": 503, "type": type_, "message": message}}).encode()
+    )
+    assert first.error_type == (type_ if isinstance(type_, str) else None)
+    assert first.error_message == (message if isinstance(message, str) else None)

@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.classify import Cause, Event, Failure, Outcome, classify
+from sidecar.classify import (
+    ADMISSION_OVERFLOW_MESSAGES,
+    ENGINE_PAUSED_MESSAGE,
+    Cause,
+    Event,
+    Failure,
+    Outcome,
+    classify,
+)
+
+QUEUE_FULL, BACKLOG = sorted(ADMISSION_OVERFLOW_MESSAGES)
+
+
+def first(code: int, type_: str | None, message: str | None, stream: bool = True) -> Event:
+    """A 200 whose first SSE event is vLLM's error."""
+    return Event(
+        status=200, stream=stream, first_event_error=code, first_event_type=type_, first_event_message=message
+    )
+
 
 TABLE = [
     # definite rejections: release
@@ -27,6 +45,16 @@ TABLE = [
     (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
     (Event(status=200, stream=True, first_event_error=400), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
     (Event(status=200, stream=True, first_event_error=422), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
+    # vLLM 0.29.0+: AsyncLLM._add_request's queue limits, before the engine core has the request
+    (first(503, "Service Unavailable", QUEUE_FULL), Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW),
+    (first(503, "Service Unavailable", BACKLOG), Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW),
+    # vLLM 0.33.0's paused engine core: a definite rejection, which D's engine core releases itself
+    (first(503, "InternalServerError", ENGINE_PAUSED_MESSAGE), Outcome.RELEASE, Cause.STREAM_ENGINE_PAUSED),
+    (
+        first(503, "ServiceUnavailableError", ENGINE_PAUSED_MESSAGE),
+        Outcome.RELEASE,
+        Cause.STREAM_ENGINE_PAUSED,
+    ),
     # admitted: D reads and notifies P itself
     (Event(status=200), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=201), Outcome.NO_RELEASE, Cause.ADMITTED),
@@ -37,6 +65,16 @@ TABLE = [
     # ambiguous: D may have admitted it
     (Event(status=200, stream=True, first_event_error=500), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
     (Event(status=200, stream=True, first_event_error=503), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    # the overflow and paused answers only when every field is vLLM's, to the letter
+    (first(503, "Service Unavailable", QUEUE_FULL + " "), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, "Service Unavailable", "busy"), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, "Service Unavailable", None), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, "ServiceUnavailableError", QUEUE_FULL), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, None, QUEUE_FULL), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(500, "Service Unavailable", QUEUE_FULL), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, "BadRequestError", ENGINE_PAUSED_MESSAGE), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(500, "InternalServerError", ENGINE_PAUSED_MESSAGE), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, "Service Unavailable", QUEUE_FULL, stream=False), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=502), Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR),
     (Event(status=504), Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR),
     (Event(failure=Failure.HEADER_TIMEOUT), Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),

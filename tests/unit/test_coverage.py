@@ -1,4 +1,7 @@
-"""``engine_covers``: which rejections D releases itself (vLLM 0.21.0+), as a table."""
+"""``engine_covers``: which rejections D releases itself (vLLM 0.21.0+), as a table.
+
+Each row's vLLM source is pinned in ``tests/conformance/test_vllm_coverage_source.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import pytest
 
 from sidecar.params import release_params
 from sidecar.release.base import ReleaseJob
-from sidecar.release.coverage import engine_covers
+from sidecar.release.coverage import engine_covers, engine_may_cover
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 
@@ -42,7 +45,9 @@ def job(
     )
 
 
-V021, V024, V025, V028, V029, V033 = (0, 21, 0), (0, 24, 0), (0, 25, 0), (0, 28, 0), (0, 29, 0), (0, 33, 0)
+V021, V024, V025, V028, V029, V031, V033 = (
+    (0, 21, 0), (0, 24, 0), (0, 25, 0), (0, 28, 0), (0, 29, 0), (0, 31, 0), (0, 33, 0)
+)  # fmt: skip
 
 TABLE = [
     # version, job, covered, why
@@ -69,7 +74,21 @@ TABLE = [
     (V028, job(503, "Service Unavailable"), False, "no admission control before 0.29.0"),
     (V029, job(503, "Service Unavailable"), True, "admission, inside; the notify bypasses it"),
     (V033, job(503, "Service Unavailable"), True, "admission"),
-    (V033, job(503, "ServiceUnavailableError"), False, "RetryableRequestError: pooling only"),
+    (V033, job(503, "ServiceUnavailableError"), True, "paused engine: the core re-adds it, the wrapper too"),
+    (V033, job(503, "ServiceUnavailableError", route="/v1/messages"), True, "paused: the core, any route"),
+    (V031, job(503, "ServiceUnavailableError"), False, "no RetryableRequestError before 0.33.0"),
+    (V021, job(400, "invalid_request_error", route=RESP), True, "responses: prompt over max_model_len"),
+    (V033, job(400, "invalid_request_error", route=RESP), True, "responses: input validation, renderer"),
+    (V029, job(404, "invalid_request_error", route=RESP), True, "responses: previous_response_id unknown"),
+    ((0, 20, 2), job(400, "invalid_request_error", route=RESP), False, "no fix before 0.21.0"),
+    (V033, job(400, "invalid_request_error"), False, "the chat handler never answers that type"),
+    (V033, job(404, "invalid_request_error", route=CMPL), False, "nor the completions handler"),
+    (V033, job(404, "invalid_request_error", route="/v1/responses/r1"), False, "retrieve: another route"),
+    (V033, job(400, "invalid_request_error", route="/v1/messages"), False, "Anthropic's type, not wrapped"),
+    (V033, job(503, "invalid_request_error", route=RESP), False, "a status vLLM does not pair with it"),
+    (V033, job(200, "InternalServerError", cause="stream_engine_paused"), True, "paused stream: the core"),
+    (V031, job(200, "InternalServerError", cause="stream_engine_paused"), False, "no pause rejection"),
+    (V033, job(200, "Service Unavailable", cause="stream_admission_overflow"), False, "never reached D"),
     (V033, job(429, "BadRequestError"), False, "a status vLLM does not pair with that type"),
     (V033, job(400, "BadRequestError", route="/v1/messages"), False, "Anthropic adapter not wrapped"),
     (V033, job(400, "BadRequestError", route="/inference/v1/generate"), False, "token route not wrapped"),
@@ -92,3 +111,24 @@ TABLE = [
 @pytest.mark.parametrize(("version", "rejection", "covered", "why"), TABLE, ids=[row[3] for row in TABLE])
 def test_engine_covers(version: tuple[int, int, int], rejection: ReleaseJob, covered: bool, why: str) -> None:
     assert engine_covers(version, rejection) is covered, why
+
+
+MAY = [
+    # version, job, D may have released it, why
+    (V021, job(500, "InternalServerError"), True, "a handler's error, or a dead engine, or the catch-all"),
+    (V033, job(500, "InternalServerError", route=RESP), True, "the same on every wrapped route"),
+    (V033, job(501, "NotImplementedError"), True, "a handler's NotImplementedError, or the router's"),
+    ((0, 20, 2), job(500, "InternalServerError"), False, "no fix before 0.21.0: D never notifies"),
+    (V033, job(500, "InternalServerError", route="/v1/messages"), False, "no wrapper there"),
+    (V033, job(500, None), False, "not vLLM's error body"),
+    (V033, job(400, "BadRequestError"), False, "covered outright"),
+    (V033, job(400, "Bad Request"), False, "before the handler: D never notifies"),
+    (V033, job(500, "InternalServerError", cause="stream_error_5xx"), False, "after HTTP 200"),
+    (V033, job(500, "InternalServerError", injected=True), False, "injected: D never saw it"),
+]
+
+
+@pytest.mark.parametrize(("version", "rejection", "may", "why"), MAY, ids=[row[3] for row in MAY])
+def test_engine_may_cover(version: tuple[int, int, int], rejection: ReleaseJob, may: bool, why: str) -> None:
+    assert engine_may_cover(version, rejection) is may, why
+    assert not (may and engine_covers(version, rejection)), "a row is either covered or may be"

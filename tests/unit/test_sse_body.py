@@ -41,6 +41,26 @@ def test_first_event(chunks: list[bytes], code: int | None, type_: str | None) -
     assert (result.error_code, result.error_type) == (code, type_)
 
 
+# vLLM 0.29.0-0.33.0: a stream refused by AsyncLLM._add_request's admission check.
+OVERFLOW_EVENT = (
+    b'data: {"error": {"message": "The engine is currently busy and cannot accept new requests. Please '
+    b'try again later or on a different instance.", "type": "Service Unavailable", "param": null, '
+    b'"code": 503}}\n\n'
+)
+
+
+def test_first_event_reports_the_message() -> None:
+    first = FirstEventScanner().feed(OVERFLOW_EVENT)
+    assert first == FirstEvent(
+        503,
+        "Service Unavailable",
+        "The engine is currently busy and cannot accept new requests. "
+        "Please try again later or on a different instance.",
+    )
+    assert parse_event(b'data: {"error": {"message": 7, "type": "t", "code": 503}}').error_message is None
+    assert parse_event(ERROR_EVENT).error_message == "too long"
+
+
 def test_scanner_gives_up_past_limit() -> None:
     scanner = FirstEventScanner()
     assert scanner.feed(b"data: " + b"x" * (LIMIT + 1)) is not None

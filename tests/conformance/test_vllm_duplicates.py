@@ -1,0 +1,153 @@
+"""Conformance: what a second "done" notification does to vLLM's own P, order by order.
+
+When D's own fix (vLLM 0.21.0+) notifies P and the sidecar releases the same
+request too, P gets both. With D's TP twice P's, every P rank expects two
+notifications, one from each D worker that reads from it, and frees when its
+count *equals* the number it derives from the latest message: D's TP size
+through ``tp_ratio`` in 0.14.0-0.28.x (``<id>:4`` from a TP=4 D), the reader
+count itself from 0.29.0 (``<id>:2``). The sidecar sends ``<id>:1``, which
+means "one reader" in both.
+
+This runs vLLM's P code from the wheel (the harness of ``test_vllm_p_side.py``:
+listener, notification handler and lease expiry on real NIXL agents, P with
+TP=2) against two real NIXL agents playing D's two readers and the sidecar's
+own ``NixlReleaser``. Each message is delivered to every P rank and consumed by
+P's step loop before the next one leaves, so the order P sees is the order
+written in ``ORDERS``. The recorded result (``RESULT``) is the message after
+which every rank reported the request finished, or ``"lease"`` when none did
+and only P's lease expiry freed it.
+
+Finding (0.21.0 and 0.33.0 alike): the sidecar's message between D's two
+strands the request on every rank until the lease; before or after D's, it
+frees (early, or it is logged as "unrecognized"). ``docs/operations.md``
+("Duplicate notifications") draws the consequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import zmq.asyncio
+
+from sidecar.nixl.handshake import HandshakeClient, Target
+from sidecar.nixl.peer import NixlPeer
+from sidecar.nixl.versions import WireProfile
+from sidecar.release.base import Result
+from tests.conformance.test_vllm_p_side import PProcess, fetch_wheel, job, p_request_id, releaser
+
+pytestmark = pytest.mark.nixl
+
+VERSIONS = [v for v in os.environ.get("KVR_CONFORMANCE_DUPLICATE_VLLM", "0.33.0,0.21.0").split(",") if v]
+P_TP, D_TP = 2, 4
+LEASE = 3.0  # seconds P holds the request (its lease, or its timeout before 0.22.0)
+
+# Who sends, per P rank, in the order P handles it: "D" one of D's two readers, "S" the sidecar.
+ORDERS = {
+    "D alone": ("D", "D"),
+    "sidecar first": ("S", "D", "D"),
+    "sidecar between D's readers": ("D", "S", "D"),
+    "sidecar last": ("D", "D", "S"),
+}
+# What vLLM's P did: the 0-based index of the message that freed the request on every rank, or
+# "lease". The same in both counting schemes (tp_ratio, 0.14.0-0.28.x; reader count, 0.29.0+).
+RESULT: dict[str, int | str] = {
+    "D alone": 1,
+    "sidecar first": 0,  # freed at once (no one reads here); D's two messages are "unrecognized"
+    "sidecar between D's readers": "lease",  # count 2 != 1, then 3 != 2: stranded
+    "sidecar last": 1,  # freed by D; the sidecar's message is "unrecognized"
+}
+
+
+def d_message(version: str, request_id: str) -> str:
+    """What each of a TP=4 D's readers sends a TP=2 P (reference section 2.2)."""
+    profile = WireProfile.for_version(version)
+    assert profile is not None
+    readers_count = profile.low >= (0, 29, 0)
+    return f"{request_id}:{D_TP // P_TP if readers_count else D_TP}"
+
+
+class DReader:
+    """One of D's workers as P sees it: its own NIXL agent, handshaken with every P rank."""
+
+    def __init__(self) -> None:
+        self.peer = NixlPeer()
+        self.agents: list[str] = []
+
+    async def connect(self, version: str, p: PProcess) -> None:
+        profile = WireProfile.for_version(version)
+        assert profile is not None
+        await self.peer.start()
+        ranks = [(0, tp) for tp in range(p.tp)]
+        context = zmq.asyncio.Context()
+        try:
+            replies = await HandshakeClient(context, 5.0).fetch(
+                Target("127.0.0.1", "127.0.0.1", p.port), profile, ranks
+            )
+        finally:
+            context.destroy(linger=0)
+        self.agents = [await self.peer.add_remote(replies[rank].agent_metadata) for rank in ranks]
+
+    async def send(self, message: str) -> None:
+        for agent in self.agents:
+            await self.peer.notify(agent, message.encode())
+
+
+@pytest.fixture(params=VERSIONS)
+async def prefill(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, PProcess, list[DReader], Any]]:
+    """P (TP=2) from the wheel, D's two readers and the sidecar, every handshake done."""
+    version: str = request.param
+    p = PProcess(fetch_wheel(version), P_TP, 1)
+    readers = [DReader(), DReader()]
+    sidecar = await releaser(version)
+    try:
+        for reader in readers:
+            await reader.connect(version, p)
+        await p.hold(p_request_id(version, "warm"))
+        assert await sidecar.release(job(version, p, "warm")) is Result.SENT
+        await p.await_(lambda: len(p.finished(p_request_id(version, "warm"))) == p.tp, "warm-up freed")
+        yield version, p, readers, sidecar
+    finally:
+        await asyncio.gather(sidecar.close(), *(reader.peer.close() for reader in readers))
+        p.stop()
+
+
+async def freed_after(
+    version: str, p: PProcess, readers: list[DReader], sidecar: Any, order: str
+) -> int | str:
+    """Deliver ``ORDERS[order]`` to every P rank, one message at a time; which one freed it."""
+    name = f"dup-{list(ORDERS).index(order)}"
+    rid = p_request_id(version, name)
+    ranks = sorted((0, tp) for tp in range(p.tp))
+    messages = {"D": d_message(version, rid), "S": f"{rid}:1"}
+    await p.hold(rid, ttl=LEASE)
+    freed: int | str | None = None
+    pending = iter(readers)
+    for index, sender in enumerate(ORDERS[order]):
+        arrived = len(p.received(messages[sender]))
+        if sender == "D":
+            await next(pending).send(messages["D"])
+        else:
+            assert await sidecar.release(job(version, p, name)) is Result.SENT
+        await p.await_(lambda m=messages[sender], n=arrived: len(p.received(m)) == n + len(ranks), "arrival")
+        await p.settle()
+        if freed is None and p.finished(rid) == ranks:
+            freed = index
+    if freed is None:
+        await p.await_(lambda: p.finished(rid) == ranks, "P's lease frees it", within=LEASE + 10)
+        assert [m for m in p.logs("Releasing expired KV blocks") if rid in m], "freed by the lease"
+        freed = "lease"
+    assert p.finished(rid) == ranks  # exactly once per rank, whatever came later
+    late = len(ORDERS[order]) - 1 - freed if isinstance(freed, int) else 0
+    assert len([m for m in p.logs("unrecognized request") if rid in m]) == late * len(ranks)
+    return freed
+
+
+async def test_interleaved_duplicate_notifications(prefill: tuple[str, PProcess, list[DReader], Any]) -> None:
+    version, p, readers, sidecar = prefill
+    observed = {order: await freed_after(version, p, readers, sidecar, order) for order in ORDERS}
+    assert observed == RESULT, f"vLLM {version}"
+    assert not [e for e in p.events if "error" in e]
