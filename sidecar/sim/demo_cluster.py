@@ -173,7 +173,7 @@ def demo_cluster(settings: ClusterSettings) -> Iterator[ClusterUrls]:
     decode = DecodeSimConfig(
         port=0,
         version=version,
-        served_model=settings.model,
+        model=settings.model,
         max_model_len=settings.max_model_len,
         max_concurrency=settings.max_concurrency,
         api_key=settings.api_key,

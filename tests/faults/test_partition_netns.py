@@ -161,7 +161,7 @@ def test_partition_between_sidecar_and_p_netns() -> None:
     (a fresh handshake across the veth works).
     """
     config = DecodeSimConfig(
-        port=0, version=VERSION, served_model=MODEL, max_model_len=MAX_MODEL_LEN, vllm_d=True
+        port=0, version=VERSION, model=MODEL, max_model_len=MAX_MODEL_LEN, vllm_d=True
     )
     with namespace() as ns, p_in(ns), serve(create_decode_app(config, VllmDHooks(VERSION))) as d:
         cluster = Backends(ns, d, None)

@@ -44,7 +44,7 @@ def cluster(hooks: VllmDHooks, **sidecar: Any) -> Iterator[tuple[ServerThread, S
     p_config = PrefillSimConfig(
         port=0, tp=2, num_blocks=512, lease=10, side_channel_port=0, model="sim-model", log_level="error"
     )
-    d_config = DecodeSimConfig(port=0, served_model="sim-model", event_delay=0.002, vllm_d=True)
+    d_config = DecodeSimConfig(port=0, model="sim-model", event_delay=0.002, vllm_d=True)
     settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
     with (
         serve(create_prefill_app(p_config)) as p,
