@@ -68,7 +68,6 @@ class Answers:
 
     def __init__(self, config: DecodeSimConfig) -> None:
         count = config.stream_events
-        self.completion_tokens = count
         self.details = config.prompt_tokens_details
         self.model = config.model
         self.tokens = ["t0", *(f" t{i}" for i in range(1, count))]
