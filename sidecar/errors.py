@@ -27,6 +27,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
+    422: "UnprocessableEntityError",  # vLLM's type for 422 (0.25.0+)
     429: "RateLimitError",
     500: "InternalServerError",
     501: "NotImplementedError",

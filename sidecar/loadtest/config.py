@@ -52,6 +52,9 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_inflight: int = 2048  # open loop, but bounded: arrivals beyond it are counted as dropped
     progress: ProgressMode = "auto"
     prefill_probe: ProbeMode = "auto"  # auto: the simulator's /stats when P serves it, else /metrics
+    # D rejecting more than this share of what it is sent, for reasons not injected, fails the run:
+    # a misconfiguration (model name, API key, limits) would otherwise pass with nothing tested.
+    max_rejected_share: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("prefill_url", "decode_url", "sidecar_admin_url"):
@@ -73,8 +76,9 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 raise ConfigError(name, getattr(self, name), "must be at least 1")
         if self.max_requests < 0 or self.drain_timeout < 0:
             raise ConfigError("max_requests", self.max_requests, "must not be negative")
-        if not 0.0 <= self.stream_share <= 1.0:
-            raise ConfigError("stream_share", self.stream_share, "must be between 0 and 1")
+        for name in ("stream_share", "max_rejected_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(name, getattr(self, name), "must be between 0 and 1")
 
     @property
     def path(self) -> str:
@@ -107,9 +111,13 @@ _HELP = {
     "max_inflight": "flows in flight at most; later arrivals are dropped and counted (default 2048)",
     "progress": "progress on stderr: auto (a bar on a TTY, lines otherwise), bar, line, off",
     "prefill_probe": "how to read P: auto (the simulator's /stats if served), stats, metrics (Prometheus)",
+    "max_rejected_share": "fail when D rejects more than this share, injected ones aside (default 0.1)",
 }
 _INTS = ("concurrency", "max_requests", "block_size", "max_prompt", "max_tokens", "seed", "max_inflight")
-_FLOATS = ("rate", "duration", "stream_share", "sample_interval", "drain_timeout", "ready_timeout", "timeout")
+_FLOATS = (
+    *("rate", "duration", "stream_share", "sample_interval", "drain_timeout", "ready_timeout", "timeout"),
+    "max_rejected_share",
+)
 _TYPES: dict[str, type] = {**dict.fromkeys(_INTS, int), **dict.fromkeys(_FLOATS, float)}
 _CHOICES = {
     "route": ["completions", "chat"],

@@ -177,8 +177,13 @@ async def sidecar_counters(session: aiohttp.ClientSession, admin_url: str) -> di
 
 def sidecar_counters_from_text(text: str) -> dict[str, float]:
     """``kvr_releases_total{result}`` -> ``releases.<result>`` (summed over strategies), and
-    likewise rejections by cause, not-released by outcome, injected, and the queue depth."""
+    likewise rejections by cause, not-released by outcome, injected, the blocks released and the
+    pinned block-seconds the sidecar estimates it saved, and the queue depth."""
     out: dict[str, float] = {}
+    totals = {
+        "kvr_released_blocks_total": "released_blocks",
+        "kvr_pinned_block_seconds_saved_total": "block_seconds_saved",
+    }
     keys = {
         "kvr_releases_total": ("releases", "result"),
         "kvr_rejections_total": ("rejections", "cause"),
@@ -190,6 +195,8 @@ def sidecar_counters_from_text(text: str) -> dict[str, float]:
             prefix, label = keys[name]
             key = f"{prefix}.{labels.get(label, '?')}"
             out[key] = out.get(key, 0.0) + value
+        elif name in totals:
+            out[totals[name]] = out.get(totals[name], 0.0) + value
         elif name == "kvr_release_queue_depth":
             out["queue_depth"] = value
     return out

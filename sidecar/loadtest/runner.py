@@ -71,12 +71,15 @@ class _Run:
         self.series = Series([], [], [])
         self.flows: list[FlowResult] = []
         self.run_id = f"lt{config.seed}-{secrets.token_hex(3)}"
+        self.model = ""  # the model asked for (P's first, unless given)
+        self.d_model: str | None = None
 
     async def execute(self) -> dict[str, Any]:
         config = self.config
         if config.ready_timeout > 0:
             await self._wait_ready()
-        model = config.model or await first_model(self.session, config.prefill_url)
+        model = self.model = config.model or await first_model(self.session, config.prefill_url)
+        self.d_model = await self._d_model()
         probe = await detect_prefill_probe(self.session, config.prefill_url, config.prefill_probe)
         sidecar_before = await self._sidecar()
         before = await probe.snapshot()
@@ -127,6 +130,14 @@ class _Run:
                 raise ReadyTimeout(f"not ready after {self.config.ready_timeout:.0f} s: {', '.join(pending)}")
             if pending:
                 await asyncio.sleep(READY_POLL)
+
+    async def _d_model(self) -> str | None:
+        """The first model D lists (through the sidecar, which passes /v1/models on), to name a
+        model mismatch in the verdict; None when D does not say."""
+        try:
+            return await first_model(self.session, self.config.decode_url)
+        except (*_PROBE_ERRORS, IndexError, TypeError):
+            return None
 
     async def _sidecar(self) -> dict[str, float] | None:
         if not self.config.sidecar_admin_url:
@@ -191,6 +202,9 @@ class _Run:
                 if sidecar_before is not None and sidecar_after is not None
                 else None
             ),
+            max_rejected_share=self.config.max_rejected_share,
+            p_model=self.model,
+            d_model=self.d_model,
         )
 
 

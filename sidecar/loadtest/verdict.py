@@ -13,10 +13,18 @@ apart, so both fail the run. Against a real vLLM P, only its count of
 notifications for unknown ids would show it, where the release exports one;
 it is reported, and its absence is said. A request D admitted (by D's log,
 else by its answer) that ended without its tokens fails the run as well.
+
+A run cannot pass by testing nothing: one where D admitted no request, or
+where D rejected more than ``max_rejected_share`` of the requests it was sent
+for reasons the sidecar did not inject, fails, and the verdict names the
+main cause in one line (``D rejected 190 of 232 (82%, ...): 404 model not
+found (P serves 'x', D 'y')``). The demo and ``kv-release-sidecar loadtest``
+(the loadtest Job) judge with this same function.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +44,9 @@ class Evidence:
     d_log: Mapping[str, LogEntry] | None = None  # D's log by request id (the simulator)
     p_requests: Mapping[str, LogEntry | None] | None = None  # P's record by P's id (the simulator)
     sidecar_delta: Mapping[str, float] | None = None  # the sidecar's counters over the run
+    max_rejected_share: float = 1.0  # D's rejections (not injected) above this share fail the run
+    p_model: str = ""  # the model the run asked for (P's)
+    d_model: str | None = None  # the first model D lists, when it answered /v1/models
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ def judge(evidence: Evidence) -> Verdict:
             f"P got {unknown:.0f} notification(s) for request ids it no longer held: a wrong or double "
             "release (a release for a request D admitted, or a second release of a rejected one)"
         )
+    problems += _vacuous(evidence, admitted)
     problems += _sidecar_problems(evidence)
     notes += _notes(evidence, admitted)
     return Verdict(
@@ -95,6 +107,53 @@ def judge(evidence: Evidence) -> Verdict:
         unknown_notifications=unknown,
         admitted_without_tokens=len(starved),
     )
+
+
+def _vacuous(evidence: Evidence, admitted: Sequence[FlowResult]) -> list[str]:
+    """What makes a run prove nothing: no request admitted, or D rejecting (not by injection)
+    more than the allowed share of what it was sent."""
+    flows = evidence.flows
+    sent = [flow for flow in flows if flow.decode_status or flow.outcome in REJECTED]
+    rejected = [flow for flow in sent if flow.outcome in REJECTED and not flow.injected]
+    problems = []
+    if not admitted:
+        problems.append(f"D admitted none of the {len(flows)} flow(s)" + _p_cause(flows, sent))
+    share = len(rejected) / len(sent) if sent else 0.0
+    if rejected and share > evidence.max_rejected_share:
+        problems.append(
+            f"D rejected {len(rejected)} of {len(sent)} ({share:.0%}, over --max-rejected-share "
+            f"{evidence.max_rejected_share:.0%}): {_main_cause(rejected, evidence)}"
+        )
+    return problems
+
+
+def _p_cause(flows: Sequence[FlowResult], sent: Sequence[FlowResult]) -> str:
+    """Why flows never reached D (P refused or failed them), when none did."""
+    if sent or not flows:
+        return ""
+    first = flows[0]
+    if first.prefill_status == 200:
+        return f": no decode leg got an answer ({first.detail or first.outcome})"
+    return f": P answered {first.prefill_status or 'nothing'} ({first.detail or first.outcome})"
+
+
+def _main_cause(rejected: Sequence[FlowResult], evidence: Evidence) -> str:
+    causes = Counter(_cause(flow, evidence) for flow in rejected)
+    cause, count = causes.most_common(1)[0]
+    return cause if count == len(rejected) else f"mostly {cause} ({count})"
+
+
+def _cause(flow: FlowResult, evidence: Evidence) -> str:
+    """One rejection's cause, short and stable enough to count alike ones together."""
+    if flow.outcome == "stream_rejected":
+        return f"200 then an error event {flow.stream_error} ({flow.error_type or 'no type'})"
+    detail = flow.detail.lower()
+    if flow.decode_status == 404 and "model" in detail:
+        d_model = evidence.d_model
+        if d_model is not None and d_model != evidence.p_model:
+            return f"404 model not found (P serves '{evidence.p_model}', D '{d_model}')"
+        return "404 model not found"
+    return f"{flow.decode_status} {flow.error_type or 'without a type'}: {flow.detail[:80]}"
 
 
 def _notified_twice(

@@ -22,7 +22,6 @@ import contextlib
 import importlib.util
 import logging
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -35,7 +34,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from sidecar.config import ConfigError
-from sidecar.sim.decode_bodies import DONE_EVENT, Answers, sse_error_event
+from sidecar.sim.decode_bodies import DONE_EVENT, Answers, reply_for, sse_error_event
 from sidecar.sim.decode_config import (
     COMPLETION_ROUTES,
     DecodeSimConfig,
@@ -66,8 +65,10 @@ from sidecar.sim.decode_state import (
     NoHooks,
     SimState,
     do_remote_prefill,
+    is_json,
     read_body,
     send_json,
+    wait_for_disconnect,
 )
 from sidecar.wire import error_body
 
@@ -112,7 +113,7 @@ class DecodeSim:
     def __init__(self, config: DecodeSimConfig, hooks: DecodeHooks) -> None:
         self.config = config
         self.hooks = hooks
-        self.state = SimState(config.log_size)
+        self.state = SimState(config.log_size, config.log_params)
         self.answers = Answers(config)
 
     async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,7 +127,7 @@ class DecodeSim:
         if isinstance(parsed, Rejection):
             await self._reject(entry, parsed, None, send)
             return
-        check = model_check(parsed, self.config.served_model)
+        check = model_check(parsed, self.config.model)
         if check is None and not self._admit():
             check = _QUEUE_FULL
         if check is not None:
@@ -148,7 +149,7 @@ class DecodeSim:
         config = self.config
         if failure is not None and failure.origin == "pre_handler":
             return failure
-        if not _is_json(scope):
+        if not is_json(scope):
             return unsupported_media_type()
         if isinstance(view, Rejection):
             return view
@@ -193,7 +194,7 @@ class DecodeSim:
             return
         if markers.stream_error is not None and request.stream:
             self.state.settle(entry, "stream_error", 200, "stream")
-            response = self._stream_error(entry, markers.stream_error)
+            response = self._stream_error(entry, request, markers.stream_error)
         else:
             drop = markers.drop_mid_stream or (request.stream and config.drop_mid_stream)
             self.state.settle(entry, "dropped" if drop else "admitted", 200, None)
@@ -225,7 +226,7 @@ class DecodeSim:
         """Wait in the handler; a client leaving first cancels it, which vLLM's cleanup
         (0.21.0+) treats as a rejection."""
         try:
-            left = await _wait_for_disconnect(receive, None if hang else delay)
+            left = await wait_for_disconnect(receive, None if hang else delay)
         except asyncio.CancelledError:
             await self._cancelled(entry, params)
             raise
@@ -261,26 +262,24 @@ class DecodeSim:
         except Exception:
             logger.warning("admitted hook failed for %s", entry.request_id, exc_info=True)
 
-    def _stream_error(self, entry: LogEntry, status: int) -> Response:
+    def _stream_error(self, entry: LogEntry, request: ParsedRequest, status: int) -> Response:
         """HTTP 200, then the engine's refusal in-band (reference section 6.2)."""
         if entry.route == "/v1/responses":
             # vLLM 0.33.0 lets the error escape the Responses stream: the connection is cut
             # after response.created and response.in_progress.
-            events = self.answers.stream(entry.route, entry.request_id, int(time.time()), 0, False)
+            events = self.answers.stream(reply_for(self.config, entry.route, entry.request_id, request))
             return _sse(self._events(events, drop_at=2))
         message = f"sim-decode: the engine refused the request ([[stream-error:{status}]])"
         error = sse_error_event(message, status, handler_error_type(status))
         return _sse(self._events([error, DONE_EVENT]))
 
     def _answer(self, entry: LogEntry, request: ParsedRequest, drop: bool) -> Response:
-        route, request_id, created = entry.route, entry.request_id, int(time.time())
-        tokens = request.prompt_tokens
-        cached = tokens if do_remote_prefill(entry.kv_transfer_params) else 0
+        reply = reply_for(self.config, entry.route, entry.request_id, request)
         if request.stream:
-            events = self.answers.stream(route, request_id, created, tokens, request.include_usage, cached)
+            events = self.answers.stream(reply)
             drop_at = min(self.config.drop_after, len(events) - 1) if drop else None
             return _sse(self._events(events, drop_at))
-        body = self.answers.full(route, request_id, created, tokens, cached)
+        body = self.answers.full(reply)
         if drop:
             half = self._events([body[: len(body) // 2]], drop_at=1)
             return StreamingResponse(half, media_type="application/json")
@@ -306,28 +305,6 @@ def _marker_rejection(kind: str, status: int) -> Rejection:
 
 def _sse(body: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream")
-
-
-def _is_json(scope: Scope) -> bool:
-    for key, value in scope["headers"]:
-        if key == b"content-type":
-            return bool(value.split(b";", 1)[0].strip().lower() == b"application/json")
-    return False
-
-
-async def _wait_for_disconnect(receive: Receive, seconds: float | None) -> bool:
-    """Wait ``seconds`` (forever if None); True if the client left first."""
-
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({listener}, timeout=seconds)
-    finally:
-        listener.cancel()
-    return listener in done
 
 
 class _CompletionEndpoint:

@@ -18,6 +18,9 @@ from sidecar.config import ConfigError
 
 FailOrigin = Literal["pre_handler", "handler"]
 
+#: The model both simulators serve unless told otherwise.
+DEFAULT_MODEL = "sim-model"
+
 #: The completion routes vLLM wraps with its rejection cleanup (0.21.0+).
 COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
@@ -27,7 +30,8 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     host: str = "127.0.0.1"
     port: int = 8200
-    served_model: str = "sim-model"
+    # The one model name served; sim-prefill's default is the same, so P and D agree unflagged.
+    model: str = DEFAULT_MODEL
     version: str = "0.33.0"
     max_model_len: int = 4096
     # Tokens in every answer: one SSE event each (chat, completions) or one delta each (responses).
@@ -55,8 +59,11 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     disabled_routes: tuple[str, ...] = ()
     # ``--enable-prompt-tokens-details``: usage carries ``prompt_tokens_details``.
     prompt_tokens_details: bool = False
-    # Entries kept in the /sim/log ring.
+    # Entries kept in the /sim/log ring (about 200 bytes each without parameters).
     log_size: int = 10_000
+    # Record each request's kv_transfer_params in /sim/log (tests that check them); off by default,
+    # since P's block lists make a long run's log large.
+    log_params: bool = False
     # "vLLM D" mode: notify P over NIXL for admitted requests (and, 0.21.0+, handler rejections).
     vllm_d: bool = False
 
@@ -71,8 +78,8 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 raise ConfigError(name, getattr(self, name), "must not be negative")
         if not 400 <= self.fail_status <= 599:
             raise ConfigError("fail_status", self.fail_status, "must be a 4xx or 5xx status")
-        if not self.served_model:
-            raise ConfigError("served_model", self.served_model, "must not be empty")
+        if not self.model:
+            raise ConfigError("model", self.model, "must not be empty")
         for route in self.disabled_routes:
             if route not in COMPLETION_ROUTES:
                 raise ConfigError("disabled_routes", route, f"must be one of {', '.join(COMPLETION_ROUTES)}")
@@ -83,7 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="port to bind (default 8200)")
-    add("--served-model", help="the only model name served (default sim-model)")
+    add(
+        "--model",
+        "--served-model",  # the flag's former name, kept as an alias
+        dest="model",
+        help=f"the only model name served (default {DEFAULT_MODEL}, as sim-prefill's)",
+    )
     add("--version", help="what GET /version reports (default 0.33.0)")
     add("--max-model-len", type=int, help="context length in words (default 4096)")
     add("--stream-events", type=int, help="tokens per answer, one SSE event each (default 8)")
@@ -112,6 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report usage.prompt_tokens_details",
     )
     add("--log-size", type=int, help="entries kept in GET /sim/log (default 10000)")
+    add(
+        "--log-params",
+        action="store_true",
+        default=None,
+        help="record each request's kv_transfer_params in GET /sim/log (default off)",
+    )
     add(
         "--vllm-d",
         action="store_true",

@@ -26,11 +26,11 @@ def info_routes(config: DecodeSimConfig, state: SimState) -> list[Route]:
     encoder = msgspec.json.Encoder()
     version = encoder.encode({"version": config.version})
     model = {
-        "id": config.served_model,
+        "id": config.model,
         "object": "model",
         "created": int(time.time()),
         "owned_by": "vllm",
-        "root": config.served_model,
+        "root": config.model,
         "parent": None,
         "max_model_len": config.max_model_len,
         "permission": [],
@@ -84,7 +84,7 @@ def _tokenize(view: BodyView) -> ParsedRequest | Rejection:
 
 def _metrics_text(config: DecodeSimConfig, state: SimState) -> bytes:
     """A tiny Prometheus exposition: vLLM's running gauge and the simulator's outcomes."""
-    label = f'model_name="{config.served_model}"'
+    label = f'model_name="{config.model}"'
     lines = [
         "# HELP vllm:num_requests_running Number of requests in model execution batches.",
         "# TYPE vllm:num_requests_running gauge",

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from sidecar.wire import error_body, lax_bool
+from sidecar.sim.decode_fields import ROUTE_FIELDS, FieldError, check_fields
+from sidecar.wire import error_body
 
 Origin = Literal["pre_handler", "handler", "stream"]
 
@@ -68,6 +69,8 @@ class BodyView(msgspec.Struct):
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
     stream_options: Any = None
+    temperature: Any = None
+    top_p: Any = None
     kv_transfer_params: Any = None
 
 
@@ -118,9 +121,11 @@ class ParsedRequest:
     include_usage: bool
     prompt_tokens: int
     text: str
-    max_tokens: int | None
+    max_tokens: int | None  # what the body asked (completions: 16 when it names none)
     max_tokens_param: str
     kv_transfer_params: dict[str, Any] | None
+    temperature: float | None = None
+    top_p: float | None = None
 
 
 def decode_view(body: bytes) -> BodyView | Rejection:
@@ -150,29 +155,28 @@ def kv_params_of(view: BodyView) -> dict[str, Any] | None:
 
 def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
     """Check the body like vLLM's request model for ``route`` (pydantic, before the handler)."""
-    for name, kinds, kind_name in _SCALARS:
-        value = getattr(view, name)
-        if name == "stream":  # pydantic's lax bool: "true", 1, "yes"... are streams too
-            if value is not None and lax_bool(value) is None:
-                return _validation_error("bool_parsing", f"body.{name}", _TYPE_MSGS[kind_name], value)
-            continue
-        if value is not None and (not isinstance(value, kinds) or _is_bool_as_int(value, kinds)):
-            return _validation_error(f"{kind_name}_type", f"body.{name}", _TYPE_MSGS[kind_name], value)
+    values, errors = check_fields(route, msgspec.structs.asdict(view))
     counted = _count_prompt(route, view)
-    if isinstance(counted, Rejection):
+    if isinstance(counted, Rejection):  # a model-level check: pydantic reports it alone
         return counted
+    if isinstance(counted, FieldError):
+        return _rejection(_in_model_order(route, [counted, *errors]))
+    if errors:
+        return _rejection(errors)
     tokens, text = counted
-    max_tokens, param = _max_tokens(route, view)
-    options = view.stream_options
+    max_tokens, param = _max_tokens(route, values)
+    options = values.get("stream_options") or {}
     return ParsedRequest(
-        model=view.model,
-        stream=lax_bool(view.stream) is True,
-        include_usage=bool(options.get("include_usage")) if isinstance(options, dict) else False,
+        model=values.get("model"),
+        stream=values.get("stream") is True,
+        include_usage=options.get("include_usage") is True,
         prompt_tokens=tokens,
         text=text,
         max_tokens=max_tokens,
         max_tokens_param=param,
-        kv_transfer_params=kv_params_of(view),
+        kv_transfer_params=values.get("kv_transfer_params"),
+        temperature=values.get("temperature"),
+        top_p=values.get("top_p"),
     )
 
 
@@ -208,7 +212,10 @@ def context_checks(request: ParsedRequest, max_model_len: int) -> Rejection | No
     return None
 
 
-def _count_prompt(route: str, view: BodyView) -> tuple[int, str] | Rejection:
+PromptCount = tuple[int, str] | FieldError | Rejection
+
+
+def _count_prompt(route: str, view: BodyView) -> PromptCount:
     if route == "/v1/chat/completions":
         return _count_messages(view.messages)
     if route == "/v1/completions":
@@ -216,15 +223,15 @@ def _count_prompt(route: str, view: BodyView) -> tuple[int, str] | Rejection:
     return _count_responses_input(view.input)
 
 
-def _count_messages(messages: Any) -> tuple[int, str] | Rejection:
+def _count_messages(messages: Any) -> PromptCount:
     if messages is msgspec.UNSET:
-        return _validation_error("missing", "body.messages", "Field required", None)
+        return FieldError("missing", "body.messages", "Field required", None)
     if not isinstance(messages, list):
-        return _validation_error("list_type", "body.messages", "Input should be a valid list", messages)
+        return FieldError("list_type", "body.messages", "Input should be a valid list", messages)
     texts = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            return _validation_error(
+            return FieldError(
                 "dict_type", f"body.messages.{index}", "Input should be a valid dictionary", message
             )
         texts.append(_content_text(message.get("content")))
@@ -232,7 +239,7 @@ def _count_messages(messages: Any) -> tuple[int, str] | Rejection:
     return len(text.split()), text
 
 
-def _count_completion_prompt(prompt: Any) -> tuple[int, str] | Rejection:
+def _count_completion_prompt(prompt: Any) -> PromptCount:
     if prompt is msgspec.UNSET or prompt is None or prompt == "" or prompt == []:
         message = "Either prompt or prompt_embeds must be provided and non-empty."
         msg = f"Value error, {message} (parameter=prompt)"
@@ -247,12 +254,12 @@ def _count_completion_prompt(prompt: Any) -> tuple[int, str] | Rejection:
             return len(prompt), ""
         if all(isinstance(item, list) and all(map(_is_token_ids, item)) for item in prompt):
             return sum(len(item) for item in prompt), ""
-    return _validation_error("string_type", "body.prompt", "Input should be a valid string", prompt)
+    return FieldError("string_type", "body.prompt", "Input should be a valid string", prompt)
 
 
-def _count_responses_input(value: Any) -> tuple[int, str] | Rejection:
+def _count_responses_input(value: Any) -> PromptCount:
     if value is msgspec.UNSET:
-        return _validation_error("missing", "body.input", "Field required", None)
+        return FieldError("missing", "body.input", "Field required", None)
     if isinstance(value, str):
         return len(value.split()), value
     if isinstance(value, list):
@@ -260,7 +267,7 @@ def _count_responses_input(value: Any) -> tuple[int, str] | Rejection:
             _content_text(item.get("content")) if isinstance(item, dict) else str(item) for item in value
         )
         return len(text.split()), text
-    return _validation_error("string_type", "body.input", "Input should be a valid string", value)
+    return FieldError("string_type", "body.input", "Input should be a valid string", value)
 
 
 def _content_text(content: Any) -> str:
@@ -278,53 +285,56 @@ def _is_token_ids(item: Any) -> bool:
     return isinstance(item, int) and not isinstance(item, bool) and item >= 0
 
 
-def _max_tokens(route: str, view: BodyView) -> tuple[int | None, str]:
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default
+
+
+def _max_tokens(route: str, values: dict[str, Any]) -> tuple[int | None, str]:
     if route == "/v1/responses":
-        return view.max_output_tokens, "max_output_tokens"
-    if route == "/v1/chat/completions" and view.max_completion_tokens is not None:
-        return view.max_completion_tokens, "max_completion_tokens"
-    return view.max_tokens, "max_tokens"
+        return values.get("max_output_tokens"), "max_output_tokens"
+    if route == "/v1/chat/completions" and values.get("max_completion_tokens") is not None:
+        return values["max_completion_tokens"], "max_completion_tokens"
+    if route == "/v1/completions":
+        return values.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS), "max_tokens"
+    return values.get("max_tokens"), "max_tokens"
 
 
-_SCALARS: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
-    ("model", str, "string"),
-    ("stream", bool, "bool"),
-    ("max_tokens", int, "int"),
-    ("max_completion_tokens", int, "int"),
-    ("max_output_tokens", int, "int"),
-    ("stream_options", dict, "dict"),
-    ("kv_transfer_params", dict, "dict"),
-)
-_TYPE_MSGS = {
-    "string": "Input should be a valid string",
-    "bool": "Input should be a valid boolean",
-    "int": "Input should be a valid integer",
-    "dict": "Input should be a valid dictionary",
-}
-
-
-def _is_bool_as_int(value: Any, kinds: type | tuple[type, ...]) -> bool:
-    return kinds is int and isinstance(value, bool)
+def _in_model_order(route: str, errors: list[FieldError]) -> list[FieldError]:
+    """Errors in the order the route's model declares their fields, as pydantic reports them."""
+    order = [name for name, _ in ROUTE_FIELDS[route]]
+    return sorted(errors, key=lambda error: order.index(error.loc.split(".")[1]))
 
 
 def _summarize(value: Any) -> Any:
-    """The bounded stand-in vLLM 0.33.0 puts under a validation error's ``input``."""
+    """The bounded stand-in vLLM 0.33.0 puts under a validation error's ``input``: containers
+    described, anything else as text of at most 200 characters."""
     if isinstance(value, list | tuple | set | frozenset | dict):
         return f"<{type(value).__name__} of {len(value)} items>"
-    if isinstance(value, str) and len(value) > 200:
-        return value[:200] + "...[truncated]"
-    return value
+    text = value if isinstance(value, str) or value is None else str(value)
+    if isinstance(text, str) and len(text) > 200:
+        return text[:200] + "...[truncated]"
+    return text
+
+
+def _rejection(errors: list[FieldError], param: str | None = None) -> Rejection:
+    """A 400 like vLLM's ``RequestValidationError`` handler: type is the HTTP phrase, ``param``
+    the first error's location, the message one line per error."""
+    lines = []
+    for error in errors:
+        shown: dict[str, Any] = {"type": error.type, "loc": error.loc, "msg": error.msg}
+        shown["input"] = _summarize(error.input)
+        if error.ctx is not None:
+            shown["ctx"] = error.ctx
+        lines.append(f"  {shown!r}")
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "\n".join(lines)
+    return Rejection(400, error_body(message, 400, "Bad Request", param or errors[0].loc), "pre_handler")
 
 
 def _validation_error(
     kind: str, loc: str, msg: str, value: Any, param: str | None = None, ctx: Any = None
 ) -> Rejection:
-    """A 400 like vLLM's ``RequestValidationError`` handler: type is the HTTP phrase."""
-    error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": _summarize(value)}
-    if ctx is not None:
-        error["ctx"] = ctx
-    message = f"1 validation error:\n  {error!r}"
-    return Rejection(400, error_body(message, 400, "Bad Request", param or loc), "pre_handler")
+    """``_rejection`` of a single error."""
+    return _rejection([FieldError(kind, loc, msg, value, ctx)], param)
 
 
 def _json_error(body: bytes) -> Rejection:

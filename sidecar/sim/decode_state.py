@@ -3,7 +3,8 @@
 ``DecodeHooks`` is the seam a NIXL-speaking "vLLM D" plugs into: it hears
 about each remote-prefill request D admits and each one its handler rejects
 (vLLM 0.21.0+ notifies P for those itself). ``SimState`` holds the bounded
-request log served at ``GET /sim/log`` and the counters behind
+request log served at ``GET /sim/log`` (``log_size`` entries at most, without
+each request's ``kv_transfer_params`` unless ``log_params``) and the counters behind
 ``fail_first``, ``max_concurrency`` and ``/metrics``; one instance per app,
 no module-level state. ``FrontMiddleware`` plays vLLM's middlewares that
 answer before any route runs: ``x-request-id``, API-key auth and elastic-EP
@@ -12,6 +13,7 @@ scaling.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
@@ -70,6 +72,7 @@ class LogEntry(msgspec.Struct, kw_only=True):
     and ``dropped``); ``origin`` says where a refusal came from:
     ``pre_handler`` (middleware, validation, route), ``handler`` (what vLLM
     0.21.0+'s cleanup covers) or ``stream`` (in-band, after HTTP 200).
+    ``kv_transfer_params`` is None unless the simulator runs with ``log_params``.
     """
 
     request_id: str
@@ -85,17 +88,19 @@ class LogEntry(msgspec.Struct, kw_only=True):
 class SimState:
     """The request log and counters of one simulator app."""
 
-    def __init__(self, log_size: int) -> None:
+    def __init__(self, log_size: int, log_params: bool = False) -> None:
         self.log: deque[LogEntry] = deque(maxlen=log_size)
+        self.log_params = log_params
         self.outcomes: Counter[str] = Counter()
         self.arrivals = 0  # completion requests past the middlewares, for fail_first
         self.unfinished = 0  # past admission control and not yet answered
 
     def record(self, request_id: str, route: str, view: BodyView | Rejection) -> LogEntry:
-        """Log a new completion request; params and stream flag come from its body."""
+        """Log a new completion request; the stream flag (and params, when kept) come from its body."""
         entry = LogEntry(request_id=request_id, route=route)
         if isinstance(view, BodyView):
-            entry.kv_transfer_params = kv_params_of(view)
+            if self.log_params:
+                entry.kv_transfer_params = kv_params_of(view)
             entry.stream = lax_bool(view.stream) is True
         self.log.append(entry)
         return entry
@@ -135,6 +140,29 @@ async def send_json(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def is_json(scope: Scope) -> bool:
+    """Whether the request's Content-Type is JSON (vLLM refuses anything else)."""
+    for key, value in scope["headers"]:
+        if key == b"content-type":
+            return bool(value.split(b";", 1)[0].strip().lower() == b"application/json")
+    return False
+
+
+async def wait_for_disconnect(receive: Receive, seconds: float | None) -> bool:
+    """Wait ``seconds`` (forever if None); True if the client left first."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({listener}, timeout=seconds)
+    finally:
+        listener.cancel()
+    return listener in done
 
 
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware

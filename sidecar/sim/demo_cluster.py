@@ -150,6 +150,7 @@ def _sidecar(settings: ClusterSettings, decode_url: str) -> Any:
         release=settings.release,
         prefill_allow=("127.0.0.1",),
         vllm_version=settings.vllm_version,
+        p_hold_seconds=settings.lease,  # the saving the sidecar estimates counts P's real lease
         log_level="error",
         log_format="text",
     )
@@ -173,7 +174,7 @@ def demo_cluster(settings: ClusterSettings) -> Iterator[ClusterUrls]:
     decode = DecodeSimConfig(
         port=0,
         version=version,
-        served_model=settings.model,
+        model=settings.model,
         max_model_len=settings.max_model_len,
         max_concurrency=settings.max_concurrency,
         api_key=settings.api_key,

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from sidecar.config import ConfigError
+from sidecar.sim.decode_config import DEFAULT_MODEL
 from sidecar.sim.prefill_release import Release, UnsupportedVersion, release_for
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -30,7 +31,7 @@ class PrefillSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     tp: int = 1
     pp: int = 1
     engine_id: str = ""  # "" picks a random UUID at start, like vLLM's default
-    model: str = "sim-prefill"
+    model: str = DEFAULT_MODEL  # sim-decode's default too: the two work together unflagged
     num_blocks: int = 1024
     block_size: int = 16
     lease: float | None = None  # seconds; 0 = never expire; None = the release's default
@@ -110,6 +111,7 @@ _HELP = {
     "num_blocks": "usable KV blocks in P's pool",
     "block_size": "tokens per block",
     "latency": "seconds between pinning a prompt's blocks and answering (prefill compute time)",
+    "model": "the model name served (sim-decode's default is the same)",
 }
 
 

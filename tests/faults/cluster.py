@@ -86,11 +86,12 @@ def backends(event_delay: float = 0.05, stream_events: int = 8) -> Iterator[Back
     d_config = DecodeSimConfig(
         port=0,
         version=VERSION,
-        served_model=MODEL,
+        model=MODEL,
         max_model_len=MAX_MODEL_LEN,
         stream_events=stream_events,
         event_delay=event_delay,
         log_size=200_000,
+        log_params=True,  # test_d_faults reads P's request id from D's log
         vllm_d=True,
     )
     d_app = create_decode_app(d_config, VllmDHooks(VERSION))

@@ -197,7 +197,7 @@ def cluster(config: SoakConfig, workdir: Path) -> Iterator[Cluster]:
         "--vllm-d",
         "--version",
         VERSION,
-        "--served-model",
+        "--model",
         MODEL,
         "--max-model-len",
         str(MAX_MODEL_LEN),

@@ -160,9 +160,7 @@ def test_partition_between_sidecar_and_p_netns() -> None:
     Expected for all: D's 400 at once; no wrong or double release; P unharmed
     (a fresh handshake across the veth works).
     """
-    config = DecodeSimConfig(
-        port=0, version=VERSION, served_model=MODEL, max_model_len=MAX_MODEL_LEN, vllm_d=True
-    )
+    config = DecodeSimConfig(port=0, version=VERSION, model=MODEL, max_model_len=MAX_MODEL_LEN, vllm_d=True)
     with namespace() as ns, p_in(ns), serve(create_decode_app(config, VllmDHooks(VERSION))) as d:
         cluster = Backends(ns, d, None)
         with scene(cluster, d.url, "netns", prefill_allow=(f"{ns.p_address}/32",), release_deadline=5.0) as s:

@@ -120,7 +120,7 @@ def long_streams() -> Iterator[ServerThread]:
     config = DecodeSimConfig(
         port=0,
         version=VERSION,
-        served_model=MODEL,
+        model=MODEL,
         max_model_len=40,
         stream_events=30,
         event_delay=0.05,

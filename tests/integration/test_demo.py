@@ -37,4 +37,14 @@ def test_quick_demo_shows_fewer_pinned_block_seconds_with_releases_on(tmp_path: 
     assert off["unknown_notifications"] == 0 == on["unknown_notifications"]
     assert off["verdict"] == "PASS" == on["verdict"]
     assert on["requests"] == off["requests"] > 0  # the same arrivals in both runs
+    # What the sidecar says it saved, beside what P measured.
+    assert off["released_blocks"] == 0 < on["released_blocks"]
+    assert on["block_seconds_saved_estimate"] > 0 == off["block_seconds_saved_estimate"]
+    lines = result.stdout.splitlines()
+    change = (on["pinned_block_seconds"] - off["pinned_block_seconds"]) / off["pinned_block_seconds"]
+    refusals = f"{off['p_refused_no_blocks']:,.0f} -> {on['p_refused_no_blocks']:,.0f}"
+    headline = f"P's pinned block-seconds {change:+.0%}".replace("%", " %")
+    assert any(line.startswith("with releases on: " + headline) and refusals in line for line in lines)
+    estimate = next(line for line in lines if "the sidecar's estimate" in line).split()
+    assert float(estimate[-1].replace(",", "")) == pytest.approx(on["block_seconds_saved_estimate"], abs=0.5)
     assert (tmp_path / "pinned_blocks.png").read_bytes().startswith(b"\x89PNG")

@@ -40,11 +40,15 @@ class DoubleReleasingHooks(VllmDHooks):
 
 
 @contextmanager
-def cluster(hooks: VllmDHooks, **sidecar: Any) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
+def cluster(
+    hooks: VllmDHooks, p_model: str | None = None, **sidecar: Any
+) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
+    # Both simulators serve their default model unless ``p_model`` sets P's apart.
+    named = {"model": p_model} if p_model else {}
     p_config = PrefillSimConfig(
-        port=0, tp=2, num_blocks=512, lease=10, side_channel_port=0, model="sim-model", log_level="error"
+        port=0, tp=2, num_blocks=512, lease=10, side_channel_port=0, log_level="error", **named
     )
-    d_config = DecodeSimConfig(port=0, served_model="sim-model", event_delay=0.002, vllm_d=True)
+    d_config = DecodeSimConfig(port=0, event_delay=0.002, vllm_d=True)
     settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
     with (
         serve(create_prefill_app(p_config)) as p,
@@ -107,6 +111,38 @@ def test_a_wrong_release_fails_the_verdict(
     assert started == 12 and report["requests"]["by_outcome"] == {"ok": 12}
     assert report["verdict"]["unknown_notifications"] == 2 * started  # one extra per request per rank
     assert report["p"]["blocks_total"] == 512 and report["p"]["peak_blocks_in_use"] is not None
+
+
+def test_on_their_defaults_the_simulators_admit_and_the_verdict_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with cluster(VllmDHooks("0.33.0"), inject_rate=0.2, inject_seed=1) as (p, _d, sc):
+        code, report = loadtest(p, sc, tmp_path, "--rate", "30")
+    assert code == 0, capsys.readouterr().out
+    admitted = [flow for flow in report["flows"] if flow["d_admitted"]]
+    assert admitted and len(admitted) == report["requests"]["by_outcome"]["ok"]
+    assert report["settings"]["model"] == "sim-model"
+
+
+def test_a_run_d_rejects_entirely_fails_naming_the_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # P and D serve different model names: D answers 404 to every decode leg, the sidecar
+    # releases each one, and nothing was tested. The verdict must say so, and why.
+    with cluster(VllmDHooks("0.33.0"), p_model="llama-p", inject_rate=0.2, inject_seed=1) as (p, _d, sc):
+        code, report = loadtest(p, sc, tmp_path, "--rate", "30")
+    out = capsys.readouterr().out
+    assert code == 1, out
+    started = report["requests"]["started"]
+    injected = report["rejections"]["by_status"].get("503 (injected)", 0)
+    own = started - injected
+    assert 0 < injected < started and report["requests"]["by_outcome"] == {"rejected": started}
+    line = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    assert line == (
+        f"verdict: FAIL - D admitted none of the {started} flow(s); D rejected {own} of {started} "
+        f"({own / started:.0%}, over --max-rejected-share 10%): "
+        "404 model not found (P serves 'llama-p', D 'sim-model')"
+    )
 
 
 def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,7 +77,7 @@ def test_the_sdk_with_default_retries_sees_ds_503_and_p_is_freed_once() -> None:
 
 
 def test_released_answers_and_replays_say_do_not_retry_the_rest_do_not() -> None:
-    d_config = DecodeSimConfig(port=0, version=VERSION, max_model_len=40, served_model="sim-prefill")
+    d_config = DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="sim-prefill")
     with p_only() as p, serve(create_decode_app(d_config)) as d, nixl(d.url) as sc:
         body: dict[str, Any] = {"model": "sim-prefill", "prompt": "tok", "max_tokens": "x"}
         spent = {**body, "kv_transfer_params": prefill(p, "r-1")}

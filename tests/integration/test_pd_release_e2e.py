@@ -35,7 +35,7 @@ def cluster(
         port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=lease, side_channel_port=0
     )
     hooks = VllmDHooks(version) if vllm_d else None
-    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, served_model="sim-prefill")
+    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, model="sim-prefill")
     settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
     with (
         serve(create_prefill_app(p_config)) as p,

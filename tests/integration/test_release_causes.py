@@ -41,7 +41,7 @@ def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str,
 
 @pytest.fixture(scope="module")
 def decode() -> Iterator[ServerThread]:
-    config = DecodeSimConfig(port=0, max_model_len=50, stream_events=4)
+    config = DecodeSimConfig(port=0, max_model_len=50, stream_events=4, log_params=True)
     with serve(create_decode_app(config)) as server:
         yield server
 

@@ -37,7 +37,8 @@ def pd(
         create_prefill_app(PrefillSimConfig(port=0, side_channel_port=0, **p_settings))
         for _ in range(prefills)
     ]
-    d_settings = {"port": 0, "version": VERSION, "max_model_len": 40, "served_model": "m", **(d_config or {})}
+    d_settings = {"port": 0, "version": VERSION, "max_model_len": 40, "model": "m", "log_params": True}
+    d_settings.update(d_config or {})
     with (
         contextlib_stack(p_apps) as ps,
         serve(create_decode_app(DecodeSimConfig(**d_settings), VllmDHooks(VERSION))) as d,
@@ -370,7 +371,7 @@ def router_over_decode_sidecar(
     p_app = create_prefill_app(
         PrefillSimConfig(port=0, side_channel_port=0, vllm_version=VERSION, tp=2, num_blocks=64, lease=0)
     )
-    d_config = DecodeSimConfig(port=0, version=VERSION, max_model_len=40, served_model="m")
+    d_config = DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="m")
     common: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), "trust_key": key}
     with (
         serve(p_app) as p,

@@ -426,7 +426,7 @@ def test_nixl_release_has_a_handshake_span_under_the_release_span() -> None:
     p_app = create_prefill_app(
         PrefillSimConfig(port=0, vllm_version=version, tp=2, num_blocks=64, lease=0, side_channel_port=0)
     )
-    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, served_model="m")
+    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, model="m")
     exporter = InMemorySpanExporter()
     with (
         serve(p_app) as p,

@@ -40,7 +40,7 @@ def rejected(rid: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0))) as server:
+    with serve(create_decode_app(DecodeSimConfig(port=0, log_params=True))) as server:
         yield server
 
 

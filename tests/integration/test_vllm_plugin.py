@@ -344,7 +344,7 @@ def pd(version: str, engine_kind: str, tp: int = 2) -> Iterator[tuple[ServerThre
         await hooks.client.release(params, request_id)  # what D's NIXL connector sends P
 
     engine = NotifyEngine(release) if engine_kind == "notify" else LegacyEngine("hang", release)
-    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, served_model="sim-prefill")
+    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, model="sim-prefill")
     d_app = create_decode_app(d_config, hooks)
     d_app.add_middleware(KVReleaseMiddleware, settings=SETTINGS, sampling_params=sampling_params)
     d_app.state.engine_client = engine

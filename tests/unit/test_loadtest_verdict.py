@@ -68,7 +68,7 @@ RECORDS = {"p-a": {"notification_counts": [1, 1], "freed_by": "notification"}, "
         ),
         # A 200 stream that opens with an error is a rejection, not an admitted request without tokens.
         (
-            Evidence([flow("s", "stream_rejected", stream_error=400)], "prometheus", {}, None, None),
+            Evidence([OK, flow("s", "stream_rejected", stream_error=400)], "prometheus", {}, None, None),
             True,
             "",
         ),
@@ -79,6 +79,51 @@ def test_judge(evidence: Evidence, ok: bool, phrase: str) -> None:
     assert verdict.ok is ok
     assert phrase in verdict.line
     assert verdict.line.startswith("verdict: PASS" if ok else "verdict: FAIL")
+
+
+NOT_FOUND = "The model `x` does not exist. Valid aliases: sim-model."
+MISMATCH = [flow(f"m{i}", "rejected", 404, error_type="NotFoundError", detail=NOT_FOUND) for i in range(19)]
+INJECTED = [flow(f"i{i}", "rejected", 503, injected=True) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("flows", "share", "ok", "line"),
+    [
+        # Nothing admitted: every flow D saw was refused (the model names differ), some injected.
+        (
+            [*MISMATCH, *INJECTED],
+            0.1,
+            False,
+            "verdict: FAIL - D admitted none of the 23 flow(s); D rejected 19 of 23 (83%, over "
+            "--max-rejected-share 10%): 404 model not found (P serves 'x', D 'sim-model')",
+        ),
+        # Admitted requests, but D's own rejections over the share.
+        (
+            [*[OK] * 10, *MISMATCH[:3], REJ],
+            0.2,
+            False,
+            "verdict: FAIL - D rejected 4 of 14 (29%, over --max-rejected-share 20%): mostly 404 model "
+            "not found (P serves 'x', D 'sim-model') (3)",
+        ),
+        # Injected rejections do not count against D; D's own are within the share.
+        ([*[OK] * 10, *INJECTED, REJ], 0.1, True, "verdict: PASS"),
+        # P refused everything: nothing reached D.
+        (
+            [flow("p", "p_refused", 0, prefill_status=503, detail="Not enough KV cache blocks")] * 3,
+            0.1,
+            False,
+            "verdict: FAIL - D admitted none of the 3 flow(s): P answered 503 (Not enough KV cache blocks)",
+        ),
+        ([], 0.1, False, "verdict: FAIL - D admitted none of the 0 flow(s)"),
+    ],
+)
+def test_a_run_that_tests_nothing_fails_naming_the_cause(
+    flows: list[FlowResult], share: float, ok: bool, line: str
+) -> None:
+    evidence = Evidence(flows, "prometheus", {}, max_rejected_share=share, p_model="x", d_model="sim-model")
+    verdict = judge(evidence)
+    assert verdict.ok is ok
+    assert verdict.line == line if not ok else verdict.line.startswith(line)
 
 
 def test_without_the_simulators_the_gaps_are_said() -> None:
@@ -157,8 +202,12 @@ def test_the_sidecars_release_counters() -> None:
     metrics.releases.labels("nixl", "covered_by_engine").inc()
     metrics.rejections.labels("rejected_4xx").inc(4)
     metrics.queue_depth.set(2)
+    metrics.released_blocks.labels("nixl").inc(12)
+    metrics.released_blocks.labels("http").inc(4)
+    metrics.block_seconds_saved.labels("nixl").inc(350.5)
     counters = sidecar_counters_from_text(generate_latest(metrics.registry).decode())
     assert counters["releases.sent"] == 3 and counters["releases.covered_by_engine"] == 1
+    assert counters["released_blocks"] == 16 and counters["block_seconds_saved"] == 350.5
     assert counters["rejections.rejected_4xx"] == 4 and counters["queue_depth"] == 2
     assert deltas({"releases.sent": 1.0}, counters)["releases.sent"] == 2
     assert deltas({"queue_depth": 5.0}, counters)["queue_depth"] == 2  # a gauge is taken as it is

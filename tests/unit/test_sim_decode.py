@@ -157,19 +157,40 @@ async def test_completion_stream_with_usage_ends_with_usage_chunk() -> None:
     assert usage_chunk["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3}
 
 
-async def test_responses_stream_uses_typed_events_without_done() -> None:
+async def test_responses_stream_is_vllm_0_33_event_sequence_without_done() -> None:
     async with sim(stream_events=2) as client:
         response = await post(client, RESPONSES, body_for(RESPONSES, stream=True))
-    types = [
-        line.removeprefix("event: ") for line in response.text.splitlines() if line.startswith("event: ")
-    ]
+    frames = [frame for frame in response.text.split("\n\n") if frame]
+    types = [frame.split("\n")[0].removeprefix("event: ") for frame in frames]
+    data = [json.loads(frame.split("\n")[1].removeprefix("data: ")) for frame in frames]
     assert types == [
         "response.created",
         "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
         "response.output_text.delta",
         "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
         "response.completed",
     ]
+    assert [event["type"] for event in data] == types
+    assert [event["sequence_number"] for event in data] == list(range(len(types)))
+    assert data[2]["item"] == {
+        "id": data[4]["item_id"],
+        "content": [],
+        "role": "assistant",
+        "status": "in_progress",
+        "type": "message",
+    }
+    assert (
+        data[6]["text"]
+        == "t0 t1"
+        == data[7]["part"]["text"]
+        == data[9]["response"]["output"][0]["content"][0]["text"]
+    )
+    assert (data[0]["response"]["status"], data[9]["response"]["status"]) == ("in_progress", "completed")
     assert "[DONE]" not in response.text
 
 
@@ -225,8 +246,14 @@ def test_read_markers(text: str, markers: Markers) -> None:
         (CHAT, b'{"model": "sim-model"}', "body.messages", "Field required"),
         (CHAT, b'{"messages": "hi"}', "body.messages", "valid list"),
         (CHAT, b'{"messages": [], "stream": "maybe"}', "body.stream", "valid boolean"),
-        (CHAT, b'{"messages": [], "max_tokens": "10"}', "body.max_tokens", "valid integer"),
-        (CHAT, b'{"messages": [], "kv_transfer_params": [1]}', "body.kv_transfer_params", "valid dictionary"),
+        (
+            CHAT,
+            b'{"messages": [], "max_tokens": "ten"}',
+            "body.max_tokens",
+            "unable to parse string as an integer",
+        ),
+        (CHAT, b'{"messages": [], "temperature": "hot"}', "body.temperature", "valid number"),
+        (CHAT, b'{"messages": [], "kv_transfer_params": [1]}', "body.kv_transfer_params", "an object"),
         (COMPLETIONS, b'{"model": "sim-model"}', "prompt", "Either prompt or prompt_embeds"),
         (COMPLETIONS, b'{"prompt": {"a": 1}}', "body.prompt", "valid string"),
         (RESPONSES, b'{"model": "sim-model"}', "body.input", "Field required"),
@@ -249,7 +276,7 @@ async def test_invalid_body_is_400_bad_request_before_handler(
 
 async def test_invalid_body_with_remote_prefill_params_is_logged_without_hook() -> None:
     hooks = RecordingHooks()
-    async with sim(hooks) as client:
+    async with sim(hooks, log_params=True) as client:
         body = {"messages": "oops", "kv_transfer_params": REMOTE, "stream": True}
         response = await post(client, CHAT, body)
         entries = await log(client)
@@ -288,7 +315,7 @@ async def test_api_key_refusal_is_401_unauthorized(headers: dict[str, str]) -> N
             "origin": "pre_handler",
             "admitted": False,
             "stream": False,
-            "kv_transfer_params": REMOTE,
+            "kv_transfer_params": None,  # parameters are logged only with log_params
         }
     ]
     assert hooks.calls == []
@@ -355,11 +382,13 @@ async def test_unknown_model_is_404_in_handler_and_notifies() -> None:
 async def test_prompt_over_max_model_len_is_400_in_handler(route: str, stream: bool) -> None:
     # Length checks run while rendering, before the handler returns: JSON even for streams.
     hooks = RecordingHooks()
+    # /v1/completions' default max_tokens (16) is over this max_model_len: ask for one token.
+    budget = {"max_tokens": 1} if route == COMPLETIONS else {}
     async with sim(hooks, max_model_len=10) as client:
-        fits = body_for(route, "w " * 9, kv_transfer_params=REMOTE, stream=stream)
+        fits = body_for(route, "w " * 9, kv_transfer_params=REMOTE, stream=stream, **budget)
         ok = await post(client, route, fits, rid="ok")
         response = await post(
-            client, route, body_for(route, "w " * 11, kv_transfer_params=REMOTE, stream=stream)
+            client, route, body_for(route, "w " * 11, kv_transfer_params=REMOTE, stream=stream, **budget)
         )
     assert ok.status_code == 200
     assert response.status_code == 400
@@ -583,7 +612,7 @@ async def test_log_is_bounded() -> None:
 
 
 async def test_info_endpoints() -> None:
-    async with sim(version="0.21.0", served_model="m", max_model_len=99) as client:
+    async with sim(version="0.21.0", model="m", max_model_len=99) as client:
         await post(client, CHAT, {"messages": [], "model": "m"})
         health = await client.get("/health")
         version = await client.get("/version")
@@ -627,7 +656,7 @@ async def test_unknown_path_and_wrong_method_answer_like_fastapi() -> None:
         ({"event_delay": -1.0}, "event_delay"),
         ({"fail_status": 200}, "fail_status"),
         ({"max_concurrency": -1}, "max_concurrency"),
-        ({"served_model": ""}, "served_model"),
+        ({"model": ""}, "model"),
         ({"disabled_routes": ("/v1/embeddings",)}, "disabled_routes"),
     ],
 )

@@ -1,0 +1,137 @@
+"""The README's "Run it by hand" section, run as written: its ``sh`` blocks are read from the
+README, so the commands cannot drift from what the section shows.
+
+The first block starts the three processes (real ones, in bash, in their own
+process group); the README's fixed ports are swapped for free ones in the
+text, readiness is polled on each. The next blocks run in one bash session
+(the parameters P answers are carried in ``$PARAMS`` as a reader's shell
+does); the last block is run once the release has been counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.manifests import ROOT
+
+pytestmark = pytest.mark.nixl
+
+README = ROOT / "README.md"
+PORTS = ("8100", "8200", "8000", "9100", "5600")  # P, D, the sidecar, its admin port, P's side channel
+BINARY = ".venv/bin/kv-release-sidecar"
+
+
+def section() -> str:
+    return README.read_text().split("\n## Run it by hand\n", 1)[1].split("\n## ", 1)[0]
+
+
+def section_blocks(language: str = "sh") -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", section(), flags=re.S)
+
+
+def free_ports(count: int) -> list[str]:
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    try:
+        return [str(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def on_free_ports(block: str, mapping: dict[str, str]) -> str:
+    return re.sub(r"\b(" + "|".join(PORTS) + r")\b", lambda m: mapping[m.group(1)], block)
+
+
+def wait_for(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready")
+        time.sleep(0.05)
+
+
+@contextmanager
+def started(block: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", block + "\nwait"],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: bash and its three children
+        proc.wait(20)
+        deadline = time.monotonic() + 20
+        while _group_alive(proc.pid):  # the children drain, then exit
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def bash(script: str, check: bool = True) -> str:
+    result = subprocess.run(
+        ["bash", "-c", "set -e\n" + script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 or not check, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_readme_runs_by_hand(tmp_path: Path) -> None:
+    if not (ROOT / BINARY).exists():
+        pytest.fail(f"{BINARY} is missing: make test creates it")
+    blocks = section_blocks()
+    commands = [line for line in blocks[0].splitlines() if not line.startswith(" ")]
+    assert len(blocks) == 4 and len(commands) == 3 and all(line.startswith(BINARY) for line in commands)
+    ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+    log = tmp_path / "processes.log"
+    p, d, admin = (f"http://127.0.0.1:{ports[port]}" for port in ("8100", "8200", "9100"))
+    with started(on_free_ports(blocks[0], ports), log):
+        for url in (p + "/health", d + "/health", admin + "/readyz"):
+            wait_for(url)
+        out = bash(on_free_ports(blocks[1] + blocks[2], ports))
+        params_line, rejection = out.strip().splitlines()[0], "\n".join(out.strip().splitlines()[1:])
+        params, shown = json.loads(params_line), json.loads(section_blocks("json")[0])
+        assert params["do_remote_prefill"] is True and params["remote_port"] == int(ports["5600"])
+        assert list(params) == list(shown)  # the README shows what P sends, field for field
+        assert '"type":"Bad Request"' in rejection and '"param":"body.max_tokens"' in rejection
+        deadline = time.monotonic() + 10  # the release is sent after the client's answer
+        while '"freed_by_notification": 1' not in (
+            looked := bash(on_free_ports(blocks[3], ports), check=False)
+        ):
+            assert time.monotonic() < deadline, looked
+            time.sleep(0.05)
+    assert 'kvr_releases_total{result="sent",strategy="nixl"} 1.0' in looked
+    assert 'kvr_released_blocks_total{strategy="nixl"} 1.0' in looked
+    assert '"pinned_requests": 0' in looked and '"freed_by_expiry": 0' in looked
+    decisions = [line for line in log.read_text().splitlines() if '"msg":"release decision"' in line]
+    assert len(decisions) == 1 and '"request_id":"by-hand-1"' in decisions[0]
+    assert '"result":"sent"' in decisions[0] and '"cause":"rejected_4xx"' in decisions[0]
