@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
-    asyncio.run(serve(config, sockets=sockets))
+    try:
+        asyncio.run(serve(config, sockets=sockets))
+    except StartupFailed as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -121,12 +125,24 @@ def _bind(host: str, port: int, flag: str) -> list[socket.socket]:
 BACKLOG = 2048
 
 
+class StartupFailed(Exception):
+    """The app's lifespan failed to start (the reason is logged by ``sidecar.app``)."""
+
+
 class _Server(uvicorn.Server):
-    """A uvicorn server whose signals are handled by ``serve``, not by itself."""
+    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself."""
+
+    startup_failed = False
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
+            self.startup_failed = self.should_exit = True
 
 
 def uvicorn_config(
@@ -195,6 +211,8 @@ async def serve(
     admin.should_exit = True
     await asyncio.gather(admin_task, return_exceptions=True)
     waiter.cancel()
+    if proxy.startup_failed:
+        raise StartupFailed("start-up failed (the error is logged above)")
 
 
 def _shown(sock: socket.socket) -> str:

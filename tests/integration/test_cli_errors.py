@@ -213,3 +213,28 @@ def test_nixl_without_an_allowlist_warns_once() -> None:
         assert any("NIXL agent started" in line for line in lines), lines
     warnings = [line for line in lines if line.startswith("warning ")]
     assert len(warnings) == 1 and "--prefill-allow is empty" in warnings[0], lines
+
+
+def test_a_failed_start_exits_1_after_the_reason_without_a_task_traceback() -> None:
+    # The NIXL agent cannot start (in production: no UCX transport, an unreadable ~/.nixl.cfg).
+    script = (
+        "import sys; from sidecar import cli; from sidecar.nixl import peer\n"
+        "def broken(self): raise RuntimeError('no UCX transport')\n"
+        "peer.NixlPeer._create = broken\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    argv = ["serve", "--release", "nixl", "--prefill-allow", "10.0.0.0/8", "--log-format", "text", *EPHEMERAL]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "no UCX transport" in done.stderr
+    assert "Task exception was never retrieved" not in done.stderr and "SystemExit" not in done.stderr
+    assert (
+        done.stderr.splitlines()[-1] == "kv-release-sidecar: start-up failed (the error is logged above)"
+    )
