@@ -235,6 +235,4 @@ def test_a_failed_start_exits_1_after_the_reason_without_a_task_traceback() -> N
     assert done.returncode == 1, done.stderr
     assert "no UCX transport" in done.stderr
     assert "Task exception was never retrieved" not in done.stderr and "SystemExit" not in done.stderr
-    assert (
-        done.stderr.splitlines()[-1] == "kv-release-sidecar: start-up failed (the error is logged above)"
-    )
+    assert done.stderr.splitlines()[-1] == "kv-release-sidecar: start-up failed (the error is logged above)"
