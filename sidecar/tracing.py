@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing, an optional extra (``pip install kv-release-sidecar[otel]``).
+"""OpenTelemetry tracing, an optional extra (``pip install "<checkout>[otel]"``).
 
 Off unless ``otlp_traces_endpoint`` is set. Off, ``build`` returns ``OFF``, a
 ``Tracing`` whose ``enabled`` is False: every hook on the request path and in
