@@ -2,9 +2,9 @@
 # kv-release-sidecar: `make image`. Two images from one file:
 #   docker build .                    the sidecar (the default, last stage): core + the nixl extra
 #   docker build --target loadtest .  the load generator Job: core + the loadtest extra
-# Build stages resolve the locked environment with uv; each runtime stage receives only its virtual
-# environment (no uv, no compilers, no torch) and runs as a numeric non-root user. All stages use
-# the same base image, so the venv's interpreter link (/usr/local/bin/python3.11) stays valid.
+# Build stages resolve the locked environment with uv; each runtime image receives only its virtual
+# environment (no uv, no compilers, no torch) and runs as a numeric non-root user. All stages start
+# from the same base image, so the venv's interpreter link (/usr/local/bin/python3.11) stays valid.
 
 FROM python:3.11-slim-bookworm AS build
 # Optional extras on top of nixl: `docker build --build-arg EXTRAS=otel .` adds OpenTelemetry
@@ -36,31 +36,30 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     uv sync --frozen --no-dev --no-editable --extra loadtest
 RUN /opt/venv/bin/python -c "import importlib.util as u, sys; sys.exit([m for m in ('torch', 'nixl_cu12') if u.find_spec(m)] or 0)"
 
-FROM python:3.11-slim-bookworm AS loadtest
-LABEL org.opencontainers.image.title="kv-release-loadtest" \
-      org.opencontainers.image.description="kv-release-sidecar loadtest: P/D load with a release verdict." \
-      org.opencontainers.image.licenses="Apache-2.0"
+FROM python:3.11-slim-bookworm AS runtime
+# What both runtime images share. A passwd entry for the numeric user, so UCX and getpass can
+# name it; no home, no shell.
 RUN groupadd --gid 10001 kvr \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvr
-COPY --from=build-loadtest /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    MPLCONFIGDIR=/tmp/matplotlib
-USER 10001:10001
-ENTRYPOINT ["kv-release-sidecar", "loadtest"]
-
-FROM python:3.11-slim-bookworm AS sidecar
-LABEL org.opencontainers.image.title="kv-release-sidecar" \
-      org.opencontainers.image.description="Releases a vLLM prefill node's pinned KV blocks when the decode node rejects a P/D request." \
-      org.opencontainers.image.licenses="Apache-2.0"
-# A passwd entry for the numeric user, so UCX and getpass can name it; no home, no shell.
-RUN groupadd --gid 10001 kvr \
- && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvr
-COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
+
+FROM runtime AS loadtest
+LABEL org.opencontainers.image.title="kv-release-loadtest" \
+      org.opencontainers.image.description="kv-release-sidecar loadtest: P/D load with a release verdict." \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build-loadtest /opt/venv /opt/venv
+# matplotlib's cache, on the Job's writable /tmp (the root filesystem is read-only).
+ENV MPLCONFIGDIR=/tmp/matplotlib
+USER 10001:10001
+ENTRYPOINT ["kv-release-sidecar", "loadtest"]
+
+FROM runtime AS sidecar
+LABEL org.opencontainers.image.title="kv-release-sidecar" \
+      org.opencontainers.image.description="Releases a vLLM prefill node's pinned KV blocks when the decode node rejects a P/D request." \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 # The proxy port and the admin port (/healthz, /readyz, /metrics): Config.port, Config.admin_port.
 EXPOSE 8000 9100
