@@ -291,6 +291,16 @@ def load(
     An error names where the offending value came from: the flag, the ``KVR_*``
     variable, or ``file_name`` and the key.
     """
+    return load_with_sources(args, environ, file_text, file_name)[0]
+
+
+def load_with_sources(
+    args: argparse.Namespace | Mapping[str, Any],
+    environ: Mapping[str, str],
+    file_text: str | None = None,
+    file_name: str = "the config file",
+) -> tuple[Config, dict[str, str]]:
+    """``load``, and where each value that is not a default came from (for later checks' errors)."""
     flags = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     names = {name: type_ for name, type_, _ in _field_info()}
     merged: dict[str, Any] = {}
@@ -312,7 +322,7 @@ def load(
         if isinstance(value, str) and get_origin(names[name]) is tuple:
             merged[name] = [part.strip() for part in value.split(",") if part.strip()]
     try:
-        return _convert(merged, names)
+        return _convert(merged, names), source
     except ConfigError as exc:
         raise exc.at(source.get(exc.field, exc.source)) from exc.__cause__
 

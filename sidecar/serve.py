@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args: argparse.Namespace) -> config_mod.Config:
     """Flags > env > file > defaults; raises ``ConfigError``."""
+    return _load(args)[0]
+
+
+def _load(args: argparse.Namespace) -> tuple[config_mod.Config, dict[str, str]]:
     text = None
     path = args.config or os.environ.get("KVR_CONFIG")
     if path:
@@ -48,7 +52,7 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
             source = "--config" if args.config else "KVR_CONFIG"
             raise config_mod.FileError(path, f"cannot read ({source}): {exc.strerror}") from exc
     fields = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command")}
-    return config_mod.load(fields, os.environ, text, path or "")
+    return config_mod.load_with_sources(fields, os.environ, text, path or "")
 
 
 # The strategies that run a NIXL agent (auto falls back to it whenever D is unreachable).
@@ -57,9 +61,12 @@ NIXL_STRATEGIES = ("nixl", "auto")
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args)
-        Trust(config)  # secrets readable and present, before any socket opens
-        tracing.require(config)  # the otel extra installed when tracing is configured
+        config, sources = _load(args)
+        try:
+            Trust(config)  # secrets readable and present, before any socket opens
+            tracing.require(config)  # the otel extra installed when tracing is configured
+        except config_mod.ConfigError as exc:
+            raise exc.at(sources.get(exc.field, exc.source)) from exc
         if config.release in NIXL_STRATEGIES:
             extras.require(f"--release {config.release}", ["nixl"])
         sockets = listen(config)

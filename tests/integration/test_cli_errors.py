@@ -113,6 +113,17 @@ def test_a_bad_value_in_the_file_names_file_and_key(tmp_path: Path) -> None:
     )
 
 
+def test_a_missing_trust_secret_names_the_file_and_key(tmp_path: Path) -> None:
+    # The shipped decode pod: trust = "hmac" with the key file of a Secret nobody created.
+    path = tmp_path / "sidecar.toml"
+    path.write_text('trust = "hmac"\ntrust_key_file = "/var/run/kv-release-sidecar/trust/key"\n')
+    line = fails("--config", str(path), *EPHEMERAL)
+    assert line == (
+        f"kv-release-sidecar: invalid trust_key_file ({path}, key trust_key_file) = "
+        "'/var/run/kv-release-sidecar/trust/key': cannot read: No such file or directory"
+    )
+
+
 def test_reversed_port_range_in_the_allowlist() -> None:
     line = fails("--prefill-allow", "10.0.0.1:5-2", *EPHEMERAL)
     assert line == (
