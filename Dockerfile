@@ -1,12 +1,14 @@
 # syntax=docker/dockerfile:1
-# kv-release-sidecar: `make image`. The build stage resolves the locked environment with uv;
-# the runtime stage receives only that virtual environment (no uv, no compilers, no torch)
-# and runs as a numeric non-root user. Both stages use the same base image, so the venv's
-# interpreter link (/usr/local/bin/python3.11) is valid in the runtime stage.
+# kv-release-sidecar: `make image`. Two images from one file:
+#   docker build .                    the sidecar (the default, last stage): core + the nixl extra
+#   docker build --target loadtest .  the load generator Job: core + the loadtest extra
+# Build stages resolve the locked environment with uv; each runtime image receives only its virtual
+# environment (no uv, no compilers, no torch) and runs as a numeric non-root user. All stages start
+# from the same base image, so the venv's interpreter link (/usr/local/bin/python3.11) stays valid.
 
 FROM python:3.11-slim-bookworm AS build
-# Optional extras: `docker build --build-arg EXTRAS=otel .` adds OpenTelemetry tracing
-# (docs/operations.md, "Tracing"). Empty by default: the default image is unchanged.
+# Optional extras on top of nixl: `docker build --build-arg EXTRAS=otel .` adds OpenTelemetry
+# tracing (docs/operations.md, "Tracing"). Empty by default.
 ARG EXTRAS=""
 ENV UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
@@ -19,25 +21,45 @@ COPY pyproject.toml uv.lock README.md ./
 # imports it; pyproject's [tool.uv] override-dependencies keeps it out of uv.lock, and --frozen
 # installs exactly the lock.
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-install-project ${EXTRAS:+--extra "$EXTRAS"}
+    uv sync --frozen --no-dev --no-install-project --extra nixl ${EXTRAS:+--extra "$EXTRAS"}
 COPY sidecar ./sidecar
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-editable ${EXTRAS:+--extra "$EXTRAS"}
-# Fail the build, not the pod: no torch, and NIXL with its bundled UCX makes an agent.
-RUN /opt/venv/bin/python -c "import importlib.util as u, sys; sys.exit('torch is in the image' if u.find_spec('torch') else 0)" \
+    uv sync --frozen --no-dev --no-editable --extra nixl ${EXTRAS:+--extra "$EXTRAS"}
+# Fail the build, not the pod: no torch, no plotting or load-generator stack, and NIXL with its
+# bundled UCX makes an agent.
+RUN /opt/venv/bin/python -c "import importlib.util as u, sys; sys.exit([m for m in ('torch', 'matplotlib', 'aiohttp') if u.find_spec(m)] or 0)" \
  && /opt/venv/bin/python -c "from nixl_cu12._api import nixl_agent as a, nixl_agent_config as c; a('image-check', c(backends=['UCX']))"
 
-FROM python:3.11-slim-bookworm
-LABEL org.opencontainers.image.title="kv-release-sidecar" \
-      org.opencontainers.image.description="Releases a vLLM prefill node's pinned KV blocks when the decode node rejects a P/D request." \
-      org.opencontainers.image.licenses="Apache-2.0"
-# A passwd entry for the numeric user, so UCX and getpass can name it; no home, no shell.
+FROM build AS build-loadtest
+# The same venv re-synced to core + loadtest: uv sync removes NIXL and adds aiohttp and matplotlib.
+RUN --mount=type=cache,target=/root/.cache/uv \
+    uv sync --frozen --no-dev --no-editable --extra loadtest
+RUN /opt/venv/bin/python -c "import importlib.util as u, sys; sys.exit([m for m in ('torch', 'nixl_cu12') if u.find_spec(m)] or 0)"
+
+FROM python:3.11-slim-bookworm AS runtime
+# What both runtime images share. A passwd entry for the numeric user, so UCX and getpass can
+# name it; no home, no shell.
 RUN groupadd --gid 10001 kvr \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvr
-COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
+
+FROM runtime AS loadtest
+LABEL org.opencontainers.image.title="kv-release-loadtest" \
+      org.opencontainers.image.description="kv-release-sidecar loadtest: P/D load with a release verdict." \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build-loadtest /opt/venv /opt/venv
+# matplotlib's cache, on the Job's writable /tmp (the root filesystem is read-only).
+ENV MPLCONFIGDIR=/tmp/matplotlib
+USER 10001:10001
+ENTRYPOINT ["kv-release-sidecar", "loadtest"]
+
+FROM runtime AS sidecar
+LABEL org.opencontainers.image.title="kv-release-sidecar" \
+      org.opencontainers.image.description="Releases a vLLM prefill node's pinned KV blocks when the decode node rejects a P/D request." \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 # The proxy port and the admin port (/healthz, /readyz, /metrics): Config.port, Config.admin_port.
 EXPOSE 8000 9100

@@ -51,9 +51,10 @@ faults: $(STAMP)
 soak: $(STAMP)
 	$(UV) run --frozen --no-sync python -m tests.faults.soak
 
-# nixl-cu12 ships x86_64 wheels only.
+# nixl-cu12 ships x86_64 wheels only. The sidecar (default target), the loadtest Job's image, the plugin.
 image:
 	docker build --platform linux/amd64 -t kv-release-sidecar:dev .
+	docker build --platform linux/amd64 --target loadtest -t kv-release-loadtest:dev .
 	rm -rf dist && $(UV) build --wheel --out-dir dist
 	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev .
 

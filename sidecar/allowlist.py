@@ -36,8 +36,10 @@ def _parse_ports(text: str) -> tuple[int, int]:
     if not lo.isdigit() or (hi and not hi.isdigit()):
         raise ValueError(f"port {text!r} is not a number or lo-hi range")
     low, high = int(lo), int(hi or lo)
-    if not 0 < low <= high <= 65535:
+    if not (0 < low <= 65535 and 0 < high <= 65535):
         raise ValueError(f"port range {text!r} is outside 1-65535")
+    if low > high:
+        raise ValueError(f"port range {text!r} is reversed: write {high}-{low}")
     return low, high
 
 

@@ -192,7 +192,8 @@ def _classify_admitted(event: Event) -> Decision:
     if not event.stream or code is None:
         return Decision(Outcome.NO_RELEASE, Cause.ADMITTED)
     if 400 <= code < 500:
-        # vLLM's engine admission step failed after HTTP 200 was sent.
+        # vLLM's engine refused the request after the 200 went out: the stream's first event is
+        # the error (the engine's admission of the request failed; nothing was read from P).
         return Decision(Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR)
     if code == 503 and event.first_event_message is not None:
         if (

@@ -2,7 +2,9 @@
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this module only dispatches, so importing the CLI pulls
-in nothing heavy. Exit codes: 0 ok, 2 bad configuration or usage, 1 failure.
+in nothing heavy. Exit codes: 0 ok, 2 bad configuration or usage (one line on
+stderr, no traceback), 1 failure. A command whose optional extra is not
+installed exits 2 naming the extra (``sidecar.extras``).
 """
 
 from __future__ import annotations
@@ -11,34 +13,72 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
 
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("sidecar.serve", "run the sidecar in front of a vLLM decode server"),
-    "sim-decode": ("sidecar.sim.decode", "run the fake vLLM decode server"),
-    "sim-prefill": ("sidecar.sim.prefill", "run the fake vLLM prefill server (NIXL)"),
-    "demo": ("sidecar.sim.demo", "run the embedded demo and print what is released"),
-    "loadtest": ("sidecar.loadtest.command", "open-loop P->D load with a release verdict"),
+from sidecar.extras import MissingExtra, extra_of, require
+
+PROG = "kv-release-sidecar"
+
+
+class Command(NamedTuple):
+    module: str
+    help: str
+    extras: tuple[str, ...] = ()  # checked before the module is imported
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("sidecar.serve", "run the sidecar in front of a vLLM decode server"),
+    "sim-decode": Command("sidecar.sim.decode", "run the fake vLLM decode server"),
+    "sim-prefill": Command("sidecar.sim.prefill", "run the fake vLLM prefill server (NIXL)", ("nixl",)),
+    "demo": Command(
+        "sidecar.sim.demo", "run the embedded demo and print what is released", ("loadtest", "nixl")
+    ),
+    "loadtest": Command(
+        "sidecar.loadtest.command", "open-loop P->D load with a release verdict", ("loadtest",)
+    ),
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line (the full usage of ``serve`` is 60 lines): message and a pointer to --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser; only the ``selected`` command's module is imported for its flags."""
-    parser = argparse.ArgumentParser(prog="kv-release-sidecar", description=__doc__.split("\n")[0])
+    parser = Parser(
+        prog=PROG,
+        description="Releases a vLLM prefill node's pinned KV blocks when the decode node rejects "
+        "a P/D request before admission.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        command.set_defaults(_module=module)
+    for name, command in COMMANDS.items():
+        child = sub.add_parser(name, help=command.help, description=command.help)
+        child.set_defaults(_module=command.module)
         if name == selected:
-            importlib.import_module(module).add_arguments(command)
+            require(f"{PROG} {name}", command.extras)
+            importlib.import_module(command.module).add_arguments(child)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(selected).parse_args(argv)
-    module = importlib.import_module(args._module)
-    code: int = module.run(args)
+    try:
+        args = build_parser(selected).parse_args(argv)
+        module = importlib.import_module(args._module)
+        code: int = module.run(args)
+    except MissingExtra as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # an optional module imported on the way (e.g. sim-decode --vllm-d)
+        extra = extra_of(exc.name)
+        if extra is None:
+            raise
+        print(f"{PROG}: {MissingExtra(f'{PROG} {selected}', extra, exc.name or extra)}", file=sys.stderr)
+        return 2
     return code
 
 

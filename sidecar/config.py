@@ -4,13 +4,15 @@ Sources, highest precedence first: command-line flags, ``KVR_*`` environment
 variables (one per flag: ``--decode-url`` is ``KVR_DECODE_URL``), an optional
 TOML file (``--config``), then the defaults below. ``load`` does no I/O
 beyond reading that file; a bad value raises ``ConfigError`` naming the
-field, the value and the reason, and the CLI exits 2 before any socket opens.
+field, where the value came from (flag, variable, or file and key), the value
+and the reason, and the CLI exits 2 before any socket opens. The checks live
+in ``sidecar.config_rules``; every field has its ``--help`` line in ``HELP``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import difflib
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin
@@ -26,6 +28,8 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 ENV_PREFIX = "KVR_"
 INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# A request line and a few ordinary headers; below this every request would be refused.
+MIN_HEADER_BYTES = 1024
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,7 +45,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     pool_timeout: float = 5.0
     # Non-streaming completions send headers only when generation ends: keep it long.
     header_timeout: float = 900.0
-    # Maximum gap between two body chunks from D; 0 disables (streams may idle).
     read_timeout: float = 0.0
     pool_size: int = 1024
     release: ReleaseStrategy = "dry-run"
@@ -53,15 +56,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     release_deadline: float = 30.0
     release_retry_initial: float = 0.05
     release_retry_max: float = 1.0
-    # Share of release_workers one target (a P side channel, D's control endpoint) may use at once.
     release_target_share: float = 0.5
-    # Consecutive connect failures after which a target's breaker opens (its jobs wait, no attempt).
     release_target_failures: int = 3
     ledger_size: int = 65536
     ledger_ttl: float = 600.0
-    # Ambiguous outcomes (D may have admitted the request) are not released by default.
     release_ambiguous: bool = False
-    # On SIGTERM: readiness off, keep serving this long, then drain and flush.
     shutdown_delay: float = 0.0
     drain_timeout: float = 20.0
     flush_timeout: float = 5.0
@@ -74,8 +73,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     log_level: LogLevel = "info"
     log_format: LogFormat = "json"
     # The control endpoint a vLLM plugin adds to D (strategies http and auto).
-    control_url: str = ""  # default: decode_url + /kv_release/v1/release
-    control_token: str = ""  # prefer KVR_CONTROL_TOKEN or control_token_file: flags show in ps
+    control_url: str = ""
+    control_token: str = ""
     control_token_file: str = ""
     control_timeout: float = 1.0
     auto_probe_interval: float = 30.0
@@ -83,8 +82,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"
     prefill_timeout: float = 300.0
-    prefill_backoff: float = 5.0  # a failing P is skipped this long
-    decode_only_fallback: bool = False  # no P left (or n > 1): D prefills itself
+    prefill_backoff: float = 5.0
+    decode_only_fallback: bool = False
     # Router mode: decode_url is a kv-release-sidecar in front of D (trust = "hmac" there, this
     # router signing with the same key). It judges and releases D's answers itself, so this
     # router releases only what never reached it or what it aborted (no double release).
@@ -93,178 +92,200 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     trust: TrustMode = "any"
     trust_token: str = ""
     trust_token_file: str = ""
-    trust_key: str = ""  # HMAC key shared with the router; prefer trust_key_file
+    trust_key: str = ""
     trust_key_file: str = ""
     # Rejection injection for load tests (off by default): the sidecar answers an error itself,
     # never forwards the request, and releases P's blocks as for a real rejection.
-    inject_rate: float = 0.0  # share of releasable do_remote_prefill requests, 0..1
-    inject_seed: int | None = None  # reproducible injection
+    inject_rate: float = 0.0
+    inject_seed: int | None = None
     inject_statuses: tuple[int, ...] = (503,)
-    inject_routes: tuple[str, ...] = ()  # empty: all three completion routes
-    inject_header: bool = False  # honour x-kvr-inject-reject: <status>
+    inject_routes: tuple[str, ...] = ()
+    inject_header: bool = False
     # Server limits on the proxy and admin ports (docs/limits.md); enforced by sidecar.limits.
-    limit_concurrency: int = 0  # requests in flight on the proxy port; over it: 503; 0 = unlimited
-    timeout_keep_alive: float = 5.0  # idle keep-alive connection closed after this (vLLM's default)
-    max_header_bytes: int = 64 * 1024  # request line + headers; over it: 431 and close
-    client_header_timeout: float = 10.0  # a complete header block within this; else 408 and close
-    client_body_timeout: float = 60.0  # largest gap between two reads of a request body; else 408
+    limit_concurrency: int = 0
+    timeout_keep_alive: float = 5.0  # vLLM's own default: clients see D's connection lifetime
+    max_header_bytes: int = 64 * 1024
+    client_header_timeout: float = 10.0
+    client_body_timeout: float = 60.0
     # OpenTelemetry tracing (sidecar.tracing; needs kv-release-sidecar[otel]): OTLP/HTTP, off when empty.
     otlp_traces_endpoint: str = ""  # e.g. http://otel-collector:4318 (/v1/traces is added to a bare URL)
-    trace_sample_ratio: float = 1.0  # share of new traces sampled; a sampled traceparent is always honoured
+    trace_sample_ratio: float = 1.0
     trace_service_name: str = "kv-release-sidecar"
     # P's hold of an unreleased request's blocks, for kvr_pinned_block_seconds_saved_total;
     # 0: from P's vLLM release (30 s lease from 0.22.0, 480 s abort timeout before).
     p_hold_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("port", "admin_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise ConfigError(name, value, "must be a TCP port between 0 and 65535")
-        if self.port and self.port == self.admin_port:
-            raise ConfigError("admin_port", self.admin_port, "must differ from port")
-        url = urlsplit(self.decode_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ConfigError("decode_url", self.decode_url, "must be an http(s) URL with a host")
-        for name in _POSITIVE:
-            value = getattr(self, name)
-            if value <= 0:
-                raise ConfigError(name, value, "must be greater than 0")
-        if self.limit_concurrency < 0:
-            raise ConfigError(
-                "limit_concurrency", self.limit_concurrency, "must be 0 (unlimited) or positive"
-            )
-        if self.max_header_bytes < MIN_HEADER_BYTES:
-            raise ConfigError(
-                "max_header_bytes", self.max_header_bytes, f"must be at least {MIN_HEADER_BYTES} bytes"
-            )
-        for name in ("read_timeout", "shutdown_delay", "p_hold_seconds"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, getattr(self, name), "must be 0 (off) or positive")
-        if self.release_retry_initial > self.release_retry_max:
-            raise ConfigError(
-                "release_retry_initial", self.release_retry_initial, "must not exceed release_retry_max"
-            )
-        for name, value in [("control_url", self.control_url), *(("prefill", p) for p in self.prefill)]:
-            parts = urlsplit(value)
-            if value and (parts.scheme not in ("http", "https") or not parts.hostname):
-                raise ConfigError(name, value, "must be an http(s) URL with a host")
-        if self.vllm_version and not _is_version(self.vllm_version):
-            raise ConfigError("vllm_version", self.vllm_version, "must look like 0.21.0")
-        if not 0.0 < self.release_target_share <= 1.0:
-            raise ConfigError(
-                "release_target_share", self.release_target_share, "must be above 0 and at most 1"
-            )
-        if not 0.0 <= self.inject_rate <= 1.0:
-            raise ConfigError("inject_rate", self.inject_rate, "must be between 0 and 1")
-        for status in self.inject_statuses:
-            if not 400 <= status <= 599:
-                raise ConfigError("inject_statuses", status, "must be a 4xx or 5xx status")
-        if self.inject_rate and not self.inject_statuses:
-            raise ConfigError("inject_statuses", self.inject_statuses, "must name a status to inject")
-        for route in self.inject_routes:
-            if route not in INSPECTED_ROUTES:
-                raise ConfigError("inject_routes", route, f"must be one of {', '.join(INSPECTED_ROUTES)}")
-        for pattern in self.prefill_allow:
-            reason = allow_pattern_error(pattern)
-            if reason:
-                raise ConfigError("prefill_allow", pattern, reason)
-        traces = urlsplit(self.otlp_traces_endpoint)
-        if self.otlp_traces_endpoint and (traces.scheme not in ("http", "https") or not traces.hostname):
-            raise ConfigError(
-                "otlp_traces_endpoint", self.otlp_traces_endpoint, "must be an http(s) URL (OTLP/HTTP)"
-            )
-        if not 0.0 <= self.trace_sample_ratio <= 1.0:
-            raise ConfigError("trace_sample_ratio", self.trace_sample_ratio, "must be between 0 and 1")
-        if not self.trace_service_name.strip():
-            raise ConfigError("trace_service_name", self.trace_service_name, "must not be empty")
+        from sidecar.config_rules import check  # it imports this module
+
+        check(self)
 
 
-_POSITIVE = (
-    "max_body_bytes",
-    "connect_timeout",
-    "pool_timeout",
-    "header_timeout",
-    "pool_size",
-    "release_queue_size",
-    "release_workers",
-    "release_deadline",
-    "release_retry_initial",
-    "release_retry_max",
-    "release_target_failures",
-    "ledger_size",
-    "ledger_ttl",
-    "drain_timeout",
-    "flush_timeout",
-    "handshake_timeout",
-    "handshake_cache_size",
-    "handshake_cache_ttl",
-    "control_timeout",
-    "auto_probe_interval",
-    "prefill_timeout",
-    "prefill_backoff",
-    "timeout_keep_alive",
-    "client_header_timeout",
-    "client_body_timeout",
-)
-# A request line and a few ordinary headers; below this every request would be refused.
-MIN_HEADER_BYTES = 1024
+# The --help line of every field: (what it does, its unit or "" for text, choices and switches).
+# build_parser adds the default and the KVR_* variable. A field without a line here, or a number
+# without a unit, fails tests/unit/test_config_help.py: add the line with the field.
+HELP: dict[str, tuple[str, str]] = {
+    "host": ("address the proxy port listens on", ""),
+    "port": ("proxy port: clients and routers send requests here", "TCP port; 0 picks a free one"),
+    "admin_host": ("address the admin port listens on", ""),
+    "admin_port": ("admin port: /healthz, /readyz and /metrics", "TCP port"),
+    "decode_url": ("vLLM decode server (D) as scheme://host:port, without a path", "URL"),
+    "max_body_bytes": ("largest inspected request body; above it: 413, released if trusted", "bytes"),
+    "connect_timeout": ("connecting to D; a failure here is released", "seconds"),
+    "pool_timeout": ("waiting for a free connection to D; a failure here is released", "seconds"),
+    "header_timeout": ("D's response headers (non-streaming answers send them at the end)", "seconds"),
+    "read_timeout": ("largest gap between two body chunks from D; 0 disables", "seconds"),
+    "pool_size": ("connections to D at most", "connections"),
+    "release": ("what happens when D rejects a P/D request: off, dry-run, nixl, http or auto", ""),
+    "release_queue_size": ("release jobs waiting at most; the oldest is dropped when full", "jobs"),
+    "release_workers": ("release jobs running at once", "jobs"),
+    "release_deadline": ("give up a release after this (P's lease frees the blocks then)", "seconds"),
+    "release_retry_initial": ("first retry delay of a failed release, doubled each time", "seconds"),
+    "release_retry_max": ("largest retry delay of a failed release", "seconds"),
+    "release_target_share": (
+        "share of release_workers one target (a P side channel, D's control endpoint) may use at once",
+        "fraction, above 0 up to 1",
+    ),
+    "release_target_failures": (
+        "consecutive connect failures that open a target's breaker (its jobs wait, no attempt)",
+        "failures",
+    ),
+    "ledger_size": ("released requests remembered to refuse replays and duplicates", "entries"),
+    "ledger_ttl": ("how long a released request is remembered", "seconds"),
+    "release_ambiguous": ("also release when D may have admitted the request (timeouts, resets)", ""),
+    "shutdown_delay": ("after SIGTERM, keep serving this long with /readyz at 503", "seconds"),
+    "drain_timeout": ("after that, wait this long for requests in flight", "seconds"),
+    "flush_timeout": ("then wait this long for queued releases", "seconds"),
+    "vllm_version": ("P's vLLM release (the side-channel wire format); empty: read D's /version", ""),
+    "prefill_allow": (
+        "P endpoints releases may reach: CIDR, IP or name, :port or :lo-hi; none if empty",
+        "comma-separated list",
+    ),
+    "handshake_timeout": ("one side-channel handshake with P (nixl)", "seconds"),
+    "handshake_cache_size": ("P engines whose handshake is kept (nixl)", "engines"),
+    "handshake_cache_ttl": ("how long a P engine's handshake is kept (nixl)", "seconds"),
+    "allow_unsafe_vllm": ("release to vLLM 0.9.x/0.10.0 (a late notification can crash their P engine)", ""),
+    "log_level": ("log level: debug, info, warning or error", ""),
+    "log_format": ("log format: json (one object per line) or text", ""),
+    "control_url": ("vLLM plugin's control endpoint; empty: decode-url + /kv_release/v1/release", "URL"),
+    "control_token": ("control endpoint's bearer token; prefer the file or variable (ps shows flags)", ""),
+    "control_token_file": ("file holding the control endpoint's bearer token", "path"),
+    "control_timeout": ("one request to the control endpoint", "seconds"),
+    "auto_probe_interval": ("auto: how often D's control endpoint is probed", "seconds"),
+    "prefill": ("router mode: P servers for the prefill leg, scheme://host:port", "comma-separated list"),
+    "prefill_policy": ("router mode: how P is picked, least-outstanding or round-robin", ""),
+    "prefill_timeout": ("router mode: the prefill leg on P, to its answer", "seconds"),
+    "prefill_backoff": ("router mode: a failing P is skipped this long", "seconds"),
+    "decode_only_fallback": ("router mode: with no P left (or n > 1), D prefills itself", ""),
+    "decode_releases": ("router mode: decode-url is a sidecar (trust hmac) releasing D's answers", ""),
+    "trust": ("which kv_transfer_params may trigger a release: any, token or hmac (docs/security.md)", ""),
+    "trust_token": ("the router token for trust token; prefer the file", ""),
+    "trust_token_file": ("file holding the router token", "path"),
+    "trust_key": ("HMAC key shared with the router for trust hmac; prefer the file", ""),
+    "trust_key_file": ("file holding the HMAC key", "path"),
+    "inject_rate": ("load tests only: share of releasable requests rejected by the sidecar", "0 to 1"),
+    "inject_seed": ("load tests only: seed of the injection, for reproducible runs", "integer"),
+    "inject_statuses": ("load tests only: statuses injected", "comma-separated list of HTTP statuses"),
+    "inject_routes": ("load tests only: routes injected; empty: all three", "comma-separated list"),
+    "inject_header": ("load tests only: honour x-kvr-inject-reject: <status>", ""),
+    "limit_concurrency": ("requests in flight on the proxy port; above it: 503; 0: unlimited", "requests"),
+    "timeout_keep_alive": ("idle keep-alive connection closed after this", "seconds"),
+    "max_header_bytes": ("request line and headers; above it: 431 and close", "bytes"),
+    "client_header_timeout": ("a complete header block within this; else 408 and close", "seconds"),
+    "client_body_timeout": ("largest gap between two reads of a request body; else 408", "seconds"),
+    "otlp_traces_endpoint": ("OTLP/HTTP collector for traces (the otel extra); empty: tracing off", "URL"),
+    "trace_sample_ratio": ("share of new traces sampled (a sampled traceparent is always kept)", "0 to 1"),
+    "trace_service_name": ("service.name of the spans", ""),
+    "p_hold_seconds": ("P's hold of unreleased blocks (saved-time metric); 0: from P's release", "seconds"),
+}
 
 
 class ConfigError(Exception):
-    """A setting that cannot be used; ``str()`` names the field, the value and the reason."""
+    """A setting that cannot be used; ``str()`` names the field, its source, the value and the reason."""
 
-    def __init__(self, field: str, value: object, reason: str) -> None:
+    def __init__(self, field: str, value: object, reason: str, source: str = "") -> None:
         self.field, self.value, self.reason = field, value, reason
+        self.source = source or _flag(field)
         shown = REDACTED if field in SECRETS and value else value
-        super().__init__(f"invalid {field} ({_flag(field)}) = {shown!r}: {reason}")
+        super().__init__(f"invalid {field} ({self.source}) = {shown!r}: {reason}")
+
+    def at(self, source: str) -> ConfigError:
+        """The same error, naming where the value came from."""
+        return ConfigError(self.field, self.value, self.reason, source)
+
+
+class FileError(ConfigError):
+    """The TOML file itself is wrong (unreadable, not TOML, an unknown key); names the file first."""
+
+    def __init__(self, file_name: str, reason: str, key: str = "config", value: object = None) -> None:
+        super().__init__(key, file_name if value is None else value, reason, file_name)
+        self.args = (f"{file_name}: {reason}",)
 
 
 # Settings whose values are credentials: never logged, never echoed in an error.
 SECRETS = frozenset({"control_token", "trust_token", "trust_key"})
 REDACTED = "<redacted>"
+FIELDS = tuple(f.name for f in msgspec.structs.fields(Config))
+# KVR_* variables that are not settings of serve but are read by the same install.
+OTHER_ENV = {
+    "KVR_CONFIG": "the TOML file, as --config",
+    "KVR_CONTROL_INSECURE": "the vLLM plugin inside D",
+}
 
 
 def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def _is_version(text: str) -> bool:
-    parts = text.split(".")
-    return len(parts) >= 2 and all(p.isdigit() for p in parts[:2])
+def did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, or "" when none is close."""
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def allow_pattern_error(pattern: str) -> str:
-    """Why an allowlist entry is invalid, or "" when it is valid.
+def _default_text(default: Any) -> str:
+    if isinstance(default, tuple):
+        return ",".join(map(str, default)) or "empty"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return "empty" if default in ("", None) else str(default)
 
-    Entries: a CIDR (``10.0.0.0/8``), an IP, a host name (``*.prefill.svc`` allowed),
-    each optionally with ``:port`` or ``:lo-hi`` (IPv6 with a port: ``[::1]:5600``).
-    """
-    from sidecar.allowlist import parse_entry  # local: allowlist imports nothing of ours
 
-    try:
-        parse_entry(pattern)
-    except ValueError as exc:
-        return str(exc)
-    return ""
+def help_line(name: str, default: Any) -> str:
+    """The plain-text ``--help`` line of field ``name``."""
+    text, unit = HELP[name]
+    details = [unit] if unit else []
+    details += [f"default {_default_text(default)}", f"env {ENV_PREFIX}{name.upper()}"]
+    return f"{text} ({'; '.join(details)})"
 
 
 def _field_info() -> list[tuple[str, Any, Any]]:
-    info = msgspec.structs.fields(Config)
-    return [(f.name, f.type, f.default) for f in info]
+    return [(f.name, f.type, f.default) for f in msgspec.structs.fields(Config)]
+
+
+def _metavar(unit: str) -> str:
+    if "list" in unit:
+        return "LIST"
+    words = {"seconds": "SECONDS", "bytes": "BYTES", "URL": "URL", "path": "FILE", "": "TEXT"}
+    return words.get(unit, "PORT" if unit.startswith("TCP port") else "N")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add one flag per config field (defaults left unset so precedence can be applied)."""
-    parser.add_argument("--config", help="TOML file with settings (keys are field names)")
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file with settings, keys are the field names (env KVR_CONFIG)"
+    )
     for name, type_, default in _field_info():
         kwargs: dict[str, Any] = {"default": None, "dest": name}
         if type_ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_args(type_) and isinstance(get_args(type_)[0], str) and type_ is not str:
             kwargs["choices"] = list(get_args(type_))
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        kwargs["help"] = f"(env {ENV_PREFIX}{name.upper()}; default {shown!r})"
+        else:
+            kwargs["metavar"] = _metavar(HELP[name][1])
+        kwargs["help"] = help_line(name, default).replace("%", "%%")
         parser.add_argument(_flag(name), **kwargs)
     return parser
 
@@ -273,32 +294,59 @@ def load(
     args: argparse.Namespace | Mapping[str, Any],
     environ: Mapping[str, str],
     file_text: str | None = None,
+    file_name: str = "the config file",
 ) -> Config:
-    """Merge defaults < TOML file < environment < flags into a validated ``Config``."""
+    """Merge defaults < TOML file < environment < flags into a validated ``Config``.
+
+    An error names where the offending value came from: the flag, the ``KVR_*``
+    variable, or ``file_name`` and the key.
+    """
+    return load_with_sources(args, environ, file_text, file_name)[0]
+
+
+def load_with_sources(
+    args: argparse.Namespace | Mapping[str, Any],
+    environ: Mapping[str, str],
+    file_text: str | None = None,
+    file_name: str = "the config file",
+) -> tuple[Config, dict[str, str]]:
+    """``load``, and where each value that is not a default came from (for later checks' errors)."""
     flags = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
-    merged: dict[str, Any] = {}
-    if file_text is not None:
-        try:
-            merged.update(tomllib.loads(file_text))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", "<file>", f"not valid TOML: {exc}") from exc
     names = {name: type_ for name, type_, _ in _field_info()}
-    for name in names:
-        env_value = environ.get(ENV_PREFIX + name.upper())
-        if env_value is not None:
-            merged[name] = env_value
-        if flags.get(name) is not None:
-            merged[name] = flags[name]
-    for key in merged:
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, value in _read_toml(file_text, file_name).items():
         if key not in names:
-            raise ConfigError(key, merged[key], "unknown setting")
+            raise FileError(file_name, f"unknown key {key!r}{did_you_mean(key, FIELDS)}", key, value)
+        merged[key], source[key] = value, f"{file_name}, key {key}"
+    for name in names:
+        variable = ENV_PREFIX + name.upper()
+        if environ.get(variable) is not None:
+            merged[name], source[name] = environ[variable], variable
+        if flags.get(name) is not None:
+            merged[name], source[name] = flags[name], _flag(name)
+    for key in flags.keys() - names.keys():
+        if flags[key] is not None:
+            raise ConfigError(key, flags[key], f"unknown setting{did_you_mean(key, FIELDS)}")
     for name, value in list(merged.items()):
         if isinstance(value, str) and get_origin(names[name]) is tuple:
             merged[name] = [part.strip() for part in value.split(",") if part.strip()]
-    return _convert(merged)
+    try:
+        return _convert(merged, names), source
+    except ConfigError as exc:
+        raise exc.at(source.get(exc.field, exc.source)) from exc.__cause__
 
 
-def _convert(merged: dict[str, Any]) -> Config:
+def _read_toml(text: str | None, file_name: str) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise FileError(file_name, f"not valid TOML: {exc}") from exc
+
+
+def _convert(merged: dict[str, Any], names: Mapping[str, Any]) -> Config:
     try:
         return msgspec.convert(merged, Config, strict=False)
     except ConfigError:
@@ -306,7 +354,26 @@ def _convert(merged: dict[str, Any]) -> Config:
     except msgspec.ValidationError as exc:
         message = str(exc)
         field = message.rsplit("$.", 1)[-1].split("[")[0].strip("`") if "$." in message else "?"
-        raise ConfigError(field, merged.get(field), message.split(" - at ")[0]) from exc
+        raise ConfigError(field, merged.get(field), _reason(message, names.get(field))) from exc
+
+
+def _reason(message: str, type_: Any) -> str:
+    """msgspec's message as plain text: the choices of a Literal, the expected type otherwise."""
+    choices = [c for c in get_args(type_) if isinstance(c, str)]
+    if choices and get_origin(type_) is Literal:
+        return "must be one of " + ", ".join(choices)
+    text = message.split(" - at ")[0].replace("`", "")
+    return text.split(", got ")[0].replace("Expected", "expected")
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``KVR_*`` variable serve does not read (a misspelt one is ignored)."""
+    known = set(env_names()) | OTHER_ENV.keys()
+    return [
+        f"{name} is not a setting and is ignored{did_you_mean(name, sorted(known))}"
+        for name in sorted(environ)
+        if name.startswith(ENV_PREFIX) and name not in known
+    ]
 
 
 def dump(config: Config) -> dict[str, Any]:
@@ -321,19 +388,6 @@ def dump(config: Config) -> dict[str, Any]:
         host = endpoint.netloc.rpartition("@")[2]
         data["otlp_traces_endpoint"] = endpoint._replace(netloc=f"{REDACTED}@{host}").geturl()
     return data
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    """Split ``host:port`` / ``[v6]:port``; raises ValueError."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{text!r} is not host:port")
-    host = host.strip("[]")
-    if host and ":" not in host:
-        pass
-    elif host:
-        ipaddress.ip_address(host)
-    return host, int(port)
 
 
 def env_names() -> Sequence[str]:

@@ -29,15 +29,18 @@ from sidecar.wire import PARAMS_VIEW_DECODER, ParamsView
 MAX_ID_LEN = 512
 MAX_HOST_LEN = 253
 MAX_RANKS = 1024  # tp_size * pp_size; a release handshakes every rank
-# 4M tokens at vLLM's block size 16, over every KV-cache group: far above any real request, and
-# it bounds the work one request's parameters cost (docs/limits.md).
-MAX_BLOCK_IDS = 1 << 18
+# Block ids one request may name, over all its KV-cache groups (docs/limits.md, "Block ids"): the
+# longest context vLLM serves (10,485,760 tokens, Llama 4 Scout) in blocks of 16 tokens (the
+# smallest block of vLLM's GPU attention backends for such models) is 655,360 ids per group, and
+# Llama 4's hybrid layout sends 4 groups of that length: 2,621,440. Rounded up to a power of two
+# for headroom; it bounds the work one request's parameters cost (counted in their JSON, never held).
+MAX_BLOCK_IDS = 1 << 22
 
 
 class Ineligible(StrEnum):
     NO_PARAMS = "no_params"  # absent, null, or do_remote_prefill not true
     MALFORMED = "malformed"
-    PUSH_MODE = "push_mode"  # nothing a peer sends frees pushed blocks
+    PUSH_MODE = "push_mode"  # P writes to D (0.24.0+); a done notification frees nothing, only the lease
     EMPTY_BLOCKS = "empty_blocks"  # P kept nothing
 
 

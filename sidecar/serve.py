@@ -16,13 +16,14 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Generator
 
 import uvicorn
 
 from sidecar import config as config_mod
-from sidecar import logs, memory, tracing
+from sidecar import extras, logs, memory, tracing
 from sidecar.app import ProxyApp, create_admin_app, create_app
 from sidecar.limits import ServerLimits, server_options
 from sidecar.trust import Trust
@@ -31,11 +32,16 @@ log = logging.getLogger("sidecar.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s [--config FILE] [options]"  # the full list is below, one line each
     config_mod.build_parser(parser)
 
 
 def load_config(args: argparse.Namespace) -> config_mod.Config:
     """Flags > env > file > defaults; raises ``ConfigError``."""
+    return _load(args)[0]
+
+
+def _load(args: argparse.Namespace) -> tuple[config_mod.Config, dict[str, str]]:
     text = None
     path = args.config or os.environ.get("KVR_CONFIG")
     if path:
@@ -43,43 +49,108 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
             with open(path, encoding="utf-8") as handle:
                 text = handle.read()
         except OSError as exc:
-            raise config_mod.ConfigError("config", path, f"cannot read: {exc.strerror}") from exc
+            source = "--config" if args.config else "KVR_CONFIG"
+            raise config_mod.FileError(path, f"cannot read ({source}): {exc.strerror}") from exc
     fields = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command")}
-    return config_mod.load(fields, os.environ, text)
+    return config_mod.load_with_sources(fields, os.environ, text, path or "")
+
+
+# The strategies that run a NIXL agent (auto falls back to it whenever D is unreachable).
+NIXL_STRATEGIES = ("nixl", "auto")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args)
-        Trust(config)  # secrets readable and present, before any socket opens
-        tracing.require(config)  # the otel extra installed when tracing is configured
-    except config_mod.ConfigError as exc:
+        config, sources = _load(args)
+        try:
+            Trust(config)  # secrets readable and present, before any socket opens
+            tracing.require(config)  # the otel extra installed when tracing is configured
+        except config_mod.ConfigError as exc:
+            raise exc.at(sources.get(exc.field, exc.source)) from exc
+        if config.release in NIXL_STRATEGIES:
+            extras.require(f"--release {config.release}", ["nixl"])
+        sockets = listen(config)
+    except (config_mod.ConfigError, ListenError) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     logs.setup(config.log_level, config.log_format)
     memory.release_large_buffers()
-    _warn(config)
+    for warning in config_mod.unknown_env(os.environ):
+        log.warning(warning)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config, sockets=sockets))
+    except StartupFailed as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _warn(config: config_mod.Config) -> None:
-    if config.release == "nixl" and not config.prefill_allow:
-        log.warning("--release nixl with an empty --prefill-allow: nothing will be released")
+class ListenError(Exception):
+    """A port that cannot be listened on (in use, not permitted, no such address)."""
+
+
+def listen(config: config_mod.Config) -> dict[str, list[socket.socket]]:
+    """Bind the proxy and admin ports before anything starts, so a busy port is one clear error."""
+    bound: dict[str, list[socket.socket]] = {}
+    try:
+        for name, host in (("port", config.host), ("admin_port", config.admin_host)):
+            bound[name] = _bind(host, getattr(config, name), "--" + name.replace("_", "-"))
+    except ListenError:
+        for sock in (s for socks in bound.values() for s in socks):
+            sock.close()
+        raise
+    return bound
+
+
+def _bind(host: str, port: int, flag: str) -> list[socket.socket]:
+    """Listening sockets for every address ``host`` resolves to, as asyncio's create_server binds."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))
+            sock.listen(BACKLOG)
+            port = sock.getsockname()[1]  # port 0: the one picked first, on every address
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ListenError(f"cannot listen on {shown} ({flag}): {exc.strerror or exc}") from exc
+    return sockets
+
+
+BACKLOG = 2048
+
+
+class StartupFailed(Exception):
+    """The app's lifespan failed to start (the reason is logged by ``sidecar.app``)."""
 
 
 class _Server(uvicorn.Server):
-    """A uvicorn server whose signals are handled by ``serve``, not by itself."""
+    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself."""
+
+    startup_failed = False
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
+            self.startup_failed = self.should_exit = True
 
 
 def uvicorn_config(
@@ -101,8 +172,16 @@ def uvicorn_config(
     return uvicorn.Config(app, **options)  # type: ignore[arg-type]
 
 
-async def serve(config: config_mod.Config, stop: asyncio.Event | None = None) -> None:
-    """Run both servers until ``stop`` is set or a termination signal arrives."""
+async def serve(
+    config: config_mod.Config,
+    stop: asyncio.Event | None = None,
+    sockets: dict[str, list[socket.socket]] | None = None,
+) -> None:
+    """Run both servers until ``stop`` is set or a termination signal arrives.
+
+    ``sockets`` are the listening sockets from ``listen`` (bound here when not given).
+    """
+    sockets = sockets or listen(config)
     app: ProxyApp = create_app(config)
     proxy = _Server(
         uvicorn_config(
@@ -112,7 +191,7 @@ async def serve(config: config_mod.Config, stop: asyncio.Event | None = None) ->
             ServerLimits.of(config),
             lifespan="on",
             timeout_graceful_shutdown=config.drain_timeout,
-            backlog=2048,
+            backlog=BACKLOG,
         )
     )
     admin_limits = ServerLimits.of(config, admin=True)
@@ -125,8 +204,10 @@ async def serve(config: config_mod.Config, stop: asyncio.Event | None = None) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    proxy_task = asyncio.create_task(proxy.serve())
-    admin_task = asyncio.create_task(admin.serve())
+    for name, socks in sockets.items():
+        log.info("listening", extra={"setting": name, "addresses": [_shown(s) for s in socks]})
+    proxy_task = asyncio.create_task(proxy.serve(sockets=sockets["port"]))
+    admin_task = asyncio.create_task(admin.serve(sockets=sockets["admin_port"]))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({proxy_task, admin_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down: readiness off, draining")
@@ -138,3 +219,10 @@ async def serve(config: config_mod.Config, stop: asyncio.Event | None = None) ->
     admin.should_exit = True
     await asyncio.gather(admin_task, return_exceptions=True)
     waiter.cancel()
+    if proxy.startup_failed:
+        raise StartupFailed("start-up failed (the error is logged above)")
+
+
+def _shown(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

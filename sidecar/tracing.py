@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing, an optional extra (``pip install kv-release-sidecar[otel]``).
+"""OpenTelemetry tracing, an optional extra (``pip install "<checkout>[otel]"``).
 
 Off unless ``otlp_traces_endpoint`` is set. Off, ``build`` returns ``OFF``, a
 ``Tracing`` whose ``enabled`` is False: every hook on the request path and in
@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from sidecar.asgi import Scope, Send
 from sidecar.config import Config, ConfigError
+from sidecar.extras import MissingExtra
 
 if TYPE_CHECKING:  # the SDK is an optional extra: types only
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -36,7 +37,6 @@ if TYPE_CHECKING:  # the SDK is an optional extra: types only
     from sidecar.release.base import ReleaseJob
 
 Headers = list[tuple[str, str]]
-INSTALL_HINT = "pip install kv-release-sidecar[otel]"
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 
 
@@ -119,12 +119,8 @@ def require(config: Config) -> None:
         import opentelemetry.exporter.otlp.proto.http.trace_exporter
         import opentelemetry.sdk.trace  # noqa: F401
     except ImportError as exc:
-        missing = exc.name or str(exc)
-        raise ConfigError(
-            "otlp_traces_endpoint",
-            config.otlp_traces_endpoint,
-            f"tracing needs the OpenTelemetry packages ({missing} is not installed): {INSTALL_HINT}",
-        ) from exc
+        missing = MissingExtra("tracing", "otel", exc.name or str(exc))
+        raise ConfigError("otlp_traces_endpoint", config.otlp_traces_endpoint, str(missing)) from exc
 
 
 def build(config: Config, exporter: SpanExporter | None = None) -> Tracing:

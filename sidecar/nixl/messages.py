@@ -1,7 +1,8 @@
 """Every NIXL side-channel message, as msgspec Structs, with the vLLM releases it belongs to.
 
 The releaser reads only ``engine_id`` and ``agent_metadata`` from P's reply
-(reference 1.4): both payloads are msgpack maps keyed by field name in every
+(vLLM's ``NixlAgentMetadata``, inside a ``NixlHandshakePayload`` from 0.13.0):
+both payloads are msgpack maps keyed by field name in every
 release, so the lenient ``*View`` Structs decode all of them (unknown keys
 are ignored). The full per-release ``NixlAgentMetadata`` layouts below are
 what P encodes; the tests and the load generator use them to play P.
@@ -56,7 +57,7 @@ class HandshakePayload(msgspec.Struct, frozen=True):
     agent_metadata_bytes: bytes
 
 
-# --- NixlAgentMetadata as P encodes it, per release range (reference 1.4) ------------------
+# --- NixlAgentMetadata as P encodes it, per release range (vLLM's nixl connector) ----------
 # Only engine_id and agent_metadata matter; the rest carry defaults so a fake P can build them.
 
 

@@ -1,8 +1,9 @@
 """Which side-channel wire format a vLLM release speaks, chosen from the release, never by trial.
 
-A malformed handshake request kills P's listener thread for good (reference
-1.6), so the format is derived from the version string alone and then
-checked against the ``kv_transfer_params`` P emitted (reference 3.1): a
+A malformed handshake request kills P's side-channel listener thread for good
+(vLLM's listener loop catches only its receive timeout), so the format is
+derived from the version string alone and then
+checked against the ``kv_transfer_params`` P emitted (its scheduler's ``request_finished``): a
 field P always sends from release X on must be present from X and absent
 before. ``WireProfile.for_version`` returns ``None`` for anything unknown;
 ``check_params`` returns why the parameters contradict the release.
@@ -107,8 +108,8 @@ class WireProfile:
     low: Version  # oldest release the code may be (== high for a release)
     high: Version
     wire: WireFormat
-    safe_unknown_id: bool  # a notification for an id P dropped only logs (0.10.1+), 2.4
-    engine_fix: bool  # D releases its own handler rejections (0.21.0+), reference 5
+    safe_unknown_id: bool  # a notification for an id P dropped only logs (0.10.1+); before, P's engine dies
+    engine_fix: bool  # D releases its own handler rejections (0.21.0+, notify_kv_transfer_request_rejected)
 
     @classmethod
     def for_version(cls, text: str) -> WireProfile | None:
@@ -198,7 +199,7 @@ def engine_request_id(
     route: str,
     body_request_id: str | None = None,
 ) -> str | None:
-    """The id P knows the request by (reference 0), or None when it cannot be known.
+    """The id P knows the request by (the id a "done" notification must name), or None when unknown.
 
     0.13.0+: ``remote_request_id``. Before, D's own id, which a router makes
     equal to P's by sending both the same ``X-Request-Id``: ``chatcmpl-<id>``

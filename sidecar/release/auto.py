@@ -13,7 +13,7 @@ Per job:
   until the next probe. When it may have reached the engine (timeout, 5xx,
   connection lost) the job is pinned to the control path: its retries never
   switch to NIXL, since a partial release from D followed by the sidecar's
-  own notification can leave P's counter short (reference, section 0);
+  own notification can leave P's counter short (P counts one reader's messages per rank);
 * path ``nixl``: the ``nixl`` strategy.
 
 Both sub-strategies apply D's coverage rule (vLLM 0.21.0+ releases its own

@@ -293,7 +293,7 @@ WRITE_PIECE = 64 * 1024
 async def _pieces(content: bytes) -> AsyncIterator[bytes]:
     """``content`` in pieces the event loop writes at once: a body of megabytes (P's block ids)
     written whole would be buffered by uvloop's transport, which keeps that memory after the
-    write (MagicStack/uvloop#548)."""
+    write (an open uvloop issue: transport buffers are not freed after connection_lost)."""
     view = memoryview(content)
     for start in range(0, len(view), WRITE_PIECE):
         yield bytes(view[start : start + WRITE_PIECE])
@@ -330,8 +330,8 @@ def _request_id(profile: WireProfile | None, job: ReleaseJob) -> str:
 
 
 def _derived_id(job: ReleaseJob) -> str | None:
-    """Before 0.13.0 D's engine id equals P's (reference 0): ``chatcmpl-<id>``, ``cmpl-<id>-0``, or
-    the body's ``request_id`` for ``/v1/responses``."""
+    """Before 0.13.0 D's engine id equals P's (vLLM builds both from X-Request-Id):
+    ``chatcmpl-<id>``, ``cmpl-<id>-0``, or the body's ``request_id`` for ``/v1/responses``."""
     if job.route == "/v1/responses":
         return job.body_request_id or None
     x_request_id = job.x_request_id

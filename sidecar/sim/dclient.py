@@ -1,19 +1,19 @@
 """A vLLM decode node's (D) side of the NIXL protocol, for tests and the decode simulator.
 
 ``DecodeClient(version)`` handshakes every P worker named by a request's
-``kv_transfer_params`` the way D of that release does (reference 1.1-1.5:
-per-worker ports or one scheduler port, raw or msgpack requests, one or two
-reply frames, bare metadata or the 0.13.0+ payload envelope), adds each
-worker's agent to its own NIXL agent and sends the "done reading"
-notification: ``<id>`` on 0.9.0, ``<id>:1`` after (section 0). Handshakes are
-cached per P engine and redone when ``remote_registration_generation`` grows
-(0.33.0). It shares no wire code with the prefill simulator, so the two check
-each other. The NIXL agent and the ZMQ sockets live in one dedicated thread;
-the async methods only wait on it. The agent runs without NIXL's progress
-thread (it busy-spins a core); instead the client's thread calls
-``get_new_notifs()`` every couple of milliseconds between jobs, which is what
-pushes queued notifications out, and once more for a moment before closing.
-"""
+``kv_transfer_params`` the way D of that release does (vLLM's listener,
+handshake request and reply, metadata and rank addressing: per-worker ports or
+one scheduler port, raw or msgpack requests, one or two reply frames, bare
+metadata or the 0.13.0+ payload envelope), adds each worker's agent to its own
+NIXL agent and sends the "done reading" notification: ``<id>`` on 0.9.0,
+``<id>:1`` after. Handshakes are cached per P engine and redone when
+``remote_registration_generation`` grows (0.33.0). It shares no wire code with
+the prefill simulator, so the two check each other. The NIXL agent and the ZMQ
+sockets live in one dedicated thread; the async methods only wait on it. The
+agent runs without NIXL's progress thread (it busy-spins a core); instead the
+client's thread calls ``get_new_notifs()`` every couple of milliseconds between
+jobs, which is what pushes queued notifications out, and once more for a moment
+before closing."""
 
 from __future__ import annotations
 

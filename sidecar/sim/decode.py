@@ -263,7 +263,7 @@ class DecodeSim:
             logger.warning("admitted hook failed for %s", entry.request_id, exc_info=True)
 
     def _stream_error(self, entry: LogEntry, request: ParsedRequest, status: int) -> Response:
-        """HTTP 200, then the engine's refusal in-band (reference section 6.2)."""
+        """HTTP 200, then the engine's refusal in-band (vLLM's in-band stream error)."""
         if entry.route == "/v1/responses":
             # vLLM 0.33.0 lets the error escape the Responses stream: the connection is cut
             # after response.created and response.in_progress.

@@ -4,7 +4,7 @@ For an admitted remote-prefill request D's worker handshakes P and sends
 one notification per P rank after reading (``DecodeClient.release``), so P
 frees admitted requests the normal way and a test can tell a correct
 sidecar (which sends nothing for them) from one that double-releases. For
-releases that have vLLM's own fix (0.21.0+, reference section 5), a
+releases that have vLLM's own fix (0.21.0+, ``notify_kv_transfer_request_rejected``), a
 rejection raised inside the three wrapped handlers is released by D itself
 as well, as ``notify_kv_transfer_request_rejected`` does.
 """

@@ -1,7 +1,7 @@
 """P's NIXL side channel: ZMQ ROUTER listeners, each served by its own thread.
 
 Up to 0.11.0 every worker listens on ``base + tp_rank``; from 0.11.1 one
-scheduler listener on ``base`` serves all ranks (reference 1.1). A thread
+scheduler listener on ``base`` serves all ranks (vLLM 0.11.1+). A thread
 answers ``identity, b"", payload[, timestamp]``; any exception while handling a
 request ends it and closes its socket, as in vLLM, where the listener loop
 only survives its receive timeout: a malformed handshake leaves P without a

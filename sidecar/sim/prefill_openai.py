@@ -3,10 +3,10 @@
 Token counts are whitespace-split words (a list of ints counts its length);
 the answer is a one-token completion shaped like vLLM's, carrying the
 ``kv_transfer_params`` P's NIXL scheduler emits in the chosen release
-(reference 3.1). Internal request ids follow vLLM's OpenAI server:
+(P scheduler's ``request_finished``). Internal request ids follow vLLM's OpenAI server:
 ``cmpl-<x-request-id>-<prompt index>`` / ``chatcmpl-<x-request-id>``, plus a
-random ``-<8 hex>`` suffix from 0.14.0 (section 0). Error bodies are vLLM's,
-nested from 0.10.1 and flat before (section 6.1). ``stream`` is ignored: the
+random ``-<8 hex>`` suffix from 0.14.0. Error bodies are vLLM's,
+nested from 0.10.1 and flat before. ``stream`` is ignored: the
 prefill leg of a P/D request is answered as one JSON body.
 """
 

@@ -2,8 +2,8 @@
 
 ``release_for("0.21.0")`` returns a ``Release``: one frozen record of every
 behaviour of P's NIXL connector and OpenAI server that changed between vLLM
-0.9.0 and 0.33.x, with the boundaries taken from the wire reference
-(``vllm-nixl-wire.md`` sections 1-3, 6.1 and 7). The rest of the simulator
+0.9.0 and 0.33.x, with the boundaries taken from vLLM's own source,
+release by release. The rest of the simulator
 only reads these fields, so a release boundary lives in exactly one place.
 """
 
@@ -23,7 +23,7 @@ NEWEST: VersionKey = (0, 33, 99)
 T = TypeVar("T")
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 
-# NixlAgentMetadata field order (= msgpack map key order), reference 1.4.
+# NixlAgentMetadata field order (= msgpack map key order).
 _F_0_9_0 = ("engine_id", "agent_metadata", "kv_caches_base_addr", "num_blocks")
 _F_0_13_0 = (
     *("engine_id", "agent_metadata", "kv_caches_base_addr", "device_id", "num_blocks"),
@@ -54,7 +54,7 @@ METADATA_FIELDS: tuple[tuple[VersionKey, tuple[str, ...]], ...] = (
     ((0, 32, 0), (*_F_0_29_HEAD, *_REGIONS, "dcp_size", "pcp_size", "ple_block_len", *_MEMBERS)),
 )
 
-# NIXL_CONNECTOR_VERSION, hashed into compatibility_hash from 0.13.0 (reference 1.4).
+# NIXL_CONNECTOR_VERSION, hashed into compatibility_hash from 0.13.0.
 CONNECTOR_VERSIONS: tuple[tuple[VersionKey, int], ...] = (
     ((0, 13, 0), 2),
     ((0, 21, 0), 3),
@@ -98,7 +98,7 @@ class Release:
 
     version: str
     key: VersionKey
-    # Side channel (reference 1.1-1.4).
+    # Side channel: listener, request, reply framing and payload.
     listener: Listener  # one ROUTER per worker at base+rank, or one per engine at base
     request_form: RequestForm  # raw bytes, msgpack [msg, tp] or [msg, pp, tp]
     reply_timestamp: bool  # second reply frame with P's perf_counter
@@ -107,13 +107,13 @@ class Release:
     metadata_fields: tuple[str, ...]
     supports_pp: bool  # handshake keyed by (pp, tp)
     default_side_channel_port: int
-    # Notifications, leases, unknown ids (reference 2.2-2.4).
+    # Notifications, leases, unknown ids.
     count_rule: CountRule
     default_lease: float | None  # None: blocks stay until notified
     heartbeats: bool  # "HB:<id>,<id>" extends leases
     reap_scans_all: bool  # 0.31.0+; before, the reaper stops at the first live entry
     unknown_is_fatal: bool  # 0.9.x / 0.10.0: an unknown id kills P's engine
-    # kv_transfer_params and ids (reference 3.1, section 0).
+    # kv_transfer_params and ids.
     remote_request_id: bool
     random_id_suffix: bool
     nested_block_ids: bool
@@ -125,7 +125,7 @@ class Release:
     pp_size_param: bool
     dcp_size_param: bool
     registration_generation: bool
-    # OpenAI server (reference 6.1).
+    # OpenAI server.
     nested_error_body: bool
 
     @property

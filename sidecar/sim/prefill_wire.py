@@ -1,6 +1,6 @@
 """P's side-channel messages: handshake requests, metadata payloads, reply frames.
 
-Written from the wire reference (sections 1.2-1.4), independently of the
+Written from vLLM's handshake request, reply framing and payload structs, independently of the
 sidecar's own NIXL client, so each can check the other. ``NixlAgentMetadata``
 has fourteen field layouts across releases; it is encoded from the ordered
 field list of ``Release.metadata_fields`` (a msgpack map keyed by field name,

@@ -63,7 +63,7 @@ RESULT: dict[str, int | str] = {
 
 
 def d_message(version: str, request_id: str) -> str:
-    """What each of a TP=4 D's readers sends a TP=2 P (reference section 2.2)."""
+    """What each of a TP=4 D's readers sends a TP=2 P (P's notification counting)."""
     profile = WireProfile.for_version(version)
     assert profile is not None
     readers_count = profile.low >= (0, 29, 0)

@@ -2,7 +2,7 @@
 
 At test time the vLLM wheel of each release under test is downloaded
 (``pip download --no-deps vllm==X``, cached in ``$KVR_VLLM_WHEEL_DIR`` or
-``~/.cache/kv-release-sidecar/vllm``; never vendored) and the NIXL connector's
+``~/.cache/kv-release-sidecar/vllm`` by ``tests.conformance.wheels``; never vendored) and the NIXL connector's
 P-side pieces are read out of it with ``zipfile``: the ``NixlAgentMetadata`` /
 ``NixlHandshakePayload`` classes, the side-channel listener (and, from 0.11.1,
 the scheduler's ``set_xfer_handshake_metadata`` that encodes and serves the
@@ -12,7 +12,8 @@ after). Only those functions are compiled (with ``ast``), into a module whose
 vLLM imports are small stubs, so nothing pulls in torch. They run in a child
 process ("P") on real NIXL agents, created through ``nixl._api`` as vLLM does
 (a shim maps it to ``nixl_cu12``). The test drives the real ``NixlReleaser``
-against it. A failed download fails the test loudly; nothing is skipped.
+against it. A failed download fails the test loudly; only a wheel that is not
+cached while no package index answers is skipped (one line).
 
 Run as ``python test_vllm_p_side.py serve ...`` this file is P itself.
 """
@@ -32,7 +33,6 @@ import logging
 import os
 import queue
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -51,47 +51,6 @@ SOURCES = ("v1/nixl_connector.py", "v1/nixl/", "utils.py", "v1/base.py")
 VERSIONS = [
     v for v in os.environ.get("KVR_CONFORMANCE_VLLM", "0.33.0,0.29.0,0.21.0,0.13.0,0.11.0").split(",") if v
 ]
-
-
-def wheel_dir() -> Path:
-    default = Path.home() / ".cache" / "kv-release-sidecar" / "vllm"
-    return Path(os.environ.get("KVR_VLLM_WHEEL_DIR", default))
-
-
-def pip_command() -> list[str]:
-    """A pip that can download: this interpreter's, the PATH's, or one run by uv."""
-    probe = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, check=False)
-    if probe.returncode == 0:
-        return [sys.executable, "-m", "pip"]
-    for name in ("pip3", "pip"):
-        if path := shutil.which(name):
-            return [path]
-    if uvx := shutil.which("uvx"):
-        return [uvx, "--from", "pip", "pip"]
-    raise RuntimeError("no pip to download vLLM wheels with (install pip, or uv)")
-
-
-def fetch_wheel(version: str) -> Path:
-    """The cached wheel of ``version``, downloading it first if needed; raises on failure."""
-    directory = wheel_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
-    command = [
-        *pip_command(),
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        f"vllm=={version}",
-        "-d",
-        str(directory),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
-    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if done.returncode != 0 or not found:
-        raise RuntimeError(f"downloading vllm=={version} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return found[0]
 
 
 # ============================================================================================
@@ -573,6 +532,7 @@ from sidecar.nixl.versions import WireProfile  # noqa: E402
 from sidecar.params import release_params  # noqa: E402
 from sidecar.release.base import ReleaseJob, Result  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
+from tests.conformance.wheels import fetch_wheel  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 
@@ -584,7 +544,7 @@ TOPOLOGY = {"0.33.0": (2, 2), "0.29.0": (1, 2), "0.21.0": (2, 1), "0.13.0": (2, 
 def wheel(request: pytest.FixtureRequest) -> tuple[str, Path]:
     version: str = request.param
     started = time.monotonic()
-    path = fetch_wheel(version)  # raises (fails the test) when the download fails: never a skip
+    path = fetch_wheel(version)  # a failed download fails the test; skipped only offline and uncached
     print(f"vllm {version} wheel ready in {time.monotonic() - started:.1f}s: {path.name}")
     return version, path
 

@@ -1,7 +1,7 @@
 """Conformance: what the vLLM plugin relies on is in vLLM's own source, release by release.
 
 The wheel of each release under test is downloaded (``pip download --no-deps``)
-into the cache ``tests/conformance/test_vllm_p_side.py`` uses
+into the cache of ``tests.conformance.wheels``
 (``$KVR_VLLM_WHEEL_DIR`` or ``~/.cache/kv-release-sidecar/vllm``) and read with
 ``zipfile`` + ``ast``; vLLM is never imported. Checked: the ``EngineClient``
 methods and signatures the plugin calls, ``AsyncLLM``'s abort-on-cancel,
@@ -13,7 +13,8 @@ scheduling, that ``--api-key`` does not guard the route, and the
 (``load_endpoint_plugins`` + ``attach_endpoint_plugins`` + plugin state, and the
 ``--middleware`` loop) is compiled out of the wheel with stub globals and run on
 a real FastAPI app: vLLM's code finds this project's installed entry point and
-the route answers. A failed download fails the test; nothing is skipped.
+the route answers. A failed download fails the test; only a wheel that is not
+cached while no package index answers is skipped (one line).
 """
 
 from __future__ import annotations
@@ -24,15 +25,12 @@ import importlib
 import inspect
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import types
 import zipfile
 from argparse import Namespace
 from collections.abc import Callable
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +38,7 @@ import pytest
 from fastapi import FastAPI
 
 from sidecar.vllm_plugin import HEALTH_PATH, RELEASE_PATH, KVReleasePlugin
+from tests.conformance.wheels import fetch_wheel
 from tests.fake_engine import LegacyEngine, NotifyEngine
 
 VERSIONS = [
@@ -58,45 +57,6 @@ PARAMS = {
 }
 Version = tuple[int, ...]
 Func = ast.FunctionDef | ast.AsyncFunctionDef
-
-
-def wheel_dir() -> Path:
-    default = Path.home() / ".cache" / "kv-release-sidecar" / "vllm"
-    return Path(os.environ.get("KVR_VLLM_WHEEL_DIR", default))
-
-
-def pip_command() -> list[str]:
-    probe = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, check=False)
-    if probe.returncode == 0:
-        return [sys.executable, "-m", "pip"]
-    for name in ("pip3", "pip"):
-        if path := shutil.which(name):
-            return [path]
-    if uvx := shutil.which("uvx"):
-        return [uvx, "--from", "pip", "pip"]
-    raise RuntimeError("no pip to download vLLM wheels with (install pip, or uv)")
-
-
-def fetch_wheel(version: str) -> Path:
-    """The cached wheel of ``version``, downloaded first if needed (shared with the P-side test)."""
-    directory = wheel_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    if found := sorted(directory.glob(f"vllm-{version}-*.whl")):
-        return found[0]
-    command = [
-        *pip_command(),
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        f"vllm=={version}",
-        "-d",
-        str(directory),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
-    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if done.returncode != 0 or not found:
-        raise RuntimeError(f"downloading vllm=={version} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return found[0]
 
 
 class Source:

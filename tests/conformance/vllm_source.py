@@ -17,9 +17,7 @@ import zipfile
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
-from tests.conformance.test_vllm_p_side import fetch_wheel, wheel_dir
+from tests.conformance.wheels import fetch_wheel
 
 Func = ast.FunctionDef | ast.AsyncFunctionDef
 FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -29,12 +27,7 @@ ANSWER_BUILDERS = frozenset({"create_error_response", "create_streaming_error_re
 
 def wheel_or_skip(version: str) -> Path:
     """The cached wheel, downloaded if needed; a skip (one line) when no index can be reached."""
-    try:
-        return fetch_wheel(version)
-    except RuntimeError as exc:
-        if "(from versions: none)" in str(exc):  # pip listed nothing: no index reachable
-            pytest.skip(f"vLLM {version}: no wheel in {wheel_dir()} and no package index reachable")
-        raise
+    return fetch_wheel(version)
 
 
 class Source:

@@ -1,7 +1,8 @@
 """A small, offline subset of ``kustomize build``, enough for the overlays in deploy/.
 
 Supported kustomization keys: ``resources`` (files, or directories holding a
-kustomization), ``namespace``, ``commonLabels``, ``configMapGenerator``
+kustomization), ``namespace``, ``labels`` (``pairs``, ``includeSelectors``,
+``includeTemplates``; the deprecated ``commonLabels`` is refused), ``configMapGenerator``
 (``files`` and ``literals``, name hash suffix as kustomize computes it, and
 the references in pod specs rewritten) and ``patches`` (strategic merge
 patches from ``path`` or ``patch``, matched by kind and name). Anything else,
@@ -29,7 +30,7 @@ SUPPORTED_KEYS = {
     "kind",
     "resources",
     "namespace",
-    "commonLabels",
+    "labels",
     "configMapGenerator",
     "patches",
 }
@@ -53,24 +54,30 @@ MERGE_KEYS = {
     "imagePullSecrets": "name",
 }
 
-# Where commonLabels go (kustomize's builtin commonLabels field specs for these kinds):
-# (kind or "*", path, create the path when missing).
+# Where labels go (kustomize's builtin label field specs for these kinds):
+# (kind or "*", path, create the path when missing, "metadata" | "template" | "selector").
 LABEL_FIELDS = [
-    ("*", ("metadata", "labels"), True),
-    ("Service", ("spec", "selector"), True),
-    ("Deployment", ("spec", "selector", "matchLabels"), True),
-    ("Deployment", ("spec", "template", "metadata", "labels"), True),
-    ("StatefulSet", ("spec", "selector", "matchLabels"), True),
-    ("StatefulSet", ("spec", "template", "metadata", "labels"), True),
-    ("DaemonSet", ("spec", "selector", "matchLabels"), True),
-    ("DaemonSet", ("spec", "template", "metadata", "labels"), True),
-    ("Job", ("spec", "selector", "matchLabels"), False),
-    ("Job", ("spec", "template", "metadata", "labels"), True),
-    ("PodDisruptionBudget", ("spec", "selector", "matchLabels"), False),
-    ("NetworkPolicy", ("spec", "podSelector", "matchLabels"), False),
-    ("NetworkPolicy", ("spec", "ingress", "[]", "from", "[]", "podSelector", "matchLabels"), False),
-    ("NetworkPolicy", ("spec", "egress", "[]", "to", "[]", "podSelector", "matchLabels"), False),
+    ("*", ("metadata", "labels"), True, "metadata"),
+    ("Service", ("spec", "selector"), True, "selector"),
+    ("Deployment", ("spec", "selector", "matchLabels"), True, "selector"),
+    ("Deployment", ("spec", "template", "metadata", "labels"), True, "template"),
+    ("StatefulSet", ("spec", "selector", "matchLabels"), True, "selector"),
+    ("StatefulSet", ("spec", "template", "metadata", "labels"), True, "template"),
+    ("DaemonSet", ("spec", "selector", "matchLabels"), True, "selector"),
+    ("DaemonSet", ("spec", "template", "metadata", "labels"), True, "template"),
+    ("Job", ("spec", "selector", "matchLabels"), False, "selector"),
+    ("Job", ("spec", "template", "metadata", "labels"), True, "template"),
+    ("PodDisruptionBudget", ("spec", "selector", "matchLabels"), False, "selector"),
+    ("NetworkPolicy", ("spec", "podSelector", "matchLabels"), False, "selector"),
+    (
+        "NetworkPolicy",
+        ("spec", "ingress", "[]", "from", "[]", "podSelector", "matchLabels"),
+        False,
+        "selector",
+    ),
+    ("NetworkPolicy", ("spec", "egress", "[]", "to", "[]", "podSelector", "matchLabels"), False, "selector"),
 ]
+LABEL_KEYS = {"pairs", "includeSelectors", "includeTemplates"}
 
 
 class Unsupported(Exception):
@@ -96,8 +103,13 @@ def build(directory: Path) -> list[Resource]:
         for resource in resources:
             if resource["kind"] not in CLUSTER_SCOPED:
                 resource["metadata"]["namespace"] = spec["namespace"]
-    for resource in resources:
-        add_labels(resource, spec.get("commonLabels", {}))
+    for entry in spec.get("labels", []):
+        if set(entry) - LABEL_KEYS:
+            raise Unsupported(f"labels fields {sorted(entry)}")
+        selectors = bool(entry.get("includeSelectors", False))
+        templates = selectors or bool(entry.get("includeTemplates", False))  # selectors imply templates
+        for resource in resources:
+            add_labels(resource, entry.get("pairs", {}), selectors=selectors, templates=templates)
     for config_map in generated:
         _add_hash_suffix(config_map, resources)
     return resources
@@ -133,12 +145,15 @@ def config_map_hash(config_map: Resource) -> str:
     return digest.translate(str.maketrans("013ae", "ghkmt"))
 
 
-def add_labels(resource: Resource, labels: dict[str, str]) -> None:
-    """Apply ``commonLabels`` to ``resource`` at kustomize's field specs."""
+def add_labels(
+    resource: Resource, labels: dict[str, str], *, selectors: bool = True, templates: bool = True
+) -> None:
+    """Apply one ``labels`` entry to ``resource`` at kustomize's field specs (default: with selectors)."""
     if not labels:
         return
-    for kind, path, create in LABEL_FIELDS:
-        if kind in ("*", resource["kind"]):
+    wanted = {"metadata"} | ({"selector"} if selectors else set()) | ({"template"} if templates else set())
+    for kind, path, create, role in LABEL_FIELDS:
+        if kind in ("*", resource["kind"]) and role in wanted:
             for target in _walk(resource, path, create):
                 target.update(labels)
 

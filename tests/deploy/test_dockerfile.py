@@ -8,6 +8,7 @@ image build itself needs a Docker engine (``make image``) and is not part of
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from tests.deploy.manifests import (
     dockerfile_instruction_json,
     dockerfile_stages,
     from_image,
+    image_name,
     image_tag,
     pods,
     rendered,
@@ -76,8 +78,15 @@ def test_multi_stage_build_with_the_locked_environment() -> None:
     build_runs = " ".join(rest for name, rest in build if name == "RUN")
     assert re.search(r"uv sync --frozen --no-dev\b", build_runs)
     # The venv links to the base image's interpreter: both stages must use the same base.
-    assert from_image(build[0][1]) == from_image(final[0][1])
-    assert re.fullmatch(r"python:3\.11-slim(-[a-z]+)?", from_image(final[0][1]))
+    assert from_image(build[0][1]) == base_image(final)
+    assert re.fullmatch(r"python:3\.11-slim(-[a-z]+)?", base_image(final))
+
+
+def base_image(stage: list[tuple[str, str]]) -> str:
+    """The image a stage starts from, following ``FROM <earlier stage>``."""
+    names = {rest.split()[-1]: s for s in dockerfile_stages(DOCKERFILE) if " AS " in (rest := s[0][1])}
+    image = from_image(stage[0][1])
+    return base_image(names[image]) if image in names else image
 
 
 def test_final_stage_is_lean() -> None:
@@ -167,3 +176,39 @@ def test_vllm_plugin_name_is_the_registered_entry_point() -> None:
         pytest.skip("sidecar.vllm_plugin is not in this build yet")
     defined = "\n".join(s.read_text() for s in sources if s.exists())
     assert re.search(rf"^(class|def) {middleware.group(2)}\b|^{middleware.group(2)} =", defined, re.MULTILINE)
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    (stage,) = [s for s in dockerfile_stages(DOCKERFILE) if s[0][1].split()[-1] == name]
+    return stage
+
+
+def _synced_extras(stage: list[tuple[str, str]]) -> set[str]:
+    runs = " ".join(rest for name, rest in stage if name == "RUN" and "uv sync" in rest)
+    return set(re.findall(r'--extra "?([a-z$]\w*)', runs))
+
+
+def test_sidecar_image_has_nixl_and_no_load_generator() -> None:
+    assert dockerfile_stages(DOCKERFILE)[-1][0][1].split()[-1] == "sidecar", (
+        "the default target is the sidecar"
+    )
+    build = _stage("build")
+    assert _synced_extras(build) == {"nixl", "$EXTRAS"}  # $EXTRAS: the optional otel build argument
+    checks = " ".join(rest for name, rest in build if name == "RUN")
+    assert "'matplotlib', 'aiohttp'" in checks, "the build fails if the plotting stack slips in"
+
+
+def test_loadtest_target_is_core_plus_the_loadtest_extra() -> None:
+    build = _stage("build-loadtest")
+    assert _synced_extras(build) == {"loadtest"}
+    runtime = _stage("loadtest")
+    copies = [rest for name, rest in runtime if name == "COPY"]
+    assert copies == ["--from=build-loadtest /opt/venv /opt/venv"]
+    (entrypoint,) = [json.loads(rest) for name, rest in runtime if name == "ENTRYPOINT"]
+    assert entrypoint == ["kv-release-sidecar", "loadtest"]
+    (user,) = [rest for name, rest in runtime if name == "USER"]
+    assert user == "10001:10001"
+    (job,) = [r for r in rendered("loadtest") if r["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert image_name(container["image"]).endswith("/kv-release-loadtest")
+    assert image_tag(container["image"]) == VERSION

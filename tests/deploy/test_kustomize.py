@@ -51,7 +51,7 @@ def test_strategic_merge_refuses_directives() -> None:
         strategic_merge({"containers": [{"name": "a"}]}, {"containers": [{"name": "a", "$patch": "delete"}]})
 
 
-def test_common_labels_follow_kustomize_field_specs() -> None:
+def test_labels_with_selectors_follow_kustomize_field_specs() -> None:
     policy = {
         "kind": "NetworkPolicy",
         "metadata": {"name": "p"},
@@ -75,6 +75,30 @@ def test_common_labels_follow_kustomize_field_specs() -> None:
     service = {"kind": "Service", "metadata": {"name": "s"}, "spec": {}}
     add_labels(service, {"part-of": "x"})
     assert service["spec"]["selector"] == {"part-of": "x"}  # created
+
+
+def test_labels_without_selectors_leave_selectors_alone() -> None:
+    deployment = {
+        "kind": "Deployment",
+        "metadata": {"name": "d"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "d"}},
+            "template": {"metadata": {"labels": {"app": "d"}}},
+        },
+    }
+    add_labels(deployment, {"part-of": "x"}, selectors=False, templates=True)
+    assert deployment["metadata"]["labels"] == {"part-of": "x"}
+    assert deployment["spec"]["selector"]["matchLabels"] == {"app": "d"}
+    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "d", "part-of": "x"}
+    add_labels(deployment, {"team": "y"}, selectors=False, templates=False)
+    assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "d", "part-of": "x"}
+
+
+def test_deprecated_common_labels_are_refused(tmp_path: Path) -> None:
+    # kustomize 5 warns that commonLabels is deprecated; the overlays use labels instead.
+    _write(tmp_path, {"kustomization.yaml": "commonLabels:\n  a: b\nresources: []\n"})
+    with pytest.raises(Unsupported, match="commonLabels"):
+        build(tmp_path)
 
 
 def _write(directory: Path, files: dict[str, str]) -> None:

@@ -3,8 +3,9 @@
 ``FakePrefill`` plays P of one vLLM release: one NIXL agent per (PP, TP)
 worker and the side-channel listener(s) in that release's framing, strict in
 the way vLLM's is (a request of the wrong shape or for a rank P lacks ends
-the listener thread, reference 1.6). The listeners run in a thread; the
-test polls the workers' notifications (readiness polled, never slept on).
+the listener thread: vLLM's listener loop catches only its receive timeout).
+The listeners run in a thread; the test polls the workers' notifications
+(readiness polled, never slept on).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def params_for(
     generation: int = 0,
     **override: Any,
 ) -> ReleaseParams:
-    """kv_transfer_params as P of ``version`` emits them (reference 3.1)."""
+    """kv_transfer_params as P of ``version`` emits them (its scheduler's ``request_finished``)."""
     profile = WireProfile.for_version(version)
     assert profile is not None
     low = profile.low
@@ -304,7 +305,7 @@ async def test_release_notifies_every_rank_exactly_once(
 async def test_pp_ranks_beyond_rank_zero_are_not_queried_before_029(
     prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
 ) -> None:
-    # 0.26.0-0.28.x pull: D reads no pp_size and queries PP rank 0 only (reference 1.5).
+    # 0.26.0-0.28.x pull: D reads no pp_size and queries PP rank 0 only (vLLM's rank addressing).
     p = start(prefills, "0.28.0", 1, 2)
     releaser = await releaser_factory(config(vllm_version="0.28.0"))
     assert await releaser.release(make_job(p.params("r"), "r")) is Result.SENT

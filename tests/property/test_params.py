@@ -192,12 +192,25 @@ def test_ids_with_colons_and_non_ascii_are_kept_intact() -> None:
     assert notification(profile, "req:ä:漢字:1") == "req:ä:漢字:1:1".encode()
 
 
-def test_block_lists_are_bounded() -> None:
+# The longest context vLLM serves (Llama 4 Scout, 10,485,760 tokens) in 16-token blocks, times the
+# four KV-cache groups of Llama 4's hybrid layout: the cap must let such a request be released.
+LONGEST_REQUEST_IDS = 4 * 10_485_760 // 16
+
+
+def test_block_lists_are_bounded_at_the_cap() -> None:
+    assert MAX_BLOCK_IDS >= LONGEST_REQUEST_IDS
     at_limit = check(encode(valid_params(blocks=list(range(MAX_BLOCK_IDS)))))
     assert at_limit.params is not None and at_limit.params.blocks == MAX_BLOCK_IDS
     assert check(encode(valid_params(blocks=list(range(MAX_BLOCK_IDS + 1))))).reason is Ineligible.MALFORMED
-    nested = [list(range(MAX_BLOCK_IDS // 2)), list(range(MAX_BLOCK_IDS // 2 + 1))]
-    assert check(encode(valid_params(blocks=nested))).reason is Ineligible.MALFORMED
+
+
+def test_grouped_block_lists_count_every_group() -> None:
+    quarter = list(range(MAX_BLOCK_IDS // 4))
+    at_limit = check(encode(valid_params(blocks=[quarter] * 4)))
+    assert at_limit.params is not None and at_limit.params.blocks == MAX_BLOCK_IDS
+    assert at_limit.params.grouped
+    past = [quarter, quarter, quarter, [*quarter, 0]]
+    assert check(encode(valid_params(blocks=past))).reason is Ineligible.MALFORMED
 
 
 def test_check_survives_json_that_breaks_after_a_type_error() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
 import pytest
 
-from sidecar.config import Config, ConfigError, build_parser, dump, env_names, load
+from sidecar.config import Config, ConfigError, build_parser, dump, env_names, load, unknown_env
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -79,10 +80,80 @@ def test_errors_name_field_value_reason(
 
 
 def test_unknown_file_key_and_bad_toml() -> None:
-    with pytest.raises(ConfigError, match="unknown setting"):
-        load(parse(), {}, "colour = 'blue'\n")
-    with pytest.raises(ConfigError, match="not valid TOML"):
-        load(parse(), {}, "port = = 1\n")
+    with pytest.raises(ConfigError, match=r"^sidecar\.toml: unknown key 'colour'$"):
+        load(parse(), {}, "colour = 'blue'\n", "sidecar.toml")
+    closest = r"^sidecar\.toml: unknown key 'relase' \(did you mean 'release'\?\)$"
+    with pytest.raises(ConfigError, match=closest):
+        load(parse(), {}, "relase = 'nixl'\n", "sidecar.toml")
+    with pytest.raises(ConfigError, match=r"^sidecar\.toml: not valid TOML: .*line 1"):
+        load(parse(), {}, "port = = 1\n", "sidecar.toml")
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "text", "source"),
+    [
+        (("--port", "x"), {"KVR_PORT": "1"}, "port = 2", "--port"),
+        ((), {"KVR_PORT": "x"}, "port = 2", "KVR_PORT"),
+        ((), {}, 'port = "x"', "sidecar.toml, key port"),
+        ((), {}, "port = 8000\nadmin_port = 8000", "sidecar.toml, key admin_port"),
+        ((), {"KVR_ADMIN_PORT": "8000"}, "", "KVR_ADMIN_PORT"),  # checked after merging: still named
+    ],
+)
+def test_errors_name_the_source_of_the_value(
+    flags: tuple[str, ...], env: dict[str, str], text: str, source: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(parse(*flags), env, text, "sidecar.toml")
+    assert info.value.source == source
+    assert f"({source})" in str(info.value)
+
+
+def test_choices_and_types_read_as_plain_text() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(parse(), {"KVR_RELEASE": "teleport"})
+    assert info.value.reason == "must be one of off, dry-run, nixl, http, auto"
+    with pytest.raises(ConfigError) as info:
+        load(parse(), {"KVR_RELEASE_WORKERS": "many"})
+    assert info.value.reason == "expected int" and "`" not in str(info.value)
+
+
+def test_unknown_kvr_variables_are_named_with_the_closest_setting() -> None:
+    environ = {"KVR_RELASE": "nixl", "KVR_PORT": "1", "KVR_CONFIG": "x", "KVR_ZZZZZZ": "1", "HOME": "/"}
+    assert unknown_env(environ) == [
+        "KVR_RELASE is not a setting and is ignored (did you mean 'KVR_RELEASE'?)",
+        "KVR_ZZZZZZ is not a setting and is ignored",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "url", "reason"),
+    [
+        ("decode_url", "http://127.0.0.1:99999", "port '99999' is not a TCP port"),
+        ("decode_url", "http://127.0.0.1:0", "port 0 is not a TCP port"),
+        ("decode_url", "http://d:8200/v1", "without a path (got '/v1')"),
+        ("decode_url", "http://d:8200?x=1", "without a path (got '?x=1')"),
+        ("prefill", "http://p:8100/v1", "without a path"),
+        ("control_url", "http://d:99999/kv_release/v1/release", "port '99999'"),
+        ("otlp_traces_endpoint", "http://c:70000", "port '70000'"),
+    ],
+)
+def test_urls_are_checked_for_port_and_path(field: str, url: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(reason)) as info:
+        load({field: url}, {})
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("field", "url"),
+    [
+        ("decode_url", "http://d:8200/"),  # a trailing slash is no path
+        ("decode_url", "https://[::1]:8443"),
+        ("control_url", "http://d:8200/kv_release/v1/release"),  # a full endpoint URL keeps its path
+        ("otlp_traces_endpoint", "http://c:4318/v1/traces"),
+    ],
+)
+def test_urls_that_are_fine(field: str, url: str) -> None:
+    assert getattr(load({field: url}, {}), field) == url
 
 
 def test_config_is_frozen() -> None:

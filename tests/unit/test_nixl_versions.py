@@ -109,7 +109,7 @@ def test_ports_and_ranks() -> None:
 
 
 def params_of(version: str, **override: Any) -> ReleaseParams:
-    """What P of ``version`` sends (reference 3.1), with overrides (None removes a field)."""
+    """What P of ``version`` sends in ``kv_transfer_params``, with overrides (None removes a field)."""
     v = parse_version(version)
     assert v is not None
     low = v.release

@@ -3,7 +3,7 @@
 Covers the releases the integration test does not start: counting rules,
 heartbeats and reapers, unknown ids, kv_transfer_params fields, metadata
 field layouts and the listener's raise-or-answer decisions, from 0.9.0 to
-0.33.0, each against the wire reference.
+0.33.0, each against vLLM's NIXL connector of that release.
 """
 
 from __future__ import annotations
