@@ -214,18 +214,19 @@ def disabled_hook_ns(loops: int = 200_000) -> float:
     """ns per request of the guards tracing-off leaves on a sidecar-mode request, measured in process.
 
     A sidecar-mode request passes ``Proxy.__call__`` (``route is not None and
-    tracing.enabled``), ``_forward`` (``tracing.enabled``), ``_respond`` and the
-    end of ``_forward`` (``exchange.leg is not None``, twice) and ``_decide``
-    (``tracing.enabled``, once): the same guards, against the same objects,
-    timed against the same function without them.
+    tracing.enabled``), ``Forwarder.forward`` (``tracing.enabled``), ``_respond``
+    and the end of ``forward`` (``exchange.leg is not None``, twice) and
+    ``Judge.judge`` (``tracing.enabled``, once): the same guards, against the
+    same objects, timed against the same function without them.
     """
-    from sidecar.proxy import Exchange
+    from sidecar.proxy.context import Exchange
+    from sidecar.proxy.judge import SIDECAR
     from sidecar.tracing import OFF
 
     class Holder:
         tracing = OFF
 
-    proxy, exchange, route = Holder(), Exchange("r", "/v1/chat/completions", None, False, 0.0), "/x"
+    proxy, exchange, route = Holder(), Exchange("r", "/v1/chat/completions", None, False, 0.0, SIDECAR), "/x"
 
     def guarded() -> int:
         n = 0

@@ -10,6 +10,7 @@ own ``/health`` and ``/metrics`` stay reachable through the proxy port.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,19 +23,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from sidecar.allowlist import Allowlist
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
+from sidecar.faults import Injector
 from sidecar.metrics import Metrics
-from sidecar.proxy import Proxy
+from sidecar.proxy import Proxy, ProxyParts
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry
+from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
 from sidecar.release.value import hold_seconds
+from sidecar.router.pool import PrefillPool
 from sidecar.tracing import Tracing
 from sidecar.tracing import build as build_tracing
-from sidecar.upstream import Upstream, UpstreamError
+from sidecar.trust import InFlight, Trust
+from sidecar.upstream import Client, Upstream, UpstreamError
 
 log = logging.getLogger("sidecar.app")
 
@@ -50,6 +55,10 @@ class Deps:
     releaser: Releaser | None = None
     clock: Callable[[], float] = time.monotonic
     tracing: Tracing | None = None  # e.g. sidecar.tracing.build(config, InMemorySpanExporter())
+    upstream: Client | None = None  # the client to D (a fake in unit tests)
+    trust: Trust | None = None  # built once by ``serve`` (it reads the secret files)
+    injector: Injector | None = None
+    pool: PrefillPool | None = None  # router mode's P servers
 
 
 @dataclass
@@ -58,15 +67,17 @@ class Runtime:
 
     config: Config
     metrics: Metrics
-    upstream: Upstream
+    upstream: Client
     releaser: Releaser
     pipeline: Pipeline
+    inflight: InFlight
     proxy: Proxy
     tracing: Tracing
     draining: bool = False
     _health: tuple[float, bool] = (0.0, False)
     _version: tuple[float, str | None] = (0.0, None)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _refresh: asyncio.Task[str | None] | None = None
 
     async def decode_healthy(self) -> bool:
         """D's ``GET /health`` is 200 (cached for a second)."""
@@ -81,8 +92,9 @@ class Runtime:
         self._health = (time.monotonic(), healthy)
         return healthy
 
-    async def decode_version(self) -> str | None:
-        """D's vLLM release from ``GET /version`` (cached; P and D run the same release)."""
+    async def decode_version(self, quiet: bool = False) -> str | None:
+        """D's vLLM release from ``GET /version`` (cached; P and D run the same release);
+        ``quiet``: a failure is not worth a warning (at start-up D may not be up yet)."""
         checked, version = self._version
         if version and time.monotonic() - checked < VERSION_CACHE_SECONDS:
             return version
@@ -95,12 +107,31 @@ class Runtime:
                     if response.status == 200:
                         version = msgspec.json.decode(body, type=dict[str, object]).get("version")  # type: ignore[assignment]
             except (UpstreamError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("cannot read D's /version", extra={"detail": str(exc)})
+                log.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "cannot read D's /version",
+                    extra={"detail": str(exc)},
+                )
                 return None
             if not isinstance(version, str):
                 return None
             self._version = (time.monotonic(), version)
             return version
+
+    # --- what the judge reads of D (sidecar.proxy.judge.DecodeFacts) -----------------------
+
+    def version(self) -> str | None:
+        """D's release as last read, without waiting; a stale or missing answer is refreshed
+        in the background."""
+        checked, version = self._version
+        stale = version is None or time.monotonic() - checked >= VERSION_CACHE_SECONDS
+        if stale and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.get_running_loop().create_task(self.decode_version())
+        return version
+
+    def can_notify(self) -> bool:
+        """D's engine could send its own release now: not while this pod shuts down."""
+        return not self.draining
 
     def p_hold(self) -> float:
         """P's hold of an unreleased request's blocks, by the last known release of D (and P)."""
@@ -115,6 +146,12 @@ class Runtime:
         ok = not checks["draining"] and checks["decode"] and checks["releaser"]
         self.metrics.ready.set(1 if ok else 0)
         return ok, checks
+
+    async def close(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh
 
 
 class ProxyApp:
@@ -151,43 +188,43 @@ class ProxyApp:
                 return
 
     async def startup(self) -> Runtime:
-        config = self.config
-        tracing = self.deps.tracing or build_tracing(config)
-        metrics = Metrics(self.deps.registry)
-        upstream = Upstream(
-            config.decode_url,
-            connect_timeout=config.connect_timeout,
-            pool_timeout=config.pool_timeout,
-            header_timeout=config.header_timeout,
-            read_timeout=config.read_timeout,
-            pool_size=config.pool_size,
-        )
+        config, deps = self.config, self.deps
+        tracing = deps.tracing or build_tracing(config)
+        metrics = Metrics(deps.registry)
+        upstream = deps.upstream or _upstream(config)
         await upstream.start()
         holder: list[Runtime] = []
 
         async def decode_version() -> str | None:
             return await holder[0].decode_version()
 
-        releaser = self.deps.releaser or make_releaser(config, decode_version, metrics.registry, tracing)
-        await releaser.start()
-        ledger = Ledger(config.ledger_size, config.ledger_ttl, self.deps.clock)
-        pipeline = Pipeline(
-            releaser,
-            metrics,
-            queue_size=config.release_queue_size,
-            workers=config.release_workers,
-            retry=Retry(config.release_retry_initial, config.release_retry_max),
-            ledger=ledger,
-            clock=self.deps.clock,
-            tracing=tracing,
-            hold=lambda: holder[0].p_hold(),
-            target_share=config.release_target_share,
-            breaker=BreakerPolicy(failures=config.release_target_failures),
+        allowlist = Allowlist(config.prefill_allow)  # one for the NIXL targets and router mode's P
+        releaser = deps.releaser or make_releaser(
+            config, decode_version, metrics.registry, tracing, allowlist
         )
+        await releaser.start()
+        pipeline = _pipeline(config, releaser, metrics, tracing, deps.clock, lambda: holder[0].p_hold())
         pipeline.start()
-        proxy = Proxy(config, upstream, pipeline, metrics, tracing)
-        self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, proxy, tracing)
+        inflight = InFlight(config.ledger_size, config.release_deadline)
+        parts = ProxyParts(
+            upstream=upstream,
+            pipeline=pipeline,
+            metrics=metrics,
+            trust=deps.trust or Trust(config),
+            inflight=inflight,
+            injector=deps.injector or Injector(config),
+            facts=_Facts(holder),
+            pool=deps.pool or _pool(config, allowlist),
+            tracing=tracing,
+        )
+        proxy = Proxy(config, parts)
+        self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, inflight, proxy, tracing)
         holder.append(self.runtime)
+        if releaser.frees and not config.vllm_version:
+            # D's release, for the judge's view of D's own fix; D may not be up yet.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await self.runtime.decode_version(quiet=True)
         log.info("sidecar started", extra={"config": dump(config)})
         return self.runtime
 
@@ -203,10 +240,63 @@ class ProxyApp:
         await runtime.pipeline.stop()
         await runtime.releaser.close()
         if runtime.proxy.router is not None:
-            await runtime.proxy.router.close()
+            await runtime.proxy.router.pool.close()
+        await runtime.close()
         await runtime.upstream.close()
         await runtime.tracing.shutdown(self.config.flush_timeout)  # last: the release spans ended
         log.info("sidecar stopped", extra={"releases_flushed": flushed})
+
+
+class _Facts:
+    """``DecodeFacts`` for the judge, read from the runtime once it exists."""
+
+    def __init__(self, holder: list[Runtime]) -> None:
+        self._holder = holder
+
+    def version(self) -> str | None:
+        return self._holder[0].version() if self._holder else None
+
+    def can_notify(self) -> bool:
+        return self._holder[0].can_notify() if self._holder else True
+
+
+def _pool(config: Config, allowlist: Allowlist) -> PrefillPool | None:
+    """Router mode's P servers: a static pool, or llm-d's header checked against the allowlist."""
+    if not config.prefill and not config.prefill_allow:
+        return None
+    return PrefillPool(config, allowlist=allowlist)
+
+
+def _upstream(config: Config) -> Client:
+    return Upstream(
+        config.decode_url,
+        connect_timeout=config.connect_timeout,
+        pool_timeout=config.pool_timeout,
+        header_timeout=config.header_timeout,
+        read_timeout=config.read_timeout,
+        pool_size=config.pool_size,
+    )
+
+
+def _pipeline(
+    config: Config,
+    releaser: Releaser,
+    metrics: Metrics,
+    tracing: Tracing,
+    clock: Callable[[], float],
+    hold: Callable[[], float],
+) -> Pipeline:
+    settings = Settings(
+        queue_size=config.release_queue_size,
+        workers=config.release_workers,
+        retry=Retry(config.release_retry_initial, config.release_retry_max),
+        target_share=config.release_target_share,
+        breaker=BreakerPolicy(failures=config.release_target_failures),
+        hold=hold,
+    )
+    return Pipeline(
+        releaser, metrics, Ledger(config.ledger_size, config.ledger_ttl, clock), settings, clock, tracing
+    )
 
 
 def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
@@ -229,9 +319,9 @@ def create_admin_app(app: ProxyApp) -> Starlette:
             return JSONResponse({"ready": False, "checks": {"started": False}}, status_code=503)
         ok, checks = await runtime().ready()
         body: dict[str, object] = {"ready": ok, "checks": checks}
-        detail = getattr(runtime().releaser, "detail", None)  # optional: auto names the path it uses
-        if callable(detail):
-            body["release"] = detail()
+        detail = runtime().releaser.detail()
+        if detail:
+            body["release"] = detail
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:

@@ -14,12 +14,13 @@ import json
 from dataclasses import dataclass
 
 from sidecar.asgi import Receive
+from sidecar.exceptions import SidecarError
 
 TAIL_WINDOW = 256 * 1024
 _KEY = b'"kv_transfer_params"'
 
 
-class ClientGone(Exception):
+class ClientGone(SidecarError):
     """The client disconnected before its body was complete."""
 
 

@@ -42,7 +42,13 @@ POSITIVE = (
     "client_header_timeout",
     "client_body_timeout",
 )
-ZERO_OR_POSITIVE = ("read_timeout", "shutdown_delay", "p_hold_seconds", "limit_concurrency")
+ZERO_OR_POSITIVE = (
+    "read_timeout",
+    "shutdown_delay",
+    "p_hold_seconds",
+    "limit_concurrency",
+    "may_cover_delay",
+)
 SHARES = ("inject_rate", "trace_sample_ratio")
 
 

@@ -1,15 +1,8 @@
 """Answers the sidecar gives itself, in vLLM's OpenAI error shape.
 
-The exception tree of the request path::
-
-    UpstreamError (sidecar.upstream)   no response headers from D; carries a classify.Failure
-    ClientGone (sidecar.body)          the client left while its body was being read
-    ReleaseError (sidecar.release.base)
-      RetryableReleaseError            retried by the pipeline until the job's deadline
-      PermanentReleaseError            refused at once (allowlist, unsupported release)
-
-Bodies are ``{"error": {"message", "type", "param", "code"}}`` with ``code``
-equal to the status, as vLLM 0.10.1+ answers.
+The sidecar's exception tree is drawn once, in ``sidecar.exceptions``. Bodies
+are ``{"error": {"message", "type", "param", "code"}}`` with ``code`` equal to
+the status, as vLLM 0.10.1+ answers.
 """
 
 from __future__ import annotations

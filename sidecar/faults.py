@@ -12,6 +12,7 @@ logs, so dashboards never mistake them for D's behaviour.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from sidecar.config import INSPECTED_ROUTES, Config
 
@@ -29,12 +30,13 @@ class Injector:
         self._header = config.inject_header
         self.enabled = bool(self._rate) or self._header
 
-    def status_for(self, route: str, headers: list[tuple[bytes, bytes]], releasable: bool) -> int | None:
-        """The status to inject, or None to forward the request normally."""
+    def status_for(self, route: str, headers: Mapping[bytes, bytes], releasable: bool) -> int | None:
+        """The status to inject, or None to forward the request normally; ``headers`` maps the
+        request's header names to their first value."""
         if self._header:
-            for name, value in headers:
-                if name == HEADER:
-                    return _status(value)
+            value = headers.get(HEADER)
+            if value is not None:
+                return _status(value)
         if self._rate and releasable and route in self._routes and self._random.random() < self._rate:
             return self._random.choice(self._statuses)
         return None

@@ -21,16 +21,18 @@ from typing import cast
 
 import httptools
 
+from sidecar.exceptions import SidecarError
+
 HIGH_WATER = 256 * 1024  # response bytes buffered for a slow consumer before reading pauses
 _FRAMING = frozenset({"content-length", "transfer-encoding", "host"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-class ProtocolError(Exception):
+class ProtocolError(SidecarError):
     """D answered with something that is not a valid HTTP/1.1 response."""
 
 
-class BodyError(Exception):
+class BodyError(SidecarError):
     """The request body's iterator failed, or did not match its declared length."""
 
 

@@ -24,7 +24,8 @@ import uvicorn
 
 from sidecar import config as config_mod
 from sidecar import extras, logs, memory, tracing
-from sidecar.app import ProxyApp, create_admin_app, create_app
+from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
+from sidecar.exceptions import SidecarError
 from sidecar.limits import ServerLimits, server_options
 from sidecar.trust import Trust
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, sources = _load(args)
         try:
-            Trust(config)  # secrets readable and present, before any socket opens
+            trust = Trust(config)  # secrets read once, before any socket opens
             tracing.require(config)  # the otel extra installed when tracing is configured
         except config_mod.ConfigError as exc:
             raise exc.at(sources.get(exc.field, exc.source)) from exc
@@ -84,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
     try:
-        asyncio.run(serve(config, sockets=sockets))
+        asyncio.run(serve(config, sockets=sockets, deps=Deps(trust=trust)))
     except StartupFailed as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-class ListenError(Exception):
+class ListenError(SidecarError):
     """A port that cannot be listened on (in use, not permitted, no such address)."""
 
 
@@ -176,13 +177,14 @@ async def serve(
     config: config_mod.Config,
     stop: asyncio.Event | None = None,
     sockets: dict[str, list[socket.socket]] | None = None,
+    deps: Deps | None = None,
 ) -> None:
     """Run both servers until ``stop`` is set or a termination signal arrives.
 
     ``sockets`` are the listening sockets from ``listen`` (bound here when not given).
     """
     sockets = sockets or listen(config)
-    app: ProxyApp = create_app(config)
+    app: ProxyApp = create_app(config, deps)
     proxy = _Server(
         uvicorn_config(
             app,

@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 
 from sidecar.config import Config, ConfigError
@@ -57,11 +57,12 @@ class Trust:
         if self.mode == "hmac" and not self.key:
             raise ConfigError("trust_key", "", "--trust hmac needs trust_key or trust_key_file")
 
-    def trusted(self, headers: list[tuple[bytes, bytes]], request_id: str, raw_params: bytes) -> bool:
+    def trusted(self, headers: Mapping[bytes, bytes], request_id: str, raw_params: bytes) -> bool:
+        """Whether these parameters may trigger a release; ``headers`` maps the request's
+        (lower-case) header names to their first value."""
         if self.mode == "any":
             return True
-        wanted = TOKEN_HEADER if self.mode == "token" else SIGNATURE_HEADER
-        given = next((value for name, value in headers if name == wanted), None)
+        given = headers.get(TOKEN_HEADER if self.mode == "token" else SIGNATURE_HEADER)
         if given is None:
             return False
         expected = self.token if self.mode == "token" else sign(self.key, request_id, raw_params).encode()

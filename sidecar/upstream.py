@@ -26,9 +26,11 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from sidecar.classify import Failure
+from sidecar.exceptions import SidecarError
 from sidecar.http1 import BodyError, Connection, ProtocolError, encode_head
 
 Headers = list[tuple[bytes, bytes]]
@@ -52,12 +54,50 @@ class Sent:
         self.may_have_reached_d = False
 
 
-class UpstreamError(Exception):
+class UpstreamError(SidecarError):
     """A request to D that produced no response headers, or a body D broke off."""
 
     def __init__(self, failure: Failure, detail: str) -> None:
         super().__init__(detail)
         self.failure = failure
+
+
+class Response(Protocol):
+    """D's status and headers; the body is read with ``chunks()`` or ``read()``."""
+
+    status: int
+    headers: Headers
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self, limit: int) -> bytes: ...
+
+    async def __aenter__(self) -> Response: ...
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+class Client(Protocol):
+    """The seam between the request path and D (or P, in router mode): ``Upstream`` in
+    production, a fake in unit tests (``tests.fakes.FakeUpstream``)."""
+
+    base_url: str
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def send(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes | AsyncIterator[bytes] | None,
+        header_timeout: float | None = None,
+        sent: Sent | None = None,
+    ) -> Response: ...
 
 
 class UpstreamResponse:

@@ -90,6 +90,17 @@ async def resolve_target(allowlist: Allowlist, resolver: Resolver, host: str, po
     return Target(host=host, address=addresses[0], base_port=ports[0])
 
 
+class TargetCheck:
+    """The allowlist and the resolver a release's P endpoint is checked with (``resolve_target``)."""
+
+    def __init__(self, allowlist: Allowlist, resolver: Resolver | None = None) -> None:
+        self.allowlist = allowlist
+        self.resolver = resolver or Resolver()
+
+    async def target(self, host: str, ports: Sequence[int]) -> Target:
+        return await resolve_target(self.allowlist, self.resolver, host, ports)
+
+
 def zmq_endpoint(address: str, port: int) -> str:
     return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
 

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
+from sidecar.allowlist import Allowlist
 from sidecar.config import Config
 from sidecar.release.base import Releaser
 from sidecar.tracing import OFF, Tracing
@@ -19,9 +20,14 @@ DecodeVersion = Callable[[], Awaitable[str | None]]
 
 
 def make_releaser(
-    config: Config, decode_version: DecodeVersion, registry: CollectorRegistry, tracing: Tracing = OFF
+    config: Config,
+    decode_version: DecodeVersion,
+    registry: CollectorRegistry,
+    tracing: Tracing = OFF,
+    allowlist: Allowlist | None = None,
 ) -> Releaser:
-    """The strategy named by ``config.release``; ``tracing`` reaches the NIXL handshakes."""
+    """The strategy named by ``config.release``; ``tracing`` reaches the NIXL handshakes and
+    ``allowlist`` (built once by the app) the NIXL target checks."""
     if config.release == "off":
         from sidecar.release.off import OffReleaser
 
@@ -30,21 +36,19 @@ def make_releaser(
         from sidecar.release.dryrun import DryRunReleaser
 
         return DryRunReleaser()
-    if config.release == "nixl":
-        from sidecar.release.nixl import NixlReleaser
-
-        return NixlReleaser(config, decode_version, registry, tracing=tracing)
     if config.release == "http":
         from sidecar.release.http import HttpReleaser
 
         return HttpReleaser(config, decode_version, registry)
-    if config.release == "auto":
-        from sidecar.release.auto import AutoReleaser
-
-        if not tracing.enabled:
-            return AutoReleaser(config, decode_version, registry)
+    if config.release in ("nixl", "auto"):
+        from sidecar.nixl.handshake import TargetCheck
         from sidecar.release.nixl import NixlReleaser
 
-        nixl = NixlReleaser(config, decode_version, registry, tracing=tracing)
+        check = TargetCheck(allowlist if allowlist is not None else Allowlist(config.prefill_allow))
+        nixl = NixlReleaser(config, decode_version, registry, tracing=tracing, check=check)
+        if config.release == "nixl":
+            return nixl
+        from sidecar.release.auto import AutoReleaser
+
         return AutoReleaser(config, decode_version, registry, nixl=nixl)
     raise NotImplementedError(f"release strategy {config.release!r} is not available in this build")

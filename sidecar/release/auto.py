@@ -82,6 +82,8 @@ class AutoReleaser:
     """``Releaser`` choosing between the control endpoint and NIXL (see the module docstring)."""
 
     name = "auto"
+    frees = True
+    keeps_raw = True
 
     def __init__(
         self,

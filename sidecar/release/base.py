@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from sidecar.classify import Cause
+from sidecar.exceptions import SidecarError
 from sidecar.params import ReleaseParams
 
 
@@ -49,7 +51,7 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     route: str  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
     body_request_id: str | None = None  # the body's request_id (pre-0.13.0 /v1/responses id)
     params: ReleaseParams
-    cause: str  # a sidecar.classify.Cause value
+    cause: Cause
     status: int | None = None
     error_type: str | None = None
     injected: bool = False
@@ -63,6 +65,15 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     # The request's ``X-data-parallel-rank`` (vLLM routes it to that engine core): the http
     # strategy's release goes to the same rank.
     data_parallel_rank: int | None = None
+    # D's engine releases it itself (vLLM 0.21.0+ and D able to notify): recorded, never sent.
+    covered: bool = False
+    # Not sent before this time.monotonic() value: D may have notified P itself, and the
+    # sidecar's notification must not land between D's readers' messages.
+    not_before: float = 0.0
+
+    def but(self, **changes: Any) -> ReleaseJob:
+        """This job with ``changes``."""
+        return msgspec.structs.replace(self, **changes)
 
     @property
     def x_request_id(self) -> str:
@@ -83,7 +94,7 @@ class Verdict(StrEnum):
     UNTOUCHED = "untouched"  # decided before any connection (allowlist, version, parameters)
 
 
-class ReleaseError(Exception):
+class ReleaseError(SidecarError):
     """Base of every error a strategy raises for one job."""
 
     reason: str = "error"  # a small enum, usable as a metric label
@@ -111,6 +122,8 @@ class Releaser(Protocol):
     """A release strategy. One instance per process; the pipeline calls it from its workers."""
 
     name: str
+    frees: bool  # a release frees P's blocks (off and dry-run free nothing)
+    keeps_raw: bool  # it hands P's parameters on as they came (the proxy keeps the raw JSON)
 
     async def start(self) -> None:
         """Acquire resources (agents, sockets). Called once in the lifespan."""
@@ -125,9 +138,12 @@ class Releaser(Protocol):
     def ready(self) -> bool:
         """Whether the strategy can release now (for /readyz)."""
 
+    def detail(self) -> dict[str, object]:
+        """What /readyz shows of the strategy (``{}`` when there is nothing to add)."""
+
     async def release(self, job: ReleaseJob) -> Result:
         """Free P's blocks for ``job`` or raise a ``ReleaseError``.
 
-        Returns ``Result.SENT``, ``Result.DRY_RUN``, ``Result.OFF`` or
-        ``Result.COVERED_BY_ENGINE``.
+        Returns ``Result.SENT``, ``Result.DRY_RUN`` or ``Result.OFF``. Jobs D's engine
+        releases itself never reach a strategy (``ReleaseJob.covered``).
         """

@@ -75,6 +75,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from sidecar.classify import Cause
+from sidecar.nixl.versions import NEWEST, WireProfile, parse_version
 from sidecar.release.base import ReleaseJob
 
 Version = tuple[int, int, int]
@@ -84,12 +86,12 @@ FIX_SINCE: Version = (0, 21, 0)
 WRAPPED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 RESPONSES = frozenset({"/v1/responses"})
 #: ``sidecar.classify.Cause`` values for "D answered with an error status".
-D_ANSWERED = frozenset({"rejected_4xx", "rejected_5xx"})
+D_ANSWERED = frozenset({Cause.REJECTED_4XX, Cause.REJECTED_5XX})
 #: Causes for which the sidecar closed a connection on which D had the whole request and had
 #: not answered: vLLM's ``with_cancellation`` cancels the handler, and the wrapper notifies P.
-ABORTED_BY_SIDECAR = frozenset({"header_timeout", "client_gone_after_forward"})
+ABORTED_BY_SIDECAR = frozenset({Cause.HEADER_TIMEOUT, Cause.CLIENT_GONE_AFTER_FORWARD})
 #: Stream causes (first SSE event) whose request D's engine core re-added to notify P, by release.
-ENGINE_CORE_STREAMS: dict[str, Version] = {"stream_engine_paused": (0, 33, 0)}
+ENGINE_CORE_STREAMS: dict[Cause, Version] = {Cause.STREAM_ENGINE_PAUSED: (0, 33, 0)}
 
 
 class Row(NamedTuple):
@@ -116,6 +118,19 @@ MAY_BE_COVERED: tuple[Row, ...] = (
     Row((0, 21, 0), 500, "InternalServerError"),
     Row((0, 21, 0), 501, "NotImplementedError"),
 )
+
+
+def fix_version(text: str | None) -> Version | None:
+    """The release to judge D's fix by: a known release's oldest possible code (a pre-release may
+    be older than the release it leads to), the newest known behaviour for a newer release, None
+    when unknown."""
+    if not text:
+        return None
+    profile = WireProfile.for_version(text)
+    if profile is not None:
+        return profile.low
+    parsed = parse_version(text)
+    return NEWEST if parsed is not None and parsed.release > NEWEST else None
 
 
 def engine_covers(version: Version, job: ReleaseJob) -> bool:

@@ -10,7 +10,9 @@ from sidecar.release.base import ReleaseJob, Result
 class DryRunReleaser:
     name = "dry-run"
 
-    def __init__(self, keep: int = 1000) -> None:
+    def __init__(self, keep: int = 1000, *, frees: bool = False, keeps_raw: bool = False) -> None:
+        # Tests record in place of a live strategy: the proxy then behaves as for that strategy.
+        self.frees, self.keeps_raw = frees, keeps_raw
         self.recorded: collections.deque[ReleaseJob] = collections.deque(maxlen=keep)
 
     async def start(self) -> None:
@@ -24,6 +26,9 @@ class DryRunReleaser:
 
     def target(self, job: ReleaseJob) -> str:
         return ""  # nothing is ever contacted
+
+    def detail(self) -> dict[str, object]:
+        return {}
 
     async def release(self, job: ReleaseJob) -> Result:
         self.recorded.append(job)

@@ -36,9 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from sidecar import __version__
 from sidecar.config import Config
-from sidecar.nixl.versions import NEWEST, Version, WireProfile, engine_request_id, parse_version
+from sidecar.nixl.versions import WireProfile, engine_request_id
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
-from sidecar.release.coverage import engine_covers
 from sidecar.release.version import DecodeRelease
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
@@ -67,7 +66,7 @@ class ControlFailed(RetryableReleaseError):
         self.verdict = Verdict.DOWN if reason == "timeout" else Verdict.UP
 
 
-def classify(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
+def answer_kind(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
     """The result label of an answer, and the error it raises (None: released)."""
     if 200 <= status < 300:
         return "accepted", None
@@ -124,6 +123,8 @@ class HttpReleaser:
     """``Releaser`` that posts each job to D's control endpoint (see the module docstring)."""
 
     name = "http"
+    frees = True
+    keeps_raw = True
 
     def __init__(
         self,
@@ -173,6 +174,9 @@ class HttpReleaser:
     def ready(self) -> bool:
         return self._client is not None
 
+    def detail(self) -> dict[str, object]:
+        return {}
+
     def target(self, job: ReleaseJob) -> str:
         return self.release_url  # every job goes to D's control endpoint
 
@@ -183,14 +187,6 @@ class HttpReleaser:
             raise PermanentReleaseError("the http strategy sends P's parameters as they came", "no_params")
         text = self._config.vllm_version or await self._d_release.get()
         profile = WireProfile.for_version(text) if text else None
-        version = profile.low if profile is not None else _newer_than_known(text)
-        if version is None:
-            self._log_refusal(
-                "unknown_version", f"D's vLLM release {text!r} is unknown: coverage not checked"
-            )
-        elif engine_covers(version, job):
-            self.metrics.requests.labels("covered_by_engine").inc()
-            return Result.COVERED_BY_ENGINE
         request_id = _request_id(profile, job)
         body = Outgoing(
             request_id=request_id,
@@ -203,7 +199,7 @@ class HttpReleaser:
             # D's engine cores can notify P, so the release goes to the default one instead.
             self.metrics.requests.labels("bad_request").inc()
             status, content = await self._send(msgspec.structs.replace(body, data_parallel_rank=None))
-        label, error = classify(status)
+        label, error = answer_kind(status)
         self.metrics.requests.labels(label).inc()
         if error is None:
             self._log_accepted(job, content)
@@ -306,12 +302,6 @@ class Outgoing(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     kv_transfer_params: msgspec.Raw
     data_parallel_rank: int | None = None
-
-
-def _newer_than_known(text: str | None) -> Version | None:
-    """A release newer than the sidecar knows keeps the newest known behaviour (the fix stays)."""
-    parsed = parse_version(text) if text else None
-    return parsed.release if parsed is not None and parsed.release > NEWEST else None
 
 
 def _request_id(profile: WireProfile | None, job: ReleaseJob) -> str:

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.allowlist import Allowlist
 from sidecar.config import Config
 from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError
-from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, resolve_target
+from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
 from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
@@ -39,9 +39,7 @@ from sidecar.release.base import (
     Result,
     RetryableReleaseError,
 )
-from sidecar.release.coverage import engine_covers
 from sidecar.release.version import DecodeRelease
-from sidecar.resolver import Resolver
 from sidecar.tracing import OFF, Tracing
 
 log = logging.getLogger(__name__)
@@ -64,6 +62,8 @@ class NixlReleaser:
     """``Releaser`` that notifies every P worker over NIXL (see the module docstring)."""
 
     name = "nixl"
+    frees = True
+    keeps_raw = False
 
     def __init__(
         self,
@@ -73,14 +73,13 @@ class NixlReleaser:
         *,
         peer: NixlPeer | None = None,
         tracing: Tracing = OFF,
-        resolver: Resolver | None = None,
+        check: TargetCheck | None = None,
     ) -> None:
         self._config = config
         self._tracing = tracing
         self._d_release = DecodeRelease(decode_version)
         self.metrics = NixlMetrics(registry)
-        self._allowlist = Allowlist(config.prefill_allow)
-        self._resolver = resolver or Resolver()
+        self._check = check or TargetCheck(Allowlist(config.prefill_allow))
         self.peer = peer or NixlPeer()
         self._context: zmq.asyncio.Context | None = None
         self._client: HandshakeClient | None = None
@@ -95,7 +94,7 @@ class NixlReleaser:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if not self._allowlist:
+        if not self._check.allowlist:
             log.warning(
                 "--prefill-allow is empty: the nixl strategy contacts no P and releases nothing; "
                 "list P's side-channel hosts (e.g. 10.0.0.0/8:5600-5700)"
@@ -113,6 +112,9 @@ class NixlReleaser:
 
     def ready(self) -> bool:
         return self._context is not None and self.peer.ready()
+
+    def detail(self) -> dict[str, object]:
+        return {}
 
     def target(self, job: ReleaseJob) -> str:
         """P's side channel, as the parameters name it."""
@@ -152,8 +154,6 @@ class NixlReleaser:
             raise PermanentReleaseError(
                 f"kv_transfer_params do not fit vLLM {profile.text}: {problem}", "inconsistent_version"
             )
-        if profile.engine_fix and engine_covers(profile.low, job):
-            return Result.COVERED_BY_ENGINE, "none"
         unsafe = not profile.safe_unknown_id
         if unsafe and not self._config.allow_unsafe_vllm:
             raise PermanentReleaseError(
@@ -286,9 +286,7 @@ class NixlReleaser:
         if old is not None:
             await self._drop([old], "generation" if old.generation != generation else "replaced")
         host, base_port = endpoint
-        target = await resolve_target(
-            self._allowlist, self._resolver, host, sorted({profile.port(base_port, tp) for _, tp in ranks})
-        )
+        target = await self._check.target(host, sorted({profile.port(base_port, tp) for _, tp in ranks}))
         self._warn_loopback(target)
         started = time.perf_counter()
         try:

@@ -7,6 +7,8 @@ from sidecar.release.base import ReleaseJob, Result
 
 class OffReleaser:
     name = "off"
+    frees = False
+    keeps_raw = False
 
     async def start(self) -> None:
         return None
@@ -19,6 +21,9 @@ class OffReleaser:
 
     def target(self, job: ReleaseJob) -> str:
         return ""  # nothing is ever contacted
+
+    def detail(self) -> dict[str, object]:
+        return {}
 
     async def release(self, job: ReleaseJob) -> Result:
         return Result.OFF

@@ -68,6 +68,18 @@ class Retry:
         return random.uniform(self.initial / 2, min(self.cap, self.initial * 2**attempt))
 
 
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How the pipeline runs (``sidecar.config`` names each setting)."""
+
+    queue_size: int = 4096  # jobs waiting at most; the oldest is dropped past it
+    workers: int = 32  # attempts running at once
+    retry: Retry = Retry(0.05, 1.0)
+    target_share: float = 0.5  # of the workers, one target at most
+    breaker: BreakerPolicy | None = None
+    hold: Callable[[], float] = lambda: LEASE_SECONDS  # P's hold without a release
+
+
 class Pipeline:
     """Feeds release jobs to one strategy (see the module docstring)."""
 
@@ -75,28 +87,23 @@ class Pipeline:
         self,
         releaser: Releaser,
         metrics: Metrics,
-        *,
-        queue_size: int,
-        workers: int,
-        retry: Retry,
         ledger: Ledger,
+        settings: Settings,
         clock: Callable[[], float] = time.monotonic,
         tracing: Tracing = OFF,
-        hold: Callable[[], float] = lambda: LEASE_SECONDS,
-        target_share: float = 0.5,
-        breaker: BreakerPolicy | None = None,
     ) -> None:
         self.releaser = releaser
         self._tracing = tracing
         self._metrics = metrics
-        self._queue_size = queue_size
-        self._retry = retry
+        self._queue_size = settings.queue_size
+        self._retry = settings.retry
         self._ledger = ledger
         self._clock = clock
-        self._hold = hold  # P's hold without a release (sidecar.release.value)
+        self._hold = settings.hold  # P's hold without a release (sidecar.release.value)
+        workers = settings.workers
         self._workers = asyncio.Semaphore(workers)
-        cap = math.ceil(workers * target_share)
-        self.targets = Targets(cap, metrics.release_targets, breaker, clock=clock)
+        cap = math.ceil(workers * settings.target_share)
+        self.targets = Targets(cap, metrics.release_targets, settings.breaker, clock=clock)
         self._jobs: dict[int, _Live] = {}  # in submit order
         self._attempting = 0
         self._seq = itertools.count()
@@ -127,6 +134,9 @@ class Pipeline:
         if not self._ledger.add(job.key):
             self._finish(_Live(job), Result.DUPLICATE, "duplicate of an earlier release")
             return False
+        if job.covered:  # D's engine releases it: recorded (the key held), never sent
+            self._finish(_Live(job), Result.COVERED_BY_ENGINE, "D's engine releases it itself")
+            return True
         if self.depth >= self._queue_size:
             self._drop_oldest()
         live = _Live(job)
@@ -194,6 +204,9 @@ class Pipeline:
 
     async def _run(self, live: _Live) -> None:
         job = live.job
+        wait = job.not_before - self._clock()
+        if wait > 0:  # after D's own notifications would have gone out
+            await asyncio.sleep(wait)
         target = self.targets.attach(self.releaser.target(job))
         try:
             attempt = 0

@@ -99,10 +99,11 @@ async def emulate(
     rank: int | None,
     *,
     make_sampling_params: SamplingParamsFactory,
-    grace: float,
-    settle: float,
+    waits: tuple[float, float],
 ) -> Outcome:
-    """Submit a one-token request carrying ``params`` and abort it at once (module docstring)."""
+    """Submit a one-token request carrying ``params`` and abort it at once (module docstring);
+    ``waits`` are the grace before the abort and the settle after it, in seconds."""
+    grace, settle = waits
     kwargs: dict[str, Any] = {} if rank is None else {"data_parallel_rank": rank}
     stream = engine.generate(PROMPT, make_sampling_params(params), request_id, **kwargs)
     first = asyncio.ensure_future(_first(stream))

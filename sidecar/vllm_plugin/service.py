@@ -189,8 +189,7 @@ class ControlService:
                     params,
                     rank,
                     make_sampling_params=self._make_sampling_params,
-                    grace=settings.emulate_grace,
-                    settle=settings.emulate_settle,
+                    waits=(settings.emulate_grace, settings.emulate_settle),
                 )
         return ReleaseAccepted(request_id=body.request_id, action=action, outcome=outcome)
 

@@ -11,7 +11,7 @@ sidecar's loop, its admin ``/metrics`` and its configured bounds.
 An error counts as unhandled when its traceback runs through the sidecar's
 own code (``sidecar/`` outside ``sidecar/sim/``), or when a sidecar logger
 logs at ERROR or above. One kind is deliberate and allowed: the proxy
-re-raises ``UpstreamError`` from ``Proxy._pump`` when D breaks a response whose
+re-raises ``UpstreamError`` from ``Forwarder.pump`` when D breaks a response whose
 head was already sent to the client, so the server aborts the client's
 connection too (the client must see a truncated answer, not a complete one).
 """
@@ -39,7 +39,7 @@ from tests.integration.conftest import Sidecar
 OWN_CODE = "/sidecar/"
 SIM_CODE = "/sidecar/sim/"
 #: (exception type name, function that raised it deliberately).
-ALLOWED = {("UpstreamError", "_pump")}
+ALLOWED = {("UpstreamError", "pump")}
 SERVER_LOGGERS = ("asyncio", "uvicorn.error")
 
 
@@ -213,8 +213,8 @@ class InProcessView:
             "queue": runtime.pipeline.depth,
             "progress": len(getattr(releaser, "_progress", ())),
             "handshakes_in_flight": len(getattr(releaser, "_inflight", ())),
-            "inflight_live": len(runtime.proxy.inflight._live),
-            "inflight_admitted": len(runtime.proxy.inflight._admitted),
+            "inflight_live": len(runtime.inflight._live),
+            "inflight_admitted": len(runtime.inflight._admitted),
             "live_jobs": runtime.pipeline.live,
             "targets": len(runtime.pipeline.targets),
         }
@@ -248,7 +248,7 @@ class ProcessView:
             self._decisions[str(entry.get("request_id"))].append(str(entry.get("result")))
             return
         exc = str(entry.get("exc", ""))
-        deliberate = "UpstreamError" in exc and "in _pump" in exc
+        deliberate = "UpstreamError" in exc and "in pump\n" in exc
         if deliberate:
             self.aborted_streams += 1
         elif exc or (entry.get("level") in ("error", "critical") and entry.get("logger") != "sidecar.sim"):

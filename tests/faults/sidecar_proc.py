@@ -33,8 +33,8 @@ def _internals(app: ProxyApp | None) -> dict[str, int]:
         "queue": runtime.pipeline.depth,
         "progress": len(getattr(releaser, "_progress", ())),
         "handshakes_in_flight": len(getattr(releaser, "_inflight", ())),
-        "inflight_live": len(runtime.proxy.inflight._live),
-        "inflight_admitted": len(runtime.proxy.inflight._admitted),
+        "inflight_live": len(runtime.inflight._live),
+        "inflight_admitted": len(runtime.inflight._admitted),
         "live_jobs": runtime.pipeline.live,
         "targets": len(runtime.pipeline.targets),
     }

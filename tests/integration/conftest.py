@@ -63,7 +63,8 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     """
     settings = {"release": "dry-run", "log_level": "warning", **settings}
     config = Config(decode_url=decode_url, **settings)
-    releaser = DryRunReleaser(keep=100_000)
+    frees, keeps_raw = config.release in ("nixl", "http", "auto"), config.release in ("http", "auto")
+    releaser = DryRunReleaser(keep=100_000, frees=frees, keeps_raw=keeps_raw)
     injected = releaser if record or config.release == "dry-run" else None
     app = create_app(config, Deps(releaser=injected, registry=CollectorRegistry()))
     # The production protocol (httptools behind GuardedProtocol, sidecar.serve) on the proxy port,

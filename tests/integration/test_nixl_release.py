@@ -442,18 +442,6 @@ async def test_unsafe_release_refused_unless_allowed_then_sent_once(
     assert await p.received(b"chatcmpl-a:1") == {(0, 0): 1}
 
 
-async def test_engine_covered_rejection_sends_nothing(
-    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
-) -> None:
-    p = start(prefills, "0.33.0")
-    releaser = await releaser_factory(config(vllm_version="0.33.0"))
-    job = make_job(p.params("cov"), "cov", status=404, error_type="NotFoundError")
-    assert await releaser.release(job) is Result.COVERED_BY_ENGINE
-    assert p.requests == 0
-    unreachable = make_job(p.params("unr"), "unr", cause="unreachable")
-    assert await releaser.release(unreachable) is Result.SENT
-
-
 # --- failures are typed and retryable --------------------------------------------------------------
 
 

@@ -182,7 +182,7 @@ def test_failing_prefill_is_retried_on_another_and_skipped_for_a_backoff() -> No
     dead = f"http://127.0.0.1:{free_port()}"
     with pd(prefill_policy="round-robin") as ([p], _d, sc):
         assert sc.app.runtime is not None
-        router = sc.app.runtime.proxy.router
+        router = sc.app.runtime.proxy.router.pool if sc.app.runtime.proxy.router else None
         assert router is not None
         router.static = [dead, p.url]
         for _ in range(4):

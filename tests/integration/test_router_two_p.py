@@ -31,7 +31,7 @@ def spread(sc: Sidecar, p1: ServerThread, later: int) -> list[int]:
 
     Least-outstanding sends each later request to the P with fewer legs in flight: p2.
     """
-    router = sc.app.runtime.proxy.router if sc.app.runtime is not None else None
+    router = sc.app.runtime.proxy.router.pool if sc.app.runtime and sc.app.runtime.proxy.router else None
     assert router is not None and p1.loop is not None
     gate = threading.Event()
 

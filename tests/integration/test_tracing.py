@@ -209,6 +209,11 @@ class FlakyReleaser:
     """Fails the first attempt of each job (retryable), then succeeds."""
 
     name = "flaky"
+    frees = True
+    keeps_raw = False
+
+    def detail(self) -> dict[str, object]:
+        return {}
 
     def __init__(self) -> None:
         self.calls = 0

@@ -20,9 +20,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sidecar.allowlist import Allowlist
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.limits import ServerLimits, server_options
+from sidecar.nixl.handshake import TargetCheck
 from sidecar.release.nixl import NixlReleaser
 from sidecar.resolver import Resolver
 from sidecar.sim.decode import create_decode_app
@@ -76,7 +78,8 @@ def nixl_sidecar(dns: NoSuchName) -> Iterator[Sidecar]:
         async def no_version() -> str | None:
             return None
 
-        releaser = NixlReleaser(config, no_version, registry, resolver=Resolver(lookup=dns))
+        check = TargetCheck(Allowlist(config.prefill_allow), Resolver(lookup=dns))
+        releaser = NixlReleaser(config, no_version, registry, check=check)
         app = create_app(config, Deps(releaser=releaser, registry=registry))
         options = server_options(ServerLimits.of(config))
         with serve(app, create_admin_app(app), **options) as server:

@@ -225,9 +225,14 @@ class RecordingNixl:
     """Stands in for ``NixlReleaser`` where the test is about auto's choice, not NIXL."""
 
     name = "nixl"
+    frees = True
+    keeps_raw = False
 
     def __init__(self) -> None:
         self.jobs: list[ReleaseJob] = []
+
+    def detail(self) -> dict[str, object]:
+        return {}
 
     async def start(self) -> None:
         return None

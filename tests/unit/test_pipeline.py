@@ -13,7 +13,7 @@ from sidecar.metrics import Metrics
 from sidecar.params import release_params
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry
+from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
 
 
@@ -112,16 +112,10 @@ def make(
     breaker: BreakerPolicy = QUICK,
 ) -> tuple[Pipeline, Metrics]:
     metrics = Metrics(CollectorRegistry())
-    pipeline = Pipeline(
-        releaser,
-        metrics,
-        queue_size=queue_size,
-        workers=workers,
-        retry=retry,
-        ledger=Ledger(1000, 60),
-        target_share=share,
-        breaker=breaker,
+    settings = Settings(
+        queue_size=queue_size, workers=workers, retry=retry, target_share=share, breaker=breaker
     )
+    pipeline = Pipeline(releaser, metrics, Ledger(1000, 60), settings)
     return pipeline, metrics
 
 
@@ -278,15 +272,8 @@ async def test_many_jobs_all_released(n: int) -> None:
 async def test_sent_releases_count_blocks_and_the_block_seconds_they_saved() -> None:
     releaser = FakeReleaser()
     metrics = Metrics(CollectorRegistry())
-    pipeline = Pipeline(
-        releaser,
-        metrics,
-        queue_size=10,
-        workers=1,
-        retry=Retry(0.005, 0.02),
-        ledger=Ledger(1000, 60),
-        hold=lambda: 30.0,
-    )
+    settings = Settings(queue_size=10, workers=1, retry=Retry(0.005, 0.02), hold=lambda: 30.0)
+    pipeline = Pipeline(releaser, metrics, Ledger(1000, 60), settings)
     pipeline.start()
     grouped = job("g")
     grouped = ReleaseJob(

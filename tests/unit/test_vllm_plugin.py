@@ -162,9 +162,7 @@ def test_action_of() -> None:
 )
 async def test_emulate_submits_one_token_and_aborts(mode: Any, outcome: str) -> None:
     engine = LegacyEngine(mode)
-    got = await emulate(
-        engine, "rid-1", PARAMS, 1, make_sampling_params=sampling_params, grace=0.05, settle=0.05
-    )
+    got = await emulate(engine, "rid-1", PARAMS, 1, make_sampling_params=sampling_params, waits=(0.05, 0.05))
     assert got == outcome
     assert engine.submitted == [("rid-1", {"prompt_token_ids": [0]}, PARAMS, 1)]
     assert engine.released == ["rid-1"]  # exactly one release whichever order won
@@ -175,8 +173,8 @@ async def test_emulate_submits_one_token_and_aborts(mode: Any, outcome: str) -> 
 
 async def test_emulate_passes_the_rank_only_when_given() -> None:
     engine = LegacyEngine("finish")
-    await emulate(engine, "a", PARAMS, None, make_sampling_params=sampling_params, grace=0.01, settle=1)
-    await emulate(engine, "b", PARAMS, 0, make_sampling_params=sampling_params, grace=0.01, settle=1)
+    await emulate(engine, "a", PARAMS, None, make_sampling_params=sampling_params, waits=(0.01, 1))
+    await emulate(engine, "b", PARAMS, 0, make_sampling_params=sampling_params, waits=(0.01, 1))
     assert engine.keywords == [{}, {"data_parallel_rank": 0}]  # 0.9.2's EngineClient.generate lacks it
 
 

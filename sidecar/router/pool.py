@@ -1,20 +1,10 @@
-"""Router mode: the sidecar runs the prefill leg on P, then the decode leg on D.
+"""Router mode's choice of P: the pool of prefill servers and the prefill leg's HTTP call.
 
 Enabled by a static P pool (``--prefill URL[,URL...]``) and/or per request by
 llm-d's ``x-prefiller-host-port`` header (one or more ``host:port``, each
-checked against ``--prefill-allow``). The prefill leg is vLLM's reference
-P/D proxy's: the same body with ``stream: false``, the output budget set to 1
-(``max_tokens``; ``max_completion_tokens`` for chat; ``max_output_tokens``
-for responses), ``stream_options`` removed and ``kv_transfer_params`` asking
-P to keep the blocks for a remote decode. The decode leg is the original
-body plus the ``kv_transfer_params`` P returned, with the same
-``x-request-id`` (older vLLM releases derive the shared request id from it).
-Client-supplied ``kv_transfer_params`` are dropped: they could name any host.
-
-Because the router holds P's parameters itself, it releases in more cases
-than the sidecar mode does (``Exchange.router``): when the client leaves or
-the decode leg times out before headers, the router closes the connection to
-D, which aborts the request, so no live request reads the blocks any more.
+checked against ``--prefill-allow``; ``parse_targets``). ``PrefillPool``
+picks a P (least outstanding legs, or round robin), skips a failing one for
+``prefill_backoff``, and keeps one pooled client per P.
 """
 
 from __future__ import annotations
@@ -32,28 +22,17 @@ import msgspec
 
 from sidecar.allowlist import Allowlist, split_host_port
 from sidecar.config import Config
-from sidecar.upstream import Upstream
+from sidecar.exceptions import SidecarError
+from sidecar.upstream import Client, Upstream
 
 log = logging.getLogger("sidecar.router")
 
-HEADER = b"x-prefiller-host-port"
 MAX_DYNAMIC_PREFILLERS = 64
 PREFILL_BODY_LIMIT = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
-_ENCODER = msgspec.json.Encoder()
-
-# What the prefill leg asks of P (vLLM's toy_proxy_server / disagg proxy).
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
-class RouterError(Exception):
+class RouterError(SidecarError):
     """The prefill leg cannot run; ``status`` is what the client gets.
 
     ``body`` is P's own error answer when P refused the request (a 4xx the
@@ -74,31 +53,6 @@ class PrefillResult:
     url: str
     params: dict[str, Any] | None  # P's kv_transfer_params
     cached_tokens: int  # P's own prefix-cache hits, reported to the client
-
-
-def prefill_body(request: dict[str, Any], route: str) -> bytes:
-    """The prefill leg's body: same prompt, no stream, an output budget of one token."""
-    body = dict(request)
-    body["stream"] = False
-    body.pop("stream_options", None)
-    if route == "/v1/responses":
-        body["max_output_tokens"] = 1
-    else:
-        body["max_tokens"] = 1
-        if route == "/v1/chat/completions" and "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
-    body["kv_transfer_params"] = dict(PREFILL_PARAMS)
-    return _ENCODER.encode(body)
-
-
-def decode_body(request: dict[str, Any], params: dict[str, Any] | None) -> bytes:
-    """The decode leg's body: the original request plus P's kv_transfer_params."""
-    body = dict(request)
-    if params is None:
-        body.pop("kv_transfer_params", None)
-    else:
-        body["kv_transfer_params"] = params
-    return _ENCODER.encode(body)
 
 
 def parse_targets(value: bytes, allowlist: Allowlist) -> list[str]:
@@ -123,14 +77,21 @@ def parse_targets(value: bytes, allowlist: Allowlist) -> list[str]:
 class PrefillPool:
     """Picks a P for each prefill leg and keeps one pooled client per P."""
 
-    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Config,
+        clock: Callable[[], float] = time.monotonic,
+        allowlist: Allowlist | None = None,
+        connect: Callable[[str], Client] | None = None,
+    ) -> None:
         self.config = config
         self.static = list(config.prefill)
-        self.allowlist = Allowlist(config.prefill_allow)
+        self.allowlist = allowlist if allowlist is not None else Allowlist(config.prefill_allow)
         self._clock = clock
         self._outstanding: dict[str, int] = {}
         self._unhealthy_until: dict[str, float] = {}
-        self._clients: OrderedDict[str, Upstream] = OrderedDict()
+        self._clients: OrderedDict[str, Client] = OrderedDict()
+        self._connect = connect or self._upstream  # a fake per P in unit tests
         self._rotation = itertools.count()
 
     def candidates(self, header: bytes | None) -> list[str]:
@@ -161,12 +122,8 @@ class PrefillPool:
     def mark_failed(self, url: str) -> None:
         self._unhealthy_until[url] = self._clock() + self.config.prefill_backoff
 
-    async def client(self, url: str) -> Upstream:
-        client = self._clients.get(url)
-        if client is not None:
-            self._clients.move_to_end(url)
-            return client
-        client = Upstream(
+    def _upstream(self, url: str) -> Client:
+        return Upstream(
             url,
             connect_timeout=self.config.connect_timeout,
             pool_timeout=self.config.pool_timeout,
@@ -174,6 +131,13 @@ class PrefillPool:
             read_timeout=self.config.read_timeout,
             pool_size=self.config.pool_size,
         )
+
+    async def client(self, url: str) -> Client:
+        client = self._clients.get(url)
+        if client is not None:
+            self._clients.move_to_end(url)
+            return client
+        client = self._connect(url)
         await client.start()
         self._clients[url] = client
         if len(self._clients) > MAX_DYNAMIC_PREFILLERS + len(self.static):
@@ -221,69 +185,3 @@ def _cached_tokens(payload: dict[str, Any]) -> int:
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             return int(details["cached_tokens"])
     return 0
-
-
-def correct_usage(payload: Any, cached_tokens: int) -> bool:
-    """Report P's cached tokens instead of D's (D got the whole prompt from P). True if changed."""
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    if not isinstance(usage, dict):
-        return False
-    changed = False
-    for key in ("prompt_tokens_details", "input_tokens_details"):
-        details = usage.get(key)
-        if isinstance(details, dict) and "cached_tokens" in details:
-            details["cached_tokens"] = cached_tokens
-            changed = True
-    return changed
-
-
-class UsageRewriter:
-    """Corrects ``cached_tokens`` in D's answer as it passes (JSON body or SSE events)."""
-
-    def __init__(self, cached_tokens: int, stream: bool) -> None:
-        self.cached_tokens = cached_tokens
-        self.stream = stream
-        self._pending = b""
-
-    def json(self, body: bytes) -> bytes:
-        try:
-            payload = _DECODER.decode(body)
-        except msgspec.DecodeError:
-            return body
-        return _ENCODER.encode(payload) if correct_usage(payload, self.cached_tokens) else body
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Complete SSE events of ``chunk`` (corrected); a trailing partial event is held back."""
-        data = self._pending + chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._pending = data
-            return b""
-        self._pending = data[end + 2 :]
-        events = data[: end + 2]
-        if b"cached_tokens" not in events:
-            return events
-        return b"".join(self._event(e) for e in events.split(b"\n\n")[:-1])
-
-    def flush(self) -> bytes:
-        rest, self._pending = self._pending, b""
-        return rest
-
-    def _event(self, event: bytes) -> bytes:
-        if b"cached_tokens" not in event:
-            return event + b"\n\n"
-        lines = event.split(b"\n")
-        for index, line in enumerate(lines):
-            if line.startswith(b"data:"):
-                try:
-                    payload = _DECODER.decode(line[5:].strip())
-                except msgspec.DecodeError:
-                    continue
-                if correct_usage(payload, self.cached_tokens):
-                    lines[index] = b"data: " + _ENCODER.encode(payload)
-        return b"\n".join(lines) + b"\n\n"
-
-
-def prefill_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Client headers for P: the same, minus the length (the body changes) and the routing header."""
-    return [(n, v) for n, v in headers if n not in ("content-length", "x-prefiller-host-port")]

@@ -1,0 +1,34 @@
+"""The sidecar's exception tree, one root, drawn once here.
+
+Every exception the sidecar's own code raises derives from ``SidecarError``;
+each is raised where its failure happens and translated, at most once, at
+the boundary that handles it::
+
+    SidecarError
+    +-- ConfigError (sidecar.config)           a setting that cannot be used: exit 2 before any socket
+    |   +-- FileError                          the config file or a secret file cannot be read
+    +-- ListenError (sidecar.serve)            a port cannot be bound: exit 1
+    +-- UpstreamError (sidecar.upstream)       no response headers from D, or a body D broke off;
+    |                                          carries a classify.Failure (the proxy judges it)
+    +-- ProtocolError (sidecar.http1)          D's bytes are not HTTP/1.1 (becomes UpstreamError)
+    +-- BodyError (sidecar.http1)              the request body to D failed (becomes UpstreamError)
+    +-- ClientGone (sidecar.body)              the client left while its body was being read
+    +-- RouterError (sidecar.router.pool)      the prefill leg cannot run; its status is the answer
+    +-- ReleaseError (sidecar.release.base)    one release attempt failed; ``reason`` is a metric label
+        +-- RetryableReleaseError              retried by the pipeline until the job's deadline
+        |   +-- PeerUnreachable, HandshakeTimeout, BadReply, NixlError   (sidecar.nixl)
+        |   +-- ResolveFailed                  (sidecar.resolver)
+        |   +-- ControlUnreachable, ControlFailed                        (sidecar.release.http)
+        +-- PermanentReleaseError              refused at once (allowlist, unsupported release, ...)
+            +-- EngineMismatch                 (sidecar.nixl)
+            +-- Unresolvable                   (sidecar.resolver)
+
+``sidecar.nixl`` and ``sidecar.release.http`` list their reasons. Errors of
+libraries (httpx, zmq, NIXL) never cross a module boundary untranslated.
+"""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+    """The root of every exception the sidecar raises itself."""

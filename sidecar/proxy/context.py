@@ -1,0 +1,135 @@
+"""One request as the proxy holds it: its context, read once, and its exchange with D.
+
+``RequestContext`` is built once per request from the ASGI scope: the headers
+that go to D, the request id (propagated, or made up here), the inspected
+route, and the few request headers the proxy reads (the data-parallel rank,
+llm-d's prefiller header, the trust and injection headers, the body's
+framing), so nothing parses ``scope`` again. ``Exchange`` is one inspected
+request on its way to D; only ``sidecar.proxy.inspect`` makes one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.errors import NO_RETRY, Header
+from sidecar.faults import HEADER as INJECT_HEADER
+from sidecar.headers import DATA_PARALLEL_RANK, data_parallel_rank, request_headers
+from sidecar.metrics import ROUTES
+from sidecar.params import ReleaseParams
+from sidecar.trust import SIGNATURE_HEADER, TOKEN_HEADER
+
+if TYPE_CHECKING:
+    from sidecar.proxy.judge import Policy
+    from sidecar.router.bodies import UsageRewriter
+    from sidecar.tracing import Leg
+    from sidecar.upstream import Sent
+
+PREFILLER_HEADER = b"x-prefiller-host-port"  # llm-d's routing sidecar names P per request
+_READ = frozenset({DATA_PARALLEL_RANK, PREFILLER_HEADER, INJECT_HEADER, TOKEN_HEADER, SIGNATURE_HEADER})
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the proxy needs of one request, read from the scope once."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    route: str | None  # an inspected completion route, else None (passthrough)
+    headers: list[tuple[str, str]]  # for D: hop-by-hop headers gone, x-request-id present
+    request_id: str
+    generated: bool  # the sidecar made the id up: no other server knows it
+    marks: dict[bytes, bytes]  # the request headers the proxy reads (first of each)
+    has_body: bool
+    dp_rank: int | None
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, scope: Scope, receive: Receive, send: Send) -> RequestContext:
+        path: str = scope["path"]
+        route = path if scope["method"] == "POST" and path in ROUTES else None
+        raw: list[tuple[bytes, bytes]] = scope["headers"]
+        headers, request_id, generated = request_headers(raw)
+        marks: dict[bytes, bytes] = {}
+        framing: tuple[bytes, bytes] | None = None
+        for name, value in raw:
+            if name in _READ:
+                marks.setdefault(name, bytes(value))
+            elif framing is None and name in _FRAMING:
+                framing = (name, value)
+        rank = marks.get(DATA_PARALLEL_RANK)
+        return cls(
+            scope=scope,
+            receive=receive,
+            send=send,
+            route=route,
+            headers=headers,
+            request_id=request_id,
+            generated=generated,
+            marks=marks,
+            has_body=_has_body(framing),
+            dp_rank=data_parallel_rank([(DATA_PARALLEL_RANK, rank)]) if rank is not None else None,
+        )
+
+    @property
+    def method(self) -> str:
+        method: str = self.scope["method"]
+        return method
+
+    @property
+    def target(self) -> str:
+        """The request's path and query as the client sent them."""
+        raw_path: bytes | None = self.scope.get("raw_path")
+        path = raw_path.decode("latin-1") if raw_path else self.scope["path"]
+        query: bytes = self.scope.get("query_string", b"")
+        return f"{path}?{query.decode('latin-1')}" if query else path
+
+    @property
+    def prefiller(self) -> bytes | None:
+        return self.marks.get(PREFILLER_HEADER)
+
+
+def _has_body(framing: tuple[bytes, bytes] | None) -> bool:
+    if framing is None:
+        return False
+    name, value = framing
+    return name == b"transfer-encoding" or value.strip() not in (b"", b"0")
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One inspected request on its way through the proxy."""
+
+    request_id: str
+    route: str
+    params: ReleaseParams | None
+    stream: bool
+    started: float
+    policy: Policy  # sidecar or router mode: how the judge reads this exchange's fate
+    raw_params: bytes | None = None  # kv_transfer_params as received (for strategies that hand them on)
+    body_request_id: str | None = None  # the body's request_id field, if a string
+    data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
+    request_id_generated: bool = False  # the sidecar made the X-Request-Id up; P never saw it
+    rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
+    sent: Sent | None = None  # learns whether the request reached D's socket
+    leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
+    responded: bool = False  # http.response.start was sent
+    decided: bool = False  # judged (at most once)
+    # Its parameters went to a release: an error answer says x-should-retry: false (a retry with
+    # them would be refused with 409).
+    spent: bool = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The parameters' identity: (P engine, the id P knows the request by)."""
+        params = self.params
+        assert params is not None
+        return (params.remote_engine_id, params.remote_request_id or self.request_id)
+
+    def retry_headers(self) -> tuple[Header, ...]:
+        return (NO_RETRY,) if self.spent else ()

@@ -1,0 +1,159 @@
+"""The proxy's ASGI entry: one request, read once, sent down the one path it takes.
+
+Every method and path goes to D unchanged (``Forwarder.passthrough``). For
+``POST`` on ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/responses`` the body is read once under the cap and the request takes
+the router's path (``sidecar.router.legs``) when router mode applies, else
+the sidecar's: refused if its parameters were already released (409), if the
+sidecar is draining (503) or if a rejection is injected, otherwise forwarded
+and judged. Requests above ``limit_concurrency`` and bodies over the cap are
+answered by ``Refusals``.
+
+This is a plain ASGI callable rather than a Starlette route: the catch-all
+needs no routing, and skipping the framework's request objects keeps the
+proxy's CPU per request low.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.body import ClientGone, Oversized, read_body
+from sidecar.classify import Failure
+from sidecar.config import Config
+from sidecar.errors import send_error
+from sidecar.faults import Injector
+from sidecar.limits import over_limit
+from sidecar.metrics import Metrics
+from sidecar.proxy.context import RequestContext
+from sidecar.proxy.disconnect import uncancel
+from sidecar.proxy.forward import Forwarder
+from sidecar.proxy.inspect import Inspector
+from sidecar.proxy.judge import DecodeFacts, Judge
+from sidecar.proxy.kit import Kit
+from sidecar.proxy.refusals import Refusals
+from sidecar.release.pipeline import Pipeline
+from sidecar.router.legs import SHUTTING_DOWN, Router
+from sidecar.router.pool import PrefillPool
+from sidecar.tracing import OFF, Tracing
+from sidecar.trust import InFlight, Trust
+from sidecar.upstream import Client
+
+
+@dataclass
+class ProxyParts:
+    """What the proxy works with; the app builds them from the config (tests inject fakes)."""
+
+    upstream: Client
+    pipeline: Pipeline
+    metrics: Metrics
+    trust: Trust
+    inflight: InFlight
+    injector: Injector
+    facts: DecodeFacts
+    pool: PrefillPool | None = None  # router mode
+    tracing: Tracing = OFF
+
+
+class Proxy:
+    """The proxy's ASGI handler for ``http`` scopes."""
+
+    def __init__(self, config: Config, parts: ProxyParts) -> None:
+        judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.facts, parts.tracing)
+        inspector = Inspector(parts.metrics, parts.trust, parts.pipeline.releaser.keeps_raw)
+        forwarder = Forwarder(parts.upstream, judge, parts.metrics, parts.tracing)
+        refusals = Refusals(config, inspector, judge, forwarder, parts.metrics)
+        self.kit = Kit(
+            config,
+            parts.metrics,
+            parts.tracing,
+            parts.trust,
+            parts.injector,
+            inspector,
+            judge,
+            forwarder,
+            refusals,
+        )
+        self.pipeline = parts.pipeline
+        self.router = Router(self.kit, parts.pool) if parts.pool is not None else None
+
+    @property
+    def stopping(self) -> bool:
+        return self.kit.refusals.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        """Set once the drain began: new inspected requests are refused (503) and released."""
+        self.kit.refusals.stopping = value
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ctx = RequestContext.of(scope, receive, send)
+        tracing, metrics = self.kit.tracing, self.kit.metrics
+        metrics.inflight.inc()
+        try:
+            if ctx.route is not None and tracing.enabled:
+                with tracing.server_span(scope) as span:
+                    ctx.send = span.watch(send)
+                    await self._handle(ctx)
+            else:
+                await self._handle(ctx)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs past drain_timeout at shutdown (a client's own
+            # disconnect is handled where it happens). Answer in vLLM's shape if nothing was
+            # sent yet, instead of uvicorn's plain-text 500 and a logged traceback.
+            uncancel()
+            await _answer_if_unanswered(send, 503, SHUTTING_DOWN, ctx.request_id)
+        finally:
+            metrics.inflight.dec()
+
+    async def _handle(self, ctx: RequestContext) -> None:
+        kit = self.kit
+        routed = self.router is not None and self.router.routes(ctx)
+        if over_limit(ctx.scope):
+            await kit.refusals.over_limit(ctx, routed)
+            return
+        if ctx.route is None:
+            await kit.forwarder.passthrough(ctx)
+            return
+        try:
+            body = await read_body(ctx.receive, kit.config.max_body_bytes, kit.refusals.scan_limit)
+        except ClientGone:
+            # Without the whole body there are no trustworthy parameters to release.
+            kit.forwarder.count(ctx.route, -1)
+            return
+        if isinstance(body, Oversized):
+            await kit.refusals.too_large(ctx, body, routed)
+        elif routed:
+            assert self.router is not None
+            await self.router.route(ctx, body)
+        else:
+            await self._inspected(ctx, body)
+
+    async def _inspected(self, ctx: RequestContext, body: bytes) -> None:
+        """Sidecar mode: the client's own parameters, checked, then the request to D."""
+        kit = self.kit
+        exchange = kit.inspector.inspected(ctx, body)
+        spent = exchange.params is not None and self.pipeline.holds(exchange.key)
+        if spent and await kit.refusals.replay(ctx, exchange):
+            return
+        if kit.refusals.stopping:
+            await kit.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
+            return
+        if kit.injector.enabled:
+            assert ctx.route is not None
+            status = kit.injector.status_for(ctx.route, ctx.marks, exchange.params is not None)
+            if status is not None:
+                await kit.refusals.inject(ctx, exchange, status)
+                return
+        await kit.forwarder.forward(ctx, exchange, ctx.headers, body)
+
+
+async def _answer_if_unanswered(send: Send, status: int, message: str, request_id: str) -> None:
+    """An error answer unless a response already started (uvicorn refuses a second start);
+    bounded, so a client that reads nothing cannot hold the shutdown."""
+    with contextlib.suppress(RuntimeError, TimeoutError):
+        async with asyncio.timeout(1.0):
+            await send_error(send, status, message, request_id)

@@ -1,0 +1,259 @@
+"""Forwarding to D and answering the client: the bytes' path through the proxy.
+
+``Forwarder.forward`` sends an inspected request to D and answers the client
+from D's response: an error answer (read whole, up to ``ERROR_BODY_LIMIT``)
+is judged before its head goes out, so the judge's headers can join it; a
+200 is pumped as raw bytes, a stream judged from its first event as it
+passes, a router-mode JSON answer corrected (``cached_tokens``) first. A
+failure before any answer is judged and answered in vLLM's error shape.
+``passthrough`` forwards everything else unchanged, request body streamed.
+A client that disconnects cancels the exchange and closes the upstream
+response, so D sees the abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from sidecar.asgi import Send
+from sidecar.classify import Event
+from sidecar.errors import FAILURE_STATUS, send_error
+from sidecar.headers import response_headers
+from sidecar.metrics import ROUTES, Metrics, status_class
+from sidecar.proxy.context import Exchange, RequestContext
+from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
+from sidecar.proxy.judge import Judge, StreamJudge
+from sidecar.router.bodies import UsageRewriter
+from sidecar.tracing import Tracing
+from sidecar.upstream import Client, Response, Sent, UpstreamError
+from sidecar.wire import ERROR_DECODER
+
+log = logging.getLogger("sidecar.proxy")
+
+ERROR_BODY_LIMIT = 64 * 1024
+REWRITE_LIMIT = 16 * 1024 * 1024
+Head = list[tuple[bytes, bytes]]
+
+
+class Forwarder:
+    """The proxy's traffic with D (see the module docstring)."""
+
+    def __init__(self, upstream: Client, judge: Judge, metrics: Metrics, tracing: Tracing) -> None:
+        self.upstream = upstream
+        self._judge = judge
+        self._metrics = metrics
+        self._tracing = tracing
+
+    def count(self, route: str, status: int) -> None:
+        """``kvr_requests_total`` for one answer (``status`` < 0: the client left)."""
+        label = status_class(status) if status >= 0 else "client_gone"
+        self._metrics.request_counter(ROUTES[route], label).inc()
+
+    async def forward(
+        self,
+        ctx: RequestContext,
+        exchange: Exchange,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        watcher: DisconnectWatcher | None = None,
+    ) -> None:
+        watcher = watcher or DisconnectWatcher(ctx.receive)
+        exchange.sent = Sent()
+        if exchange.params is not None:
+            self._judge.forwarded(exchange)
+        if self._tracing.enabled:
+            url = self.upstream.base_url + ctx.target
+            exchange.leg = self._tracing.leg("kvr.decode", ctx.method, url, headers)
+            headers = exchange.leg.headers
+        try:
+            await self._exchange(ctx, exchange, headers, body)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                raise
+            uncancel()
+            if not exchange.decided:
+                self._judge.judge(exchange, client_gone(exchange))
+                self.count(exchange.route, -1)
+            if exchange.leg is not None:
+                exchange.leg.failed("client_gone", "the client disconnected")
+        except Exception as exc:
+            if exchange.leg is not None:
+                failure = exc.failure.value if isinstance(exc, UpstreamError) else type(exc).__name__
+                exchange.leg.failed(failure, str(exc))
+            raise
+        finally:
+            watcher.stop()
+            if exchange.leg is not None:
+                exchange.leg.end()
+
+    async def _exchange(
+        self, ctx: RequestContext, exchange: Exchange, headers: list[tuple[str, str]], body: bytes
+    ) -> None:
+        try:
+            response = await self.upstream.send(ctx.method, ctx.target, headers, body, sent=exchange.sent)
+        except UpstreamError as exc:
+            await self._failed(ctx.send, exchange, exc)
+            return
+        self._metrics.latency_for(ROUTES[exchange.route]).observe(time.monotonic() - exchange.started)
+        async with response:
+            await self._respond(ctx.send, response, exchange)
+
+    async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
+        if exchange.leg is not None:
+            exchange.leg.failed(exc.failure.value, str(exc))
+        self._judge.judge(exchange, Event(failure=exc.failure))
+        exchange.policy.decode_failed(self._metrics, exc.failure)
+        status = FAILURE_STATUS[exc.failure]
+        self.count(exchange.route, status)
+        log.warning(
+            "decode server failed before answering",
+            extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
+        )
+        message = f"decode server: {exc}"
+        await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
+
+    async def _respond(self, send: Send, response: Response, exchange: Exchange) -> None:
+        status = response.status
+        self.count(exchange.route, status)
+        if exchange.leg is not None:
+            exchange.leg.status(status)
+        exchange.policy.decode_answered(self._metrics, status, time.monotonic() - exchange.started)
+        head = response_headers(response.headers, exchange.request_id)
+        if not 200 <= status < 300:
+            await self._refused(send, response, exchange, head)
+            return
+        # D's content type is the word on streaming: vLLM also streams for a lax "stream": "true"
+        # or 1, which the request view does not read as a stream.
+        streamed = exchange.stream or _event_stream(head)
+        rewriter = exchange.rewriter
+        if rewriter is not None and not streamed and not _encoded(head):
+            await self._rewritten(send, response, exchange, head, rewriter)
+            return
+        exchange.responded = True
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        judge = None
+        if streamed and exchange.params is not None:
+            judge = StreamJudge(self._judge, exchange)
+        else:
+            self._judge.judge(exchange, Event(status=status, stream=streamed))
+        await self.pump(send, response.chunks(), judge, rewriter)
+
+    async def _refused(self, send: Send, response: Response, exchange: Exchange, head: Head) -> None:
+        """D answered an error: judged on its status and ``error.type`` before the head goes out."""
+        status = response.status
+        event = Event(status=status, stream=exchange.stream)
+        try:
+            body = await response.read(ERROR_BODY_LIMIT)
+        except UpstreamError as exc:
+            # D refused the request (the status says so), then broke off its error body.
+            self._judge.judge(exchange, event)
+            log.warning("decode server broke off its error response", extra={"detail": str(exc)})
+            message = f"decode server broke off its error response: {exc}"
+            await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
+            return
+        self._judge.judge(exchange, event, _error_type(body))
+        exchange.responded = True
+        head.extend(exchange.retry_headers())
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await self.pump(send, response.chunks(), None)
+
+    async def _rewritten(
+        self, send: Send, response: Response, exchange: Exchange, head: Head, rewriter: UsageRewriter
+    ) -> None:
+        """Router mode, a JSON answer: correct ``cached_tokens`` before it leaves.
+
+        A body larger than ``REWRITE_LIMIT`` passes through unchanged (streamed, not held);
+        one D breaks off before it is whole is answered 502 in vLLM's error shape.
+        """
+        self._judge.judge(exchange, Event(status=response.status, stream=False))
+        try:
+            body = await response.read(REWRITE_LIMIT)
+        except UpstreamError as exc:
+            log.warning("decode server broke off its answer", extra={"detail": str(exc)})
+            await send_error(send, 502, f"decode server broke off its answer: {exc}", exchange.request_id)
+            return
+        exchange.responded = True
+        if len(body) >= REWRITE_LIMIT:  # more may follow: forwarded as it is
+            await send({"type": "http.response.start", "status": response.status, "headers": head})
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await self.pump(send, response.chunks(), None)
+            return
+        body = rewriter.json(body)
+        head = [(n, v) for n, v in head if n != b"content-length"]
+        head.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": response.status, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def pump(
+        self,
+        send: Send,
+        chunks: AsyncIterator[bytes],
+        judge: StreamJudge | None,
+        rewriter: UsageRewriter | None = None,
+    ) -> None:
+        try:
+            async for chunk in chunks:
+                if judge is not None:
+                    judge.feed(chunk)
+                if rewriter is not None:
+                    chunk = rewriter.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            if judge is not None:
+                judge.reset()
+            log.warning("decode server broke the response", extra={"detail": str(exc)})
+            raise
+        if judge is not None:
+            judge.finish()
+        tail = rewriter.flush() if rewriter is not None else b""
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def passthrough(self, ctx: RequestContext) -> None:
+        """Any other request: to D unchanged, the body streamed, the answer pumped."""
+        watcher = DisconnectWatcher(ctx.receive, body_pending=ctx.has_body)
+        body = watcher.body() if watcher.body_pending else None
+        try:
+            try:
+                response = await self.upstream.send(ctx.method, ctx.target, ctx.headers, body)
+            except UpstreamError as exc:
+                status = FAILURE_STATUS[exc.failure]
+                await send_error(ctx.send, status, f"decode server: {exc}", ctx.request_id)
+                return
+            async with response:
+                head = response_headers(response.headers, ctx.request_id)
+                if response.status == 304:
+                    # A 304 may name the representation's length, but has no body: uvicorn would
+                    # wait for that many bytes and fail the response.
+                    head = [(n, v) for n, v in head if n != b"content-length"]
+                await ctx.send({"type": "http.response.start", "status": response.status, "headers": head})
+                await self.pump(ctx.send, response.chunks(), None)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                raise
+            uncancel()
+        finally:
+            watcher.stop()
+
+
+def _event_stream(head: Head) -> bool:
+    return any(
+        name == b"content-type" and value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+        for name, value in head
+    )
+
+
+def _encoded(head: Head) -> bool:
+    return any(name == b"content-encoding" and value not in (b"identity", b"") for name, value in head)
+
+
+def _error_type(body: bytes) -> str | None:
+    try:
+        return ERROR_DECODER.decode(body).error.type
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

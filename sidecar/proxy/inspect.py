@@ -1,0 +1,128 @@
+"""Making an ``Exchange``: the three ways a request's parameters become known.
+
+* ``inspected``: sidecar mode, from the request body (only ``stream``, ``n``,
+  ``request_id`` and ``kv_transfer_params`` are decoded; the bytes go to D
+  untouched);
+* ``prefilled``: router mode, from P's answer to the prefill leg;
+* ``oversized``: a body over ``max_body_bytes``, from the parameters a router
+  appended as the body's last member (``sidecar.body.tail_params``).
+
+Every one checks the parameters once (``sidecar.params.check``) and, in
+sidecar mode, the trust setting: untrusted parameters are forwarded but
+never released. The raw parameters are kept only for strategies that hand
+them on (``Releaser.keeps_raw``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from sidecar import params as params_mod
+from sidecar.body import Oversized, tail_params
+from sidecar.metrics import Metrics
+from sidecar.proxy.context import Exchange, RequestContext
+from sidecar.proxy.judge import SIDECAR, Policy
+from sidecar.router.bodies import UsageRewriter
+from sidecar.trust import Trust
+from sidecar.wire import VIEW_DECODER, lax_bool
+
+log = logging.getLogger("sidecar.proxy")
+
+
+class Inspector:
+    """Builds exchanges (see the module docstring)."""
+
+    def __init__(self, metrics: Metrics, trust: Trust, keeps_raw: bool) -> None:
+        self._metrics = metrics
+        self._trust = trust
+        self._keeps_raw = keeps_raw
+
+    def plain(self, ctx: RequestContext, stream: bool, policy: Policy = SIDECAR) -> Exchange:
+        """An exchange with nothing to release (no parameters, or not a JSON object)."""
+        assert ctx.route is not None
+        return Exchange(ctx.request_id, ctx.route, None, stream, time.monotonic(), policy)
+
+    def inspected(self, ctx: RequestContext, body: bytes) -> Exchange:
+        assert ctx.route is not None
+        try:
+            view = VIEW_DECODER.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            # Not a JSON object: forwarded as it is, D answers it; nothing to release.
+            self._metrics.ineligible.labels("not_json").inc()
+            return self.plain(ctx, stream=False)
+        raw = bytes(view.kv_transfer_params)
+        params = self._eligible(raw, ctx.request_id)
+        if params is not None and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
+            # Forwarded unchanged, never released: anyone could name another tenant's blocks.
+            self._metrics.ineligible.labels("untrusted").inc()
+            params = None
+        return Exchange(
+            ctx.request_id,
+            ctx.route,
+            params,
+            lax_bool(view.stream) is True,
+            time.monotonic(),
+            SIDECAR,
+            raw_params=self._raw(raw, params),
+            body_request_id=view.request_id if isinstance(view.request_id, str) else None,
+            data_parallel_rank=ctx.dp_rank,
+            request_id_generated=ctx.generated,
+        )
+
+    def prefilled(
+        self,
+        ctx: RequestContext,
+        params: dict[str, Any] | None,
+        rewriter: UsageRewriter | None,
+        policy: Policy,
+    ) -> Exchange:
+        """Router mode: P's own parameters (never the client's), for the decode leg."""
+        assert ctx.route is not None
+        raw = msgspec.json.encode(params) if params else None
+        found = params_mod.check(raw).params if raw else None
+        return Exchange(
+            ctx.request_id,
+            ctx.route,
+            found,
+            rewriter.stream if rewriter is not None else False,
+            time.monotonic(),
+            policy,
+            raw_params=self._raw(raw, found),
+            data_parallel_rank=ctx.dp_rank,
+            rewriter=rewriter,
+        )
+
+    def oversized(self, ctx: RequestContext, body: Oversized, routed: bool) -> Exchange:
+        """A body over the cap: the parameters a router appended last, if trusted (sidecar mode)."""
+        assert ctx.route is not None
+        raw = tail_params(body.tail) if body.complete else None
+        found = params_mod.check(raw).params if raw else None
+        if found is not None and routed:
+            found = None  # router mode drops client parameters: they could name any P's blocks
+        if found is not None and raw and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
+            self._metrics.ineligible.labels("untrusted").inc()
+            found = None
+        exchange = self.plain(ctx, stream=False)
+        exchange.params, exchange.raw_params = found, self._raw(raw, found)
+        exchange.request_id_generated = ctx.generated
+        return exchange
+
+    def _eligible(self, raw: bytes, request_id: str) -> params_mod.ReleaseParams | None:
+        eligibility = params_mod.check(raw)
+        reason = eligibility.reason
+        if reason is not None and reason is not params_mod.Ineligible.NO_PARAMS:
+            self._metrics.ineligible.labels(reason.value).inc()
+            if reason is params_mod.Ineligible.MALFORMED:
+                log.warning(
+                    "malformed kv_transfer_params, will not release",
+                    extra={"request_id": request_id, "detail": eligibility.detail},
+                )
+        return eligibility.params
+
+    def _raw(self, raw: bytes | None, params: params_mod.ReleaseParams | None) -> bytes | None:
+        """The parameters as sent, kept only when released through a strategy that hands them on."""
+        return raw if raw is not None and params is not None and self._keeps_raw else None

@@ -1,0 +1,222 @@
+"""The one home of the release decision: from what happened to a request to what P gets.
+
+``Judge.judge`` takes an exchange and its ``Event`` (D's status, a stream's
+first event, or the failure that kept an answer from arriving) and decides,
+in this order, each step counted:
+
+1. ``classify`` (a pure table): release, ambiguous or not;
+2. the exchange's ``Policy``: router mode releases what it aborted itself,
+   and with ``decode_releases`` leaves D's answers to the decode sidecar;
+3. ``release_ambiguous``;
+4. the in-flight veto: parameters another request forwarded to D, which D
+   may be reading, are never released;
+5. D's own fix (``sidecar.release.coverage``): a rejection D's engine
+   releases itself goes to the pipeline as ``covered`` (recorded, never
+   sent), unless D cannot notify now; one D may or may not have released is
+   sent only after D's own notifications would have gone out;
+6. the job is handed to the pipeline, which never blocks.
+
+``StreamJudge`` applies the same decision to a 200 stream from its first SSE
+event while the bytes pass through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify, stream_event
+from sidecar.config import Config
+from sidecar.metrics import Metrics
+from sidecar.release.base import ReleaseJob
+from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
+from sidecar.release.pipeline import Pipeline
+from sidecar.sse import FirstEventScanner
+from sidecar.tracing import Tracing
+from sidecar.trust import InFlight
+
+if TYPE_CHECKING:
+    from sidecar.proxy.context import Exchange
+
+log = logging.getLogger("sidecar.proxy")
+
+
+class DecodeFacts(Protocol):
+    """What the judge needs to know of D now (cheap: read on every rejection)."""
+
+    def version(self) -> str | None:
+        """D's vLLM release (P runs the same), when known."""
+
+    def can_notify(self) -> bool:
+        """D's engine could send its own release now (alive, not shutting down, a KV connector)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How one mode reads an exchange's fate. Sidecar mode: as ``classify`` says."""
+
+    router: bool = False
+    decode_releases: bool = False  # router mode: a decode sidecar judges D's answers itself
+
+    def decide(self, decision: Decision, event: Event) -> Decision:
+        if not self.router:
+            return decision
+        if self.decode_releases and event.failure is None:
+            # D's answer came back through the decode sidecar, which judged it and released what it
+            # had to: releasing here too would notify P twice.
+            return Decision(Outcome.NO_RELEASE, Cause.DELEGATED)
+        if decision.cause in ROUTER_RELEASES:
+            # The router holds P's parameters and closed its connection to D: D aborts the request.
+            return Decision(Outcome.RELEASE, decision.cause)
+        return decision
+
+    def decode_answered(self, metrics: Metrics, status: int, elapsed: float) -> None:
+        """The decode leg's answer (router mode counts its legs)."""
+        if self.router:
+            metrics.leg_latency.labels("decode").observe(elapsed)
+            if status >= 400:
+                metrics.leg_failures.labels("decode", f"status_{status // 100}xx").inc()
+
+    def decode_failed(self, metrics: Metrics, failure: Failure) -> None:
+        if self.router:
+            metrics.leg_failures.labels("decode", failure.value).inc()
+
+    @property
+    def spends(self) -> bool:
+        """A released request's parameters are spent for the client (sidecar mode); a router's
+        client retries with a fresh prefill."""
+        return not self.router
+
+
+SIDECAR = Policy()
+
+
+class Judge:
+    """Decides and hands over (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        pipeline: Pipeline,
+        metrics: Metrics,
+        inflight: InFlight,
+        facts: DecodeFacts,
+        tracing: Tracing,
+    ) -> None:
+        self._config = config
+        self._pipeline = pipeline
+        self._metrics = metrics
+        self._inflight = inflight
+        self._facts = facts
+        self._tracing = tracing
+        self.frees = pipeline.releaser.frees  # off and dry-run free nothing
+
+    def forwarded(self, exchange: Exchange) -> None:
+        """The exchange's parameters are on their way to D: D may read them until it is judged."""
+        self._inflight.forwarded(exchange.key)
+
+    def judge(
+        self, exchange: Exchange, event: Event, error_type: str | None = None, status: int | None = None
+    ) -> Decision:
+        decision = exchange.policy.decide(classify(event), event)
+        exchange.decided = True
+        if exchange.params is None:
+            self._traced(decision, "no_params")
+            return decision
+        releases = decision.releases(self._config.release_ambiguous)
+        key = exchange.key
+        if exchange.sent is not None:
+            self._inflight.finished(key, admitted=not releases)
+        if not releases:
+            self._metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
+            self._traced(decision, "not_released")
+            return decision
+        if self._inflight.may_be_read(key):
+            # Another request with these parameters is at D or was admitted: D may be reading them.
+            self._metrics.not_released.labels(Outcome.NO_RELEASE.value, "params_in_use").inc()
+            log.warning(
+                "rejected request reuses parameters D may be reading; not released",
+                extra={"request_id": exchange.request_id},
+            )
+            self._traced(decision, "params_in_use")
+            return decision
+        if exchange.sent is not None and decision.cause in ROUTER_RELEASES:
+            # The sidecar aborted a request D had: D's handler cleans up, or D is still reading. A
+            # later request with these parameters must not be released meanwhile.
+            self._inflight.admitted(key)
+        self._metrics.rejections.labels(decision.cause.value).inc()
+        queued = self._pipeline.submit(self._job(exchange, decision, event, error_type, status))
+        exchange.spent = self.frees and exchange.policy.spends
+        self._traced(decision, "queued" if queued else "duplicate")
+        return decision
+
+    def _job(
+        self, exchange: Exchange, decision: Decision, event: Event, error_type: str | None, status: int | None
+    ) -> ReleaseJob:
+        assert exchange.params is not None
+        now = time.monotonic()
+        job = ReleaseJob(
+            request_id=exchange.request_id,
+            request_id_generated=exchange.request_id_generated and exchange.policy.spends,
+            route=exchange.route,
+            body_request_id=exchange.body_request_id,
+            params=exchange.params,
+            cause=decision.cause,
+            status=event.status if status is None else status,
+            error_type=error_type,
+            injected=event.failure is Failure.INJECTED,
+            detected_at=now,
+            deadline=now + self._config.release_deadline,
+            raw_params=exchange.raw_params,
+            data_parallel_rank=exchange.data_parallel_rank,
+            trace_context=self._tracing.job_context() if self._tracing.enabled else None,
+        )
+        return self._covered(job, now)
+
+    def _covered(self, job: ReleaseJob, now: float) -> ReleaseJob:
+        """D's own fix: covered jobs are recorded, never sent; a job D may have released waits."""
+        if not self.frees:
+            return job  # off and dry-run record every rejection as it is: no checks
+        version = fix_version(self._config.vllm_version or self._facts.version())
+        if version is None or not self._facts.can_notify():
+            return job  # unknown release, or D cannot send now: the sidecar releases
+        if engine_covers(version, job):
+            return job.but(covered=True)
+        if engine_may_cover(version, job):
+            # Both releasing could strand the request at P (a count between D's readers' messages):
+            # the sidecar's goes after D's would have gone.
+            return job.but(not_before=now + self._config.may_cover_delay)
+        return job
+
+    def _traced(self, decision: Decision, release: str) -> None:
+        if self._tracing.enabled:
+            self._tracing.decided(decision.outcome.value, decision.cause.value, release)
+
+
+class StreamJudge:
+    """Judges a 200 stream from its first SSE event while the bytes pass through."""
+
+    __slots__ = ("_exchange", "_judge", "_scanner")
+
+    def __init__(self, judge: Judge, exchange: Exchange) -> None:
+        self._judge, self._exchange = judge, exchange
+        self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
+
+    def feed(self, chunk: bytes) -> None:
+        if self._exchange.decided:
+            return
+        first = self._scanner.feed(chunk)
+        if first is not None:
+            self._judge.judge(self._exchange, stream_event(first), first.error_type)
+
+    def finish(self) -> None:
+        if not self._exchange.decided:
+            first = self._scanner.finish()
+            self._judge.judge(self._exchange, stream_event(first), first.error_type)
+
+    def reset(self) -> None:
+        """D broke the stream before its first event ended: D may have admitted it."""
+        if not self._exchange.decided:
+            self._judge.judge(self._exchange, Event(failure=Failure.RESET_AFTER_SEND))

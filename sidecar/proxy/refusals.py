@@ -1,0 +1,131 @@
+"""The answers the sidecar gives itself, D never seeing the request.
+
+* ``replay``: parameters already handed to a release (P may reuse the blocks:
+  D reading them would decode from another request's cache), 409;
+* ``inject``: an injected rejection for load tests (``sidecar.faults``);
+* ``refuse``: the sidecar is shutting down (503), or over its own limits;
+* ``too_large``: a body over ``max_body_bytes`` (413), released when its
+  parameters can be found and trusted;
+* ``over_limit``: above ``limit_concurrency`` (503, connection shed), the body
+  read first, at most ``max(8, limit / 4)`` at once, so its blocks are released.
+
+Each judges the exchange before answering, so a release's ``x-should-retry``
+reaches the client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sidecar.body import ClientGone, Oversized, read_body
+from sidecar.classify import Event, Failure
+from sidecar.config import Config
+from sidecar.errors import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
+from sidecar.metrics import ROUTES, Metrics, status_class
+from sidecar.proxy.context import Exchange, RequestContext
+from sidecar.proxy.forward import Forwarder
+from sidecar.proxy.inspect import Inspector
+from sidecar.proxy.judge import Judge
+
+log = logging.getLogger("sidecar.proxy")
+
+REPLAY_MESSAGE = (
+    "kv_transfer_params were released to the prefill server after an earlier rejection of a "
+    "request with them; run the prefill again"
+)
+
+
+class Refusals:
+    """The sidecar's own answers (see the module docstring)."""
+
+    def __init__(
+        self, config: Config, inspector: Inspector, judge: Judge, forwarder: Forwarder, metrics: Metrics
+    ) -> None:
+        self._config = config
+        self._inspector = inspector
+        self._judge = judge
+        self._forwarder = forwarder
+        self._metrics = metrics
+        self.scan_limit = config.max_body_bytes * 4
+        # Bodies read at once for requests above limit_concurrency (to release what they name);
+        # past this many, such requests are refused unread and P's lease frees their blocks.
+        self._over_limit_cap = max(8, config.limit_concurrency // 4)
+        self._over_limit_reads = 0
+        self.stopping = False  # set once the drain began: new inspected requests are refused
+
+    async def replay(self, ctx: RequestContext, exchange: Exchange) -> bool:
+        """A request naming parameters already released: refused when P frees them.
+
+        The parameters are single-use after a rejection (as with vLLM's own release, 0.21.0+),
+        and the caller must prefill again. With a strategy that frees nothing (``off``,
+        ``dry-run``) the request is forwarded and only counted. True when answered here.
+        """
+        if not self._judge.frees:
+            self._metrics.replays.labels("forwarded").inc()
+            log.warning(
+                "request reuses parameters of a released request (forwarded: the strategy frees nothing)",
+                extra={"request_id": exchange.request_id},
+            )
+            return False
+        self._metrics.replays.labels("refused").inc()
+        self._forwarder.count(exchange.route, 409)
+        log.warning(
+            "request reuses parameters already released to P; refused",
+            extra={"request_id": exchange.request_id},
+        )
+        await send_error(
+            ctx.send, 409, REPLAY_MESSAGE, exchange.request_id, "kv_transfer_params", (NO_RETRY,)
+        )
+        return True
+
+    async def inject(self, ctx: RequestContext, exchange: Exchange, status: int) -> None:
+        """Answer an injected rejection; D never sees the request (``sidecar.faults``)."""
+        self._judge.judge(exchange, Event(failure=Failure.INJECTED), status=status)
+        self._metrics.injected.labels(status_class(status)).inc()
+        self._forwarder.count(exchange.route, status)
+        message = "rejection injected by kv-release-sidecar (load test)"
+        extra = (INJECTED, *exchange.retry_headers())
+        await send_error(ctx.send, status, message, exchange.request_id, extra=extra)
+
+    async def refuse(
+        self, ctx: RequestContext, exchange: Exchange, failure: Failure, message: str, close: bool = False
+    ) -> None:
+        """The sidecar answers itself; D never sees the request."""
+        self._judge.judge(exchange, Event(failure=failure))
+        status = FAILURE_STATUS[failure]
+        self._forwarder.count(exchange.route, status)
+        extra = (*exchange.retry_headers(), *((CLOSE,) if close else ()))
+        await send_error(ctx.send, status, message, exchange.request_id, extra=extra)
+
+    async def too_large(self, ctx: RequestContext, body: Oversized, routed: bool) -> None:
+        exchange = self._inspector.oversized(ctx, body, routed)
+        message = f"request body of {body.size} bytes exceeds the limit of {self._config.max_body_bytes}"
+        # Past scan_limit the rest of the body is unread: shed the connection rather than have the
+        # server read and discard an unbounded remainder outside limit_concurrency.
+        await self.refuse(ctx, exchange, Failure.BODY_TOO_LARGE, message, close=not body.complete)
+
+    async def over_limit(self, ctx: RequestContext, routed: bool) -> None:
+        """Above ``limit_concurrency``: 503 and the connection shed (see the module docstring).
+
+        A passthrough request, a router-mode request (no prefill ran yet; client parameters are
+        dropped there) and any past the cap are refused unread.
+        """
+        message = "the sidecar is at its concurrency limit"
+        if ctx.route is None or routed or self._over_limit_reads >= self._over_limit_cap:
+            if ctx.route is not None:
+                self._forwarder.count(ctx.route, 503)
+            await send_error(ctx.send, 503, message, ctx.request_id, extra=(CLOSE,))
+            return
+        self._over_limit_reads += 1
+        try:
+            body = await read_body(ctx.receive, self._config.max_body_bytes, self.scan_limit)
+        except ClientGone:
+            self._metrics.request_counter(ROUTES[ctx.route], "client_gone").inc()
+            return
+        finally:
+            self._over_limit_reads -= 1
+        if isinstance(body, Oversized):
+            await self.too_large(ctx, body, routed)
+            return
+        exchange = self._inspector.inspected(ctx, body)
+        await self.refuse(ctx, exchange, Failure.OVERLOADED, message, close=True)

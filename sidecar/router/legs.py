@@ -1,0 +1,195 @@
+"""Router mode, one request: the prefill leg on P, then the decode leg on D with P's parameters.
+
+The decode leg goes through the proxy's ``Forwarder`` like any inspected
+request, with the router's ``Policy``: the judge then releases what the router
+aborted itself (header timeout, client gone) and, with ``decode_releases``,
+leaves D's answers to the decode sidecar. A failing P leg is tried once on
+another P; with none left the answer is 503, or with
+``decode_only_fallback`` D prefills itself (also the only path for ``n > 1``,
+which would strand the sibling choices' blocks on P).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from sidecar.classify import Event, Failure
+from sidecar.errors import send_error, send_raw
+from sidecar.proxy.context import RequestContext
+from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
+from sidecar.proxy.judge import Policy
+from sidecar.proxy.kit import Kit
+from sidecar.router.bodies import UsageRewriter, decode_body, prefill_body, prefill_headers, sized
+from sidecar.router.pool import PrefillPool, PrefillResult, RouterError
+from sidecar.upstream import UpstreamError
+from sidecar.wire import lax_bool
+
+log = logging.getLogger("sidecar.router")
+
+SHUTTING_DOWN = "the sidecar is shutting down"
+
+
+class Router:
+    """Drives router-mode requests (see the module docstring)."""
+
+    def __init__(self, kit: Kit, pool: PrefillPool) -> None:
+        self._kit = kit
+        self.pool = pool
+        self.policy = Policy(router=True, decode_releases=kit.config.decode_releases)
+
+    def routes(self, ctx: RequestContext) -> bool:
+        """This request takes the router's path: a static P pool, or llm-d's prefiller header."""
+        return bool(self.pool.static) or ctx.prefiller is not None
+
+    async def route(self, ctx: RequestContext, body: bytes) -> None:
+        kit = self._kit
+        try:
+            request = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            request = None
+        if not isinstance(request, dict):  # D answers a body that is not a JSON object
+            await kit.forwarder.forward(ctx, kit.inspector.plain(ctx, stream=False), ctx.headers, body)
+            return
+        if request.pop("kv_transfer_params", None) is not None:
+            kit.metrics.ineligible.labels("client_params_dropped").inc()
+        n = request.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            await self._multi_choice(ctx, request)
+            return
+        try:
+            candidates = self.pool.candidates(ctx.prefiller)
+        except RouterError as exc:
+            assert ctx.route is not None
+            kit.forwarder.count(ctx.route, exc.status)
+            await send_error(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
+            return
+        watcher = DisconnectWatcher(ctx.receive)
+        try:
+            prefilled = await self._prefill_leg(ctx, candidates, request, watcher)
+        except asyncio.CancelledError:
+            watcher.stop()  # cancelled from outside (shutdown past drain_timeout): no watcher left behind
+            raise
+        except RouterError as exc:
+            watcher.stop()
+            await self._prefill_failed(ctx, request, exc)
+            return
+        if prefilled is None:  # the client left during the prefill leg (released there)
+            watcher.stop()
+            return
+        await self._decode_leg(ctx, request, prefilled, watcher)
+
+    async def _decode_leg(
+        self,
+        ctx: RequestContext,
+        request: dict[str, Any],
+        prefilled: PrefillResult,
+        watcher: DisconnectWatcher,
+    ) -> None:
+        kit = self._kit
+        rewriter = UsageRewriter(prefilled.cached_tokens, lax_bool(request.get("stream")) is True)
+        exchange = kit.inspector.prefilled(ctx, prefilled.params, rewriter, self.policy)
+        if kit.refusals.stopping:
+            watcher.stop()
+            await kit.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
+            return
+        if kit.injector.enabled:
+            assert ctx.route is not None
+            status = kit.injector.status_for(ctx.route, ctx.marks, exchange.params is not None)
+            if status is not None:
+                watcher.stop()
+                await kit.refusals.inject(ctx, exchange, status)
+                return
+        decode = decode_body(request, prefilled.params)
+        raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
+        signed = kit.trust.outgoing(ctx.request_id, raw) if raw else []
+        await kit.forwarder.forward(ctx, exchange, sized(ctx.headers, decode) + signed, decode, watcher)
+
+    async def _prefill_leg(
+        self,
+        ctx: RequestContext,
+        candidates: list[str],
+        request: dict[str, Any],
+        watcher: DisconnectWatcher,
+    ) -> PrefillResult | None:
+        """Try one P, then one other; None when the client left (P's blocks are released)."""
+        task = asyncio.ensure_future(self._try_prefill(ctx, candidates, request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                task.cancel()
+                raise
+            uncancel()
+        # The client went away: P still answers (bounded by prefill_timeout); release what it kept.
+        await asyncio.wait({task})
+        if task.cancelled() or task.exception() is not None:
+            return None
+        exchange = self._kit.inspector.prefilled(ctx, task.result().params, None, self.policy)
+        self._kit.judge.judge(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
+        self._kit.forwarder.count(exchange.route, -1)
+        return None
+
+    async def _try_prefill(
+        self, ctx: RequestContext, candidates: list[str], request: dict[str, Any]
+    ) -> PrefillResult:
+        assert ctx.route is not None
+        kit, route = self._kit, ctx.route
+        body = prefill_body(request, route)
+        p_headers = sized(prefill_headers(ctx.headers), body)
+        last: Exception | None = None
+        for url in candidates[:2]:  # a failing P leg is tried once on another P
+            started = time.monotonic()
+            try:
+                if kit.tracing.enabled:
+                    with kit.tracing.leg_span("kvr.prefill", "POST", url + route, p_headers) as leg:
+                        result = await self.pool.prefill(url, route, body, leg.headers)
+                else:
+                    result = await self.pool.prefill(url, route, body, p_headers)
+            except RouterError as exc:
+                if exc.status < 500:
+                    raise  # P refused the request itself: the client sees P's answer
+                last = exc
+                kit.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
+            except UpstreamError as exc:
+                last = exc
+                kit.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
+            else:
+                kit.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
+                return result
+            self.pool.mark_failed(url)
+            log.warning("prefill leg failed", extra={"prefill": url, "detail": str(last)})
+        raise RouterError(503, f"no prefill server available ({last or 'none configured'})")
+
+    async def _prefill_failed(self, ctx: RequestContext, request: dict[str, Any], exc: RouterError) -> None:
+        assert ctx.route is not None
+        if exc.body is not None:  # P's own answer to a bad request
+            self._kit.forwarder.count(ctx.route, exc.status)
+            await send_raw(ctx.send, exc.status, exc.body, ctx.request_id)
+            return
+        if self._kit.config.decode_only_fallback:
+            self._kit.metrics.leg_failures.labels("prefill", "decode_only_fallback").inc()
+            await self._decode_only(ctx, request)
+            return
+        self._kit.forwarder.count(ctx.route, exc.status)
+        await send_error(ctx.send, exc.status, str(exc), ctx.request_id)
+
+    async def _multi_choice(self, ctx: RequestContext, request: dict[str, Any]) -> None:
+        """``n > 1``: P would strand the sibling choices' blocks, so never on the P/D path."""
+        if self._kit.config.decode_only_fallback:
+            await self._decode_only(ctx, request)
+            return
+        assert ctx.route is not None
+        self._kit.forwarder.count(ctx.route, 400)
+        message = "n > 1 is not supported on the prefill/decode path (set decode_only_fallback to allow it)"
+        await send_error(ctx.send, 400, message, ctx.request_id, "n")
+
+    async def _decode_only(self, ctx: RequestContext, request: dict[str, Any]) -> None:
+        """D prefills itself: the request goes to D without kv_transfer_params."""
+        body = decode_body(request, None)
+        exchange = self._kit.inspector.plain(ctx, stream=lax_bool(request.get("stream")) is True)
+        await self._kit.forwarder.forward(ctx, exchange, sized(ctx.headers, body), body)

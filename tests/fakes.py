@@ -1,0 +1,183 @@
+"""Fakes at the proxy's seams, for unit tests: the upstream client, D's facts, a recording releaser.
+
+``FakeUpstream`` speaks ``sidecar.upstream.Client``, as httpx's ``MockTransport``
+speaks a transport: every request goes to a handler that returns a
+``FakeResponse`` or raises ``UpstreamError``. Nothing opens a socket, so the
+proxy's request path (``sidecar.proxy``) and the router (``sidecar.router``)
+run as plain ASGI calls with a scripted receive and a recording send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import msgspec
+
+from sidecar.classify import Failure
+from sidecar.upstream import Sent, UpstreamError
+
+
+@dataclass
+class FakeRequest:
+    """One request the proxy sent upstream."""
+
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes | None
+
+    def header(self, name: str) -> str | None:
+        return next((v for n, v in self.headers if n == name), None)
+
+    def json(self) -> Any:
+        assert self.body is not None
+        return msgspec.json.decode(self.body)
+
+
+@dataclass
+class FakeResponse:
+    """A response: status, headers, and the body in chunks (``broken`` raises after them)."""
+
+    status: int = 200
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: list[bytes] = field(default_factory=list)
+    broken: bool = False
+    closed: bool = False
+
+    @classmethod
+    def json(cls, status: int, payload: Any) -> FakeResponse:
+        data = msgspec.json.encode(payload)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        return cls(status, headers, [data])
+
+    @classmethod
+    def sse(cls, *events: Any, broken: bool = False) -> FakeResponse:
+        chunks = [b"data: " + msgspec.json.encode(e) + b"\n\n" for e in events]
+        if not broken:
+            chunks.append(b"data: [DONE]\n\n")
+        return cls(200, [(b"content-type", b"text/event-stream")], chunks, broken=broken)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for chunk in self.body:
+            await asyncio.sleep(0)
+            yield chunk
+        if self.broken:
+            raise UpstreamError(Failure.RESET_AFTER_SEND, "D broke the stream")
+
+    async def read(self, limit: int) -> bytes:
+        return b"".join(self.body)[:limit]
+
+    async def __aenter__(self) -> FakeResponse:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.closed = True
+
+
+Handler = Callable[[FakeRequest], Awaitable[FakeResponse] | FakeResponse]
+
+
+class FakeUpstream:
+    """``sidecar.upstream.Client`` answered by ``handler``; records every request."""
+
+    def __init__(self, handler: Handler, base_url: str = "http://d.test:8200", reached: bool = True) -> None:
+        self.handler = handler
+        self.base_url = base_url
+        self.reached = reached  # whether a failure the handler raises came after the request was sent
+        self.requests: list[FakeRequest] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def send(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes | AsyncIterator[bytes] | None,
+        header_timeout: float | None = None,
+        sent: Sent | None = None,
+    ) -> FakeResponse:
+        if body is not None and not isinstance(body, bytes):
+            body = b"".join([chunk async for chunk in body])
+        request = FakeRequest(method, target, list(headers), body)
+        self.requests.append(request)
+        if sent is not None:
+            sent.may_have_reached_d = self.reached
+        answer = self.handler(request)
+        if not isinstance(answer, FakeResponse):
+            answer = await answer
+        return answer
+
+
+def refused(request: FakeRequest) -> FakeResponse:
+    """D is down: nothing listens."""
+    raise UpstreamError(Failure.CONNECT_REFUSED, "connection refused")
+
+
+class Facts:
+    """``DecodeFacts``: D's release and whether its engine can notify, set by the test."""
+
+    def __init__(self, version: str | None = "0.33.0", can_notify: bool = True) -> None:
+        self._version, self._can_notify = version, can_notify
+
+    def version(self) -> str | None:
+        return self._version
+
+    def can_notify(self) -> bool:
+        return self._can_notify
+
+
+@dataclass
+class Client:
+    """A scripted ASGI client: one request in, the messages the app sent out."""
+
+    method: str = "POST"
+    path: str = "/v1/completions"
+    body: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    disconnect_after_body: bool = False
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    def scope(self) -> dict[str, Any]:
+        return {
+            "type": "http",
+            "method": self.method,
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "query_string": b"",
+            "headers": [(b"content-length", str(len(self.body)).encode()), *self.headers],
+        }
+
+    async def receive(self) -> dict[str, Any]:
+        if self.body is not None:
+            body, self.body = self.body, None  # type: ignore[assignment]
+            return {"type": "http.request", "body": body, "more_body": False}
+        if not self.disconnect_after_body:
+            await asyncio.Event().wait()  # the client stays until the test ends
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    @property
+    def status(self) -> int:
+        return int(next(m["status"] for m in self.sent if m["type"] == "http.response.start"))
+
+    @property
+    def response_headers(self) -> dict[bytes, bytes]:
+        start = next(m for m in self.sent if m["type"] == "http.response.start")
+        return dict(start["headers"])
+
+    @property
+    def response_body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")

@@ -1,0 +1,142 @@
+"""Router mode driven as a plain ASGI call: P and D faked at the upstream seam.
+
+``PrefillPool`` takes a fake client per P (``connect``), the proxy a fake D;
+the tests read both legs' requests, the client's answer and the release jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.config import Config
+from sidecar.faults import Injector
+from sidecar.metrics import Metrics
+from sidecar.proxy import Proxy, ProxyParts
+from sidecar.release.ledger import Ledger
+from sidecar.release.pipeline import Pipeline, Retry, Settings
+from sidecar.router import PREFILL_PARAMS, PrefillPool
+from sidecar.trust import InFlight, Trust
+from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.unit.test_proxy import V033, Recorder, completion, error
+
+P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
+
+
+def prefilled(request: FakeRequest) -> FakeResponse:
+    """P pins the prompt and answers its parameters (and its cached tokens)."""
+    usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}
+    return FakeResponse.json(200, {"choices": [], "usage": usage, "kv_transfer_params": V033})
+
+
+class Rig:
+    def __init__(
+        self, proxy: Proxy, d: FakeUpstream, ps: dict[str, FakeUpstream], releaser: Recorder
+    ) -> None:
+        self.proxy, self.d, self.ps, self.releaser = proxy, d, ps, releaser
+
+    async def call(self, client: Client) -> Client:
+        await self.proxy(client.scope(), client.receive, client.send)
+        await self.proxy.pipeline.flush(2)
+        return client
+
+
+@asynccontextmanager
+async def router(
+    d: FakeUpstream, p1: Any = prefilled, p2: Any = prefilled, **settings: Any
+) -> AsyncIterator[Rig]:
+    config = Config(**{"release": "nixl", "prefill": (P1, P2), "prefill_policy": "round-robin", **settings})
+    ps = {P1: FakeUpstream(p1, P1), P2: FakeUpstream(p2, P2)}
+    metrics = Metrics(CollectorRegistry())
+    releaser = Recorder()
+    settings = Settings(queue_size=10, workers=2, retry=Retry(0.01, 0.05))
+    pipeline = Pipeline(releaser, metrics, Ledger(100, 60), settings)
+    pipeline.start()
+    parts = ProxyParts(
+        upstream=d,  # type: ignore[arg-type]
+        pipeline=pipeline,
+        metrics=metrics,
+        trust=Trust(config),
+        inflight=InFlight(100, 30),
+        injector=Injector(config),
+        facts=Facts(),
+        pool=PrefillPool(config, connect=lambda url: ps[url]),  # type: ignore[arg-type,return-value]
+    )
+    try:
+        yield Rig(Proxy(config, parts), d, ps, releaser)
+    finally:
+        await pipeline.stop()
+
+
+def ok(request: FakeRequest) -> FakeResponse:
+    usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}
+    return FakeResponse.json(200, {"choices": [{"text": "x"}], "usage": usage})
+
+
+async def test_both_legs_carry_what_vllms_proxy_sends_and_cached_tokens_come_from_p() -> None:
+    async with router(FakeUpstream(ok)) as r:
+        client = await r.call(
+            Client(
+                body=completion({"do_remote_prefill": True}, stream=False), headers=[(b"x-request-id", b"r1")]
+            )
+        )
+        assert client.status == 200
+        [prefill] = r.ps[P1].requests + r.ps[P2].requests
+        leg = prefill.json()
+        assert (leg["stream"], leg["max_tokens"], leg["kv_transfer_params"]) == (False, 1, PREFILL_PARAMS)
+        [decode] = r.d.requests
+        assert decode.json()["kv_transfer_params"] == V033  # P's, never the client's
+        assert decode.header("x-request-id") == prefill.header("x-request-id") == "r1"
+        usage = msgspec.json.decode(client.response_body)["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 4
+        assert r.releaser.jobs == []
+
+
+async def test_d_rejecting_is_released_without_telling_the_client_not_to_retry() -> None:
+    async with router(FakeUpstream(lambda r: error(400, "Bad Request"))) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 400
+        assert b"x-should-retry" not in client.response_headers  # a retry runs a fresh prefill
+        assert [job.cause for job in r.releaser.jobs] == ["rejected_4xx"]
+
+
+async def test_with_decode_releases_ds_answers_are_left_to_the_decode_sidecar() -> None:
+    async with router(FakeUpstream(lambda r: error(400, "Bad Request")), decode_releases=True) as r:
+        await r.call(Client(body=completion()))
+        assert r.releaser.jobs == []
+    async with router(FakeUpstream(refused, reached=False), decode_releases=True) as r:
+        client = await r.call(Client(body=completion()))  # it never reached the decode sidecar
+        assert client.status == 503 and [job.cause for job in r.releaser.jobs] == ["unreachable"]
+
+
+async def test_a_failing_p_is_tried_once_on_the_other_then_503() -> None:
+    down = error(503, "ServiceUnavailableError")
+    async with router(FakeUpstream(ok), p1=lambda r: down, p2=prefilled) as r:
+        first = await r.call(Client(body=completion()))
+        assert first.status == 200 and len(r.ps[P1].requests) == len(r.ps[P2].requests) == 1
+    async with router(FakeUpstream(ok), p1=lambda r: down, p2=lambda r: down) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 503 and r.d.requests == []
+
+
+async def test_ps_own_refusal_reaches_the_client_as_it_is() -> None:
+    refusal = error(400, "BadRequestError")
+    async with router(FakeUpstream(ok), p1=lambda r: refusal, p2=lambda r: refusal) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 400 and client.response_body == refusal.body[0]
+        assert r.d.requests == []
+
+
+@pytest.mark.parametrize(("fallback", "status", "to_d"), [(False, 400, 0), (True, 200, 1)])
+async def test_n_above_one_never_takes_the_pd_path(fallback: bool, status: int, to_d: int) -> None:
+    async with router(FakeUpstream(ok), decode_only_fallback=fallback) as r:
+        client = await r.call(Client(body=completion(n=2)))
+        assert client.status == status and len(r.d.requests) == to_d
+        assert r.ps[P1].requests == r.ps[P2].requests == []
+        if to_d:
+            assert "kv_transfer_params" not in r.d.requests[0].json()
