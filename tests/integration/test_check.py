@@ -32,6 +32,7 @@ from tests.servers import ServerThread, free_port, serve
 
 CLEAN_ENV = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/")}
 LINE_START = ("ok    ", "warn  ", "fail  ")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Report:
@@ -119,6 +120,30 @@ def test_good_nixl_config_passes_with_every_line_ok_or_warn(
     assert report.one("trust").startswith(f"ok    trust: hmac: key read from {key_file} (")
     assert "llm-d's routing sidecar" in report.one("trust-front")  # hmac behind a front that does not sign
     assert report.find("control") == []  # nixl has no control endpoint to check
+
+
+def shown_in_deploy_readme() -> list[str]:
+    """The output deploy/README.md shows for the shipped sidecar.toml (the block after its caption)."""
+    text = (ROOT / "deploy" / "README.md").read_text()
+    after = text.split("The shipped `sidecar.toml` with the Secret created:", 1)[1]
+    block = after.split("```", 2)[1]
+    return [line.strip() for line in block.strip().splitlines()]
+
+
+def test_the_shipped_config_gives_what_the_deploy_readme_shows(sim_d: ServerThread, key_file: str) -> None:
+    env = {"KVR_DECODE_URL": sim_d.url, "KVR_TRUST_KEY_FILE": key_file}  # D here, the Secret's key here
+    report = check("--config", str(ROOT / "deploy" / "sidecar" / "sidecar.toml"), env=env)
+    in_the_pod = (
+        "/var/run/kv-release-sidecar/trust/key (/etc/kv-release-sidecar/sidecar.toml, key trust_key_file)"
+    )
+    expected = [
+        line.replace("http://127.0.0.1:8200", sim_d.url).replace(
+            in_the_pod, f"{key_file} (KVR_TRUST_KEY_FILE)"
+        )
+        for line in shown_in_deploy_readme()
+    ]
+    assert report.code == 0
+    assert report.lines == expected
 
 
 def test_good_http_config_with_the_plugin_passes(tmp_path: Path) -> None:
