@@ -112,8 +112,9 @@ SECRET_FIX = {
     "kv-release-sidecar-trust, key key), or choose the trust mode for the hop in front (docs/security.md)",
     "token": "mount the router token at trust_token_file (in the manifests: the Secret "
     "kv-release-sidecar-trust, key token), or choose the trust mode for the hop in front (docs/security.md)",
-    "any": "remove the setting that names the file, or mount the file",
+    "other": "remove the setting that names the file (this trust mode does not use it), or mount the file",
 }
+OWN_SECRET = {"hmac": "trust_key", "token": "trust_token"}
 UNSIGNED_FRONTS = "llm-d's routing sidecar or vLLM's P/D proxy"
 
 
@@ -124,7 +125,10 @@ async def check_trust(ctx: Context) -> list[Finding]:
         Trust(config)
     except ConfigError as exc:
         named = exc.at(ctx.sources.get(exc.field, exc.source))
-        return [fail("trust", f"{config.trust}: {named}", SECRET_FIX[config.trust])]
+        own = exc.field.startswith(OWN_SECRET.get(config.trust, "-"))
+        return [fail("trust", f"{config.trust}: {named}", SECRET_FIX[config.trust if own else "other"])]
+    if config.release == "off":
+        return [ok("trust", f"{config.trust}: releases are off, so no request triggers one")]
     if config.prefill:
         detail = (
             f"{config.trust}: router mode runs every prefill leg itself and drops clients' kv_transfer_params"
