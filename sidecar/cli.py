@@ -28,6 +28,10 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("sidecar.serve", "run the sidecar in front of a vLLM decode server"),
+    "check": Command(
+        "sidecar.check",
+        "check serve's configuration against D, DNS and the files it names; sends nothing to P",
+    ),
     "sim-decode": Command("sidecar.sim.decode", "run the fake vLLM decode server"),
     "sim-prefill": Command("sidecar.sim.prefill", "run the fake vLLM prefill server (NIXL)", ("nixl",)),
     "demo": Command(

@@ -23,7 +23,7 @@ from collections.abc import Generator
 import uvicorn
 
 from sidecar import config as config_mod
-from sidecar import extras, logs, memory, tracing
+from sidecar import config_args, extras, logs, memory, tracing
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.exceptions import SidecarError
 from sidecar.limits import ServerLimits, server_options
@@ -33,42 +33,23 @@ log = logging.getLogger("sidecar.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.usage = "%(prog)s [--config FILE] [options]"  # the full list is below, one line each
-    config_mod.build_parser(parser)
+    config_args.add_arguments(parser)
 
 
 def load_config(args: argparse.Namespace) -> config_mod.Config:
     """Flags > env > file > defaults; raises ``ConfigError``."""
-    return _load(args)[0]
-
-
-def _load(args: argparse.Namespace) -> tuple[config_mod.Config, dict[str, str]]:
-    text = None
-    path = args.config or os.environ.get("KVR_CONFIG")
-    if path:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as exc:
-            source = "--config" if args.config else "KVR_CONFIG"
-            raise config_mod.FileError(path, f"cannot read ({source}): {exc.strerror}") from exc
-    fields = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("config", "command")}
-    return config_mod.load_with_sources(fields, os.environ, text, path or "")
-
-
-# The strategies that run a NIXL agent (auto falls back to it whenever D is unreachable).
-NIXL_STRATEGIES = ("nixl", "auto")
+    return config_args.load(args)[0]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config, sources = _load(args)
+        config, sources = config_args.load(args)
         try:
             trust = Trust(config)  # secrets read once, before any socket opens
             tracing.require(config)  # the otel extra installed when tracing is configured
         except config_mod.ConfigError as exc:
             raise exc.at(sources.get(exc.field, exc.source)) from exc
-        if config.release in NIXL_STRATEGIES:
+        if config.release in config_args.NIXL_STRATEGIES:
             extras.require(f"--release {config.release}", ["nixl"])
         sockets = listen(config)
     except (config_mod.ConfigError, ListenError) as exc:

@@ -26,7 +26,11 @@ class TTLMap(TTLCache[K, V], Generic[K, V]):
     """A bounded map whose entries expire ``ttl`` seconds after they were set."""
 
     def __init__(
-        self, maxsize: int, ttl: float, clock: Callable[[], float] = time.monotonic, keep_dropped: bool = False
+        self,
+        maxsize: int,
+        ttl: float,
+        clock: Callable[[], float] = time.monotonic,
+        keep_dropped: bool = False,
     ) -> None:
         super().__init__(maxsize, ttl, timer=clock)
         self._keep = keep_dropped

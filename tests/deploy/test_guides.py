@@ -12,13 +12,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.manifests import DEPLOY, DOCS, PLUGIN_DOCKERFILE, ROOT, dockerfile_instructions
+from tests.deploy.manifests import (
+    DEPLOY,
+    DOCS,
+    PLUGIN_DOCKERFILE,
+    ROOT,
+    Pod,
+    config_file_path,
+    config_file_text,
+    dockerfile_instructions,
+    find,
+    rendered,
+)
 
 DEPLOY_README = DEPLOY / "README.md"
 OPERATIONS = DOCS / "operations.md"
 GUIDES = [ROOT / "README.md", DEPLOY_README, *sorted(DOCS.glob("*.md"))]
 STEP = re.compile(r"^(\d+)\. \*\*(.+?)\*\*", re.MULTILINE)
 CHECK_MARKER = "<!-- CHECK-COMMAND:"
+CHECK_COMMAND = re.compile(
+    r"kubectl -n (\S+) exec deploy/(\S+) -c (\S+) -- kv-release-sidecar check --config ([\w./-]+)"
+)
 
 
 def checklist(path: Path) -> list[str]:
@@ -41,10 +55,21 @@ def test_deploy_readme_and_operations_give_one_checklist() -> None:
 
 
 @pytest.mark.parametrize("path", [DEPLOY_README, OPERATIONS], ids=lambda p: p.name)
-def test_checklist_keeps_a_marked_step_for_the_check_command(path: Path) -> None:
-    text = " ".join(path.read_text().split())
+def test_checklist_runs_the_check_command_in_the_decode_pod(path: Path) -> None:
+    text = " ".join(path.read_text().replace("\\\n", " ").split())  # shell continuations joined
     assert "Run `kv-release-sidecar check` with the same config" in text
-    assert text.count(CHECK_MARKER) == 1
+    assert CHECK_MARKER not in text
+    match = CHECK_COMMAND.search(text)
+    assert match, "no kubectl exec ... kv-release-sidecar check --config FILE"
+    namespace, deployment, name, config = match.groups()
+    resources = rendered("sidecar")
+    owner = find(resources, "Deployment", deployment)
+    assert owner is not None and owner["metadata"]["namespace"] == namespace
+    pod = Pod(owner)
+    (container,) = [c for c in pod.sidecars() if c["name"] == name]
+    assert config == config_file_path(container)  # the file serve reads, where the pod mounts it
+    assert config_file_text(resources, pod, container)
+    assert re.search(r"Exit code 0\b[^.]{0,80}\b1\b[^.]{0,80}\b2\b", text), "the exit codes, in one sentence"
 
 
 @pytest.mark.parametrize("path", [DEPLOY_README, OPERATIONS], ids=lambda p: p.name)

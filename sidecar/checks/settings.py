@@ -1,0 +1,172 @@
+"""The checks that read the config itself, the files it names and DNS; none contacts D or P.
+
+``release``: what the strategy does, and for ``nixl`` and ``auto`` whether
+NIXL is importable (``sidecar.extras``, without importing it). ``allowlist``:
+every ``prefill_allow`` entry parses and each host name resolves (the
+sidecar's own resolver); an empty one with ``nixl`` or ``auto`` releases
+nothing. ``trust``: the key or token file readable (``sidecar.trust`` reads it
+as ``serve`` does), and what the mode lets through. ``environment``:
+``KVR_*`` variables that are no setting (a misspelt one is silently unused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+from sidecar import extras
+from sidecar.allowlist import parse_entry
+from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
+from sidecar.config import ConfigError, unknown_env
+from sidecar.config_args import NIXL_STRATEGIES
+from sidecar.resolver import ResolveFailed, Resolver, Unresolvable
+from sidecar.trust import Trust
+
+WHAT = {
+    "off": "off: nothing is released; the sidecar forwards every request and counts the decisions",
+    "dry-run": "dry-run: records and logs what it would release and sends nothing to P or D's control "
+    "endpoint; read the release log lines, then set release to nixl, http or auto",
+    "http": "http: D's plugin releases through D's own NIXL connector; the sidecar needs no NIXL",
+    "nixl": "nixl: the sidecar frees P's blocks itself, as a NIXL peer of P",
+    "auto": "auto: D's control endpoint while D serves it, NIXL otherwise",
+}
+ALLOW_EXAMPLE = "e.g. 10.244.0.0/16:5600-5663"
+
+
+async def check_release(ctx: Context) -> list[Finding]:
+    """What the strategy does; NIXL importable for ``nixl`` and ``auto``."""
+    what = WHAT[ctx.strategy]
+    if ctx.strategy not in NIXL_STRATEGIES:
+        return [ok("release", what)]
+    module = extras.missing_module("nixl")
+    if module is None:
+        return [ok("release", f"{what}; NIXL is importable")]
+    detail = f"{what}, but the nixl extra is not installed (no module {module})"
+    return [fail("release", detail, extras.HINTS["nixl"] + ", or use --release http or dry-run")]
+
+
+# --- the allowlist -------------------------------------------------------------------------------
+
+
+async def check_allowlist(ctx: Context) -> list[Finding]:
+    """Every entry parses, each host name resolves; empty with nixl or auto releases nothing."""
+    entries = ctx.config.prefill_allow
+    if not entries:
+        if ctx.strategy in NIXL_STRATEGIES:
+            detail = f"prefill_allow is empty: nothing will be released ({ctx.strategy} may contact no P)"
+            return [
+                fail("allowlist", detail, f"set prefill_allow to your P pods' side channels, {ALLOW_EXAMPLE}")
+            ]
+        return [ok("allowlist", f"prefill_allow is empty; {ctx.strategy} never contacts P's side channel")]
+    findings: list[Finding] = []
+    networks: list[str] = []
+    resolver = Resolver()
+    for text in entries:
+        try:
+            entry = parse_entry(text)
+        except ValueError as exc:
+            findings.append(fail("allowlist", f"{text!r} does not parse: {exc}", _ENTRY_FORM))
+            continue
+        if entry.name is None:
+            networks.append(text)
+        else:
+            findings.append(await _resolves(resolver, text, entry.name, entry.ports[0] or 1))
+    if networks:
+        parsed = "1 address entry parses" if len(networks) == 1 else f"{len(networks)} address entries parse"
+        findings.insert(0, ok("allowlist", f"{parsed}: {', '.join(networks)}"))
+    return findings
+
+
+_ENTRY_FORM = "write a CIDR, an IP or a host name, each with an optional :port or :lo-hi"
+
+
+async def _resolves(resolver: Resolver, text: str, name: str, port: int) -> Finding:
+    if name.startswith("*."):
+        return ok(
+            "allowlist", f"{text}: a wildcard matches P's host names as releases name them; not resolved"
+        )
+    shown = name if text.lower().rstrip(".") == name else f"{text}: {name}"
+    try:
+        addresses = await asyncio.wait_for(resolver.resolve(name, port), CHECK_TIMEOUT)
+    except Unresolvable as exc:
+        fix = "correct the name, or list your P pods' network instead (a CIDR)"
+        return fail("allowlist", f"{shown} does not resolve ({_cause(exc)})", fix)
+    except (ResolveFailed, TimeoutError) as exc:
+        detail = f"{shown} could not be resolved now ({_cause(exc) or 'no answer'})"
+        return warn(
+            "allowlist", detail, "check the pod's DNS: the sidecar resolves P's names when it releases"
+        )
+    return ok("allowlist", f"{shown} resolves to {', '.join(addresses)}")
+
+
+def _cause(exc: Exception) -> str:
+    """The resolver's own words: ``Name or service not known``, without ``[Errno -2]``."""
+    return re.sub(r"^\[Errno -?\d+\] ", "", str(exc).rpartition(": ")[2])
+
+
+# --- trust ---------------------------------------------------------------------------------------
+
+SECRET_FIX = {
+    "hmac": "mount the HMAC key shared with the router at trust_key_file (in the manifests: the Secret "
+    "kv-release-sidecar-trust, key key), or choose the trust mode for the hop in front (docs/security.md)",
+    "token": "mount the router token at trust_token_file (in the manifests: the Secret "
+    "kv-release-sidecar-trust, key token), or choose the trust mode for the hop in front (docs/security.md)",
+    "other": "remove the setting that names the file (this trust mode does not use it), or mount the file",
+}
+OWN_SECRET = {"hmac": "trust_key", "token": "trust_token"}
+UNSIGNED_FRONTS = "llm-d's routing sidecar or vLLM's P/D proxy"
+
+
+async def check_trust(ctx: Context) -> list[Finding]:
+    """The secret files readable (as ``serve`` reads them), and what the mode lets through."""
+    config = ctx.config
+    try:
+        Trust(config)
+    except ConfigError as exc:
+        named = exc.at(ctx.sources.get(exc.field, exc.source))
+        own = exc.field.startswith(OWN_SECRET.get(config.trust, "-"))
+        return [fail("trust", f"{config.trust}: {named}", SECRET_FIX[config.trust if own else "other"])]
+    if config.release == "off":
+        return [ok("trust", f"{config.trust}: releases are off, so no request triggers one")]
+    if config.prefill:
+        detail = (
+            f"{config.trust}: router mode runs every prefill leg itself and drops clients' kv_transfer_params"
+        )
+        return [ok("trust", detail)]
+    if config.trust == "any":
+        return [warn("trust", _ANY.format(port=config.port), _ANY_FIX.format(port=config.port))]
+    secret = _secret_source(ctx, "trust_key" if config.trust == "hmac" else "trust_token")
+    if config.trust == "token":
+        detail = f"token: read from {secret}; only requests carrying it in x-kvr-router-token are released"
+        return [ok("trust", detail)]
+    return [
+        ok("trust", f"hmac: key read from {secret}; only parameters signed by the router hop are released"),
+        warn(
+            "trust-front",
+            f"hmac releases nothing behind a hop that does not sign, such as {UNSIGNED_FRONTS} "
+            '(each request counts kvr_ineligible_total{reason="untrusted"})',
+            "keep hmac only behind this project's router; behind another hop use any (that hop alone "
+            "reaching the port) or token (deploy/README.md, the trust table)",
+        ),
+    ]
+
+
+_ANY = "any: anyone who can reach port {port} can trigger a release with another tenant's kv_transfer_params"
+_ANY_FIX = (
+    "let only the hop in front reach port {port} (host 127.0.0.1 in its pod, or a NetworkPolicy), "
+    "or use hmac behind this project's router, token behind a gateway (docs/security.md)"
+)
+
+
+def _secret_source(ctx: Context, name: str) -> str:
+    path = getattr(ctx.config, name + "_file")
+    if path:  # the file wins over the value, as sidecar.trust reads them
+        return f"{path} ({ctx.source(name + '_file')})"
+    return f"{name} ({ctx.source(name)})"
+
+
+async def check_environment(ctx: Context) -> list[Finding]:
+    """``KVR_*`` variables that are no setting: a warning each (serve logs the same)."""
+    fix = "rename it to the setting meant, or remove it"
+    return [warn("environment", text, fix) for text in unknown_env(os.environ)]
