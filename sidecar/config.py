@@ -25,6 +25,7 @@ PrefillPolicy = Literal["least-outstanding", "round-robin"]
 TrustMode = Literal["any", "token", "hmac"]
 LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+KvConnectorSetting = Literal["auto", "yes", "no"]
 
 ENV_PREFIX = "KVR_"
 INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -78,6 +79,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     control_token_file: str = ""
     control_timeout: float = 1.0
     auto_probe_interval: float = 30.0
+    # D's state (sidecar.decode_state): /health is polled this often; while D cannot release P's
+    # blocks itself (engine dead, shutting down, no KV connector), the sidecar releases for it.
+    decode_health_interval: float = 1.0
+    # Whether D runs a KV connector: auto reads D's /metrics (vllm:nixl_* families); yes or no
+    # when /metrics cannot tell (vLLM started with --disable-log-stats).
+    decode_kv_connector: KvConnectorSetting = "auto"
     # Router mode: the sidecar runs the prefill leg on one of these P servers.
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"
@@ -172,6 +179,14 @@ HELP: dict[str, tuple[str, str]] = {
     "control_token_file": ("file holding the control endpoint's bearer token", "path"),
     "control_timeout": ("one request to the control endpoint", "seconds"),
     "auto_probe_interval": ("auto: how often D's control endpoint is probed", "seconds"),
+    "decode_health_interval": (
+        "how often D's /health is polled to know whether D can release P's blocks itself",
+        "seconds",
+    ),
+    "decode_kv_connector": (
+        "whether D runs a NIXL KV connector: auto (from D's /metrics), yes or no",
+        "",
+    ),
     "prefill": ("router mode: P servers for the prefill leg, scheme://host:port", "comma-separated list"),
     "prefill_policy": ("router mode: how P is picked, least-outstanding or round-robin", ""),
     "prefill_timeout": ("router mode: the prefill leg on P, to its answer", "seconds"),
