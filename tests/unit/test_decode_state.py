@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
@@ -14,15 +14,22 @@ import pytest
 from sidecar import decode_probes
 from sidecar.classify import Failure
 from sidecar.decode_probes import probe_kv_connector
-from sidecar.decode_state import ENGINE_DEAD_MESSAGES, INFO_MAX_AGE, DecodeState, DecodeView, engine_dead_answer
+from sidecar.decode_state import (
+    ENGINE_DEAD_MESSAGES,
+    INFO_MAX_AGE,
+    DecodeState,
+    DecodeView,
+    engine_dead_answer,
+)
 from sidecar.upstream import UpstreamError
+from tests.integration.test_release_causes import until
 
 NIXL_METRICS = (
-    b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 0.0\n"
+    b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
     b"# TYPE vllm:nixl_xfer_time_seconds histogram\n"
     b'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 0.0\n'
 )
-PLAIN_METRICS = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 0.0\n"
+PLAIN_METRICS = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
 NO_STATS_METRICS = b"# TYPE python_gc_objects_collected counter\npython_gc_objects_collected_total 1.0\n"
 V033 = (200, [], b'{"version":"0.33.0"}')
 OK = (200, [], b"")
@@ -94,13 +101,6 @@ class Clock:
 
 def make(upstream: FakeUpstream, **kwargs: Any) -> DecodeState:
     return DecodeState(upstream, interval=kwargs.pop("interval", 3600.0), **kwargs)
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a condition (the poller runs on this loop), never a fixed sleep."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.001)
 
 
 # --- the view -------------------------------------------------------------------------------
@@ -199,7 +199,9 @@ async def test_health_status_gives_the_engine(health: Any, engine: str) -> None:
         (NO_STATS_METRICS, "no", False),
     ],
 )
-async def test_kv_connector_from_metrics_unless_the_setting_says(metrics: Any, setting: str, kv: bool | None) -> None:
+async def test_kv_connector_from_metrics_unless_the_setting_says(
+    metrics: Any, setting: str, kv: bool | None
+) -> None:
     state = make(FakeUpstream(metrics=metrics), kv_connector=setting)
     view = await state.refresh()
     assert view.kv_connector is kv
@@ -216,12 +218,16 @@ async def test_a_family_split_across_chunks_is_found() -> None:
 
 async def test_metrics_past_the_scan_limit_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decode_probes, "METRICS_LIMIT", 64)
-    upstream = FakeUpstream(metrics=PLAIN_METRICS + b"# padding\n" * 20 + b"vllm:nixl_xfer_time_seconds_count 0\n")
+    upstream = FakeUpstream(
+        metrics=PLAIN_METRICS + b"# padding\n" * 20 + b"vllm:nixl_xfer_time_seconds_count 0\n"
+    )
     upstream.chunk = 32
     assert await probe_kv_connector(upstream) is None
 
 
-async def test_no_connector_warns_once_and_again_only_when_it_changes(caplog: pytest.LogCaptureFixture) -> None:
+async def test_no_connector_warns_once_and_again_only_when_it_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     upstream, clock = FakeUpstream(metrics=PLAIN_METRICS), Clock()
     state = make(upstream, clock=clock)
     with caplog.at_level(logging.INFO, logger="sidecar.decode_state"):
@@ -269,7 +275,12 @@ async def test_info_is_reread_when_d_comes_back_and_when_it_is_old() -> None:
     upstream.set(health=OK, metrics=PLAIN_METRICS, version=(200, [], b'{"version":"0.29.0"}'))
     clock.now += 1
     view = await state.refresh()  # D restarted: another process, maybe another start-up
-    assert (view.engine, view.kv_connector, view.version, view.can_notify) == ("alive", False, "0.29.0", False)
+    assert (view.engine, view.kv_connector, view.version, view.can_notify) == (
+        "alive",
+        False,
+        "0.29.0",
+        False,
+    )
     clock.now += INFO_MAX_AGE
     await state.refresh()
     assert upstream.calls.count("metrics") == 3
@@ -303,7 +314,9 @@ async def test_a_failed_info_read_is_retried_at_the_next_poll() -> None:
         (200, None, "alive"),
     ],
 )
-async def test_observe_lowers_the_view_at_once(signal: Failure | int, message: str | None, engine: str) -> None:
+async def test_observe_lowers_the_view_at_once(
+    signal: Failure | int, message: str | None, engine: str
+) -> None:
     state = make(FakeUpstream())
     await state.refresh()
     state.observe(signal, message)
