@@ -9,7 +9,9 @@ refusal is tagged with where vLLM would raise it: ``pre_handler``
 context length, markers; covered by vLLM 0.21.0+'s own cleanup, so
 ``DecodeHooks.rejected_in_handler`` runs for remote-prefill requests) or
 ``stream`` (in-band after HTTP 200). Every completion request is logged at
-``GET /sim/log``; ``POST /sim/reset`` forgets them. The request flow lives in
+``GET /sim/log``; ``POST /sim/reset`` forgets them. ``POST /sim/engine`` makes D's
+engine dead or shutting down, or drops its KV connector (``decode_engine``); D
+then notifies P for nothing. The request flow lives in
 this module; rules, bodies, state, info routes and config live in the sibling
 ``decode_*`` modules.
 """

@@ -13,24 +13,16 @@ never imported; offline without the wheels the tests skip with one line.
 from __future__ import annotations
 
 import ast
-import os
 
 import pytest
 
 from sidecar.decode_probes import NIXL_FAMILY, STATS_FAMILY
 from sidecar.decode_state import ENGINE_DEAD_MESSAGES
-from sidecar.nixl.versions import parse_version
 from sidecar.sim import decode_engine
 from tests.conformance.test_vllm_coverage_source import error_mapping, mapped_type
-from tests.conformance.vllm_source import Func, Source, calls, first_line, handlers, wheel_or_skip
+from tests.conformance.vllm_source import Func, Source, calls, first_line, handlers, release_source, releases
 
-VERSIONS = [
-    v
-    for v in os.environ.get("KVR_CONFORMANCE_DECODE_STATE_VLLM", "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0").split(
-        ","
-    )
-    if v
-]
+VERSIONS = releases("KVR_CONFORMANCE_DECODE_STATE_VLLM")
 PREFIXES = (
     "vllm/entrypoints/",
     "vllm/v1/engine/",
@@ -43,9 +35,7 @@ Vllm = tuple[Version, Source]
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def vllm(request: pytest.FixtureRequest) -> Vllm:
-    parsed = parse_version(request.param)
-    assert parsed is not None, request.param
-    return parsed.release, Source(wheel_or_skip(request.param), PREFIXES)
+    return release_source(request.param, PREFIXES)
 
 
 def nested(node: Func, name: str) -> Func:

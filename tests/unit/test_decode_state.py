@@ -67,14 +67,7 @@ class FakeUpstream:
     def set(self, **answers: Any) -> None:
         self.answers.update(answers)
 
-    async def send(
-        self,
-        method: str,
-        target: str,
-        headers: list[tuple[str, str]],
-        body: bytes | None,
-        header_timeout: float | None = None,
-    ) -> FakeResponse:
+    async def send(self, method: str, target: str, *args: Any, **kwargs: Any) -> FakeResponse:
         name = target.strip("/")
         self.calls.append(name)
         answer = self.answers[name]
