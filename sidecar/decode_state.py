@@ -89,7 +89,7 @@ class DecodeView:
         if self.shutting_down:
             return "shutting down"
         if self.engine != "alive":
-            return f"engine {self.engine}"
+            return "engine dead" if self.engine == "dead" else "D not answering /health"
         return "no KV connector" if self.kv_connector is False else ""
 
 
@@ -224,7 +224,7 @@ class DecodeState:
         self._view = new
         if new.can_notify != old.can_notify:
             if new.can_notify:
-                log.info("D can release P's blocks itself again", extra={"decode": _fields(new)})
+                log.info("D can release P's blocks itself", extra={"decode": _fields(new)})
             else:
                 log.warning(
                     "D cannot release P's blocks itself (%s): the sidecar releases the rejections "

@@ -106,7 +106,7 @@ def make(upstream: FakeUpstream, **kwargs: Any) -> DecodeState:
         (DecodeView("alive", False, None, None), True, ""),  # cannot tell: D may notify
         (DecodeView("alive", False, False, "0.33.0"), False, "no KV connector"),
         (DecodeView("dead", False, True, "0.33.0"), False, "engine dead"),
-        (DecodeView("unknown", False, True, "0.33.0"), False, "engine unknown"),
+        (DecodeView("unknown", False, True, "0.33.0"), False, "D not answering /health"),
         (DecodeView("alive", True, True, "0.33.0"), False, "shutting down"),
     ],
 )
@@ -253,7 +253,7 @@ async def test_engine_death_and_return_are_logged_once_each(caplog: pytest.LogCa
         assert (await state.refresh()).can_notify
     messages = [r.getMessage() for r in caplog.records]
     assert sum("cannot release" in m and "engine dead" in m for m in messages) == 1
-    assert sum("again" in m for m in messages) == 2  # the first contact, then the return
+    assert sum("D can release" in m for m in messages) == 2  # the first contact, then the return
 
 
 async def test_info_is_reread_when_d_comes_back_and_when_it_is_old() -> None:
