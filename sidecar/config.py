@@ -28,6 +28,7 @@ PrefillPolicy = Literal["least-outstanding", "round-robin"]
 TrustMode = Literal["any", "token", "hmac"]
 LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+KvConnectorSetting = Literal["auto", "yes", "no"]
 
 ENV_PREFIX = "KVR_"
 INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -81,6 +82,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     control_token_file: str = ""
     control_timeout: float = 1.0
     auto_probe_interval: float = 30.0
+    # D's state (sidecar.decode_state): /health is polled this often; while D cannot release P's
+    # blocks itself (engine dead, shutting down, no KV connector), the sidecar releases for it.
+    decode_health_interval: float = 1.0
+    # Whether D runs a KV connector: auto reads D's /metrics (vllm:nixl_* families); yes or no
+    # when /metrics cannot tell (vLLM started with --disable-log-stats).
+    decode_kv_connector: KvConnectorSetting = "auto"
     # Router mode: the sidecar runs the prefill leg on one of these P servers.
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"

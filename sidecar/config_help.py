@@ -56,6 +56,14 @@ HELP: dict[str, tuple[str, str]] = {
     "control_token_file": ("file holding the control endpoint's bearer token", "path"),
     "control_timeout": ("one request to the control endpoint", "seconds"),
     "auto_probe_interval": ("auto: how often D's control endpoint is probed", "seconds"),
+    "decode_health_interval": (
+        "how often D's /health is polled to know whether D can release P's blocks itself",
+        "seconds",
+    ),
+    "decode_kv_connector": (
+        "whether D runs a NIXL KV connector: auto (from D's /metrics), yes or no",
+        "",
+    ),
     "prefill": ("router mode: P servers for the prefill leg, scheme://host:port", "comma-separated list"),
     "prefill_policy": ("router mode: how P is picked, least-outstanding or round-robin", ""),
     "prefill_timeout": ("router mode: the prefill leg on P, to its answer", "seconds"),

@@ -36,6 +36,7 @@ POSITIVE = (
     "handshake_cache_ttl",
     "control_timeout",
     "auto_probe_interval",
+    "decode_health_interval",
     "prefill_timeout",
     "prefill_backoff",
     "timeout_keep_alive",

@@ -9,7 +9,9 @@ refusal is tagged with where vLLM would raise it: ``pre_handler``
 context length, markers; covered by vLLM 0.21.0+'s own cleanup, so
 ``DecodeHooks.rejected_in_handler`` runs for remote-prefill requests) or
 ``stream`` (in-band after HTTP 200). Every completion request is logged at
-``GET /sim/log``; ``POST /sim/reset`` forgets them. The request flow lives in
+``GET /sim/log``; ``POST /sim/reset`` forgets them. ``POST /sim/engine`` makes D's
+engine dead or shutting down, or drops its KV connector (``decode_engine``); D
+then notifies P for nothing. The request flow lives in
 this module; rules, bodies, state, info routes and config live in the sibling
 ``decode_*`` modules.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import sys
@@ -41,6 +44,7 @@ from sidecar.sim.decode_config import (
     add_arguments,
     config_from_args,
 )
+from sidecar.sim.decode_engine import EngineState, engine_routes
 from sidecar.sim.decode_info import http_error, info_routes
 from sidecar.sim.decode_rules import (
     BodyView,
@@ -114,6 +118,7 @@ class DecodeSim:
         self.config = config
         self.hooks = hooks
         self.state = SimState(config.log_size, config.log_params)
+        self.engine = EngineState(config)
         self.answers = Answers(config)
 
     async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -127,7 +132,7 @@ class DecodeSim:
         if isinstance(parsed, Rejection):
             await self._reject(entry, parsed, None, send)
             return
-        check = model_check(parsed, self.config.model)
+        check = model_check(parsed, self.config.model) or self.engine.dead_rejection()
         if check is None and not self._admit():
             check = _QUEUE_FULL
         if check is not None:
@@ -192,7 +197,10 @@ class DecodeSim:
         if rejection is not None:
             await self._reject(entry, rejection, params, send)
             return
-        if markers.stream_error is not None and request.stream:
+        if self.engine.mode == "shutting_down":  # the engine core drops the request on arrival
+            self.state.settle(entry, "aborted", 200, None)
+            response = self._answer(entry, request, False, aborted=True)
+        elif markers.stream_error is not None and request.stream:
             self.state.settle(entry, "stream_error", 200, "stream")
             response = self._stream_error(entry, request, markers.stream_error)
         else:
@@ -247,7 +255,7 @@ class DecodeSim:
         await send_json(send, rejection.status, rejection.body)
 
     async def _notify_rejected(self, entry: LogEntry, params: dict[str, Any] | None, status: int) -> None:
-        if params is None or not do_remote_prefill(params):
+        if params is None or not do_remote_prefill(params) or not self.engine.notifies:
             return
         try:
             await self.hooks.rejected_in_handler(entry.request_id, entry.route, params, status)
@@ -255,7 +263,7 @@ class DecodeSim:
             logger.warning("rejected_in_handler hook failed for %s", entry.request_id, exc_info=True)
 
     async def _notify_admitted(self, entry: LogEntry, params: dict[str, Any] | None) -> None:
-        if params is None or not do_remote_prefill(params):
+        if params is None or not do_remote_prefill(params) or not self.engine.notifies:
             return
         try:
             await self.hooks.admitted(entry.request_id, entry.route, params)
@@ -273,8 +281,12 @@ class DecodeSim:
         error = sse_error_event(message, status, handler_error_type(status))
         return _sse(self._events([error, DONE_EVENT]))
 
-    def _answer(self, entry: LogEntry, request: ParsedRequest, drop: bool) -> Response:
+    def _answer(self, entry: LogEntry, request: ParsedRequest, drop: bool, aborted: bool = False) -> Response:
         reply = reply_for(self.config, entry.route, entry.request_id, request)
+        if aborted:
+            reply = dataclasses.replace(reply, tokens=0, finished=False, cached_tokens=0, aborted=True)
+        elif not self.engine.kv_connector:  # D ignored P's parameters and prefilled itself
+            reply = dataclasses.replace(reply, cached_tokens=0)
         if request.stream:
             events = self.answers.stream(reply)
             drop_at = min(self.config.drop_after, len(events) - 1) if drop else None
@@ -322,8 +334,9 @@ def create_decode_app(config: DecodeSimConfig, hooks: DecodeHooks | None = None)
     sim = DecodeSim(config, hooks if hooks is not None else NoHooks())
     endpoint = _CompletionEndpoint(sim)
     routes = [Route(path, endpoint, methods=["POST"]) for path in COMPLETION_ROUTES]
-    routes += info_routes(config, sim.state)
-    middleware = [Middleware(FrontMiddleware, config=config, on_refused=sim.refused_by_middleware)]
+    routes += info_routes(config, sim.state, sim.engine) + engine_routes(sim.engine)
+    refused, closing = sim.refused_by_middleware, lambda: sim.engine.closing
+    middleware = [Middleware(FrontMiddleware, config=config, on_refused=refused, closing=closing)]
     app = Starlette(
         routes=routes,
         middleware=middleware,

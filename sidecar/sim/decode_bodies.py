@@ -136,9 +136,9 @@ class Answers:
                 b",",
             )
         )
-        last = reply.tokens - 1
+        last = max(reply.tokens - 1, 0)  # an aborted answer: one event, no token
         tails = (self._chat_tails if chat else self._text_tails)[:last]
-        token = self.tokens[last]
+        token = self.tokens[last] if reply.tokens else ""
         tails.append(
             _chat_tail(last, token, reply.finish_reason) if chat else _text_tail(token, reply.finish_reason)
         )

@@ -10,13 +10,15 @@ the value and the reason, before any socket opens.
 from __future__ import annotations
 
 import argparse
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from sidecar.config import ConfigError
 
 FailOrigin = Literal["pre_handler", "handler"]
+#: D's engine (``sidecar.sim.decode_engine``): running, dead, or shutting down after SIGTERM.
+EngineMode = Literal["alive", "dead", "shutting_down"]
 
 #: The model both simulators serve unless told otherwise.
 DEFAULT_MODEL = "sim-model"
@@ -66,6 +68,12 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     log_params: bool = False
     # "vLLM D" mode: notify P over NIXL for admitted requests (and, 0.21.0+, handler rejections).
     vllm_d: bool = False
+    # D's engine at start (POST /sim/engine switches it): alive, dead or shutting_down.
+    engine: EngineMode = "alive"
+    # D was started with --kv-transfer-config (a KV connector): False never notifies P.
+    kv_connector: bool = True
+    # vLLM's stat loggers (--disable-log-stats turns them off): without them /metrics has no vllm:*.
+    log_stats: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -80,6 +88,8 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ConfigError("fail_status", self.fail_status, "must be a 4xx or 5xx status")
         if not self.model:
             raise ConfigError("model", self.model, "must not be empty")
+        if self.engine not in get_args(EngineMode):
+            raise ConfigError("engine", self.engine, f"must be one of {', '.join(get_args(EngineMode))}")
         for route in self.disabled_routes:
             if route not in COMPLETION_ROUTES:
                 raise ConfigError("disabled_routes", route, f"must be one of {', '.join(COMPLETION_ROUTES)}")
@@ -135,6 +145,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="free P's blocks over NIXL like vLLM's D (admitted requests; handler rejections on 0.21.0+)",
+    )
+    add(
+        "--engine",
+        choices=list(get_args(EngineMode)),
+        help="D's engine at start: alive, dead (/health 503) or shutting_down (POST /sim/engine switches)",
+    )
+    add(
+        "--no-kv-connector",
+        dest="kv_connector",
+        action="store_false",
+        default=None,
+        help="D has no KV connector: it never notifies P and /metrics lists no vllm:nixl_* family",
+    )
+    add(
+        "--disable-log-stats",
+        dest="log_stats",
+        action="store_false",
+        default=None,
+        help="no vLLM stat loggers: /metrics lists no vllm:* family (as vLLM's flag)",
     )
 
 

@@ -17,11 +17,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode_engine import EngineState, nixl_metrics
 from sidecar.sim.decode_rules import BodyView, ParsedRequest, Rejection, decode_view, validate
 from sidecar.sim.decode_state import SimState
 
 
-def info_routes(config: DecodeSimConfig, state: SimState) -> list[Route]:
+def info_routes(config: DecodeSimConfig, state: SimState, engine: EngineState) -> list[Route]:
     """Health, version, models, metrics, tokenize and the /sim control endpoints."""
     encoder = msgspec.json.Encoder()
     version = encoder.encode({"version": config.version})
@@ -38,7 +39,7 @@ def info_routes(config: DecodeSimConfig, state: SimState) -> list[Route]:
     models = encoder.encode({"object": "list", "data": [model]})
 
     async def health(request: Request) -> Response:
-        return Response(b"")
+        return Response(b"", 503 if engine.mode == "dead" else 200)  # vLLM: 503 on EngineDeadError
 
     async def get_version(request: Request) -> Response:
         return Response(version, media_type="application/json")
@@ -47,7 +48,8 @@ def info_routes(config: DecodeSimConfig, state: SimState) -> list[Route]:
         return Response(models, media_type="application/json")
 
     async def metrics(request: Request) -> Response:
-        return Response(_metrics_text(config, state), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = _metrics_text(config, state, engine)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(request: Request) -> Response:
         view = decode_view(await request.body())
@@ -82,13 +84,19 @@ def _tokenize(view: BodyView) -> ParsedRequest | Rejection:
     return validate("/v1/chat/completions" if chat else "/v1/completions", view)
 
 
-def _metrics_text(config: DecodeSimConfig, state: SimState) -> bytes:
-    """A tiny Prometheus exposition: vLLM's running gauge and the simulator's outcomes."""
+def _metrics_text(config: DecodeSimConfig, state: SimState, engine: EngineState) -> bytes:
+    """A tiny Prometheus exposition: vLLM's running gauge and, with a KV connector, NIXL's
+    families (both only while vLLM logs stats), then the simulator's outcomes."""
     label = f'model_name="{config.model}"'
-    lines = [
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-        "# TYPE vllm:num_requests_running gauge",
-        f"vllm:num_requests_running{{{label}}} {float(state.unfinished)}",
+    lines = []
+    if config.log_stats:
+        lines += [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{label}}} {float(state.unfinished)}",
+        ]
+        lines += nixl_metrics(config.model) if engine.kv_connector else []
+    lines += [
         "# HELP sim_decode_requests_total Completion requests answered, by outcome.",
         "# TYPE sim_decode_requests_total counter",
     ]

@@ -38,10 +38,11 @@ class Reply:
     max_tokens: int = 0  # the sampling budget vLLM used (Responses report it)
     temperature: float | None = None
     top_p: float | None = None
+    aborted: bool = False  # a shutting-down engine dropped the request: no tokens, "abort"
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.finished else "length"
+        return "abort" if self.aborted else "stop" if self.finished else "length"
 
 
 def _message(reply: Reply, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:

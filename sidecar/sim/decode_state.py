@@ -26,7 +26,7 @@ from sidecar.sim.decode_config import COMPLETION_ROUTES, DecodeSimConfig
 from sidecar.sim.decode_rules import BodyView, Origin, Rejection, kv_params_of
 from sidecar.wire import lax_bool
 
-Outcome = Literal["pending", "admitted", "rejected", "stream_error", "dropped", "cancelled"]
+Outcome = Literal["pending", "admitted", "rejected", "stream_error", "dropped", "cancelled", "aborted"]
 
 #: Scope key holding the request id (the x-request-id header, or a generated one).
 REQUEST_ID_KEY = "sim.request_id"
@@ -69,7 +69,8 @@ class LogEntry(msgspec.Struct, kw_only=True):
     """One completion request D saw; updated in place as its fate is decided.
 
     ``admitted`` is true when D accepted the request (outcomes ``admitted``
-    and ``dropped``); ``origin`` says where a refusal came from:
+    and ``dropped``; ``aborted``: a shutting-down engine dropped it); ``origin``
+    says where a refusal came from:
     ``pre_handler`` (middleware, validation, route), ``handler`` (what vLLM
     0.21.0+'s cleanup covers) or ``stream`` (in-band, after HTTP 200).
     ``kv_transfer_params`` is None unless the simulator runs with ``log_params``.
@@ -167,6 +168,7 @@ async def wait_for_disconnect(receive: Receive, seconds: float | None) -> bool:
 
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _SCALING_EXEMPT = frozenset({"/health", "/is_scaling_elastic_ep"})
+_CLOSE = (b"connection", b"close")
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
 _SCALING = b'{"error":"The model is currently scaling. Please try again later."}'
 
@@ -175,7 +177,9 @@ class FrontMiddleware:
     """vLLM's outer middlewares: echo x-request-id, API-key auth, elastic-EP scaling.
 
     Their refusals happen before any handler, so vLLM's own cleanup never
-    sees them; ``on_refused`` logs those that hit a completion route.
+    sees them; ``on_refused`` logs those that hit a completion route. While
+    ``closing()`` is true every answer says ``Connection: close``, as uvicorn's
+    do once its server is exiting.
     """
 
     def __init__(
@@ -183,11 +187,13 @@ class FrontMiddleware:
         app: ASGIApp,
         config: DecodeSimConfig,
         on_refused: Callable[[str, str, bytes, int], None],
+        closing: Callable[[], bool] = lambda: False,
     ) -> None:
         self.app = app
         self.api_key = config.api_key
         self.scaling = config.scaling
         self.on_refused = on_refused
+        self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -199,7 +205,8 @@ class FrontMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), echoed]
+                close = [_CLOSE] if self.closing() else []
+                message["headers"] = [*message.get("headers", ()), echoed, *close]
             await send(message)
 
         refusal = self._refusal(scope)

@@ -13,10 +13,12 @@ is not).
 from __future__ import annotations
 
 import ast
+import os
 import zipfile
 from collections import defaultdict
 from pathlib import Path
 
+from sidecar.nixl.versions import parse_version
 from tests.conformance.wheels import fetch_wheel
 
 Func = ast.FunctionDef | ast.AsyncFunctionDef
@@ -28,6 +30,18 @@ ANSWER_BUILDERS = frozenset({"create_error_response", "create_streaming_error_re
 def wheel_or_skip(version: str) -> Path:
     """The cached wheel, downloaded if needed; a skip (one line) when no index can be reached."""
     return fetch_wheel(version)
+
+
+def releases(variable: str, default: str = "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0") -> list[str]:
+    """The vLLM releases a test module reads: ``$variable`` (comma-separated) or ``default``."""
+    return [v for v in os.environ.get(variable, default).split(",") if v]
+
+
+def release_source(version: str, prefixes: tuple[str, ...]) -> tuple[tuple[int, int, int], Source]:
+    """(release, ``Source`` of its wheel's files under ``prefixes``) for a module fixture."""
+    parsed = parse_version(version)
+    assert parsed is not None, version
+    return parsed.release, Source(wheel_or_skip(version), prefixes)
 
 
 class Source:

@@ -1,0 +1,410 @@
+"""``DecodeState`` against a fake upstream: the view's fields, transitions, the poller, passive
+signals, the sidecar's own SIGTERM, and that ``view()`` is one attribute read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+from sidecar import decode_probes
+from sidecar.classify import Failure
+from sidecar.decode_probes import probe_kv_connector
+from sidecar.decode_state import (
+    ENGINE_DEAD_MESSAGES,
+    INFO_MAX_AGE,
+    DecodeState,
+    DecodeView,
+    engine_dead_answer,
+)
+from sidecar.upstream import UpstreamError
+from tests.integration.test_release_causes import until
+
+NIXL_METRICS = (
+    b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
+    b"# TYPE vllm:nixl_xfer_time_seconds histogram\n"
+    b'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 0.0\n'
+)
+PLAIN_METRICS = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
+NO_STATS_METRICS = b"# TYPE python_gc_objects_collected counter\npython_gc_objects_collected_total 1.0\n"
+V033 = (200, [], b'{"version":"0.33.0"}')
+OK = (200, [], b"")
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+class FakeResponse:
+    def __init__(self, answer: Answer, chunk: int) -> None:
+        self.status, self.headers, self._body, self._chunk = answer[0], answer[1], answer[2], chunk
+
+    async def read(self, limit: int) -> bytes:
+        return self._body[:limit]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for start in range(0, len(self._body), self._chunk):
+            yield self._body[start : start + self._chunk]
+
+    async def __aenter__(self) -> FakeResponse:
+        return self
+
+    async def __aexit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        pass
+
+
+class FakeUpstream:
+    """Answers by path: (status, headers, body), an exception to raise, or a callable giving one."""
+
+    def __init__(self, **answers: Any) -> None:
+        self.answers: dict[str, Any] = {"health": OK, "version": V033, "metrics": NIXL_METRICS, **answers}
+        self.calls: list[str] = []
+        self.chunk = 1 << 20
+
+    def set(self, **answers: Any) -> None:
+        self.answers.update(answers)
+
+    async def send(self, method: str, target: str, *args: Any, **kwargs: Any) -> FakeResponse:
+        name = target.strip("/")
+        self.calls.append(name)
+        answer = self.answers[name]
+        if callable(answer):
+            answer = await answer()
+        if isinstance(answer, BaseException):
+            raise answer
+        if isinstance(answer, bytes):
+            answer = (200, [], answer)
+        return FakeResponse(answer, self.chunk)
+
+
+def refused() -> UpstreamError:
+    return UpstreamError(Failure.CONNECT_REFUSED, "cannot connect to D")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(upstream: FakeUpstream, **kwargs: Any) -> DecodeState:
+    return DecodeState(upstream, interval=kwargs.pop("interval", 3600.0), **kwargs)
+
+
+# --- the view -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("view", "can_notify", "reason"),
+    [
+        (DecodeView("alive", False, True, "0.33.0"), True, ""),
+        (DecodeView("alive", False, None, None), True, ""),  # cannot tell: D may notify
+        (DecodeView("alive", False, False, "0.33.0"), False, "no KV connector"),
+        (DecodeView("dead", False, True, "0.33.0"), False, "engine dead"),
+        (DecodeView("unknown", False, True, "0.33.0"), False, "D not answering /health"),
+        (DecodeView("alive", True, True, "0.33.0"), False, "shutting down"),
+    ],
+)
+def test_can_notify_needs_a_live_engine_no_shutdown_and_a_connector(
+    view: DecodeView, can_notify: bool, reason: str
+) -> None:
+    assert (view.can_notify, view.reason) == (can_notify, reason)
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "dead"),
+    [
+        (500, "EngineCore encountered an issue. See stack trace (above) for the root cause.", True),
+        (500, "The server had an error while processing your request.", True),
+        (500, "The server had an error while processing your request. Sorry about that!", False),
+        (503, "The server had an error while processing your request.", False),
+        (500, "boom", False),
+        (500, None, False),
+    ],
+)
+def test_engine_dead_answer_is_status_500_with_an_engine_dead_error_text(
+    status: int, message: str | None, dead: bool
+) -> None:
+    assert engine_dead_answer(status, message) is dead
+    assert len(ENGINE_DEAD_MESSAGES) == 2
+
+
+async def test_before_the_first_probe_d_is_unknown_and_cannot_notify() -> None:
+    view = make(FakeUpstream()).view()
+    assert view == DecodeView("unknown", False, None, None) and not view.can_notify
+
+
+async def test_start_reads_health_version_and_metrics_before_it_returns() -> None:
+    upstream = FakeUpstream()
+    state = make(upstream)
+    await state.start()
+    try:
+        assert state.view() == DecodeView("alive", False, True, "0.33.0")
+        assert state.view().can_notify
+        assert upstream.calls == ["health", "version", "metrics"]
+    finally:
+        await state.close()
+
+
+async def test_view_is_one_attribute_read_with_no_io() -> None:
+    upstream = FakeUpstream()
+    state = make(upstream)
+    await state.refresh()
+    calls = len(upstream.calls)
+    views = {id(state.view()) for _ in range(10_000)}
+    assert views == {id(state._view)} and len(upstream.calls) == calls
+
+
+@pytest.mark.parametrize(
+    ("health", "engine"),
+    [
+        (OK, "alive"),
+        ((503, [], b""), "dead"),
+        ((404, [], b'{"detail":"Not Found"}'), "unknown"),
+        ((500, [], b""), "unknown"),
+        (refused(), "unknown"),
+        (UpstreamError(Failure.HEADER_TIMEOUT, "no response headers from D in time"), "unknown"),
+    ],
+)
+async def test_health_status_gives_the_engine(health: Any, engine: str) -> None:
+    state = make(FakeUpstream(health=health))
+    assert (await state.refresh()).engine == engine
+
+
+# --- the KV connector -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metrics", "setting", "kv"),
+    [
+        (NIXL_METRICS, "auto", True),
+        (PLAIN_METRICS, "auto", False),  # stats on, no NIXL family
+        (NO_STATS_METRICS, "auto", None),  # --disable-log-stats: cannot tell
+        ((404, [], b""), "auto", None),
+        (refused(), "auto", None),
+        (PLAIN_METRICS, "yes", True),
+        (NIXL_METRICS, "no", False),
+        (NO_STATS_METRICS, "no", False),
+    ],
+)
+async def test_kv_connector_from_metrics_unless_the_setting_says(
+    metrics: Any, setting: str, kv: bool | None
+) -> None:
+    state = make(FakeUpstream(metrics=metrics), kv_connector=setting)
+    view = await state.refresh()
+    assert view.kv_connector is kv
+    assert view.can_notify is (kv is not False)
+
+
+async def test_a_family_split_across_chunks_is_found() -> None:
+    upstream = FakeUpstream()
+    upstream.chunk = 7  # every marker straddles a boundary somewhere
+    assert await probe_kv_connector(upstream) is True
+    upstream.set(metrics=PLAIN_METRICS)
+    assert await probe_kv_connector(upstream) is False
+
+
+async def test_metrics_past_the_scan_limit_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_probes, "METRICS_LIMIT", 64)
+    upstream = FakeUpstream(
+        metrics=PLAIN_METRICS + b"# padding\n" * 20 + b"vllm:nixl_xfer_time_seconds_count 0\n"
+    )
+    upstream.chunk = 32
+    assert await probe_kv_connector(upstream) is None
+
+
+async def test_no_connector_warns_once_and_again_only_when_it_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstream, clock = FakeUpstream(metrics=PLAIN_METRICS), Clock()
+    state = make(upstream, clock=clock)
+    with caplog.at_level(logging.INFO, logger="sidecar.decode_state"):
+        await state.refresh()
+        clock.now += INFO_MAX_AGE
+        await state.refresh()  # re-read, same answer: no second warning
+    warnings = [r.getMessage() for r in caplog.records if "no NIXL KV connector" in r.getMessage()]
+    assert len(warnings) == 1 and "releases every rejection" in warnings[0]
+    assert upstream.calls.count("metrics") == 2
+
+
+async def test_cannot_tell_warns_to_set_the_setting(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="sidecar.decode_state"):
+        await make(FakeUpstream(metrics=NO_STATS_METRICS)).refresh()
+    assert any("set decode_kv_connector" in r.getMessage() for r in caplog.records)
+
+
+# --- transitions ----------------------------------------------------------------------------
+
+
+async def test_engine_death_and_return_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    upstream = FakeUpstream()
+    state = make(upstream)
+    with caplog.at_level(logging.INFO, logger="sidecar.decode_state"):
+        await state.refresh()
+        upstream.set(health=(503, [], b""))
+        assert (await state.refresh()).engine == "dead"
+        assert (await state.refresh()).engine == "dead"
+        upstream.set(health=OK)
+        assert (await state.refresh()).can_notify
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot release" in m and "engine dead" in m for m in messages) == 1
+    assert sum("D can release" in m for m in messages) == 2  # the first contact, then the return
+
+
+async def test_info_is_reread_when_d_comes_back_and_when_it_is_old() -> None:
+    upstream, clock = FakeUpstream(), Clock()
+    state = make(upstream, clock=clock)
+    await state.refresh()
+    await state.refresh()
+    assert upstream.calls.count("metrics") == 1  # fresh: not re-read
+    upstream.set(health=refused())
+    clock.now += 1
+    assert (await state.refresh()).engine == "unknown"
+    upstream.set(health=OK, metrics=PLAIN_METRICS, version=(200, [], b'{"version":"0.29.0"}'))
+    clock.now += 1
+    view = await state.refresh()  # D restarted: another process, maybe another start-up
+    assert (view.engine, view.kv_connector, view.version, view.can_notify) == (
+        "alive",
+        False,
+        "0.29.0",
+        False,
+    )
+    clock.now += INFO_MAX_AGE
+    await state.refresh()
+    assert upstream.calls.count("metrics") == 3
+
+
+async def test_a_failed_info_read_is_retried_at_the_next_poll() -> None:
+    upstream, clock = FakeUpstream(metrics=refused()), Clock()
+    state = make(upstream, clock=clock)
+    assert (await state.refresh()).kv_connector is None
+    upstream.set(metrics=PLAIN_METRICS)
+    clock.now += 1
+    assert (await state.refresh()).kv_connector is False
+
+
+# --- passive signals ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("signal", "message", "engine"),
+    [
+        (Failure.CONNECT_REFUSED, None, "unknown"),
+        (Failure.DNS, None, "unknown"),
+        (Failure.CONNECT_TIMEOUT, None, "unknown"),
+        (Failure.RESET_AFTER_SEND, None, "unknown"),
+        (Failure.HEADER_TIMEOUT, None, "alive"),  # a slow D is not a gone D
+        (Failure.POOL_TIMEOUT, None, "alive"),  # the sidecar's own pool
+        (500, "The server had an error while processing your request.", "dead"),
+        (500, "EngineCore encountered an issue. See stack trace (above) for the root cause.", "dead"),
+        (500, "boom", "alive"),
+        (404, "The model `x` does not exist.", "alive"),
+        (200, None, "alive"),
+    ],
+)
+async def test_observe_lowers_the_view_at_once(
+    signal: Failure | int, message: str | None, engine: str
+) -> None:
+    state = make(FakeUpstream())
+    await state.refresh()
+    state.observe(signal, message)
+    assert state.view().engine == engine
+    assert state.view().can_notify is (engine == "alive")
+
+
+async def test_connection_close_means_d_is_exiting_until_an_answer_without_it() -> None:
+    upstream, clock = FakeUpstream(), Clock()
+    state = make(upstream, clock=clock)
+    await state.refresh()
+    state.observe(400, None, closing=True)
+    assert state.view().shutting_down and not state.view().can_notify
+    clock.now += 1
+    upstream.set(health=refused())  # the listener closed: no answer, still exiting
+    assert (await state.refresh()).shutting_down
+    clock.now += 1
+    upstream.set(health=(200, [(b"Connection", b"close")], b""))
+    assert (await state.refresh()).shutting_down
+    clock.now += 1
+    upstream.set(health=OK)  # D restarted
+    assert not (await state.refresh()).shutting_down
+
+
+async def test_a_probe_that_started_before_an_observation_does_not_undo_it() -> None:
+    upstream, clock = FakeUpstream(), Clock()
+    state = make(upstream, clock=clock)
+    await state.refresh()
+    answered, go = asyncio.Event(), asyncio.Event()
+
+    async def slow_health() -> Answer:
+        answered.set()
+        await go.wait()
+        return OK
+
+    upstream.set(health=slow_health)
+    probe = asyncio.create_task(state.refresh())
+    await answered.wait()  # the probe is in flight, started at clock.now
+    clock.now += 0.5
+    state.observe(500, "The server had an error while processing your request.")
+    go.set()
+    assert (await probe).engine == "dead"
+    upstream.set(health=(503, [], b""))
+    clock.now += 1
+    assert (await state.refresh()).engine == "dead"
+    upstream.set(health=OK)
+    clock.now += 1
+    assert (await state.refresh()).engine == "alive"
+
+
+async def test_draining_is_sticky_whatever_d_answers() -> None:
+    state = make(FakeUpstream())
+    await state.refresh()
+    state.draining()
+    assert state.view().shutting_down and not state.view().can_notify
+    assert (await state.refresh()).shutting_down
+
+
+# --- the poller -----------------------------------------------------------------------------
+
+
+async def test_the_poller_follows_d_and_stops_on_close() -> None:
+    upstream = FakeUpstream()
+    state = make(upstream, interval=0.001)
+    await state.start()
+    upstream.set(health=(503, [], b""))
+    await until(lambda: state.view().engine == "dead")
+    upstream.set(health=OK)
+    await until(lambda: state.view().engine == "alive")
+    await state.close()
+    calls = len(upstream.calls)
+    await asyncio.sleep(0.01)
+    assert len(upstream.calls) == calls
+
+
+async def test_the_poller_survives_a_bug_and_says_unknown(caplog: pytest.LogCaptureFixture) -> None:
+    upstream = FakeUpstream()
+    state = make(upstream, interval=0.001)
+    await state.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="sidecar.decode_state"):
+            upstream.set(health=RuntimeError("a bug"))
+            await until(lambda: state.view().engine == "unknown")
+        assert any("probing D failed" in r.getMessage() for r in caplog.records)
+        upstream.set(health=OK)
+        await until(lambda: state.view().engine == "alive")
+    finally:
+        await state.close()
+
+
+async def test_decode_version_reads_version_once_when_the_poller_has_none() -> None:
+    upstream = FakeUpstream(health=refused())
+    state = make(upstream)
+    await state.refresh()
+    assert state.view().version is None and "version" not in upstream.calls
+    assert await state.decode_version() == "0.33.0"
+    assert await state.decode_version() == "0.33.0"
+    assert upstream.calls.count("version") == 1 and state.view().version == "0.33.0"
