@@ -25,7 +25,7 @@ import msgspec
 
 from sidecar import checks, config_args, logs
 from sidecar.checks import Check, Context, Finding
-from sidecar.checks.decode import check_control, check_decode, check_version
+from sidecar.checks.decode import check_control, check_decode, check_kv_connector, check_version
 from sidecar.checks.settings import check_allowlist, check_environment, check_release, check_trust
 from sidecar.config import Config, ConfigError
 
@@ -35,8 +35,7 @@ CHECKS: tuple[Check, ...] = (
     check_decode,
     check_version,
     check_control,
-    # "D shows a KV connector" goes here: whether D's engine runs with a KV connector comes from
-    # the reader of D's engine state (its health and KV connector), which defines that signal.
+    check_kv_connector,
     check_allowlist,
     check_trust,
     check_environment,

@@ -6,15 +6,19 @@
 refuses every release to a release it does not know, ``http`` releases anyway.
 ``control`` (``http`` and ``auto``): the plugin's authenticated health route,
 probed by the ``http`` strategy's own probe with the token it would send.
+``kv-connector``: D's ``/metrics`` (``sidecar.decode_probes``), unless
+``decode_kv_connector`` says.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from sidecar.checks import Context, Finding, fail, ok, warn
+from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
+from sidecar.decode_probes import probe_kv_connector
 from sidecar.nixl.versions import NEWEST, OLDEST, WireProfile, parse_version
 from sidecar.release.http import HttpReleaser, Probe, read_token
+from sidecar.upstream import Upstream
 from sidecar.vllm_plugin.settings import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 
 KNOWN = f"{'.'.join(map(str, OLDEST))}-{'.'.join(map(str, NEWEST))}"
@@ -191,3 +195,33 @@ def _probe_finding(ctx: Context, result: Probe, url: str, token: bool) -> Findin
             "check control_url (default: decode_url + /kv_release/v1/release)",
         )
     return fail("control", f"GET {url} gave no usable answer", "check control_url and D's log")
+
+
+async def check_kv_connector(ctx: Context) -> list[Finding]:
+    """D runs a NIXL KV connector: without one D never reads P's blocks, and its own fix (vLLM
+    0.21.0+) releases nothing, so the sidecar must release every rejection itself."""
+    setting = ctx.config.decode_kv_connector
+    if setting != "auto":
+        return [ok("kv-connector", f"decode_kv_connector = {setting} ({ctx.source('decode_kv_connector')})")]
+    upstream = Upstream(
+        ctx.config.decode_url,
+        connect_timeout=CHECK_TIMEOUT,
+        pool_timeout=CHECK_TIMEOUT,
+        header_timeout=CHECK_TIMEOUT,
+        read_timeout=CHECK_TIMEOUT,
+        pool_size=1,
+    )
+    await upstream.start()
+    try:
+        found = await probe_kv_connector(upstream)
+    finally:
+        await upstream.close()
+    if found:
+        return [ok("kv-connector", "D's /metrics shows a NIXL KV connector")]
+    if found is False:
+        detail = (
+            "D's /metrics shows no NIXL KV connector: D does not read P's blocks, and releases none itself"
+        )
+        return [warn("kv-connector", detail, "start D with --kv-transfer-config naming the NixlConnector")]
+    detail = "D's /metrics cannot tell whether D runs a KV connector (D down, or --disable-log-stats)"
+    return [warn("kv-connector", detail, 'set decode_kv_connector = "yes" or "no"')]

@@ -409,3 +409,21 @@ def test_core_install_without_nixl(sim_d: ServerThread) -> None:
     assert nixl.one("version").startswith("ok    version: vLLM 0.33.0")  # the wire tables need no NIXL
     assert dry_run.code == 0
     assert dry_run.one("release").startswith("ok    release: dry-run: records and logs what it would release")
+
+
+@pytest.mark.parametrize(
+    ("config", "status", "says"),
+    [
+        (DecodeSimConfig(), "ok", "shows a NIXL KV connector"),
+        (DecodeSimConfig(kv_connector=False), "warn", "shows no NIXL KV connector"),
+        (DecodeSimConfig(log_stats=False), "warn", "cannot tell"),
+    ],
+)
+def test_the_kv_connector_is_read_from_ds_metrics(
+    config: DecodeSimConfig, status: str, says: str, tmp_path: Path, key_file: str
+) -> None:
+    with serve(create_decode_app(config)) as d:
+        report = check("--config", nixl_config(tmp_path, d.url, key_file))
+    line = report.one("kv-connector")
+    assert line.startswith(status) and says in line, line
+    assert report.code == 0  # a warning, not a failure: releases still work, D's own fix does not
