@@ -25,7 +25,9 @@ from starlette.routing import Route
 
 from sidecar.allowlist import Allowlist
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.classify import Failure
 from sidecar.config import Config, dump
+from sidecar.decode_state import DecodeState
 from sidecar.faults import Injector
 from sidecar.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
@@ -78,9 +80,13 @@ class Runtime:
     _version: tuple[float, str | None] = (0.0, None)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _refresh: asyncio.Task[str | None] | None = None
+    # D's state (engine alive, shutting down, KV connector), polled while releases are sent.
+    decode: DecodeState | None = None
 
     async def decode_healthy(self) -> bool:
-        """D's ``GET /health`` is 200 (cached for a second)."""
+        """D's ``GET /health`` is 200 (cached for a second; the poller's view when it runs)."""
+        if self.decode is not None:
+            return self.decode.view().engine == "alive"
         checked, healthy = self._health
         if time.monotonic() - checked < HEALTH_CACHE_SECONDS:
             return healthy
@@ -95,6 +101,8 @@ class Runtime:
     async def decode_version(self, quiet: bool = False) -> str | None:
         """D's vLLM release from ``GET /version`` (cached; P and D run the same release);
         ``quiet``: a failure is not worth a warning (at start-up D may not be up yet)."""
+        if self.decode is not None:
+            return await self.decode.decode_version()
         checked, version = self._version
         if version and time.monotonic() - checked < VERSION_CACHE_SECONDS:
             return version
@@ -123,6 +131,8 @@ class Runtime:
     def version(self) -> str | None:
         """D's release as last read, without waiting; a stale or missing answer is refreshed
         in the background."""
+        if self.decode is not None:
+            return self.decode.view().version
         checked, version = self._version
         stale = version is None or time.monotonic() - checked >= VERSION_CACHE_SECONDS
         if stale and (self._refresh is None or self._refresh.done()):
@@ -130,12 +140,27 @@ class Runtime:
         return version
 
     def can_notify(self) -> bool:
-        """D's engine could send its own release now: not while this pod shuts down."""
+        """D's engine could send its own release now (``sidecar.decode_state``)."""
+        if self.decode is not None:
+            return self.decode.view().can_notify
         return not self.draining
+
+    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+        if self.decode is not None:
+            self.decode.observe(signal, message, closing=closing)
+
+    def drain(self) -> None:
+        """SIGTERM: readiness off; D, in this pod, is terminating too."""
+        self.draining = True
+        if self.decode is not None:
+            self.decode.draining()
 
     def p_hold(self) -> float:
         """P's hold of an unreleased request's blocks, by the last known release of D (and P)."""
-        return hold_seconds(self.config.vllm_version or self._version[1], self.config.p_hold_seconds)
+        version = self.config.vllm_version or (
+            self.decode.view().version if self.decode else self._version[1]
+        )
+        return hold_seconds(version, self.config.p_hold_seconds)
 
     async def ready(self) -> tuple[bool, dict[str, bool]]:
         checks = {
@@ -148,6 +173,8 @@ class Runtime:
         return ok, checks
 
     async def close(self) -> None:
+        if self.decode is not None:
+            await self.decode.close()
         if self._refresh is not None:
             self._refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -220,11 +247,11 @@ class ProxyApp:
         proxy = Proxy(config, parts)
         self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, inflight, proxy, tracing)
         holder.append(self.runtime)
-        if releaser.frees and not config.vllm_version:
-            # D's release, for the judge's view of D's own fix; D may not be up yet.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await self.runtime.decode_version(quiet=True)
+        if releaser.frees:  # what D's engine can release itself decides what the sidecar sends
+            self.runtime.decode = DecodeState(
+                upstream, interval=config.decode_health_interval, kv_connector=config.decode_kv_connector
+            )
+            await self.runtime.decode.start()
         log.info("sidecar started", extra={"config": dump(config)})
         return self.runtime
 
@@ -233,7 +260,7 @@ class ProxyApp:
         runtime = self.runtime
         if runtime is None:
             return
-        runtime.draining = True
+        runtime.drain()
         runtime.proxy.stopping = True
         runtime.pipeline.hurry()
         flushed = await runtime.pipeline.flush(self.config.flush_timeout)
@@ -258,6 +285,10 @@ class _Facts:
 
     def can_notify(self) -> bool:
         return self._holder[0].can_notify() if self._holder else True
+
+    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+        if self._holder:
+            self._holder[0].observe(signal, message, closing=closing)
 
 
 def _pool(config: Config, allowlist: Allowlist) -> PrefillPool | None:
@@ -327,6 +358,8 @@ def create_admin_app(app: ProxyApp) -> Starlette:
     async def metrics(request: Request) -> Response:
         if app.runtime is not None:
             app.runtime.metrics.queue_depth.set(app.runtime.pipeline.depth)
+            if app.runtime.decode is not None:
+                app.runtime.metrics.decode_can_notify.set(1 if app.runtime.decode.view().can_notify else 0)
         registry = app.runtime.metrics.registry if app.runtime else CollectorRegistry()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -119,6 +119,12 @@ class Metrics:
         )
         self.inflight = Gauge("kvr_inflight_requests", "Requests being proxied.", registry=r)
         self.ready = Gauge("kvr_ready", "1 when /readyz answers 200.", registry=r)
+        self.decode_can_notify = Gauge(
+            "kvr_decode_can_notify",
+            "1 when D's engine can release its own handler rejections (alive, not shutting down, "
+            "a KV connector); 0: the sidecar releases them too. Set while releases are sent.",
+            registry=r,
+        )
 
     @cache  # noqa: B019 - one Metrics per process; bounded by the label enumerations
     def request_counter(self, route: str, status_class: str) -> Counter:

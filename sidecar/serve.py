@@ -195,7 +195,7 @@ async def serve(
     await asyncio.wait({proxy_task, admin_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down: readiness off, draining")
     if app.runtime is not None:
-        app.runtime.draining = True
+        app.runtime.drain()
     await asyncio.sleep(config.shutdown_delay)
     proxy.should_exit = True
     await asyncio.gather(proxy_task, return_exceptions=True)

@@ -22,6 +22,7 @@ import msgspec
 
 from sidecar.asgi import Send
 from sidecar.classify import Event
+from sidecar.decode_probes import says_close
 from sidecar.errors import FAILURE_STATUS, send_error
 from sidecar.headers import response_headers
 from sidecar.metrics import ROUTES, Metrics, status_class
@@ -106,6 +107,7 @@ class Forwarder:
     async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
         if exchange.leg is not None:
             exchange.leg.failed(exc.failure.value, str(exc))
+        self._judge.observe(exc.failure)
         self._judge.judge(exchange, Event(failure=exc.failure))
         exchange.policy.decode_failed(self._metrics, exc.failure)
         status = FAILURE_STATUS[exc.failure]
@@ -124,9 +126,12 @@ class Forwarder:
             exchange.leg.status(status)
         exchange.policy.decode_answered(self._metrics, status, time.monotonic() - exchange.started)
         head = response_headers(response.headers, exchange.request_id)
+        closing = says_close(response.headers)
         if not 200 <= status < 300:
-            await self._refused(send, response, exchange, head)
+            await self._refused(send, response, exchange, head, closing)
             return
+        if closing:
+            self._judge.observe(status, closing=True)
         # D's content type is the word on streaming: vLLM also streams for a lax "stream": "true"
         # or 1, which the request view does not read as a stream.
         streamed = exchange.stream or _event_stream(head)
@@ -143,7 +148,9 @@ class Forwarder:
             self._judge.judge(exchange, Event(status=status, stream=streamed))
         await self.pump(send, response.chunks(), judge, rewriter)
 
-    async def _refused(self, send: Send, response: Response, exchange: Exchange, head: Head) -> None:
+    async def _refused(
+        self, send: Send, response: Response, exchange: Exchange, head: Head, closing: bool
+    ) -> None:
         """D answered an error: judged on its status and ``error.type`` before the head goes out."""
         status = response.status
         event = Event(status=status, stream=exchange.stream)
@@ -151,12 +158,15 @@ class Forwarder:
             body = await response.read(ERROR_BODY_LIMIT)
         except UpstreamError as exc:
             # D refused the request (the status says so), then broke off its error body.
+            self._judge.observe(status, closing=closing)
             self._judge.judge(exchange, event)
             log.warning("decode server broke off its error response", extra={"detail": str(exc)})
             message = f"decode server broke off its error response: {exc}"
             await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
             return
-        self._judge.judge(exchange, event, _error_type(body))
+        error_type, error_message = _error(body)
+        self._judge.observe(status, error_message, closing=closing)
+        self._judge.judge(exchange, event, error_type)
         exchange.responded = True
         head.extend(exchange.retry_headers())
         await send({"type": "http.response.start", "status": status, "headers": head})
@@ -252,8 +262,10 @@ def _encoded(head: Head) -> bool:
     return any(name == b"content-encoding" and value not in (b"identity", b"") for name, value in head)
 
 
-def _error_type(body: bytes) -> str | None:
+def _error(body: bytes) -> tuple[str | None, str | None]:
+    """The ``error.type`` and ``error.message`` of vLLM's error body, when it is one."""
     try:
-        return ERROR_DECODER.decode(body).error.type
+        error = ERROR_DECODER.decode(body).error
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        return None, None
+    return error.type, error.message

@@ -33,7 +33,7 @@ from sidecar.metrics import Metrics
 from sidecar.release.base import ReleaseJob
 from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
 from sidecar.release.pipeline import Pipeline
-from sidecar.sse import FirstEventScanner
+from sidecar.sse import FirstEvent, FirstEventScanner
 from sidecar.tracing import Tracing
 from sidecar.trust import InFlight
 
@@ -51,6 +51,9 @@ class DecodeFacts(Protocol):
 
     def can_notify(self) -> bool:
         """D's engine could send its own release now (alive, not shutting down, a KV connector)."""
+
+    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+        """What the request path saw of D (``sidecar.decode_state.DecodeState.observe``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,10 @@ class Judge:
         self._facts = facts
         self._tracing = tracing
         self.frees = pipeline.releaser.frees  # off and dry-run free nothing
+
+    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+        """Tell what D answered (or how it failed) to what the judge knows of D, before judging."""
+        self._facts.observe(signal, message, closing=closing)
 
     def forwarded(self, exchange: Exchange) -> None:
         """The exchange's parameters are on their way to D: D may read them until it is judged."""
@@ -209,12 +216,16 @@ class StreamJudge:
             return
         first = self._scanner.feed(chunk)
         if first is not None:
-            self._judge.judge(self._exchange, stream_event(first), first.error_type)
+            self._judged(first)
 
     def finish(self) -> None:
         if not self._exchange.decided:
-            first = self._scanner.finish()
-            self._judge.judge(self._exchange, stream_event(first), first.error_type)
+            self._judged(self._scanner.finish())
+
+    def _judged(self, first: FirstEvent) -> None:
+        if first.error_code is not None:  # an error event: it may show D's engine dead
+            self._judge.observe(first.error_code, first.error_message)
+        self._judge.judge(self._exchange, stream_event(first), first.error_type)
 
     def reset(self) -> None:
         """D broke the stream before its first event ended: D may have admitted it."""
