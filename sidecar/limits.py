@@ -29,6 +29,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar import config as config_mod
+from sidecar.coalesce import CoalescingTransport
 from sidecar.wire import error_body
 
 log = logging.getLogger("sidecar.serve")
@@ -123,9 +124,13 @@ class GuardedProtocol(HttpToolsProtocol):
     _head_began_mid_read = False  # the header block opened inside the current read
     _refused = False
 
+    transport: CoalescingTransport
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.flow = _ClockedFlowControl(transport, self)
+        # uvicorn writes a response's head and its body separately: one write when the body follows
+        coalescing = CoalescingTransport(transport, self.loop)
+        super().connection_made(coalescing)
+        self.flow = _ClockedFlowControl(coalescing, self)
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -170,6 +175,7 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         self._phase, self._last_read = "body", self.loop.time()
         self._arm(self.limits.body_timeout)
+        self.transport.hold_next()  # the response's head, until its body follows
         limit = self.limits.concurrency
         if not limit or len(self.tasks) < limit:
             super().on_headers_complete()

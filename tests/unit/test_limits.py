@@ -1,7 +1,9 @@
-"""GuardedProtocol's body timer against uvicorn's flow control, driven by hand on a fake transport.
+"""GuardedProtocol driven by hand on a fake transport: its body timer against uvicorn's flow
+control, and how a response's head and body reach the socket.
 
 The timer and the read that resumes a held-back body can fall in the same loop
-iteration; only a hand-driven protocol makes that order certain.
+iteration, and a head held for its body must leave at the end of the iteration
+that wrote it; only a hand-driven protocol makes that order certain.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
@@ -22,6 +25,7 @@ class FakeTransport:
 
     def __init__(self) -> None:
         self.written = bytearray()
+        self.writes: list[bytes] = []  # one entry per write call: what a socket write would send
         self.closing = False
         self.reading = True
         self.protocol: Any = None
@@ -34,6 +38,10 @@ class FakeTransport:
 
     def write(self, data: bytes) -> None:
         self.written += data
+        self.writes.append(bytes(data))
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.write(b"".join(data))
 
     def is_closing(self) -> bool:
         return self.closing
@@ -55,8 +63,8 @@ async def _holding_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await asyncio.Event().wait()  # never reads the body: the server holds reading back
 
 
-def _connect(limits: ServerLimits) -> tuple[GuardedProtocol, FakeTransport]:
-    config = uvicorn.Config(app=_holding_app, lifespan="off", log_level="critical")
+def _connect(limits: ServerLimits, app: Any = _holding_app) -> tuple[GuardedProtocol, FakeTransport]:
+    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
     protocol = guarded_protocol(limits)(config, ServerState(), {}, asyncio.get_running_loop())
     transport = FakeTransport()
     transport.protocol = protocol
@@ -113,3 +121,85 @@ async def test_a_pipelined_head_is_not_charged_for_the_body_read_before_it() -> 
         for task in protocol.tasks:
             task.cancel()
         await asyncio.gather(*protocol.tasks, return_exceptions=True)
+
+
+async def _close(protocol: GuardedProtocol) -> None:
+    protocol.connection_lost(None)
+    for task in protocol.tasks:
+        task.cancel()
+    await asyncio.gather(*protocol.tasks, return_exceptions=True)
+
+
+REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+SSE_HEAD = [(b"content-type", b"text/event-stream")]
+JSON_HEAD = [(b"content-type", b"application/json"), (b"content-length", b"11")]
+
+
+@pytest.mark.parametrize("body", [b'{"id": "a"}', b"x" * 200_000], ids=["small", "large"])
+async def test_a_whole_answer_leaves_in_one_write(body: bytes) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    protocol, transport = _connect(ServerLimits(), app)
+    try:
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        assert len(transport.writes) == 1
+        assert transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert transport.writes[0].endswith(b"\r\n\r\n" + body)
+        # the next request on the connection is coalesced the same way
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        assert len(transport.writes) == 2 and transport.writes[1] == transport.writes[0]
+    finally:
+        await _close(protocol)
+
+
+async def test_a_streamed_head_leaves_at_the_end_of_its_loop_iteration() -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEAD})
+        started.set()
+        await release.wait()  # the first event is still on its way from D
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    protocol, transport = _connect(ServerLimits(), app)
+    try:
+        protocol.data_received(REQUEST)
+        await started.wait()  # woken after the iteration that wrote the head
+        assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
+        release.set()
+        await asyncio.gather(*protocol.tasks)
+        # every event leaves as it is sent, none held for the next
+        assert transport.writes[1:] == [b"9\r\ndata: 1\n\n\r\n", b"9\r\ndata: 2\n\n\r\n", b"0\r\n\r\n"]
+    finally:
+        await _close(protocol)
+
+
+async def test_a_held_head_is_written_before_the_connection_closes_and_dropped_on_abort() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
+        protocol.transport.close()  # before the loop iteration ends
+        protocol.transport.hold_next()
+        protocol.transport.write(b"late")
+        protocol.transport.abort()
+
+    protocol, transport = _connect(ServerLimits(), app)
+    try:
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        await asyncio.sleep(0)  # the flush the head scheduled finds nothing left
+        assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert transport.closing
+    finally:
+        await _close(protocol)
