@@ -27,6 +27,7 @@ class FakeTransport:
         self.written = bytearray()
         self.writes: list[bytes] = []  # one entry per write call: what a socket write would send
         self.closing = False
+        self.closed = asyncio.Event()
         self.reading = True
         self.protocol: Any = None
 
@@ -48,6 +49,7 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closing = True
+        self.closed.set()
 
     def abort(self) -> None:
         self.closing = True
@@ -76,11 +78,11 @@ async def test_a_body_timer_due_as_reading_resumes_does_not_blame_the_client() -
     protocol, transport = _connect(ServerLimits(body_timeout=1.0))
     protocol.data_received(HEAD + b"x" * 70_000)  # past uvicorn's high water mark
     assert protocol.flow.read_paused and not transport.reading
-    protocol._last_read -= 10.0  # the server held reading back for ten body timeouts
+    protocol._since -= 10.0  # the server held reading back for ten body timeouts
     protocol.flow.resume_reading()  # the app reads again; the client's bytes arrive next iteration
     protocol._expired()  # ...after a body timer due this very iteration
     assert not transport.closing and bytes(transport.written) == b""
-    protocol._last_read -= 1.5  # the client then really stays silent past the timeout
+    protocol._since -= 1.5  # the client then really stays silent past the timeout
     protocol._expired()
     assert transport.closing and transport.written.startswith(b"HTTP/1.1 408 ")
     protocol.connection_lost(None)
@@ -92,10 +94,10 @@ async def test_a_body_timer_due_as_reading_resumes_does_not_blame_the_client() -
 async def test_a_body_timer_while_reading_is_held_back_restarts_the_clients_gap() -> None:
     protocol, transport = _connect(ServerLimits(body_timeout=1.0))
     protocol.data_received(HEAD + b"x" * 70_000)
-    protocol._last_read -= 10.0
+    protocol._since -= 10.0
     protocol._expired()  # reading is paused: the wait is the server's
     assert not transport.closing
-    assert protocol.loop.time() - protocol._last_read < 0.5
+    assert protocol.loop.time() - protocol._since < 0.5
     protocol.connection_lost(None)
     for task in protocol.tasks:
         task.cancel()
@@ -201,5 +203,79 @@ async def test_a_held_head_is_written_before_the_connection_closes_and_dropped_o
         await asyncio.sleep(0)  # the flush the head scheduled finds nothing left
         assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
         assert transport.closing
+    finally:
+        await _close(protocol)
+
+
+class CountingLoop:
+    """The running loop, counting the timers the protocol starts."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.timers = 0
+
+    def call_later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        self.timers += 1
+        return self._loop.call_later(delay, callback, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
+async def _answer(scope: Any, receive: Any, send: Any) -> None:
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
+    await send({"type": "http.response.body", "body": b'{"id": "a"}', "more_body": False})
+
+
+async def test_a_busy_keep_alive_connection_starts_no_timer_per_request() -> None:
+    config = uvicorn.Config(app=_answer, lifespan="off", log_level="critical")
+    loop = CountingLoop(asyncio.get_running_loop())
+    protocol = guarded_protocol(ServerLimits())(config, ServerState(), {}, loop)  # type: ignore[arg-type]
+    transport = FakeTransport()
+    transport.protocol = protocol
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    try:
+        for _ in range(20):  # head, body and keep-alive clocks, twenty times over
+            protocol.data_received(REQUEST)
+            await asyncio.gather(*protocol.tasks)
+        assert len(transport.writes) == 20 and not transport.closing
+        assert loop.timers <= 2  # the connection's timer, moved once to the keep-alive limit
+        assert protocol.timeout_keep_alive_task is None  # uvicorn's own timer is not started either
+    finally:
+        await _close(protocol)
+
+
+async def test_the_keep_alive_clock_runs_after_a_body_the_answer_did_not_wait_for() -> None:
+    async def early(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
+        await send({"type": "http.response.body", "body": b'{"id": "a"}', "more_body": False})
+
+    protocol, transport = _connect(ServerLimits(keep_alive=1.0), early)
+    try:
+        protocol.data_received(HEAD + b"x" * 1000)
+        await asyncio.gather(*protocol.tasks)  # answered; the body is still arriving
+        protocol.data_received(b"x" * (1_000_000 - 1000))
+        assert protocol._phase == "idle" and protocol._timer is not None
+        protocol._since -= 0.5
+        protocol._expired()  # half the keep-alive limit: still open
+        assert not transport.closing
+        protocol._since -= 1.0
+        protocol._expired()  # the client stayed silent past it: closed quietly
+        assert transport.closing and len(transport.writes) == 1
+    finally:
+        await _close(protocol)
+
+
+async def test_a_shorter_limit_than_the_one_the_timer_waits_for_is_kept() -> None:
+    # after an answer the timer waits for the 5 s keep-alive; a head begun then has 0.05 s
+    protocol, transport = _connect(ServerLimits(header_timeout=0.05, keep_alive=5.0), _answer)
+    try:
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        await asyncio.sleep(0.2)  # the client idles past the first head's limit: the timer now waits 5 s
+        protocol.data_received(b"GET /health HT")
+        await asyncio.wait_for(transport.closed.wait(), 2.0)
+        assert transport.writes[-1].startswith(b"HTTP/1.1 408 ")
     finally:
         await _close(protocol)
