@@ -30,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar import config as config_mod
 from sidecar.coalesce import CoalescingTransport
+from sidecar.timers import LazyTimer
 from sidecar.wire import error_body
 
 log = logging.getLogger("sidecar.serve")
@@ -123,8 +124,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     _phase: Literal["head", "body", "idle"] | None = None
     _since = 0.0  # loop time the phase's clock started (the body's: the latest body bytes)
-    _timer: asyncio.TimerHandle | None = None
-    _timer_at = 0.0  # loop time the timer fires
+    _timer: LazyTimer
     _head_bytes = 0
     _head_began_mid_read = False  # the header block opened inside the current read
     _refused = False
@@ -134,12 +134,13 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # uvicorn writes a response's head and its body separately: one write when the body follows
         coalescing = CoalescingTransport(transport, self.loop)
+        self._timer = LazyTimer(self.loop, self._expired)
         super().connection_made(coalescing)
         self.flow = _ClockedFlowControl(coalescing, self)
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_timer()
+        self._timer.stop()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -238,8 +239,7 @@ class GuardedProtocol(HttpToolsProtocol):
         """Start ``phase``'s clock; the timer is moved only if it would fire after its limit."""
         now = self.loop.time()
         self._phase, self._since = phase, now
-        if self._timer is None or self._timer_at > now + seconds:
-            self._arm(seconds)
+        self._timer.ensure(now + seconds)
 
     def _limit(self) -> float:
         """The current phase's limit in seconds (0: none)."""
@@ -250,26 +250,15 @@ class GuardedProtocol(HttpToolsProtocol):
             return self.limits.body_timeout
         return self.limits.keep_alive if phase == "idle" else 0.0
 
-    def _arm(self, seconds: float) -> None:
-        self._stop_timer()
-        self._timer = self.loop.call_later(seconds, self._expired)
-        self._timer_at = self.loop.time() + seconds
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _expired(self) -> None:
-        self._timer = None
         if self.transport.is_closing() or self.transport.get_protocol() is not self:
             return  # closed, or handed over (a WebSocket upgrade)
         limit = self._limit()
         if not limit:
             return  # the application is answering: the next phase arms the timer again
-        left = self._since + limit - self.loop.time()
-        if left > 0:
-            self._arm(left)  # the phase began after the timer was set: sleep for what is left
+        deadline = self._since + limit
+        if self.loop.time() < deadline:
+            self._timer.ensure(deadline)  # the phase began after the timer was set: sleep on
         else:
             self._timed_out()
 
@@ -293,7 +282,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, type_: str, message: str) -> None:
         """Answer ``status`` unless the connection is answering something else, then close."""
         self._refused = True
-        self._stop_timer()
+        self._timer.stop()
         cycle = self.cycle
         if status and self._may_answer():
             log.warning("refused a client", extra={"status": status, "detail": message})

@@ -16,6 +16,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from sidecar.limits import GuardedProtocol, ServerLimits, guarded_protocol
+from tests.loops import CountingLoop
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
 
@@ -207,21 +208,6 @@ async def test_a_held_head_is_written_before_the_connection_closes_and_dropped_o
         await _close(protocol)
 
 
-class CountingLoop:
-    """The running loop, counting the timers the protocol starts."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.timers = 0
-
-    def call_later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
-        self.timers += 1
-        return self._loop.call_later(delay, callback, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loop, name)
-
-
 async def _answer(scope: Any, receive: Any, send: Any) -> None:
     await receive()
     await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
@@ -256,7 +242,7 @@ async def test_the_keep_alive_clock_runs_after_a_body_the_answer_did_not_wait_fo
         protocol.data_received(HEAD + b"x" * 1000)
         await asyncio.gather(*protocol.tasks)  # answered; the body is still arriving
         protocol.data_received(b"x" * (1_000_000 - 1000))
-        assert protocol._phase == "idle" and protocol._timer is not None
+        assert protocol._phase == "idle" and protocol._timer.armed
         protocol._since -= 0.5
         protocol._expired()  # half the keep-alive limit: still open
         assert not transport.closing
