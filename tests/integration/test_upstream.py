@@ -29,7 +29,7 @@ from starlette.routing import Route
 from sidecar.classify import Failure
 from sidecar.http1 import HIGH_WATER
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
-from tests.loops import CountingLoop
+from tests.fakes import CountingLoop
 from tests.servers import ServerThread, free_port, serve
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -16,50 +16,9 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from sidecar.limits import GuardedProtocol, ServerLimits, guarded_protocol
-from tests.loops import CountingLoop
+from tests.fakes import CountingLoop, FakeTransport
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
-
-
-class FakeTransport:
-    """The transport calls uvicorn's protocol makes, recorded."""
-
-    def __init__(self) -> None:
-        self.written = bytearray()
-        self.writes: list[bytes] = []  # one entry per write call: what a socket write would send
-        self.closing = False
-        self.closed = asyncio.Event()
-        self.reading = True
-        self.protocol: Any = None
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def get_protocol(self) -> Any:
-        return self.protocol
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-        self.writes.append(bytes(data))
-
-    def writelines(self, data: list[bytes]) -> None:
-        self.write(b"".join(data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-        self.closed.set()
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
 
 
 async def _holding_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
