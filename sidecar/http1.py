@@ -5,12 +5,15 @@ keep-alive); this module adds what a proxy needs around it: a response body
 kept as the raw bytes D sent (no content decoding), reading paused while more
 than ``HIGH_WATER`` bytes wait for the consumer, request bodies streamed with
 write flow control, and an exact record of whether the connection can carry
-another request. One exchange runs at a time (no pipelining); each gets a
-fresh parser, so a HEAD response or a protocol error never leaks into the
-next one. Errors surface as ``OSError`` (D closed or reset the connection),
+another request. Errors surface as ``OSError`` (D closed or reset the connection),
 ``ProtocolError`` (D sent something that is not HTTP/1.1), ``BodyError`` (the
 caller's request body failed) and ``TimeoutError``; ``sidecar.upstream``
 turns them into failures.
+
+One exchange runs at a time (no pipelining). The parser is kept for the
+next exchange only after a response llhttp parsed to its end, so a HEAD
+response (llhttp cannot be told it has no body) or a protocol error never
+leaks into the next one. The waits for D share the connection's one timer.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import cast
 import httptools
 
 from sidecar.exceptions import SidecarError
+from sidecar.framing import body_ends_at_eof
+from sidecar.timers import WaitTimer
 
 HIGH_WATER = 256 * 1024  # response bytes buffered for a slow consumer before reading pauses
-_FRAMING = frozenset({"content-length", "transfer-encoding", "host"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class ProtocolError(SidecarError):
@@ -34,44 +37,6 @@ class ProtocolError(SidecarError):
 
 class BodyError(SidecarError):
     """The request body's iterator failed, or did not match its declared length."""
-
-
-def encode_head(
-    method: str, target: str, authority: str, headers: list[tuple[str, str]], length: int | None
-) -> tuple[bytes, int | None, bool]:
-    """The request head; the body's declared length (None: chunked); whether it says ``Connection: close``.
-
-    ``length`` is the size of a bytes body, or None for a streamed one: a
-    streamed body keeps the caller's ``content-length`` if there is one and is
-    sent chunked otherwise. Framing headers and ``host`` are always ours.
-    """
-    lines = [f"{method} {target} HTTP/1.1\r\n", f"host: {authority}\r\n"]
-    close = False
-    for name, value in headers:
-        lower = name.lower()
-        if lower in _FRAMING:
-            if length is None and lower == "content-length":
-                length = int(value)
-            continue
-        if lower == "connection" and "close" in value.lower():
-            close = True
-        lines.append(f"{name}: {value}\r\n")
-    if length is not None:
-        if length or method in _BODY_METHODS:
-            lines.append(f"content-length: {length}\r\n")
-    else:
-        lines.append("transfer-encoding: chunked\r\n")
-    lines.append("\r\n")
-    text = "".join(lines)
-    # Each line carries exactly one CR LF: any other CR or LF came in a header (request smuggling).
-    if text.count("\n") != len(lines) or text.count("\r") != len(lines):
-        raise ValueError("CR or LF inside a request header")
-    return text.encode("latin-1"), length, close
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:
@@ -99,6 +64,8 @@ class Connection(asyncio.Protocol):
         "_parser",
         "_read_paused",
         "_request_done",
+        "_spare",
+        "_timer",
         "_write_paused",
         "_writer",
         "buffered",
@@ -121,6 +88,8 @@ class Connection(asyncio.Protocol):
         self._writer: asyncio.Task[None] | None = None
         # The current exchange (reset by ``begin``).
         self._parser: httptools.HttpResponseParser | None = None  # None: idle, D must stay silent
+        self._spare: httptools.HttpResponseParser | None = None  # the parser, between two exchanges
+        self._timer = WaitTimer(loop)  # the one timer of the waits for D
         self._head_only = False
         self._close = False
         self._request_done = True
@@ -159,6 +128,8 @@ class Connection(asyncio.Protocol):
 
     def idle(self, now: float) -> None:
         """Park a reusable connection: D speaking now is a protocol error."""
+        # llhttp is ready for the next response, unless it still expects a HEAD response's body.
+        self._spare = None if self._head_only else self._parser
         self._parser = None
         self._head_waiter = None
         self._body = []
@@ -206,7 +177,8 @@ class Connection(asyncio.Protocol):
         self._writer = self._loop.create_task(self._write_body(body, length))
 
     def _reset(self, head_only: bool, close: bool) -> None:
-        self._parser = httptools.HttpResponseParser(self)
+        parser, self._spare = self._spare, None
+        self._parser = httptools.HttpResponseParser(self) if parser is None else parser
         self._head_only = head_only
         self._close = close
         self._request_done = True
@@ -222,19 +194,11 @@ class Connection(asyncio.Protocol):
         self._completed_at = 0.0
 
     async def wait_head(self, within: float) -> None:
-        """Until D's final response headers arrived (``TimeoutError`` after ``within`` seconds).
-
-        A timer on the loop rather than ``asyncio.timeout``: this runs once per
-        request, and the plain timer is the cheaper of the two.
-        """
+        """Until D's final response headers arrived (``TimeoutError`` after ``within`` seconds)."""
         waiter = self._head_waiter
         assert waiter is not None
         if not waiter.done():
-            timer = self._loop.call_later(within, _expire, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
+            await self._timer.wait(waiter, within)
         if not self.status:
             raise self._error or ConnectionResetError("D closed the connection")
 
@@ -259,13 +223,13 @@ class Connection(asyncio.Protocol):
         if self._error is not None:
             raise self._error
         waiter = self._body_waiter = self._loop.create_future()
-        timer = self._loop.call_later(within, _expire, waiter) if within else None
         try:
-            await waiter
+            if within:
+                await self._timer.wait(waiter, within)
+            else:
+                await waiter
         finally:
             self._body_waiter = None
-            if timer is not None:
-                timer.cancel()
         if not self._body and not self.complete and self._error is not None:
             raise self._error
 
@@ -346,6 +310,7 @@ class Connection(asyncio.Protocol):
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._timer.stop()
         self._end(exc)
         _wake(self._drain_waiter)
         self._on_lost(self)
@@ -361,7 +326,7 @@ class Connection(asyncio.Protocol):
         """D closed (or reset) the connection: complete an EOF-delimited body, or break the exchange."""
         self._open = False
         if self._parser is not None and not self.complete and self._error is None:
-            if self.status and self._body_ends_at_eof():
+            if self.status and body_ends_at_eof(self.headers):
                 self.complete = True
             elif self.status:
                 self._error = exc or ConnectionResetError("D closed the connection mid-body")
@@ -369,21 +334,6 @@ class Connection(asyncio.Protocol):
                 self._error = exc or ConnectionResetError("D closed the connection before its headers")
         _wake(self._head_waiter)
         _wake(self._body_waiter)
-
-    def _body_ends_at_eof(self) -> bool:
-        """Neither content-length nor chunked: the body runs until D closes (RFC 9112 6.3).
-
-        llhttp knows this but httptools does not expose it (nor ``llhttp_finish``),
-        so the two framing headers llhttp already validated are looked up here.
-        """
-        codings = b""
-        for name, value in self.headers:
-            lower = name.lower()
-            if lower == b"content-length":
-                return False
-            if lower == b"transfer-encoding":
-                codings = value
-        return not codings.lower().rstrip().endswith(b"chunked")
 
     # -- httptools callbacks -------------------------------------------------------
 

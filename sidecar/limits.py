@@ -29,6 +29,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar import config as config_mod
+from sidecar.coalesce import CoalescingTransport
+from sidecar.timers import LazyTimer
 from sidecar.wire import error_body
 
 log = logging.getLogger("sidecar.serve")
@@ -98,9 +100,7 @@ class _ClockedFlowControl(FlowControl):
 
     def resume_reading(self) -> None:
         if self.read_paused:
-            # The client's gap starts now: bytes it sent while reading was held back arrive on
-            # the next loop iteration, which may come after a body timer due this very instant.
-            self._protocol._last_read = self._protocol.loop.time()
+            self._protocol.reading_resumed()
         super().resume_reading()
 
 
@@ -108,33 +108,44 @@ class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header size limit, header and body timeouts and a
     concurrency limit that counts requests; ``limits`` is set by ``guarded_protocol``.
 
-    One timer per connection: the header timer runs from the connection's opening, or from
-    the first byte after a response, until its header block is complete; the body timer from
-    then until the body is complete, measuring the gap since the latest read, and not counted
-    while the server itself holds reading back (flow control, ``Expect: 100-continue``).
+    Each connection is in one phase at a time, with its own clock: ``head`` from the
+    connection's opening, or from the first byte after a response, until its header block is
+    complete (``header_timeout``); ``body`` from then until the body is complete, measuring the
+    gap since the latest read and not counted while the server itself holds reading back (flow
+    control, ``Expect: 100-continue``; ``body_timeout``); ``idle`` once the answer is out and
+    nothing else is due (``keep_alive``, which replaces uvicorn's own keep-alive timer); none
+    while the application answers. One timer per connection serves them all: a phase only
+    notes when its clock started, and the timer, when it fires, checks the phase then in force
+    and either acts or sleeps again for what is left. So a busy keep-alive connection touches
+    the event loop's timers about once per timeout, not several times per request.
     """
 
     limits: ClassVar[ServerLimits] = ServerLimits()
 
-    _phase: Literal["head", "body"] | None = None
-    _timer: asyncio.TimerHandle | None = None
-    _last_read = 0.0  # loop time of the latest body bytes (the body timer checks it when it fires)
+    _phase: Literal["head", "body", "idle"] | None = None
+    _since = 0.0  # loop time the phase's clock started (the body's: the latest body bytes)
+    _timer: LazyTimer
     _head_bytes = 0
     _head_began_mid_read = False  # the header block opened inside the current read
     _refused = False
 
+    transport: CoalescingTransport
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.flow = _ClockedFlowControl(transport, self)
+        # uvicorn writes a response's head and its body separately: one write when the body follows
+        coalescing = CoalescingTransport(transport, self.loop)
+        self._timer = LazyTimer(self.loop, self._expired)
+        super().connection_made(coalescing)
+        self.flow = _ClockedFlowControl(coalescing, self)
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_timer()
+        self._timer.stop()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         self._head_began_mid_read = False
-        if self._phase is None and (self.cycle is None or self.cycle.response_complete):
+        if self._phase == "idle":
             self._start_head()  # any byte between requests, even a stray CRLF, opens a header block
         super().data_received(data)
         if self.transport.is_closing():
@@ -151,7 +162,7 @@ class GuardedProtocol(HttpToolsProtocol):
             if self._head_bytes > self.limits.max_header_bytes:
                 self._refuse(431, "RequestHeaderFieldsTooLargeError", self._too_large())
         elif self._phase == "body":
-            self._last_read = self.loop.time()
+            self._since = self.loop.time()
 
     def on_message_begin(self) -> None:
         if self._refused:
@@ -168,8 +179,8 @@ class GuardedProtocol(HttpToolsProtocol):
         if size > self.limits.max_header_bytes:
             self._refuse(431, "RequestHeaderFieldsTooLargeError", self._too_large())
             return
-        self._phase, self._last_read = "body", self.loop.time()
-        self._arm(self.limits.body_timeout)
+        self._enter("body", self.limits.body_timeout)
+        self.transport.hold_next()  # the response's head, until its body follows
         limit = self.limits.concurrency
         if not limit or len(self.tasks) < limit:
             super().on_headers_complete()
@@ -189,8 +200,29 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_complete()
-        self._phase = None
-        self._stop_timer()
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete:  # answered before the body ended
+            self._enter("idle", self.limits.keep_alive)
+        else:
+            self._phase = None  # the application answers: no clock on the client
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive clock on this connection's timer (uvicorn starts a
+        timer per response)."""
+        if self.pipeline or self.transport.is_closing():
+            super().on_response_complete()  # the next request starts, or nothing is left to time
+            return
+        self.server_state.total_requests += 1
+        self.flow.resume_reading()
+        if self._phase is None:  # no later request has begun
+            self._enter("idle", self.limits.keep_alive)
+
+    def reading_resumed(self) -> None:
+        """The server lets the client send again (``_ClockedFlowControl``)."""
+        if self._phase == "body":
+            # The client's gap starts now: bytes it sent while reading was held back arrive on
+            # the next loop iteration, which may come after a body timer due this very instant.
+            self._since = self.loop.time()
 
     def send_400_response(self, msg: str) -> None:
         if not self.transport.is_closing():  # not when a limit already answered
@@ -200,34 +232,48 @@ class GuardedProtocol(HttpToolsProtocol):
         return f"request header block exceeds the limit of {self.limits.max_header_bytes} bytes"
 
     def _start_head(self) -> None:
-        self._phase, self._head_bytes = "head", 0
-        self._arm(self.limits.header_timeout)
+        self._head_bytes = 0
+        self._enter("head", self.limits.header_timeout)
 
-    def _arm(self, seconds: float) -> None:
-        self._stop_timer()
-        self._timer = self.loop.call_later(seconds, self._expired)
+    def _enter(self, phase: Literal["head", "body", "idle"], seconds: float) -> None:
+        """Start ``phase``'s clock; the timer is moved only if it would fire after its limit."""
+        now = self.loop.time()
+        self._phase, self._since = phase, now
+        self._timer.ensure(now + seconds)
 
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _limit(self) -> float:
+        """The current phase's limit in seconds (0: none)."""
+        phase = self._phase
+        if phase == "head":
+            return self.limits.header_timeout
+        if phase == "body":
+            return self.limits.body_timeout
+        return self.limits.keep_alive if phase == "idle" else 0.0
 
     def _expired(self) -> None:
-        self._timer = None
         if self.transport.is_closing() or self.transport.get_protocol() is not self:
             return  # closed, or handed over (a WebSocket upgrade)
+        limit = self._limit()
+        if not limit:
+            return  # the application is answering: the next phase arms the timer again
+        deadline = self._since + limit
+        if self.loop.time() < deadline:
+            self._timer.ensure(deadline)  # the phase began after the timer was set: sleep on
+        else:
+            self._timed_out()
+
+    def _timed_out(self) -> None:
+        """The current phase's clock ran out."""
         cycle = self.cycle
         if self._phase == "body":
-            idle = self.loop.time() - self._last_read
-            if idle < self.limits.body_timeout:
-                self._arm(self.limits.body_timeout - idle)  # bytes came since: one timer, not one per read
-            elif self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
-                self._last_read = self.loop.time()  # the wait is the server's: the client's gap restarts
-                self._arm(self.limits.body_timeout)
+            if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+                self._enter("body", self.limits.body_timeout)  # the wait is the server's: the gap restarts
             else:
                 self._refuse(408, "RequestTimeoutError", "request body not received in time")
+        elif self._phase == "idle":
+            self._refuse(0, "", "")  # an idle keep-alive connection: close quietly
         elif cycle is not None and not cycle.response_complete:
-            self._arm(self.limits.header_timeout)  # a pipelined head waits for the answer before it
+            self._enter("head", self.limits.header_timeout)  # a pipelined head waits for the answer before it
         elif self._head_bytes == 0:
             self._refuse(0, "", "")  # nothing sent: close quietly, as for an idle keep-alive
         else:
@@ -236,7 +282,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, type_: str, message: str) -> None:
         """Answer ``status`` unless the connection is answering something else, then close."""
         self._refused = True
-        self._stop_timer()
+        self._timer.stop()
         cycle = self.cycle
         if status and self._may_answer():
             log.warning("refused a client", extra={"status": status, "detail": message})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -120,9 +121,18 @@ class StartupFailed(Exception):
 
 
 class _Server(uvicorn.Server):
-    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself."""
+    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself.
+
+    With ``freeze``, once started (the lifespan included) it moves every object then alive out of
+    the cyclic garbage collector's sight (``gc.freeze``): what start-up built (modules, the app,
+    its clients) lives as long as the process, and the collector's full passes no longer walk it.
+    """
 
     startup_failed = False
+
+    def __init__(self, config: uvicorn.Config, freeze: bool = False) -> None:
+        super().__init__(config)
+        self._freeze = freeze
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -133,6 +143,10 @@ class _Server(uvicorn.Server):
             await super().startup(sockets=sockets)
         except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
             self.startup_failed = self.should_exit = True
+            return
+        if self._freeze and not self.should_exit:
+            gc.collect()  # start-up's garbage is freed, not frozen
+            gc.freeze()
 
 
 def uvicorn_config(
@@ -175,7 +189,8 @@ async def serve(
             lifespan="on",
             timeout_graceful_shutdown=config.drain_timeout,
             backlog=BACKLOG,
-        )
+        ),
+        freeze=True,
     )
     admin_limits = ServerLimits.of(config, admin=True)
     admin = _Server(

@@ -31,7 +31,8 @@ from urllib.parse import urlsplit
 
 from sidecar.classify import Failure
 from sidecar.exceptions import SidecarError
-from sidecar.http1 import BodyError, Connection, ProtocolError, encode_head
+from sidecar.framing import encode_head
+from sidecar.http1 import BodyError, Connection, ProtocolError
 
 Headers = list[tuple[bytes, bytes]]
 # An idle connection older than this is closed rather than reused. vLLM serves with uvicorn's

@@ -13,10 +13,12 @@ import hashlib
 import inspect
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
+import httptools
 import pytest
 import uvloop
 from starlette.applications import Starlette
@@ -27,6 +29,7 @@ from starlette.routing import Route
 from sidecar.classify import Failure
 from sidecar.http1 import HIGH_WATER
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
+from tests.fakes import CountingLoop
 from tests.servers import ServerThread, free_port, serve
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -280,6 +283,61 @@ async def test_head_has_no_body_and_the_connection_is_reused() -> None:
         assert await body_of(await client.send("GET", "/", [], None)) == b"full"
         await client.close()
     assert seen == [b"HEAD", b"GET"] and server.accepted == 1
+
+
+@on_both_loops
+async def test_a_keep_alive_connection_keeps_one_parser_and_one_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = 0
+    parser = httptools.HttpResponseParser
+
+    def counted(protocol: object) -> Any:
+        nonlocal made
+        made += 1
+        return parser(protocol)
+
+    monkeypatch.setattr(httptools, "HttpResponseParser", counted)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):  # the body's end comes later: the client waits for it too
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.001)
+            writer.write(b"0\r\n\r\n")
+
+    async with RawServer(handler) as server:
+        client = await started(server.url, read_timeout=5.0)
+        loop = CountingLoop(asyncio.get_running_loop())
+        client._loop = loop  # type: ignore[assignment]
+        for _ in range(20):
+            assert await body_of(await client.send("GET", "/", [], None)) == b"ok"
+        await client.close()
+    assert server.accepted == 1 and made == 1
+    assert loop.timers <= 2  # forty waits for D (head, body) on one timer, moved at most once
+
+
+@on_both_loops
+async def test_each_wait_for_d_keeps_its_own_limit_on_the_shared_timer() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(response(b"ok"))
+        await read_request(reader)
+        await asyncio.sleep(0.6)
+        writer.write(response(b"late"))
+        await reader.read()  # the third request is never answered
+
+    async with RawServer(handler) as server:
+        client = await started(server.url, header_timeout=0.3)
+        assert await body_of(await client.send("GET", "/", [], None)) == b"ok"
+        # the timer set for the first wait (0.3 s) fires during this one, which has 5 s
+        assert await body_of(await client.send("GET", "/", [], None, header_timeout=5.0)) == b"late"
+        sent_at = time.monotonic()
+        with pytest.raises(UpstreamError) as caught:  # the timer is now set 5 s out: 0.2 s moves it
+            await client.send("GET", "/", [], None, header_timeout=0.2)
+        assert caught.value.failure is Failure.HEADER_TIMEOUT
+        assert time.monotonic() - sent_at < 2.0
+        await client.close()
 
 
 @on_both_loops

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+import warnings
+
 import pytest
 
-from sidecar.headers import data_parallel_rank, request_headers, response_headers
+from sidecar.headers import data_parallel_rank, new_request_id, request_headers, response_headers
 
 
 def test_request_strips_hop_by_hop_and_host_and_keeps_the_rest() -> None:
@@ -37,6 +41,35 @@ def test_request_id_generated_when_missing() -> None:
     # An empty header is no id: one is generated (vLLM would make up its own too).
     _, made, generated = request_headers([(b"x-request-id", b"")])
     assert made and generated
+
+
+def test_made_up_request_ids_are_128_random_bits_never_repeated() -> None:
+    ids = [new_request_id() for _ in range(3000)]  # across several reads of the random source
+    assert all(re.fullmatch(r"[0-9a-f]{32}", made) for made in ids)
+    assert len(set(ids)) == len(ids)
+    ones = sum(bin(int(made, 16)).count("1") for made in ids)
+    assert 0.48 < ones / (128 * len(ids)) < 0.52  # as many one bits as zero bits: random, not counted
+
+
+def test_a_forked_child_makes_up_ids_of_its_own() -> None:
+    new_request_id()  # the parent holds unread random bytes the child must not hand out again
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+ warns about forking with threads
+        pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        os.write(write, "".join(new_request_id() for _ in range(10)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        child = pipe.read().decode()
+    os.waitpid(pid, 0)
+    parent = "".join(new_request_id() for _ in range(10))
+    assert len(child) == len(parent) == 320 and child != parent
+    assert not {child[i : i + 32] for i in range(0, 320, 32)} & {
+        parent[i : i + 32] for i in range(0, 320, 32)
+    }
 
 
 def test_response_keeps_encoding_adds_request_id() -> None:

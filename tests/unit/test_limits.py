@@ -1,7 +1,9 @@
-"""GuardedProtocol's body timer against uvicorn's flow control, driven by hand on a fake transport.
+"""GuardedProtocol driven by hand on a fake transport: its body timer against uvicorn's flow
+control, and how a response's head and body reach the socket.
 
 The timer and the read that resumes a held-back body can fall in the same loop
-iteration; only a hand-driven protocol makes that order certain.
+iteration, and a head held for its body must leave at the end of the iteration
+that wrote it; only a hand-driven protocol makes that order certain.
 """
 
 from __future__ import annotations
@@ -9,54 +11,22 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
 from sidecar.limits import GuardedProtocol, ServerLimits, guarded_protocol
+from tests.fakes import CountingLoop, FakeTransport
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
-
-
-class FakeTransport:
-    """The transport calls uvicorn's protocol makes, recorded."""
-
-    def __init__(self) -> None:
-        self.written = bytearray()
-        self.closing = False
-        self.reading = True
-        self.protocol: Any = None
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def get_protocol(self) -> Any:
-        return self.protocol
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
 
 
 async def _holding_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await asyncio.Event().wait()  # never reads the body: the server holds reading back
 
 
-def _connect(limits: ServerLimits) -> tuple[GuardedProtocol, FakeTransport]:
-    config = uvicorn.Config(app=_holding_app, lifespan="off", log_level="critical")
+def _connect(limits: ServerLimits, app: Any = _holding_app) -> tuple[GuardedProtocol, FakeTransport]:
+    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
     protocol = guarded_protocol(limits)(config, ServerState(), {}, asyncio.get_running_loop())
     transport = FakeTransport()
     transport.protocol = protocol
@@ -68,11 +38,11 @@ async def test_a_body_timer_due_as_reading_resumes_does_not_blame_the_client() -
     protocol, transport = _connect(ServerLimits(body_timeout=1.0))
     protocol.data_received(HEAD + b"x" * 70_000)  # past uvicorn's high water mark
     assert protocol.flow.read_paused and not transport.reading
-    protocol._last_read -= 10.0  # the server held reading back for ten body timeouts
+    protocol._since -= 10.0  # the server held reading back for ten body timeouts
     protocol.flow.resume_reading()  # the app reads again; the client's bytes arrive next iteration
     protocol._expired()  # ...after a body timer due this very iteration
     assert not transport.closing and bytes(transport.written) == b""
-    protocol._last_read -= 1.5  # the client then really stays silent past the timeout
+    protocol._since -= 1.5  # the client then really stays silent past the timeout
     protocol._expired()
     assert transport.closing and transport.written.startswith(b"HTTP/1.1 408 ")
     protocol.connection_lost(None)
@@ -84,10 +54,10 @@ async def test_a_body_timer_due_as_reading_resumes_does_not_blame_the_client() -
 async def test_a_body_timer_while_reading_is_held_back_restarts_the_clients_gap() -> None:
     protocol, transport = _connect(ServerLimits(body_timeout=1.0))
     protocol.data_received(HEAD + b"x" * 70_000)
-    protocol._last_read -= 10.0
+    protocol._since -= 10.0
     protocol._expired()  # reading is paused: the wait is the server's
     assert not transport.closing
-    assert protocol.loop.time() - protocol._last_read < 0.5
+    assert protocol.loop.time() - protocol._since < 0.5
     protocol.connection_lost(None)
     for task in protocol.tasks:
         task.cancel()
@@ -113,3 +83,144 @@ async def test_a_pipelined_head_is_not_charged_for_the_body_read_before_it() -> 
         for task in protocol.tasks:
             task.cancel()
         await asyncio.gather(*protocol.tasks, return_exceptions=True)
+
+
+async def _close(protocol: GuardedProtocol) -> None:
+    protocol.connection_lost(None)
+    for task in protocol.tasks:
+        task.cancel()
+    await asyncio.gather(*protocol.tasks, return_exceptions=True)
+
+
+REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+SSE_HEAD = [(b"content-type", b"text/event-stream")]
+JSON_HEAD = [(b"content-type", b"application/json"), (b"content-length", b"11")]
+
+
+@pytest.mark.parametrize("body", [b'{"id": "a"}', b"x" * 200_000], ids=["small", "large"])
+async def test_a_whole_answer_leaves_in_one_write(body: bytes) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    protocol, transport = _connect(ServerLimits(), app)
+    try:
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        assert len(transport.writes) == 1
+        assert transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert transport.writes[0].endswith(b"\r\n\r\n" + body)
+        # the next request on the connection is coalesced the same way
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        assert len(transport.writes) == 2 and transport.writes[1] == transport.writes[0]
+    finally:
+        await _close(protocol)
+
+
+async def test_a_streamed_head_leaves_at_the_end_of_its_loop_iteration() -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEAD})
+        started.set()
+        await release.wait()  # the first event is still on its way from D
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    protocol, transport = _connect(ServerLimits(), app)
+    try:
+        protocol.data_received(REQUEST)
+        await started.wait()  # woken after the iteration that wrote the head
+        assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
+        release.set()
+        await asyncio.gather(*protocol.tasks)
+        # every event leaves as it is sent, none held for the next
+        assert transport.writes[1:] == [b"9\r\ndata: 1\n\n\r\n", b"9\r\ndata: 2\n\n\r\n", b"0\r\n\r\n"]
+    finally:
+        await _close(protocol)
+
+
+async def test_a_held_head_is_written_before_the_connection_closes_and_dropped_on_abort() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
+        protocol.transport.close()  # before the loop iteration ends
+        protocol.transport.hold_next()
+        protocol.transport.write(b"late")
+        protocol.transport.abort()
+
+    protocol, transport = _connect(ServerLimits(), app)
+    try:
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        await asyncio.sleep(0)  # the flush the head scheduled finds nothing left
+        assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert transport.closing
+    finally:
+        await _close(protocol)
+
+
+async def _answer(scope: Any, receive: Any, send: Any) -> None:
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
+    await send({"type": "http.response.body", "body": b'{"id": "a"}', "more_body": False})
+
+
+async def test_a_busy_keep_alive_connection_starts_no_timer_per_request() -> None:
+    config = uvicorn.Config(app=_answer, lifespan="off", log_level="critical")
+    loop = CountingLoop(asyncio.get_running_loop())
+    protocol = guarded_protocol(ServerLimits())(config, ServerState(), {}, loop)  # type: ignore[arg-type]
+    transport = FakeTransport()
+    transport.protocol = protocol
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    try:
+        for _ in range(20):  # head, body and keep-alive clocks, twenty times over
+            protocol.data_received(REQUEST)
+            await asyncio.gather(*protocol.tasks)
+        assert len(transport.writes) == 20 and not transport.closing
+        assert loop.timers <= 2  # the connection's timer, moved once to the keep-alive limit
+        assert protocol.timeout_keep_alive_task is None  # uvicorn's own timer is not started either
+    finally:
+        await _close(protocol)
+
+
+async def test_the_keep_alive_clock_runs_after_a_body_the_answer_did_not_wait_for() -> None:
+    async def early(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEAD})
+        await send({"type": "http.response.body", "body": b'{"id": "a"}', "more_body": False})
+
+    protocol, transport = _connect(ServerLimits(keep_alive=1.0), early)
+    try:
+        protocol.data_received(HEAD + b"x" * 1000)
+        await asyncio.gather(*protocol.tasks)  # answered; the body is still arriving
+        protocol.data_received(b"x" * (1_000_000 - 1000))
+        assert protocol._phase == "idle" and protocol._timer.armed
+        protocol._since -= 0.5
+        protocol._expired()  # half the keep-alive limit: still open
+        assert not transport.closing
+        protocol._since -= 1.0
+        protocol._expired()  # the client stayed silent past it: closed quietly
+        assert transport.closing and len(transport.writes) == 1
+    finally:
+        await _close(protocol)
+
+
+async def test_a_shorter_limit_than_the_one_the_timer_waits_for_is_kept() -> None:
+    # after an answer the timer waits for the 5 s keep-alive; a head begun then has 0.05 s
+    protocol, transport = _connect(ServerLimits(header_timeout=0.05, keep_alive=5.0), _answer)
+    try:
+        protocol.data_received(REQUEST)
+        await asyncio.gather(*protocol.tasks)
+        await asyncio.sleep(0.2)  # the client idles past the first head's limit: the timer now waits 5 s
+        protocol.data_received(b"GET /health HT")
+        await asyncio.wait_for(transport.closed.wait(), 2.0)
+        assert transport.writes[-1].startswith(b"HTTP/1.1 408 ")
+    finally:
+        await _close(protocol)

@@ -1,10 +1,10 @@
-"""``sidecar.http1.encode_head``: what D receives as the request head, as a table."""
+"""``sidecar.framing.encode_head``: what D receives as the request head, as a table."""
 
 from __future__ import annotations
 
 import pytest
 
-from sidecar.http1 import encode_head
+from sidecar.framing import encode_head
 
 CASES = [
     (
