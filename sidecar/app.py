@@ -82,6 +82,7 @@ class Runtime:
     _refresh: asyncio.Task[str | None] | None = None
     # D's state (engine alive, shutting down, KV connector), polled while releases are sent.
     decode: DecodeState | None = None
+    probes: Client | None = None  # DecodeState's own client to D
 
     async def decode_healthy(self) -> bool:
         """D's ``GET /health`` is 200 (cached for a second; the poller's view when it runs)."""
@@ -175,6 +176,8 @@ class Runtime:
     async def close(self) -> None:
         if self.decode is not None:
             await self.decode.close()
+        if self.probes is not None:
+            await self.probes.close()
         if self._refresh is not None:
             self._refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -248,11 +251,24 @@ class ProxyApp:
         self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, inflight, proxy, tracing)
         holder.append(self.runtime)
         if releaser.frees:  # what D's engine can release itself decides what the sidecar sends
+            # Probes have their own connection to D: they never wait behind a full request pool
+            # (a D seen as gone under load would have its own releases sent twice), and a request
+            # never reuses a probe's connection.
+            probes = deps.upstream or _upstream(config, pool_size=1)
+            if probes is not upstream:
+                await probes.start()
+                self.runtime.probes = probes
             self.runtime.decode = DecodeState(
-                upstream, interval=config.decode_health_interval, kv_connector=config.decode_kv_connector
+                probes, interval=config.decode_health_interval, kv_connector=config.decode_kv_connector
             )
             await self.runtime.decode.start()
         log.info("sidecar started", extra={"config": dump(config)})
+        if config.dry_run:
+            log.warning(
+                "dry run: every release is decided and checked as --release %s would, and none is sent "
+                '(kvr_releases_total{result="would_send"})',
+                config.release,
+            )
         return self.runtime
 
     async def shutdown(self) -> None:
@@ -298,14 +314,14 @@ def _pool(config: Config, allowlist: Allowlist) -> PrefillPool | None:
     return PrefillPool(config, allowlist=allowlist)
 
 
-def _upstream(config: Config) -> Client:
+def _upstream(config: Config, pool_size: int | None = None) -> Client:
     return Upstream(
         config.decode_url,
         connect_timeout=config.connect_timeout,
         pool_timeout=config.pool_timeout,
         header_timeout=config.header_timeout,
         read_timeout=config.read_timeout,
-        pool_size=config.pool_size,
+        pool_size=pool_size or config.pool_size,
     )
 
 

@@ -52,6 +52,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     read_timeout: float = 0.0
     pool_size: int = 1024
     release: ReleaseStrategy = "dry-run"
+    # With nixl, http or auto: run every check of that strategy, send nothing (would_send).
+    dry_run: bool = False
     release_queue_size: int = 4096
     # Concurrent release jobs (asyncio tasks). Each waits on a hop to the NIXL thread, so a
     # storm needs many in flight: 4 fell behind 1,700 rejections/s, 32 kept up (make bench).

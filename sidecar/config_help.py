@@ -21,6 +21,11 @@ HELP: dict[str, tuple[str, str]] = {
     "read_timeout": ("largest gap between two body chunks from D; 0 disables", "seconds"),
     "pool_size": ("connections to D at most", "connections"),
     "release": ("what happens when D rejects a P/D request: off, dry-run, nixl, http or auto", ""),
+    "dry_run": (
+        "with --release nixl, http or auto: decide and check each release as that strategy would, "
+        "and send nothing (result would_send)",
+        "",
+    ),
     "release_queue_size": ("release jobs waiting at most; the oldest is dropped when full", "jobs"),
     "release_workers": ("release jobs running at once", "jobs"),
     "release_deadline": ("give up a release after this (P's lease frees the blocks then)", "seconds"),

@@ -65,6 +65,12 @@ def check(config: Config) -> None:
             raise ConfigError("prefill_allow", pattern, reason)
     if config.vllm_version and not _is_version(config.vllm_version):
         raise ConfigError("vllm_version", config.vllm_version, "must look like 0.21.0")
+    if config.dry_run and config.release not in ("nixl", "http", "auto"):
+        raise ConfigError(
+            "dry_run",
+            config.dry_run,
+            f"needs --release nixl, http or auto (--release {config.release} sends nothing already)",
+        )
     if not config.trace_service_name.strip():
         raise ConfigError("trace_service_name", config.trace_service_name, "must not be empty")
 

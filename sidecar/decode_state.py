@@ -115,6 +115,8 @@ class DecodeState:
         self._setting = kv_connector
         self._engine: Engine = "unknown"
         self._engine_at = float("-inf")  # when the engine value was learnt (a probe's start)
+        self._health: Engine = "unknown"  # what /health last answered (alive or dead)
+        self._wake = asyncio.Event()  # probe now, not at the next interval
         self._exiting = False  # D's server said Connection: close
         self._exiting_at = float("-inf")
         self._draining = False
@@ -150,13 +152,24 @@ class DecodeState:
     def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
         """A passive signal from the request path: the failure that kept D's answer from arriving,
         or D's status (or a stream's first error code) with its error message; ``closing``: the
-        answer said ``Connection: close``. Only ever lowers the view; ``/health`` raises it."""
+        answer said ``Connection: close``.
+
+        A failure to reach D, or a dead engine's answer, lowers the view at once. Any other answer
+        while D was unreachable means D's server is back: vLLM serves its routes only once its
+        engine runs, so the engine is what ``/health`` last said (alive when it never answered),
+        and ``/health``, ``/version`` and ``/metrics`` are read again at once. Otherwise a
+        rejection D's own fix has just released would be sent again by the sidecar.
+        """
         now = self._clock()
         if isinstance(signal, Failure):
             if signal in UNREACHABLE:
                 self._engine, self._engine_at = "unknown", now
         elif engine_dead_answer(signal, message):
             self._engine, self._engine_at = "dead", now
+        elif self._engine == "unknown":
+            self._engine, self._engine_at = ("dead" if self._health == "dead" else "alive"), now
+            self._info_due = now  # it may be another process now
+            self._wake.set()
         if closing:
             self._exiting, self._exiting_at = True, now
         self._publish()
@@ -165,6 +178,8 @@ class DecodeState:
         """Probe D now (``/health``; ``/version`` and ``/metrics`` when due) and publish."""
         started = self._clock()
         engine, closing = await probe_health(self._upstream)
+        if engine != "unknown":
+            self._health = engine
         if engine == "alive" and self._engine != "alive":
             self._info_due = started  # D (re)appeared: it may be another process now
         if engine == "alive" and started >= self._info_due:
@@ -235,7 +250,9 @@ class DecodeState:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval)
+            self._wake.clear()
             try:
                 await self.refresh()
             except Exception:  # a bug must not stop the poller: the view goes to "unknown"

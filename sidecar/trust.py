@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 
 from sidecar.config import Config, ConfigError
+from sidecar.ttlmap import TTLMap
 
 TOKEN_HEADER = b"x-kvr-router-token"
 SIGNATURE_HEADER = b"x-kvr-params-signature"
@@ -82,9 +82,8 @@ class InFlight:
     """Keys of parameters forwarded to D that D may still read: in flight, or admitted recently."""
 
     def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._size, self._ttl, self._clock = size, ttl, clock
         self._live: dict[Hashable, int] = {}
-        self._admitted: OrderedDict[Hashable, float] = OrderedDict()
+        self._admitted: TTLMap[Hashable, bool] = TTLMap(size, ttl, clock)
 
     def forwarded(self, key: Hashable) -> None:
         self._live[key] = self._live.get(key, 0) + 1
@@ -100,19 +99,8 @@ class InFlight:
 
     def admitted(self, key: Hashable) -> None:
         """D may read these parameters for the next ``ttl`` seconds (it admitted, or is aborting, one)."""
-        self._admitted[key] = self._clock() + self._ttl
-        self._admitted.move_to_end(key)
-        while len(self._admitted) > self._size:
-            self._admitted.popitem(last=False)
+        self._admitted[key] = True
 
     def may_be_read(self, key: Hashable) -> bool:
         """Another request with these parameters is at D, or D admitted one within the lease."""
-        if self._live.get(key, 0) > 0:
-            return True
-        expires = self._admitted.get(key)
-        if expires is None:
-            return False
-        if expires <= self._clock():
-            del self._admitted[key]
-            return False
-        return True
+        return self._live.get(key, 0) > 0 or key in self._admitted

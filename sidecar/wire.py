@@ -90,12 +90,6 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
-class SSEErrorEvent(msgspec.Struct):
-    """An in-band SSE error event, ``data: {"error": {...}}`` (vLLM 6.2)."""
-
-    error: ErrorInfo
-
-
 _TRUE_TEXT = frozenset({"1", "t", "y", "on", "yes", "true"})
 _FALSE_TEXT = frozenset({"0", "f", "n", "no", "off", "false"})
 
@@ -119,7 +113,6 @@ def lax_bool(value: Any) -> bool | None:
 
 VIEW_DECODER = msgspec.json.Decoder(RequestView)
 PARAMS_VIEW_DECODER = msgspec.json.Decoder(ParamsView)
-SSE_ERROR_DECODER = msgspec.json.Decoder(SSEErrorEvent)
 ERROR_DECODER = msgspec.json.Decoder(ErrorResponse)
 ENCODER = msgspec.json.Encoder()
 

@@ -130,12 +130,16 @@ class Facts:
 
     def __init__(self, version: str | None = "0.33.0", can_notify: bool = True) -> None:
         self._version, self._can_notify = version, can_notify
+        self.observed: list[tuple[Failure | int, str | None, bool]] = []  # what the proxy saw of D
 
     def version(self) -> str | None:
         return self._version
 
     def can_notify(self) -> bool:
         return self._can_notify
+
+    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+        self.observed.append((signal, message, closing))
 
 
 @dataclass

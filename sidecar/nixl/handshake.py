@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -32,6 +31,7 @@ from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import PermanentReleaseError
 from sidecar.resolver import Resolver
+from sidecar.ttlmap import TTLMap
 
 _T = TypeVar("_T")
 
@@ -200,7 +200,6 @@ class PeerSet:
     generation: int | None  # remote_registration_generation (0.33.0+)
     endpoint: tuple[str, int]  # (address, base_port)
     agents: dict[Rank, str]
-    created: float = 0.0  # stamped by HandshakeCache.put
 
     def serves(self, generation: int | None, endpoint: tuple[str, int], ranks: Sequence[Rank]) -> bool:
         """Whether this set can release a request with these parameters."""
@@ -213,56 +212,50 @@ class PeerSet:
 
 
 class HandshakeCache:
-    """Bounded LRU with TTL, keyed by P's engine id. Evicted sets are returned to the
-    caller, which removes their agents (``remove_remote_agent``)."""
+    """P's engines the sidecar's agent knows, by engine id: bounded (least recently used go
+    first) and forgetting a set ``ttl`` seconds after its handshake. Every set that leaves is
+    returned to the caller, which removes its agents (``remove_remote_agent``)."""
 
     def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._size, self._ttl, self._clock = size, ttl, clock
-        self._entries: OrderedDict[str, PeerSet] = OrderedDict()
+        self._sets: TTLMap[str, PeerSet] = TTLMap(size, ttl, clock, keep_dropped=True)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._sets)
 
     def get(self, engine_id: str) -> PeerSet | None:
         """The live set for ``engine_id`` (refreshing its LRU position), or None.
 
-        An expired set stays in place until ``pop``/``expire``: the caller must
-        remove its agents before it adds the same P workers again (NIXL names an
+        An expired set stays in the map until ``take``/``put``/``expire`` hands it back: the
+        caller must remove its agents before it adds the same P workers again (NIXL names an
         agent by the remote's name, so a later removal would undo the new add).
         """
-        entry = self._entries.get(engine_id)
-        if entry is None or entry.created <= self._clock() - self._ttl:
-            return None
-        self._entries.move_to_end(engine_id)
-        return entry
+        return self._sets.get(engine_id)
+
+    def take(self, engine_id: str) -> list[PeerSet]:
+        """Remove the set of ``engine_id``, live or expired, and every other expired set."""
+        self._sets.expire()
+        live = self._sets.pop(engine_id, None)
+        return [entry for _, entry in self._sets.take_dropped()] + ([live] if live is not None else [])
 
     def put(self, entry: PeerSet) -> list[PeerSet]:
-        """Insert ``entry`` (stamped now); returns what it displaced (same engine, LRU overflow)."""
-        entry.created = self._clock()
-        evicted = []
-        old = self._entries.pop(entry.engine_id, None)
-        if old is not None and old is not entry:
-            evicted.append(old)
-        self._entries[entry.engine_id] = entry
-        while len(self._entries) > self._size:
-            evicted.append(self._entries.popitem(last=False)[1])
-        return evicted
+        """Insert ``entry``; returns what it displaced (expired, same engine, LRU overflow)."""
+        old = self._sets.pop(entry.engine_id, None)
+        self._sets[entry.engine_id] = entry
+        dropped = [e for _, e in self._sets.take_dropped()]
+        return dropped + ([old] if old is not None and old is not entry else [])
 
-    def pop(self, engine_id: str, entry: PeerSet | None = None) -> PeerSet | None:
-        """Remove the set of ``engine_id`` (only if it is still ``entry`` when given)."""
-        current = self._entries.get(engine_id)
-        if current is None or (entry is not None and current is not entry):
+    def pop(self, engine_id: str, entry: PeerSet) -> PeerSet | None:
+        """Remove the set of ``engine_id`` if it is still ``entry`` and live."""
+        if self._sets.get(engine_id) is not entry:
             return None
-        return self._entries.pop(engine_id)
+        return self._sets.pop(engine_id)
 
     def expire(self) -> list[PeerSet]:
         """Remove and return every set older than the TTL."""
-        cutoff = self._clock() - self._ttl
-        stale = [key for key, entry in self._entries.items() if entry.created <= cutoff]
-        return [self._entries.pop(key) for key in stale]
+        self._sets.expire()
+        return [entry for _, entry in self._sets.take_dropped()]
 
     def drain(self) -> list[PeerSet]:
         """Remove and return everything (shutdown)."""
-        entries = list(self._entries.values())
-        self._entries.clear()
-        return entries
+        self._sets.expire(float("inf"))
+        return [entry for _, entry in self._sets.take_dropped()]

@@ -114,7 +114,11 @@ class Judge:
         self._inflight = inflight
         self._facts = facts
         self._tracing = tracing
-        self.frees = pipeline.releaser.frees  # off and dry-run free nothing
+        # The strategy's rules (D's own fix) apply to a live strategy and to its --dry-run.
+        self._checks = pipeline.releaser.frees
+        # Whether a release frees P's blocks now: off, dry-run and --dry-run free nothing, so a
+        # client's retry with the same parameters is never refused and answers never change.
+        self.frees = pipeline.releaser.frees and not config.dry_run
 
     def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
         """Tell what D answered (or how it failed) to what the judge knows of D, before judging."""
@@ -184,7 +188,7 @@ class Judge:
 
     def _covered(self, job: ReleaseJob, now: float) -> ReleaseJob:
         """D's own fix: covered jobs are recorded, never sent; a job D may have released waits."""
-        if not self.frees:
+        if not self._checks:
             return job  # off and dry-run record every rejection as it is: no checks
         version = fix_version(self._config.vllm_version or self._facts.version())
         if version is None or not self._facts.can_notify():

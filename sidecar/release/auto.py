@@ -26,10 +26,8 @@ sub-strategies' own ``kvr_control_*`` and ``kvr_nixl_*`` series count too.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Literal, Protocol
 
@@ -38,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from sidecar.config import Config
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Releaser, Result, RetryableReleaseError
 from sidecar.release.http import NOT_DELIVERED, ControlUnreachable, HttpReleaser, Probe
+from sidecar.ttlmap import TTLMap
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,8 @@ class AutoReleaser:
         self.path: Path = "nixl"  # until a probe finds the control endpoint
         self.probed: Probe | Literal["not_yet"] = "not_yet"
         self._nixl_started = False
-        self._pinned: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        # Jobs that must stay on the control endpoint until their deadline (``release_deadline``).
+        self._pinned: TTLMap[tuple[str, str], bool] = TTLMap(PINNED_SIZE, config.release_deadline)
         self._task: asyncio.Task[None] | None = None
         self._set_path("nixl")
 
@@ -224,11 +224,7 @@ class AutoReleaser:
         return result
 
     def _pin(self, job: ReleaseJob) -> None:
-        now = time.monotonic()
-        self._pinned[job.key] = job.deadline
-        self._pinned.move_to_end(job.key)
-        while self._pinned and (len(self._pinned) > PINNED_SIZE or next(iter(self._pinned.values())) < now):
-            self._pinned.popitem(last=False)
+        self._pinned[job.key] = True
 
     def _count(self, path: Path, result: str) -> None:
         self.metrics.releases.labels(path, result).inc()

@@ -25,7 +25,8 @@ class Result(StrEnum):
     """The ``result`` label of ``kvr_releases_total``: one per finished job."""
 
     SENT = "sent"  # the strategy delivered every message
-    DRY_RUN = "dry_run"  # recorded, nothing sent
+    DRY_RUN = "dry_run"  # recorded, nothing sent, nothing checked (--release dry-run)
+    WOULD_SEND = "would_send"  # every check of the strategy passed; nothing sent (--dry-run)
     OFF = "off"  # releases disabled
     DUPLICATE = "duplicate"  # the ledger saw this (engine, request) already
     COVERED_BY_ENGINE = "covered_by_engine"  # D's own fix releases it (vLLM 0.21.0+)

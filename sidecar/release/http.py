@@ -47,6 +47,14 @@ LOG_INTERVAL = 10.0
 #: Permanent reasons for which the plugin certainly did not act (another path is safe).
 NOT_DELIVERED = frozenset({"not_found", "unauthorized", "forbidden"})
 Probe = Literal["present", "absent", "unauthorized", "forbidden", "no_engine", "unreachable", "error"]
+#: ``--dry-run``: the health route's answer read as the release route's refusal reason.
+REHEARSAL_REASONS: dict[Probe, str] = {
+    "absent": "not_found",
+    "unauthorized": "unauthorized",
+    "forbidden": "forbidden",
+}
+#: ``--dry-run``: seconds one health probe stands for every release.
+REHEARSAL_PROBE = 5.0
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -142,6 +150,7 @@ class HttpReleaser:
         self._client: httpx.AsyncClient | None = None
         self._headers: dict[str, str] = {}
         self._logged: dict[str, float] = {}
+        self._probed: tuple[float, Probe] | None = None  # --dry-run: (when, what) of the last probe
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -188,6 +197,8 @@ class HttpReleaser:
         text = self._config.vllm_version or await self._d_release.get()
         profile = WireProfile.for_version(text) if text else None
         request_id = _request_id(profile, job)
+        if self._config.dry_run:
+            return await self._rehearse()
         body = Outgoing(
             request_id=request_id,
             kv_transfer_params=msgspec.Raw(job.raw_params),
@@ -218,6 +229,26 @@ class HttpReleaser:
         except (ControlUnreachable, ControlFailed) as exc:
             self.metrics.requests.labels(exc.reason).inc()
             raise
+
+    async def _rehearse(self) -> Result:
+        """``--dry-run``: what a release would meet at D's control endpoint, from its health
+        route (probed at most every ``REHEARSAL_PROBE`` seconds), never its release route."""
+        now = time.monotonic()
+        if self._probed is None or now - self._probed[0] >= REHEARSAL_PROBE:
+            self._probed = (now, await self.probe())
+        probe = self._probed[1]
+        if probe == "present":
+            return Result.WOULD_SEND
+        if probe == "unreachable":
+            raise ControlUnreachable("control endpoint unreachable (dry run: its health route)")
+        reason = REHEARSAL_REASONS.get(probe)
+        message = f"control endpoint's health route says {probe} (dry run)"
+        if reason is None:
+            raise ControlFailed(message, "server_error" if probe == "no_engine" else "transport")
+        self._log_refusal(reason, message)
+        refusal = PermanentReleaseError(message, reason)
+        refusal.verdict = Verdict.UP
+        raise refusal
 
     async def probe(self) -> Probe:
         """Whether D serves the control endpoint to this sidecar's token (``GET .../health``)."""

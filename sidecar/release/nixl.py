@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +40,7 @@ from sidecar.release.base import (
 )
 from sidecar.release.version import DecodeRelease
 from sidecar.tracing import OFF, Tracing
+from sidecar.ttlmap import TTLMap
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ PROGRESS_SIZE = 65536
 class _Progress:
     """What has been sent for one job, kept until its deadline (retries resume from it)."""
 
-    deadline: float
     sent: set[Rank] = field(default_factory=set)
     attempted: bool = False
 
@@ -85,7 +84,8 @@ class NixlReleaser:
         self._client: HandshakeClient | None = None
         self._cache = HandshakeCache(config.handshake_cache_size, config.handshake_cache_ttl)
         self._inflight: dict[str, asyncio.Future[PeerSet]] = {}
-        self._progress: OrderedDict[tuple[str, str], _Progress] = OrderedDict()
+        # A job's retries end at its deadline, ``release_deadline`` after it was made.
+        self._progress: TTLMap[tuple[str, str], _Progress] = TTLMap(PROGRESS_SIZE, config.release_deadline)
         self._profiles: dict[str, WireProfile | None] = {}
         self._logged: dict[str, float] = {}
         self._loopback_warned: set[str] = set()
@@ -169,7 +169,11 @@ class NixlReleaser:
                 "no_request_id",
             )
         ranks = profile.ranks(params)
-        progress = self._progress_of(engine_id, request_id, job.deadline)
+        if self._config.dry_run:  # every check the live release makes before it connects to P
+            target = await self._check.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
+            self._warn_loopback(target)
+            return Result.WOULD_SEND, "dry_run"
+        progress = self._progress_of(engine_id, request_id)
         if unsafe and progress.attempted:
             raise PermanentReleaseError(
                 "vLLM < 0.10.1: a send was attempted once, never twice", "unsafe_retry"
@@ -282,9 +286,11 @@ class NixlReleaser:
         assert self._client is not None, "start() first"
         # The old set's agents go first: NIXL names an agent by the remote, so a re-add of
         # the same P worker followed by removing the old entry would remove the new one.
-        old = self._cache.pop(engine_id)
-        if old is not None:
-            await self._drop([old], "generation" if old.generation != generation else "replaced")
+        for old in self._cache.take(engine_id):
+            if old.engine_id != engine_id:
+                await self._drop([old], "ttl")
+            else:
+                await self._drop([old], "generation" if old.generation != generation else "replaced")
         host, base_port = endpoint
         target = await self._check.target(host, sorted({profile.port(base_port, tp) for _, tp in ranks}))
         self._warn_loopback(target)
@@ -327,16 +333,13 @@ class NixlReleaser:
         if now - self._last_sweep >= min(self._config.handshake_cache_ttl, 60.0):
             self._last_sweep = now
             await self._drop(self._cache.expire(), "ttl")
-            for key in [k for k, p in self._progress.items() if p.deadline < now]:
-                del self._progress[key]
+            self._progress.expire()
 
-    def _progress_of(self, engine_id: str, request_id: str, deadline: float) -> _Progress:
+    def _progress_of(self, engine_id: str, request_id: str) -> _Progress:
         key = (engine_id, request_id)
         progress = self._progress.get(key)
         if progress is None:
-            progress = self._progress[key] = _Progress(deadline)
-            while len(self._progress) > PROGRESS_SIZE:
-                self._progress.popitem(last=False)
+            progress = self._progress[key] = _Progress()
         return progress
 
     # --- logs ------------------------------------------------------------------------------

@@ -61,5 +61,4 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
 
 REQUEST_DECODER = msgspec.json.Decoder(ReleaseRequest)
 ACCEPTED_DECODER = msgspec.json.Decoder(ReleaseAccepted)
-HEALTH_DECODER = msgspec.json.Decoder(Health)
 ENCODER = msgspec.json.Encoder()

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 TOKEN_ENV = "KVR_CONTROL_TOKEN"
 TOKEN_FILE_ENV = "KVR_CONTROL_TOKEN_FILE"
 INSECURE_ENV = "KVR_CONTROL_INSECURE"
-MIN_TOKEN_LENGTH = 16
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 

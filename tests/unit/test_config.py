@@ -201,3 +201,16 @@ def test_an_error_about_a_secret_does_not_echo_it() -> None:
     error = ConfigError("trust_key", "supersecretkey123", "too short")
     assert "supersecretkey123" not in str(error) and "trust_key" in str(error)
     assert "<redacted>" in str(error)
+
+
+@pytest.mark.parametrize("release", ["off", "dry-run"])
+def test_dry_run_needs_a_strategy_that_would_send(release: str) -> None:
+    with pytest.raises(ConfigError, match="needs --release nixl, http or auto") as info:
+        load(parse("--dry-run", "--release", release), {})
+    assert info.value.field == "dry_run"
+
+
+@pytest.mark.parametrize("release", ["nixl", "http", "auto"])
+def test_dry_run_of_a_live_strategy_is_one_flag_or_variable(release: str) -> None:
+    assert load(parse("--dry-run", "--release", release), {}).dry_run
+    assert load(parse("--release", release), {"KVR_DRY_RUN": "1"}).dry_run

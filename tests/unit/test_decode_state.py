@@ -317,6 +317,42 @@ async def test_observe_lowers_the_view_at_once(
     assert state.view().can_notify is (engine == "alive")
 
 
+@pytest.mark.parametrize(("health", "engine"), [(OK, "alive"), ((503, [], b""), "dead"), (None, "alive")])
+async def test_an_answer_after_d_was_unreachable_brings_back_what_health_last_said(
+    health: Answer | None, engine: str
+) -> None:
+    """D flapped: a refused connection, then D answers a rejection its handler raised. D's own
+    fix has released it; the view must say so before the judge reads it, not a poll later."""
+    upstream, clock = FakeUpstream(), Clock()
+    if health is None:
+        upstream.set(health=refused())  # D was never seen before it answered
+    else:
+        upstream.set(health=health)
+    state = make(upstream, clock=clock)
+    await state.refresh()
+    clock.now += 1
+    state.observe(Failure.CONNECT_REFUSED)
+    assert state.view().engine == "unknown"
+    clock.now += 1
+    upstream.set(health=refused())  # a probe that fails meanwhile does not change what /health said
+    await state.refresh()
+    state.observe(404, "The model `x` does not exist.")
+    assert state.view().engine == engine and state.view().can_notify is (engine == "alive")
+
+
+async def test_an_answer_after_d_was_unreachable_wakes_the_poller_to_read_d_again() -> None:
+    upstream = FakeUpstream()
+    state = make(upstream, interval=3600.0)
+    await state.start()
+    try:
+        state.observe(Failure.CONNECT_REFUSED)
+        calls = len(upstream.calls)
+        state.observe(404, None)
+        await until(lambda: upstream.calls[calls:] == ["health", "version", "metrics"])
+    finally:
+        await state.close()
+
+
 async def test_connection_close_means_d_is_exiting_until_an_answer_without_it() -> None:
     upstream, clock = FakeUpstream(), Clock()
     state = make(upstream, clock=clock)

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sidecar.classify import Failure
 from sidecar.config import Config
 from sidecar.faults import Injector
 from sidecar.metrics import Metrics
@@ -203,6 +204,29 @@ async def test_spent_parameters_are_refused_409_without_reaching_d() -> None:
         again = await r.call(Client(body=completion(V033)))
         assert again.status == 409 and again.response_headers[b"x-should-retry"] == b"false"
         assert len(r.d.requests) == 1
+
+
+async def test_a_dry_run_applies_the_strategys_rules_and_never_changes_an_answer() -> None:
+    """``--dry-run``: D's own fix still decides (covered), but nothing is spent: no
+    ``x-should-retry: false``, and a retry with the same parameters reaches D."""
+    answers = iter([error(404, "NotFoundError"), error(400, "Bad Request"), error(400, "Bad Request")])
+    async with rig(FakeUpstream(lambda r: next(answers)), dry_run=True) as r:
+        covered = await r.call(Client(body=completion(V033)))
+        refused = await r.call(Client(body=completion(dict(V033, remote_request_id="other"), max_tokens="x")))
+        again = await r.call(Client(body=completion(dict(V033, remote_request_id="other"))))
+        assert r.result("covered_by_engine") == 1 and len(r.releaser.jobs) == 1
+        assert (covered.status, refused.status, again.status) == (404, 400, 400)
+        assert all(b"x-should-retry" not in c.response_headers for c in (covered, refused, again))
+        assert len(r.d.requests) == 3
+
+
+async def test_what_the_proxy_sees_of_d_reaches_ds_state_before_the_judge() -> None:
+    facts = Facts("0.33.0")
+    async with rig(FakeUpstream(lambda r: error(404, "NotFoundError")), facts) as r:
+        await r.call(Client(body=completion(V033)))
+    async with rig(FakeUpstream(refused, reached=False), facts) as r:
+        await r.call(Client(body=completion(V033)))
+    assert facts.observed == [(404, "no", False), (Failure.CONNECT_REFUSED, None, False)]
 
 
 async def test_other_paths_pass_through_unjudged() -> None:
