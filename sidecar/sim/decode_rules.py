@@ -47,9 +47,11 @@ class Rejection:
     origin: Origin
 
 
-def handler_rejection(status: int, message: str, param: str | None = None) -> Rejection:
-    """A rejection raised inside a completion handler (vLLM's cleanup wrapper sees it)."""
-    return Rejection(status, error_body(message, status, handler_error_type(status), param), "handler")
+def handler_rejection(status: int, message: str, param: str | None = None, kind: str = "") -> Rejection:
+    """A rejection raised inside a completion handler (vLLM's cleanup wrapper sees it), typed
+    ``kind`` or by its status."""
+    body = error_body(message, status, kind or handler_error_type(status), param)
+    return Rejection(status, body, "handler")
 
 
 def vllm_error_message(message: str, parameter: str, value: object) -> str:
@@ -126,6 +128,7 @@ class ParsedRequest:
     kv_transfer_params: dict[str, Any] | None
     temperature: float | None = None
     top_p: float | None = None
+    route: str = "/v1/completions"
 
 
 def decode_view(body: bytes) -> BodyView | Rejection:
@@ -177,6 +180,7 @@ def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
         kv_transfer_params=values.get("kv_transfer_params"),
         temperature=values.get("temperature"),
         top_p=values.get("top_p"),
+        route=route,
     )
 
 
@@ -205,6 +209,14 @@ def context_checks(request: ParsedRequest, max_model_len: int) -> Rejection | No
             "any output tokens. Please reduce the length of the input prompt."
         )
         return handler_rejection(400, vllm_error_message(message, "input_tokens", tokens), "input_tokens")
+    if request.route == "/v1/responses" and tokens >= max_model_len:
+        # The responses handler's own check (``_validate_generator_input``) after rendering: a
+        # prompt of exactly max_model_len tokens, typed as OpenAI's Responses API types it.
+        message = (
+            f"The engine prompt length {tokens} exceeds the max_model_len {max_model_len}. "
+            "Please reduce prompt."
+        )
+        return handler_rejection(400, message, "input", "invalid_request_error")
     budget = max_model_len - tokens if asked is None else min(asked, max_model_len - tokens)
     if budget < 1:
         message = f"max_tokens must be at least 1, got {budget}."

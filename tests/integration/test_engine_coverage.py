@@ -148,3 +148,21 @@ def test_a_rejection_before_ds_handler_is_the_sidecars_whatever_ds_state(version
         freed_once(p, p_id)
         sc.settle()
         assert result(sc, "sent") == 1
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_responses_input_error_from_a_live_d_is_ds_own(version: str) -> None:
+    """``/v1/responses`` answers an input of exactly ``max_model_len`` tokens inside its handler
+    (``_validate_generator_input``), typed ``invalid_request_error``: D's own fix releases it,
+    the sidecar sends nothing."""
+    with cluster(version) as (p, _d, sc):
+        seen(sc, can_notify=True)
+        params = prefill(p, "resp-1")
+        body = {"model": MODEL, "input": " ".join(["tok"] * 40), "kv_transfer_params": params}
+        answer = httpx.post(
+            sc.url + "/v1/responses", json=body, headers={"x-request-id": "resp-1"}, timeout=10
+        )
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+        freed_once(p, str(params["remote_request_id"]))  # by D's own notification
+        sc.settle()
+        assert (result(sc, "covered_by_engine"), result(sc, "sent")) == (1, 0)

@@ -697,3 +697,13 @@ def test_cli_dispatches_sim_decode() -> None:
 def test_cli_exits_2_on_bad_value_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim-decode", "--stream-events", "0"]) == 2
     assert "stream_events" in capsys.readouterr().err
+
+
+async def test_a_responses_prompt_of_exactly_max_model_len_is_the_handlers_invalid_request_error() -> None:
+    hooks = RecordingHooks()
+    async with sim(hooks, max_model_len=10) as client:
+        response = await post(client, RESPONSES, body_for(RESPONSES, "w " * 10, kv_transfer_params=REMOTE))
+    error = response.json()["error"]
+    assert (response.status_code, error["type"], error["param"]) == (400, "invalid_request_error", "input")
+    assert error["message"].startswith("The engine prompt length 10 exceeds the max_model_len 10.")
+    assert hooks.calls == [("rejected", "r1", RESPONSES, REMOTE, 400)]  # in the handler: D's fix sees it
