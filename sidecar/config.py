@@ -296,6 +296,8 @@ def _reason(message: str, type_: Any) -> str:
     choices = [c for c in get_args(type_) if isinstance(c, str)]
     if choices and get_origin(type_) is Literal:
         return "must be one of " + ", ".join(choices)
+    if type_ is bool:
+        return "must be true or false (or 1 or 0)"
     text = message.split(" - at ")[0].replace("`", "")
     return text.split(", got ")[0].replace("Expected", "expected")
 

@@ -25,8 +25,8 @@ from sidecar.trust import Trust
 
 WHAT = {
     "off": "off: nothing is released; the sidecar forwards every request and counts the decisions",
-    "dry-run": "dry-run: records and logs what it would release and sends nothing to P or D's control "
-    "endpoint; read the release log lines, then set release to nixl, http or auto",
+    "dry-run": "dry-run: records and logs every rejection with no checks and sends nothing; to see what "
+    "a live strategy would do, set release to nixl, http or auto with dry_run = true",
     "http": "http: D's plugin releases through D's own NIXL connector; the sidecar needs no NIXL",
     "nixl": "nixl: the sidecar frees P's blocks itself, as a NIXL peer of P",
     "auto": "auto: D's control endpoint while D serves it, NIXL otherwise",
@@ -37,6 +37,8 @@ ALLOW_EXAMPLE = "e.g. 10.244.0.0/16:5600-5663"
 async def check_release(ctx: Context) -> list[Finding]:
     """What the strategy does; NIXL importable for ``nixl`` and ``auto``."""
     what = WHAT[ctx.strategy]
+    if ctx.config.dry_run:
+        what += " (dry run: each release is decided and checked as live, and none is sent)"
     if ctx.strategy not in NIXL_STRATEGIES:
         return [ok("release", what)]
     module = extras.missing_module("nixl")

@@ -11,8 +11,10 @@ The agent runs without NIXL's progress thread: that thread busy-polls UCX and
 cost 0.89 of a core on an idle sidecar (measured). A notification only
 leaves when UCX makes progress (connection wire-up takes several rounds), so
 after every send the owner thread drives progress itself
-(``get_new_notifs()``) every ``PROGRESS_TICK`` for ``PROGRESS_WINDOW`` and
-then sleeps until the next call: CPU is spent only while releasing.
+(``get_new_notifs()``) every ``PROGRESS_TICK`` for ``PROGRESS_WINDOW``, then
+every ``SLOW_TICK`` until ``SLOW_WINDOW`` (a P slow to answer the wire-up, on a
+loaded node, still gets the message), and then sleeps until the next call: CPU
+is spent only while releasing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _T = TypeVar("_T")
 _MODULES = ("nixl._api", "nixl_cu12._api")
 PROGRESS_TICK = 0.0005  # seconds between progress calls while a send may be in flight
 PROGRESS_WINDOW = 1.0  # seconds of progress after the last send (UCX wire-up needs several rounds)
+SLOW_TICK = 0.01  # seconds between progress calls after that window...
+SLOW_WINDOW = 30.0  # ...until this long after the last send (P's lease in vLLM 0.22.0+)
 
 
 class _Owner:
@@ -47,6 +51,7 @@ class _Owner:
         )
         self.agent: Any = None
         self._progress_until = 0.0
+        self._slow_until = 0.0
         self._thread = threading.Thread(target=self._run, name="kvr-nixl", daemon=True)
         self._thread.start()
 
@@ -57,7 +62,8 @@ class _Owner:
 
     def sent(self) -> None:
         """Called on the owner thread after a send: keep UCX progressing for a while."""
-        self._progress_until = time.monotonic() + PROGRESS_WINDOW
+        now = time.monotonic()
+        self._progress_until, self._slow_until = now + PROGRESS_WINDOW, now + SLOW_WINDOW
 
     def stop(self) -> None:
         self._calls.put(None)
@@ -65,9 +71,9 @@ class _Owner:
 
     def _run(self) -> None:
         while True:
-            progressing = self._progress_until > time.monotonic()
+            tick = self._tick(time.monotonic())
             try:
-                item = self._calls.get(timeout=PROGRESS_TICK if progressing else None)
+                item = self._calls.get(timeout=tick)
             except queue.Empty:
                 self._progress()
                 continue
@@ -81,6 +87,12 @@ class _Owner:
                     future.set_exception(exc)
             if self._progress_until > time.monotonic():
                 self._progress()
+
+    def _tick(self, now: float) -> float | None:
+        """How long to wait for the next call before driving progress (None: until a call)."""
+        if self._progress_until > now:
+            return PROGRESS_TICK
+        return SLOW_TICK if self._slow_until > now else None
 
     def _progress(self) -> None:
         if self.agent is not None:

@@ -85,7 +85,8 @@ def test_p_slow_to_handshake(cluster: Backends) -> None:
 
 
 def _idle(s: Scene) -> bool:
-    """The sidecar's NIXL thread stopped driving UCX progress (its window after a send ended)."""
+    """The sidecar's NIXL thread left its fast progress window after a send (it then only drives
+    progress every ``SLOW_TICK``)."""
     runtime = s.sc.app.runtime
     assert runtime is not None
     owner = runtime.releaser.peer._owner  # type: ignore[attr-defined]

@@ -408,7 +408,7 @@ def test_core_install_without_nixl(sim_d: ServerThread) -> None:
     )
     assert nixl.one("version").startswith("ok    version: vLLM 0.33.0")  # the wire tables need no NIXL
     assert dry_run.code == 0
-    assert dry_run.one("release").startswith("ok    release: dry-run: records and logs what it would release")
+    assert dry_run.one("release").startswith("ok    release: dry-run: records and logs every rejection")
 
 
 @pytest.mark.parametrize(

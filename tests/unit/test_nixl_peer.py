@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sidecar.nixl import NixlError
@@ -62,3 +64,20 @@ async def test_each_send_reports_its_own_result() -> None:
         assert agent.sent == [("p0", b"a:1"), ("p1", b"a:1")]
     finally:
         await peer.close()
+
+
+def test_progress_is_fast_after_a_send_then_slow_then_stops() -> None:
+    """A P slow to finish UCX's wire-up (a loaded node) still gets the message: after the fast
+    window the owner thread keeps driving progress, slowly, until P's lease would have run out."""
+    from sidecar.nixl import peer
+
+    owner = peer._Owner()
+    try:
+        assert owner._tick(time.monotonic()) is None  # nothing sent: sleep until a call
+        owner.sent()
+        now = time.monotonic()
+        assert owner._tick(now) == peer.PROGRESS_TICK
+        assert owner._tick(now + peer.PROGRESS_WINDOW) == peer.SLOW_TICK
+        assert owner._tick(now + peer.SLOW_WINDOW) is None
+    finally:
+        owner.stop()
