@@ -29,6 +29,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar import config as config_mod
+from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.coalesce import CoalescingTransport
 from sidecar.timers import LazyTimer
 from sidecar.wire import error_body
@@ -128,6 +129,7 @@ class GuardedProtocol(HttpToolsProtocol):
     _head_bytes = 0
     _head_began_mid_read = False  # the header block opened inside the current read
     _refused = False
+    _hub: DisconnectHub
 
     transport: CoalescingTransport
 
@@ -135,6 +137,7 @@ class GuardedProtocol(HttpToolsProtocol):
         # uvicorn writes a response's head and its body separately: one write when the body follows
         coalescing = CoalescingTransport(transport, self.loop)
         self._timer = LazyTimer(self.loop, self._expired)
+        self._hub = DisconnectHub()
         super().connection_made(coalescing)
         self.flow = _ClockedFlowControl(coalescing, self)
         self._start_head()
@@ -142,6 +145,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._timer.stop()
         super().connection_lost(exc)
+        self._hub.lost()
 
     def data_received(self, data: bytes) -> None:
         self._head_began_mid_read = False
@@ -168,6 +172,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_begin()
+        self.scope[DISCONNECT_HUB] = self._hub  # type: ignore[literal-required]
         if self._phase != "head":
             self._start_head()
             self._head_began_mid_read = True

@@ -2,10 +2,11 @@
 
 ASGI servers silently drop ``send`` after a disconnect, so without a watcher
 a long generation would run on at D for nobody. ``DisconnectWatcher``
-cancels the request's task when the client disconnects; for a passthrough
-request it also streams the request body to D (``body()``) and starts
-listening once that is complete. ``client_gone`` says what the client's
-leaving means for P's blocks.
+cancels the request's task when the client disconnects. Under the sidecar's
+own server it registers with the connection's ``DisconnectHub`` (no task per
+request); elsewhere, and for a passthrough request whose body it streams to D
+(``body()``), a task listens on ``receive`` (once the body is complete).
+``client_gone`` says what the client's leaving means for P's blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from sidecar.asgi import Receive
+from sidecar.asgi import DisconnectHub, Receive
 from sidecar.body import ClientGone
 from sidecar.classify import Event, Failure
 from sidecar.proxy.context import Exchange
@@ -22,16 +23,27 @@ from sidecar.proxy.context import Exchange
 class DisconnectWatcher:
     """Cancels the current task when the client disconnects (see the module docstring)."""
 
-    __slots__ = ("_body_done", "_owner", "_receive", "_task", "body_pending", "fired")
+    __slots__ = ("_body_done", "_hub", "_owner", "_receive", "_task", "body_pending", "fired")
 
-    def __init__(self, receive: Receive, body_pending: bool = False) -> None:
+    def __init__(
+        self, receive: Receive, body_pending: bool = False, hub: DisconnectHub | None = None
+    ) -> None:
         self._receive = receive
         self._owner = asyncio.current_task()
         self.body_pending = body_pending
+        self.fired = False
+        self._task: asyncio.Task[None] | None = None
+        self._hub: DisconnectHub | None = None
+        self._body_done: asyncio.Event | None = None
+        if hub is not None and not body_pending:
+            self._hub = hub
+            hub.add(self._fire)
+            if hub.gone:
+                self._fire()
+            return
         # Only a passthrough body still being streamed to D needs the watcher to wait.
         self._body_done = asyncio.Event() if body_pending else None
-        self.fired = False
-        self._task: asyncio.Task[None] | None = asyncio.create_task(self._watch())
+        self._task = asyncio.create_task(self._watch())
 
     async def body(self) -> AsyncIterator[bytes]:
         try:
@@ -75,6 +87,9 @@ class DisconnectWatcher:
         task, self._task, self._owner = self._task, None, None
         if task is not None:
             task.cancel()
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            hub.discard(self._fire)
 
 
 def client_gone(exchange: Exchange) -> Event:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from sidecar.asgi import Send
+from sidecar.asgi import DISCONNECT_HUB, Send
 from sidecar.classify import Event
 from sidecar.decode_probes import says_close
 from sidecar.errors import FAILURE_STATUS, send_error
@@ -63,7 +63,7 @@ class Forwarder:
         body: bytes,
         watcher: DisconnectWatcher | None = None,
     ) -> None:
-        watcher = watcher or DisconnectWatcher(ctx.receive)
+        watcher = watcher or DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB))
         exchange.sent = Sent()
         if exchange.params is not None:
             self._judge.forwarded(exchange)
@@ -226,7 +226,7 @@ class Forwarder:
 
     async def passthrough(self, ctx: RequestContext) -> None:
         """Any other request: to D unchanged, the body streamed, the answer pumped."""
-        watcher = DisconnectWatcher(ctx.receive, body_pending=ctx.has_body)
+        watcher = DisconnectWatcher(ctx.receive, ctx.has_body, ctx.scope.get(DISCONNECT_HUB))
         body = watcher.body() if watcher.body_pending else None
         try:
             try:

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from sidecar.asgi import DISCONNECT_HUB
 from sidecar.classify import Event, Failure
 from sidecar.errors import send_error, send_raw
 from sidecar.proxy.context import RequestContext
@@ -68,7 +69,7 @@ class Router:
             kit.forwarder.count(ctx.route, exc.status)
             await send_error(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
             return
-        watcher = DisconnectWatcher(ctx.receive)
+        watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB))
         try:
             prefilled = await self._prefill_leg(ctx, candidates, request, watcher)
         except asyncio.CancelledError:

@@ -15,7 +15,9 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.limits import GuardedProtocol, ServerLimits, guarded_protocol
+from sidecar.proxy.disconnect import DisconnectWatcher
 from tests.fakes import CountingLoop, FakeTransport
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
@@ -224,3 +226,58 @@ async def test_a_shorter_limit_than_the_one_the_timer_waits_for_is_kept() -> Non
         assert transport.writes[-1].startswith(b"HTTP/1.1 408 ")
     finally:
         await _close(protocol)
+
+
+async def test_a_lost_connection_cancels_the_requests_watching_it_with_no_task_of_their_own() -> None:
+    """The server puts the connection's ``DisconnectHub`` in each request's scope; a watcher
+    registers there instead of starting a task, and the connection's loss cancels it."""
+    outcome: list[str] = []
+    started = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()  # the whole body
+        tasks_before = len(asyncio.all_tasks())
+        watcher = DisconnectWatcher(receive, hub=scope[DISCONNECT_HUB])
+        assert len(asyncio.all_tasks()) == tasks_before  # no watcher task
+        started.set()
+        try:
+            await asyncio.Event().wait()  # D generating
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+            raise
+        finally:
+            watcher.stop()
+
+    protocol, _ = _connect(ServerLimits(), app)
+    protocol.data_received(REQUEST)
+    await asyncio.wait_for(started.wait(), 5)
+    protocol.connection_lost(None)
+    await asyncio.gather(*protocol.tasks, return_exceptions=True)
+    assert outcome == ["cancelled"]
+
+
+async def test_a_request_that_watches_after_its_client_left_is_cancelled_at_once() -> None:
+    hub = DisconnectHub()
+    hub.lost()
+    owner = asyncio.current_task()
+    assert owner is not None
+    watcher = DisconnectWatcher(_never, hub=hub)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(1)
+    owner.uncancel()
+    assert watcher.fired
+    watcher.stop()
+
+
+async def test_a_stopped_watcher_is_no_longer_told() -> None:
+    hub = DisconnectHub()
+    watcher = DisconnectWatcher(_never, hub=hub)
+    watcher.stop()
+    hub.lost()
+    await asyncio.sleep(0)  # no cancellation arrives
+    assert not watcher.fired
+
+
+async def _never() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    return {}
