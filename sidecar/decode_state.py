@@ -56,6 +56,8 @@ log = logging.getLogger("sidecar.decode_state")
 
 #: ``/version`` and ``/metrics`` are re-read at least this often (seconds), and on each re-contact.
 INFO_MAX_AGE = 300.0
+#: Seconds start-up waits for the first probe of D.
+START_BOUND = 2.0
 #: What a client gets from D when its engine is dead (500 ``InternalServerError``).
 ENGINE_DEAD_MESSAGES = frozenset(
     {
@@ -133,8 +135,11 @@ class DecodeState:
         return self._view
 
     async def start(self) -> None:
-        """Probe D once (so the first view is D's), then poll every ``interval``."""
-        await self.refresh()
+        """Probe D once (so the first view is D's; at most ``START_BOUND`` seconds: D that does
+        not answer, e.g. not started yet, leaves it "unknown"), then poll every ``interval``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(START_BOUND):
+                await self.refresh()
         self._task = asyncio.create_task(self._poll_forever(), name="decode-state")
 
     async def close(self) -> None:

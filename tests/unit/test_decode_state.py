@@ -444,3 +444,19 @@ async def test_decode_version_reads_version_once_when_the_poller_has_none() -> N
     assert await state.decode_version() == "0.33.0"
     assert await state.decode_version() == "0.33.0"
     assert upstream.calls.count("version") == 1 and state.view().version == "0.33.0"
+
+
+async def test_start_waits_for_a_silent_d_no_longer_than_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar import decode_state
+
+    async def silent() -> Answer:
+        await asyncio.Event().wait()
+        raise AssertionError("never answers")
+
+    monkeypatch.setattr(decode_state, "START_BOUND", 0.05)
+    state = make(FakeUpstream(health=silent))
+    try:
+        await asyncio.wait_for(state.start(), 2)
+        assert state.view().engine == "unknown" and not state.view().can_notify
+    finally:
+        await state.close()
