@@ -273,6 +273,7 @@ async def test_a_stopped_watcher_is_no_longer_told() -> None:
     hub = DisconnectHub()
     watcher = DisconnectWatcher(_never, hub=hub)
     watcher.stop()
+    assert not hub._callbacks  # the connection no longer holds the finished request's watcher
     hub.lost()
     await asyncio.sleep(0)  # no cancellation arrives
     assert not watcher.fired

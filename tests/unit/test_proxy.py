@@ -89,23 +89,34 @@ class Rig:
         return self.metrics.registry.get_sample_value("kvr_releases_total", labels) or 0.0
 
 
-@asynccontextmanager
-async def rig(d: FakeUpstream, facts: Facts | None = None, **settings: Any) -> AsyncIterator[Rig]:
-    config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
-    metrics = Metrics(CollectorRegistry())
-    releaser = Recorder()
-    settings = Settings(queue_size=100, workers=4, retry=Retry(0.01, 0.05))
+def started_pipeline(releaser: Recorder, metrics: Metrics, queue_size: int, workers: int) -> Pipeline:
+    settings = Settings(queue_size=queue_size, workers=workers, retry=Retry(0.01, 0.05))
     pipeline = Pipeline(releaser, metrics, Ledger(100, 60), settings)
     pipeline.start()
-    parts = ProxyParts(
+    return pipeline
+
+
+def proxy_parts(
+    config: Config, d: FakeUpstream, pipeline: Pipeline, metrics: Metrics, **more: Any
+) -> ProxyParts:
+    """The proxy's parts around the fake upstream ``d``; ``more``: facts, pool."""
+    return ProxyParts(
         upstream=d,  # type: ignore[arg-type]
         pipeline=pipeline,
         metrics=metrics,
         trust=Trust(config),
         inflight=InFlight(100, 30),
         injector=Injector(config),
-        facts=facts or Facts(),
+        **more,
     )
+
+
+@asynccontextmanager
+async def rig(d: FakeUpstream, facts: Facts | None = None, **settings: Any) -> AsyncIterator[Rig]:
+    config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
+    metrics, releaser = Metrics(CollectorRegistry()), Recorder()
+    pipeline = started_pipeline(releaser, metrics, queue_size=100, workers=4)
+    parts = proxy_parts(config, d, pipeline, metrics, facts=facts or Facts())
     try:
         yield Rig(Proxy(config, parts), d, releaser, metrics)
     finally:

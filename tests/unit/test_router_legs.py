@@ -15,15 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.faults import Injector
 from sidecar.metrics import Metrics
-from sidecar.proxy import Proxy, ProxyParts
-from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry, Settings
+from sidecar.proxy import Proxy
 from sidecar.router import PREFILL_PARAMS, PrefillPool
-from sidecar.trust import InFlight, Trust
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
-from tests.unit.test_proxy import V033, Recorder, completion, error
+from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 
@@ -52,21 +48,10 @@ async def router(
 ) -> AsyncIterator[Rig]:
     config = Config(**{"release": "nixl", "prefill": (P1, P2), "prefill_policy": "round-robin", **settings})
     ps = {P1: FakeUpstream(p1, P1), P2: FakeUpstream(p2, P2)}
-    metrics = Metrics(CollectorRegistry())
-    releaser = Recorder()
-    settings = Settings(queue_size=10, workers=2, retry=Retry(0.01, 0.05))
-    pipeline = Pipeline(releaser, metrics, Ledger(100, 60), settings)
-    pipeline.start()
-    parts = ProxyParts(
-        upstream=d,  # type: ignore[arg-type]
-        pipeline=pipeline,
-        metrics=metrics,
-        trust=Trust(config),
-        inflight=InFlight(100, 30),
-        injector=Injector(config),
-        facts=Facts(),
-        pool=PrefillPool(config, connect=lambda url: ps[url]),  # type: ignore[arg-type,return-value]
-    )
+    metrics, releaser = Metrics(CollectorRegistry()), Recorder()
+    pipeline = started_pipeline(releaser, metrics, queue_size=10, workers=2)
+    pool = PrefillPool(config, connect=lambda url: ps[url])  # type: ignore[arg-type,return-value]
+    parts = proxy_parts(config, d, pipeline, metrics, facts=Facts(), pool=pool)
     try:
         yield Rig(Proxy(config, parts), d, ps, releaser)
     finally:
