@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
 from sidecar.exceptions import SidecarError
 from sidecar.framing import body_ends_at_eof
 from sidecar.timers import WaitTimer
+
+if TYPE_CHECKING:
+    from sidecar.relay import ClientRelay
 
 HIGH_WATER = 256 * 1024  # response bytes buffered for a slow consumer before reading pauses
 
@@ -48,34 +51,11 @@ class Connection(asyncio.Protocol):
     """A keep-alive connection to D; ``sidecar.upstream`` pools them."""
 
     __slots__ = (
-        "_body",
-        "_body_waiter",
-        "_close",
-        "_completed_at",
-        "_drain_waiter",
-        "_error",
-        "_extra",
-        "_head_only",
-        "_head_waiter",
-        "_interim",
-        "_loop",
-        "_on_lost",
-        "_open",
-        "_parser",
-        "_read_paused",
-        "_request_done",
-        "_spare",
-        "_timer",
-        "_write_paused",
-        "_writer",
-        "buffered",
-        "complete",
-        "headers",
-        "idle_since",
-        "keep_alive",
-        "status",
-        "transport",
-    )
+        "_body", "_body_waiter", "_close", "_completed_at", "_drain_waiter", "_error", "_extra",
+        "_head_only", "_head_waiter", "_interim", "_loop", "_on_lost", "_open", "_parser", "_read_paused",
+        "_relay", "_request_done", "_spare", "_timer", "_write_paused", "_writer", "buffered", "complete",
+        "headers", "idle_since", "keep_alive", "last_body", "relay_paused", "status", "transport",
+    )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_lost: Callable[[Connection], None]) -> None:
         self._loop = loop
@@ -101,6 +81,9 @@ class Connection(asyncio.Protocol):
         self._read_paused = False
         self._body: list[bytes] = []
         self.buffered = 0
+        self._relay: ClientRelay | None = None  # body parts go straight to the client (``relay_to``)
+        self.relay_paused = False
+        self.last_body = 0.0  # loop time of the latest body bytes while relaying
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
@@ -139,8 +122,7 @@ class Connection(asyncio.Protocol):
         self.idle_since = self._completed_at or now
         if self._read_paused:
             self._read_paused = False
-            assert self.transport is not None
-            self.transport.resume_reading()
+            self._set_reading()
 
     def abort(self) -> None:
         """Drop the connection now (D sees the abort); a body still being written stops."""
@@ -212,9 +194,38 @@ class Connection(asyncio.Protocol):
         self.buffered = 0
         if self._read_paused:
             self._read_paused = False
-            assert self.transport is not None
-            self.transport.resume_reading()
+            self._set_reading()
         return chunk
+
+    # -- relaying the body ------------------------------------------------------
+
+    def relay_to(self, relay: ClientRelay | None) -> None:
+        """From now on each body part llhttp parses goes to ``relay`` at once (None: to the buffer
+        again). The consumer then waits for the body's end with ``wait_body``, which no part wakes."""
+        self._relay = relay
+        self.last_body = self._loop.time()
+        if relay is None:
+            self.resume_relay()
+
+    def pause_relay(self) -> None:
+        """The client is full: stop reading D until ``resume_relay``."""
+        self.relay_paused = True
+        self._set_reading()
+
+    def resume_relay(self) -> None:
+        if self.relay_paused:
+            self.relay_paused = False
+            self.last_body = self._loop.time()  # D's silence counts again from now
+            self._set_reading()
+
+    def _set_reading(self) -> None:
+        """Read D unless the consumer is behind (``HIGH_WATER``) or the relay's client is full."""
+        transport = self.transport
+        if transport is not None and self._open:
+            if self._read_paused or self.relay_paused:
+                transport.pause_reading()
+            else:
+                transport.resume_reading()
 
     async def wait_body(self, within: float | None) -> None:
         """Until more body bytes arrive or the body ends; raises if it broke or ``within`` passed."""
@@ -364,6 +375,11 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.complete:  # a body on a HEAD response
             self._extra = True
+            return
+        relay = self._relay
+        if relay is not None:
+            self.last_body = self._loop.time()
+            relay.write(body)
             return
         self._body.append(body)
         self.buffered += len(body)

@@ -31,6 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from sidecar import config as config_mod
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.coalesce import CoalescingTransport
+from sidecar.relay import RELAY, ClientRelay
 from sidecar.timers import LazyTimer
 from sidecar.wire import error_body
 
@@ -130,6 +131,7 @@ class GuardedProtocol(HttpToolsProtocol):
     _head_began_mid_read = False  # the header block opened inside the current read
     _refused = False
     _hub: DisconnectHub
+    _relay: ClientRelay | None = None  # the response whose body D's connection writes to us
 
     transport: CoalescingTransport
 
@@ -189,6 +191,7 @@ class GuardedProtocol(HttpToolsProtocol):
         limit = self.limits.concurrency
         if not limit or len(self.tasks) < limit:
             super().on_headers_complete()
+            self._offer_relay()
             return
         log.warning("concurrency limit reached, answering 503", extra={"limit": limit})
         app, self.app = self.app, _marked(self.app)
@@ -196,6 +199,26 @@ class GuardedProtocol(HttpToolsProtocol):
             super().on_headers_complete()
         finally:
             self.app = app
+
+    def _offer_relay(self) -> None:
+        """The new request's cycle may have its body relayed from D (``sidecar.relay``)."""
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade
+            self.scope[RELAY] = ClientRelay(self, cycle)  # type: ignore[literal-required]
+
+    def relaying(self, relay: ClientRelay | None) -> None:
+        """``relay`` now writes to this connection (None: no longer); it hears about back-pressure."""
+        self._relay = relay
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._relay is not None:
+            self._relay.pause()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._relay is not None:
+            self._relay.resume()
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

@@ -33,6 +33,7 @@ from sidecar.classify import Failure
 from sidecar.exceptions import SidecarError
 from sidecar.framing import encode_head
 from sidecar.http1 import BodyError, Connection, ProtocolError
+from sidecar.relay import ClientRelay, Feed
 
 Headers = list[tuple[bytes, bytes]]
 # An idle connection older than this is closed rather than reused. vLLM serves with uvicorn's
@@ -72,6 +73,8 @@ class Response(Protocol):
     def chunks(self) -> AsyncIterator[bytes]: ...
 
     async def read(self, limit: int) -> bytes: ...
+
+    async def relay(self, relay: ClientRelay, feed: Feed | None = None) -> bool: ...
 
     async def __aenter__(self) -> Response: ...
 
@@ -126,6 +129,37 @@ class UpstreamResponse:
             parts.append(chunk)
             size += len(chunk)
         return b"".join(parts)
+
+    async def relay(self, relay: ClientRelay, feed: Feed | None = None) -> bool:
+        """The rest of the body straight from D's connection to the client (``sidecar.relay``),
+        until it ends; False, having relayed nothing, when the client's response cannot take it.
+        Raises ``UpstreamError`` as ``chunks()`` does."""
+        conn = self._conn
+        if self._upstream is None or conn.complete or not relay.open(conn, feed):
+            return False
+        try:
+            rest = conn.take()
+            if rest:
+                relay.write(rest)
+            conn.relay_to(relay)
+            while not conn.complete:
+                await self._relayed(conn)
+        finally:
+            conn.relay_to(None)
+            relay.close()
+        return True
+
+    async def _relayed(self, conn: Connection) -> None:
+        """Until the body ends or breaks; a read timeout counts D's silence, not the client's."""
+        timeout, now = self._read_timeout, asyncio.get_running_loop().time()
+        try:
+            await conn.wait_body(None if timeout is None else max(0.001, conn.last_body + timeout - now))
+        except TimeoutError as exc:
+            assert timeout is not None
+            if not conn.relay_paused and conn.last_body + timeout <= asyncio.get_running_loop().time():
+                raise UpstreamError(Failure.HEADER_TIMEOUT, "D stalled mid-body") from exc
+        except (OSError, ProtocolError, BodyError) as exc:
+            raise UpstreamError(Failure.RESET_AFTER_SEND, f"D reset mid-body: {exc!r}") from exc
 
     async def _next(self) -> bytes:
         conn = self._conn

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import msgspec
 
@@ -29,6 +28,7 @@ from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.judge import Judge, StreamJudge
+from sidecar.relay import RELAY, ClientRelay
 from sidecar.router.bodies import UsageRewriter
 from sidecar.tracing import Tracing
 from sidecar.upstream import Client, Response, Sent, UpstreamError
@@ -102,7 +102,7 @@ class Forwarder:
             return
         self._metrics.latency_for(ROUTES[exchange.route]).observe(time.monotonic() - exchange.started)
         async with response:
-            await self._respond(ctx.send, response, exchange)
+            await self._respond(ctx.send, response, exchange, ctx.scope.get(RELAY))
 
     async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
         if exchange.leg is not None:
@@ -119,7 +119,9 @@ class Forwarder:
         message = f"decode server: {exc}"
         await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
 
-    async def _respond(self, send: Send, response: Response, exchange: Exchange) -> None:
+    async def _respond(
+        self, send: Send, response: Response, exchange: Exchange, relay: ClientRelay | None
+    ) -> None:
         status = response.status
         self.count(exchange.route, status)
         if exchange.leg is not None:
@@ -146,7 +148,7 @@ class Forwarder:
             judge = StreamJudge(self._judge, exchange)
         else:
             self._judge.judge(exchange, Event(status=status, stream=streamed))
-        await self.pump(send, response.chunks(), judge, rewriter)
+        await self.pump(send, response, judge, rewriter, relay)
 
     async def _refused(
         self, send: Send, response: Response, exchange: Exchange, head: Head, closing: bool
@@ -171,7 +173,7 @@ class Forwarder:
         head.extend(exchange.retry_headers())
         await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": body, "more_body": True})
-        await self.pump(send, response.chunks(), None)
+        await self.pump(send, response, None)
 
     async def _rewritten(
         self, send: Send, response: Response, exchange: Exchange, head: Head, rewriter: UsageRewriter
@@ -192,7 +194,7 @@ class Forwarder:
         if len(body) >= REWRITE_LIMIT:  # more may follow: forwarded as it is
             await send({"type": "http.response.start", "status": response.status, "headers": head})
             await send({"type": "http.response.body", "body": body, "more_body": True})
-            await self.pump(send, response.chunks(), None)
+            await self.pump(send, response, None)
             return
         body = rewriter.json(body)
         head = [(n, v) for n, v in head if n != b"content-length"]
@@ -203,17 +205,26 @@ class Forwarder:
     async def pump(
         self,
         send: Send,
-        chunks: AsyncIterator[bytes],
+        response: Response,
         judge: StreamJudge | None,
         rewriter: UsageRewriter | None = None,
+        relay: ClientRelay | None = None,
     ) -> None:
+        """D's body to the client, chunk by chunk through ``send`` while the judge reads it. Once it
+        has judged (at once without one), a ``relay`` takes the rest straight from D's connection
+        to the client's (``sidecar.relay``), and the chunks then end."""
+        relaying = relay is not None
         try:
-            async for chunk in chunks:
+            async for chunk in response.chunks():
                 if judge is not None:
                     judge.feed(chunk)
                 if rewriter is not None:
                     chunk = rewriter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if relaying and (judge is None or judge.decided):
+                    assert relay is not None
+                    relaying = False  # relayed to its end, or not at all (then the chunks go on)
+                    await response.relay(relay, rewriter)
         except UpstreamError as exc:
             if judge is not None:
                 judge.reset()
@@ -242,7 +253,7 @@ class Forwarder:
                     # wait for that many bytes and fail the response.
                     head = [(n, v) for n, v in head if n != b"content-length"]
                 await ctx.send({"type": "http.response.start", "status": response.status, "headers": head})
-                await self.pump(ctx.send, response.chunks(), None)
+                await self.pump(ctx.send, response, None, relay=ctx.scope.get(RELAY))
         except asyncio.CancelledError:
             if not watcher.fired:
                 raise

@@ -215,6 +215,11 @@ class StreamJudge:
         self._judge, self._exchange = judge, exchange
         self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
 
+    @property
+    def decided(self) -> bool:
+        """The stream is judged: the rest of it needs no look."""
+        return self._exchange.decided
+
     def feed(self, chunk: bytes) -> None:
         if self._exchange.decided:
             return

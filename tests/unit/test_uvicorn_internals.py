@@ -24,6 +24,7 @@ from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
 from sidecar.limits import ServerLimits, guarded_protocol
+from sidecar.relay import ClientRelay
 from tests.fakes import FakeTransport
 
 Protocol = httptools_impl.HttpToolsProtocol
@@ -43,6 +44,8 @@ PROTOCOL_METHODS = {
     "on_response_complete": [],  # replaced, not extended, when no pipelined request waits
     "send_400_response": ["msg"],
     "_unset_keepalive_if_required": [],
+    "pause_writing": [],  # extended: a relayed body's back-pressure (sidecar.relay)
+    "resume_writing": [],
 }
 FLOW_CONTROL_METHODS = {"__init__": ["transport"], "pause_reading": [], "resume_reading": []}
 SERVER_METHODS = {"startup": ["sockets"], "capture_signals": [], "serve": ["sockets"]}
@@ -114,6 +117,9 @@ async def test_the_protocol_and_cycle_attributes_the_sidecar_reads_and_sets() ->
     assert isinstance(cycle.message_event, asyncio.Event)
     assert (cycle.response_started, cycle.response_complete, cycle.disconnected) == (False, False, False)
     assert cycle.waiting_for_100_continue is False
+    # sidecar.relay frames a body as the cycle does, once it knows the response is chunked
+    assert cycle.chunked_encoding is None and protocol.flow.write_paused is False
+    assert cycle.scope is protocol.scope and isinstance(protocol.scope["kvr.relay"], ClientRelay)
     await asyncio.gather(*protocol.tasks)
     assert cycle.response_started and cycle.response_complete and not cycle.disconnected
     assert state.total_requests == 1 and protocol.timeout_keep_alive_task is None
@@ -139,3 +145,24 @@ async def test_what_uvicorns_on_response_complete_does_is_what_the_sidecars_does
     assert not protocol.pipeline and len(transport.writes) == 2  # head, then body: two writes
     protocol.connection_lost(None)
     assert timer.cancelled()
+
+
+async def _stream(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def test_a_body_part_is_framed_by_the_cycle_as_the_relay_frames_it() -> None:
+    config = uvicorn.Config(app=_stream, lifespan="off", log_level="critical")
+    protocol = Protocol(config, ServerState(), {}, asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol.data_received(REQUEST)
+    await asyncio.gather(*protocol.tasks)
+    relayed = FakeTransport()
+    cycle = type("Cycle", (), {"disconnected": False, "transport": relayed})()
+    ClientRelay(protocol, cycle).write(b"data: x\n\n")  # type: ignore[arg-type]
+    head, part, end = transport.writes
+    assert b"transfer-encoding: chunked" in head and part == relayed.writes[0] and end == b"0\r\n\r\n"
+    protocol.connection_lost(None)
