@@ -50,7 +50,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Non-streaming completions send headers only when generation ends: keep it long.
     header_timeout: float = 900.0
     read_timeout: float = 0.0
-    pool_size: int = 1024
+    # Requests in flight to D at most: each stream holds one for its whole length.
+    pool_size: int = 4096
     release: ReleaseStrategy = "dry-run"
     # With nixl, http or auto: run every check of that strategy, send nothing (would_send).
     dry_run: bool = False

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logs.setup(config.log_level, config.log_format)
     memory.release_large_buffers()
+    raise_file_limit(config.pool_size)
     for warning in config_mod.unknown_env(os.environ):
         log.warning(warning)
     try:
@@ -113,7 +115,32 @@ def _bind(host: str, port: int, flag: str) -> list[socket.socket]:
     return sockets
 
 
-BACKLOG = 2048
+# The kernel caps it at net.core.somaxconn (4096 on Linux 5.4+): a burst of thousands of clients
+# connecting at once waits in it instead of being refused.
+BACKLOG = 4096
+# Open files beyond two per connection to D (the client's and D's): listeners, probes, logs.
+SPARE_FILES = 256
+
+
+def raise_file_limit(pool_size: int) -> None:
+    """Lift the soft limit on open files to the hard one, as nginx's ``worker_rlimit_nofile`` or
+    Go's runtime do: every stream holds two sockets, and the usual soft limit of 1024 would stop
+    the sidecar at about 500 streams. Warns when even the hard limit is below what ``pool_size``
+    streams need."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit", extra={"soft": soft, "detail": str(exc)})
+    need = 2 * pool_size + SPARE_FILES
+    if soft < need:
+        log.warning(
+            "open-files limit below what pool_size streams need (raise ulimit -n)",
+            extra={"limit": soft, "needed": need, "setting": "pool_size"},
+        )
 
 
 class StartupFailed(Exception):
