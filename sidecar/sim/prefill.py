@@ -6,7 +6,7 @@ the block pool) and stops it cleanly. Routes: the OpenAI completion routes
 (a P/D prefill leg pins blocks until D's notifications or the lease free
 them; a pool that cannot fit the prompt answers 503), ``/health``,
 ``/version``, ``/v1/models``, ``/metrics``, ``/stats``, and the test controls
-``POST /sim/reset``, ``POST /sim/restart-agents`` and
+``POST /sim/reset``, ``POST /sim/restart-agents``, ``POST /sim/freed`` and
 ``GET /sim/requests/{request_id}``.
 """
 
@@ -142,6 +142,12 @@ async def restart_agents(request: Request) -> Response:
     return _json({"agent_names": names, "registration_generation": sim.generation})
 
 
+async def freed(request: Request) -> Response:
+    """``POST /sim/freed``: every request freed since the last call, as ``[request_id, when, cause]``
+    (``when``: ``time.monotonic()``, the same clock in every process of the machine)."""
+    return _json({"freed": _sim(request).pool.take_freed()})
+
+
 async def describe_request(request: Request) -> Response:
     """``GET /sim/requests/{request_id}``: pinned or not, and which ranks finished it."""
     request_id = request.path_params["request_id"]
@@ -173,6 +179,7 @@ def create_prefill_app(config: PrefillSimConfig) -> Starlette:
         Route("/stats", stats, methods=["GET"]),
         Route("/sim/reset", reset, methods=["POST"]),
         Route("/sim/restart-agents", restart_agents, methods=["POST"]),
+        Route("/sim/freed", freed, methods=["POST"]),
         Route("/sim/requests/{request_id:path}", describe_request, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

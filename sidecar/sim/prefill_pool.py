@@ -34,6 +34,7 @@ logger = logging.getLogger("sidecar.sim.prefill")
 
 FreeCause = Literal["notification", "expiry"]
 _HISTORY = 4096  # finished requests remembered for /sim/requests/{id}
+_FREED = 1_000_000  # (request id, time, cause) of freed requests kept for /sim/freed
 
 
 class PoolFull(Exception):
@@ -96,6 +97,7 @@ class BlockPool:
         self._held: dict[str, _Held] = {}
         self._pending: list[dict[str, float | None]] = [{} for _ in range(self.ranks)]
         self._history: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._freed: deque[tuple[str, float, str]] = deque(maxlen=_FREED)
         self._counters = Counters(self.ranks)
         self._last_change = clock()
 
@@ -215,6 +217,7 @@ class BlockPool:
         del self._held[request_id]
         self._free.extend(held.blocks)
         final: FreeCause = "expiry" if "expiry" in held.finished else "notification"
+        self._freed.append((request_id, self._clock(), final))
         if final == "expiry":
             self._counters.freed_by_expiry += 1
         else:
@@ -264,6 +267,12 @@ class BlockPool:
         with self._lock:
             self._counters = Counters(self.ranks)
             self._last_change = self._clock()
+
+    def take_freed(self) -> list[tuple[str, float, str]]:
+        """Every request freed since the last call: (request id, clock time, cause), oldest first."""
+        with self._lock:
+            freed, self._freed = list(self._freed), deque(maxlen=_FREED)
+        return freed
 
     def describe(self, request_id: str) -> dict[str, Any] | None:
         """What P knows about one internal request id, or None if never pinned."""

@@ -126,6 +126,8 @@ async def test_release_frees_on_every_rank(release: tuple[str, int, int]) -> Non
         state = (await sim.http.get(f"/sim/requests/{internal}")).json()
         assert state["pinned"] is False and state["freed_by"] == "notification"
         assert state["ranks_notified"] == list(range(ranks))
+        (freed,) = (await sim.http.post("/sim/freed")).json()["freed"]
+        assert freed[0] == internal and freed[2] == "notification" and freed[1] <= time.monotonic()
 
 
 async def test_unnotified_request_expires_then_late_release_is_unknown(release: tuple[str, int, int]) -> None:

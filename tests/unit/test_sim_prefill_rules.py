@@ -129,6 +129,19 @@ def test_every_rank_must_finish_before_blocks_return() -> None:
     assert p.stats()["notifs_unknown"] == 1
 
 
+def test_each_freed_request_is_recorded_with_when_and_why_once() -> None:
+    p, clock = pool("0.33.0", lease=5.0)
+    for request_id in ("a", "b"):
+        p.pin(request_id, p.allocate(request_id, 1))
+    clock.now += 1.0
+    p.on_notification(0, b"a:1")
+    freed_at = clock.now
+    clock.now += 5.0
+    p.reap(0)  # b's lease ran out
+    assert p.take_freed() == [("a", freed_at, "notification"), ("b", clock.now, "expiry")]
+    assert p.take_freed() == []  # taken: each is reported once
+
+
 def test_overshooting_count_never_frees_until_expiry() -> None:
     p, clock = pool("0.33.0", lease=5.0)
     p.pin("r", p.allocate("r", 1))
