@@ -34,6 +34,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench
+	$(UV) run --frozen --no-sync python -m bench --workload streams
+	$(UV) run --frozen --no-sync python -m bench --workload releases
 	$(UV) run --frozen --no-sync python -m bench.bench_release
 	$(UV) run --frozen --no-sync python -m bench.bench_storm
 	$(UV) run --frozen --no-sync python -m bench.bench_router

@@ -26,6 +26,14 @@ CPU. Each server runs in its own session (its own scheduling group), as
 separate services would. Other processes busy on the same cores distort
 every figure, so their CPU is measured and reported.
 
+Two more workloads share its parts: ``--workload streams`` (``streams``,
+``streams_report``; thousands of concurrent SSE streams in sidecar and router
+mode, driven by the C load generator and fake D of ``streams.c`` through
+``cstreams``, with ``fast_servers`` as the fake P) and ``--workload releases``
+(``releases``; a steady rate of rejected requests, P's own record of when it
+got its blocks back, with ``fast_servers`` as the rejecting D and
+``storm_procs``' servers).
+
 Modules: ``settings`` (the knobs, full and quick), ``procs`` (processes,
 pinning, readiness, ``/proc`` readings), ``relay`` (the reference relay),
 ``load`` (the Python load generator), ``wrk`` (wrk, its script and its

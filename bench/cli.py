@@ -1,4 +1,9 @@
-"""``python -m bench [--quick] [--json PATH] [--nginx PATH] [--wrk PATH | --no-wrk]``: run, print, write JSON.
+"""``python -m bench [--workload paths|streams|releases] [--quick] [--json PATH] ...``: run, print, save.
+
+``--workload paths`` (the default) is the request-path comparison below;
+``streams`` is thousands of concurrent SSE streams through each hop
+(``bench.streams``); ``releases`` is the release pipeline under a steady rate
+of rejected requests (``bench.releases``).
 
 The JSON phases use wrk when a ``wrk`` binary is on ``PATH`` (or given with
 ``--wrk``), and fall back to the Python load generator otherwise (or with
@@ -23,6 +28,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import uvloop
 
 from bench.load import request_body
@@ -34,15 +40,33 @@ from bench.run import run
 from bench.settings import FULL, QUICK, Settings
 from bench.wrk import find_wrk
 
-DEFAULT_JSON = Path("out/bench.json")
+DEFAULT_JSON = {
+    "paths": Path("out/bench.json"),
+    "streams": Path("out/bench-streams.json"),
+    "releases": Path("out/bench-releases.json"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds per path")
     parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, help=f"where the raw figures go (default {DEFAULT_JSON})"
+        "--workload",
+        choices=list(DEFAULT_JSON),
+        default="paths",
+        help="paths: JSON and SSE through each hop (default); streams: thousands of concurrent streams; "
+        "releases: a steady rate of rejected requests through the release pipeline",
     )
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds per path")
+    parser.add_argument("--json", type=Path, help="where the raw figures go (default out/bench*.json)")
+    parser.add_argument("--clients", type=int, help="streams: concurrent clients (default 2000)")
+    parser.add_argument("--rounds", type=int, help="streams: rounds of every path (default 2)")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="streams: also measure the sidecar of another checkout of this project (e.g. a git worktree)",
+    )
+    parser.add_argument("--rate", type=float, help="releases: rejected requests per second (default 2000)")
+    parser.add_argument("--seconds", type=float, help="streams, releases: the measured window in seconds")
     parser.add_argument(
         "--nginx",
         metavar="PATH",
@@ -68,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     nginx = os.path.abspath(nginx) if nginx else None
     if args.nginx and nginx is None:
         parser.error(f"--nginx {args.nginx}: not an executable")
+    args.json = args.json or DEFAULT_JSON[args.workload]
+    if args.workload != "paths":
+        return _workload(args, nginx)
     if args.wrk and shutil.which(args.wrk) is None:
         parser.error(f"--wrk {args.wrk}: not an executable")
     if nginx is None:
@@ -88,6 +115,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     write_json(report, args.json)
     print(render(report))
+    print(f"raw figures: {args.json}")
+    return 0
+
+
+def _workload(args: argparse.Namespace, nginx: str | None) -> int:
+    """The streams or releases workload: run it, print its table, write its JSON."""
+    from bench import releases, streams  # each imports what only it needs
+
+    plan = plan_cores()
+    os.sched_setaffinity(0, plan.load)  # the load side's core; the children pick their own
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            report: streams.StreamsReport | releases.ReleasesReport
+            if args.workload == "streams":
+                report = runner.run(streams.run(streams.settings(args), plan, nginx, _progress, args.quick))
+                text = streams.render(report)
+            else:
+                report = runner.run(releases.run(releases.settings(args), plan, _progress, args.quick))
+                text = releases.render(report)
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    print(text)
     print(f"raw figures: {args.json}")
     return 0
 

@@ -43,14 +43,45 @@ def core_busy() -> dict[int, float]:
 
 
 def snapshot(plan: CorePlan, servers: Servers) -> Snapshot:
+    ours_load = time.process_time() + servers.decode.cpu_seconds()
+    return snapshot_of(plan, ours_load, sum(proxy.cpu_seconds() for proxy in servers.proxies()))
+
+
+def snapshot_of(plan: CorePlan, ours_load: float, ours_sidecar: float) -> Snapshot:
+    """Each core's busy seconds now, beside the CPU seconds the benchmark's own processes on it
+    have used (``ours_load``: this process and what shares its core; ``ours_sidecar``: the hops)."""
     busy = core_busy()
     load = sum(busy.get(cpu, 0.0) for cpu in plan.load)
     sidecar = sum(busy.get(cpu, 0.0) for cpu in plan.sidecar)
-    ours_load = time.process_time() + servers.decode.cpu_seconds()
-    ours_sidecar = sum(proxy.cpu_seconds() for proxy in servers.proxies())
     if not plan.pinned:  # everything shares the same CPUs: count it all on the load side
         return Snapshot(time.monotonic(), load, 0.0, ours_load + ours_sidecar, 0.0)
     return Snapshot(time.monotonic(), load, sidecar, ours_load, ours_sidecar)
+
+
+def process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's name and CPU seconds (user + system) so far, from ``/proc/<pid>/stat``."""
+    found: dict[int, tuple[str, float]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        found[int(stat.parent.name)] = (name, (int(fields[11]) + int(fields[12])) / _TICKS)
+    return found
+
+
+def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], seconds: float,
+            exclude: set[int], top: int = 5) -> list[tuple[str, float]]:  # fmt: skip
+    """The processes (not in ``exclude``) that used the most CPU between two ``process_cpu``
+    readings ``seconds`` apart, as (``name pid``, cores' worth), at most ``top``, each over 0.01."""
+    used = [
+        (f"{name} {pid}", (cpu - before[pid][1]) / seconds)
+        for pid, (name, cpu) in after.items()
+        if pid in before and pid not in exclude
+    ]
+    return sorted((u for u in used if u[1] > 0.01), key=lambda u: -u[1])[:top]
 
 
 @dataclass(slots=True)

@@ -94,7 +94,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_child_setup(cpus),
+            preexec_fn=child_setup(cpus),
             start_new_session=True,
         )
 
@@ -167,7 +167,7 @@ def _gone_is_0(read: Callable[[int], _Number], pid: int) -> _Number:
         return 0
 
 
-def _child_setup(cpus: frozenset[int]) -> Callable[[], None]:
+def child_setup(cpus: frozenset[int]) -> Callable[[], None]:
     """Runs in the child between fork and exec: pin it, and have it die with us."""
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -263,7 +263,7 @@ def launched(plan: CorePlan, stream_events: int, nginx: str | None = None) -> It
         )  # fmt: skip
         proxy = None
         if nginx is not None:
-            conf = nginx_config(nginx, log_dir, n_port, f"{HOST}:{d_port}")
+            conf = nginx_config(nginx, log_dir, {n_port: f"{HOST}:{d_port}"})
             proxy = start("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar)
         yield Servers(
             decode,
@@ -278,14 +278,18 @@ def launched(plan: CorePlan, stream_events: int, nginx: str | None = None) -> It
         )
 
 
-def nginx_config(nginx: str, directory: Path, port: int, target: str) -> Path:
+def nginx_config(
+    nginx: str, directory: Path, listeners: Mapping[int, str], connections: int = 1024, keepalive: int = 64
+) -> Path:
     """Write nginx's configuration into ``directory`` and return its path.
 
-    One worker, the log and every temporary path inside ``directory``, no access
-    log, HTTP/1.1 keep-alive connections to D that are never closed after a
-    number of requests (nor are the client's), and no buffering either way, so
-    stream events pass as they come. The temporary path directives of the
-    modules this binary was built without are left out (they would not parse).
+    ``listeners``: each port nginx listens on, and the ``HOST:PORT`` it proxies to. One
+    worker allowed ``connections`` connections (clients and upstreams together; its open-files
+    limit raised to match), the log and every temporary path inside ``directory``, no access
+    log, HTTP/1.1 keep-alive connections to each target (``keepalive`` kept idle) that are never
+    closed after a number of requests (nor are the client's), and no buffering either way, so
+    stream events pass as they come. The temporary path directives of the modules this binary
+    was built without are left out (they would not parse).
     """
     built = subprocess.run([nginx, "-V"], capture_output=True, text=True, timeout=10, check=False).stderr
     temp_paths = "".join(
@@ -293,28 +297,33 @@ def nginx_config(nginx: str, directory: Path, port: int, target: str) -> Path:
         for module in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         if f"--without-http_{module}_module" not in built
     )
-    conf = directory / "nginx.conf"
-    conf.write_text(
-        f"""worker_processes 1;
-daemon off;
-pid {directory}/nginx.pid;
-error_log stderr warn;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-{temp_paths}  keepalive_requests 1000000;
-  upstream d {{ server {target}; keepalive 64; keepalive_requests 1000000; }}
+    servers = "".join(
+        f"""  upstream t{port} {{ server {target}; keepalive {keepalive}; keepalive_requests 1000000; }}
   server {{
-    listen {HOST}:{port};
+    listen {HOST}:{port} backlog=4096;
     location / {{
-      proxy_pass http://d;
+      proxy_pass http://t{port};
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_buffering off;
       proxy_request_buffering off;
     }}
   }}
-}}
+"""
+        for port, target in listeners.items()
+    )
+    conf = directory / "nginx.conf"
+    conf.write_text(
+        f"""worker_processes 1;
+worker_rlimit_nofile {2 * connections + 64};
+daemon off;
+pid {directory}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections {connections}; }}
+http {{
+  access_log off;
+{temp_paths}  keepalive_requests 1000000;
+{servers}}}
 """
     )
     return conf

@@ -199,7 +199,7 @@ def targets(results: dict[str, PathReport]) -> list[Target]:
     nginx = results["nginx"].ttfb_added if "nginx" in results else None
     return [
         _judge(
-            "cost.cpu_ms_per_request_json_c32", sidecar.cost.cpu_ms_per_request_json_c32, "<=", 0.12, "ms"
+            "cost.cpu_ms_per_request_json_c32", sidecar.cost.cpu_ms_per_request_json_c32, "<=", 0.10, "ms"
         ),
         _judge("ratios.json_c32.rps", sidecar.ratios["json_c32.rps"], ">=", 0.6, "x direct"),
         _judge(

@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
@@ -39,6 +40,7 @@ from bench.settings import Settings
 from bench.stats import ms, percentile
 
 Progress = Callable[[str], None]
+_Path = TypeVar("_Path")
 
 
 class _Budget:
@@ -67,7 +69,7 @@ def phases(settings: Settings, rounds: int) -> list[Phase]:
     ]
 
 
-def order(paths: Sequence[PathName], round_: int) -> list[PathName]:
+def order(paths: Sequence[_Path], round_: int) -> list[_Path]:
     """Round ``round_``'s order (0-based): ``paths`` rotated to start at ``round_ mod len(paths)``."""
     start = round_ % len(paths)
     return [*paths[start:], *paths[:start]]

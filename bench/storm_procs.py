@@ -61,8 +61,15 @@ def _argv(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def launched(plan: CorePlan, release_queue_size: int, release_workers: int) -> Iterator[StormServers]:
-    """Start P, D and the sidecar (not yet known ready); stop all three on exit."""
+def launched(
+    plan: CorePlan, release_queue_size: int, release_workers: int, tp: int = 1, fast_decode: bool = False
+) -> Iterator[StormServers]:
+    """Start P, D and the sidecar (not yet known ready); stop all three on exit.
+
+    ``tp``: P's tensor-parallel workers. ``fast_decode``: D is ``bench.fast_servers --role reject``
+    (every completion refused before its handler, at a fraction of sim-decode's CPU) instead of
+    sim-decode.
+    """
     p_port, d_port, s_port, a_port = free_port(), free_port(), free_port(), free_port()
     urls = [f"http://{HOST}:{port}" for port in (p_port, d_port, s_port, a_port)]
     started: list[Child] = []
@@ -74,21 +81,25 @@ def launched(plan: CorePlan, release_queue_size: int, release_workers: int) -> I
                 "--host", HOST,
                 "--port", str(p_port),
                 "--vllm-version", VLLM_VERSION,
-                "--tp", "1",
+                "--tp", str(tp),
                 "--num-blocks", str(PREFILL_BLOCKS),
                 "--block-size", str(BLOCK_SIZE),
                 "--lease", "0",
                 "--side-channel-port", "0",
                 "--log-level", "warning",
             ), plan.load, log_dir))  # fmt: skip
-            started.append(Child("sim-decode", _argv(
+            d_argv = _argv(
                 "sim-decode",
                 "--host", HOST,
                 "--port", str(d_port),
                 "--version", VLLM_VERSION,
                 "--served-model", MODEL,
                 "--max-model-len", str(MAX_MODEL_LEN),
-            ), plan.load, log_dir))  # fmt: skip
+            )  # fmt: skip
+            if fast_decode:
+                d_argv = [sys.executable, "-m", "bench.fast_servers", "--role", "reject"]
+                d_argv += ["--port", str(d_port)]
+            started.append(Child("fake-decode" if fast_decode else "sim-decode", d_argv, plan.load, log_dir))
             started.append(Child("sidecar", _argv(
                 "serve",
                 "--decode-url", urls[1],

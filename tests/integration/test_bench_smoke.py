@@ -109,7 +109,7 @@ def check_targets(report: dict[str, Any]) -> None:
     sidecar = report["results"]["sidecar"]
     nginx = report["results"].get("nginx")
     expected = {
-        "cost.cpu_ms_per_request_json_c32": (sidecar["cost"]["cpu_ms_per_request_json_c32"], "<=", 0.12),
+        "cost.cpu_ms_per_request_json_c32": (sidecar["cost"]["cpu_ms_per_request_json_c32"], "<=", 0.10),
         "ratios.json_c32.rps": (sidecar["ratios"]["json_c32.rps"], ">=", 0.6),
         "ttfb_added.p99_ms": (
             sidecar["ttfb_added"]["p99_ms"],

@@ -1,0 +1,388 @@
+"""``python -m bench --workload streams``: thousands of concurrent SSE streams through each hop, in one run.
+
+Every client (2,000 by default) holds a keep-alive connection and runs a
+closed loop of streaming chat completions, each 64 events spread over 2 s by
+the fake D: 64,000 events/s at 2,000 clients. The clients connect evenly over
+a ramp; the streams started after it are measured. Two modes:
+
+* **sidecar**: the client sends each request with ``kv_transfer_params`` of
+  its own (so the sidecar inspects it and judges the stream's first event)
+  to D directly, or through the sidecar (``serve --release dry-run``), the
+  byte relay (``bench.relay``) or nginx;
+* **router**: each stream is two legs, a prefill leg on P (``bench.fast_servers
+  --role prefill``) and the stream on D with P's parameters. Direct, the
+  relay and nginx carry the client's two legs (the client runs them); the
+  sidecar in router mode (``--prefill``) gets one request and runs both.
+  Time to first token counts from the prefill leg.
+
+Core layout as in ``python -m bench``: the hops on the second CPU, one
+measured at a time; the load generator and fake D (``bench/streams.c``, in C:
+``bench.cstreams``) and the fake P on the first. After each path's phase a
+smaller one (300 clients) runs on the same path at once: how fast its tail
+recovers. Every round measures every path of both modes, the order rotating;
+each round is reported on its own. The load average and the busiest other
+processes are read at the start and the end, and the other processes' CPU on
+each core during every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bench import cstreams
+from bench.load import request_body
+from bench.noise import Other, busiest, process_cpu, snapshot_of
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, nginx_config, wait_all_ready
+from bench.run import order
+from bench.streams_report import (
+    HopLoad,
+    Machine,
+    Mode,
+    PathRun,
+    RoundMode,
+    StreamsReport,
+    added,
+    render,
+    targets,
+)
+
+__all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
+
+MB = 1e6
+# In their base order; "baseline" is the sidecar of another checkout (``--baseline``).
+PATHS = ("direct", "sidecar", "baseline", "relay", "nginx")
+SAMPLE_INTERVAL = 0.1  # seconds between two readings of the hop's RSS and open files
+
+
+class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
+    clients: int = 2000
+    events: int = 64
+    duration: float = 2.0  # seconds from a stream's first event to its last
+    seconds: float = 10.0  # the measured window of each phase
+    ramp: float = 2.0
+    rounds: int = 2
+    recovery_clients: int = 300
+    recovery_seconds: float = 4.0
+    modes: tuple[Mode, ...] = ("sidecar", "router")
+    ready_timeout: float = 30.0
+    # Another checkout of the project (a directory): its sidecar is measured too, as "baseline".
+    baseline: str = ""
+
+
+FULL = StreamsSettings()
+QUICK = StreamsSettings(
+    clients=50, events=8, duration=0.3, seconds=0.5, ramp=0.2, rounds=1, recovery_clients=10,
+    recovery_seconds=0.5,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One path's entry point(s) and the processes between the client and the servers."""
+
+    port: int  # where the stream (or the only) request goes
+    prefill_port: int  # 0: one leg
+    children: tuple[Child, ...]  # the hop's processes (none on the direct path)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamServers:
+    decode: Child
+    prefill: Child
+    hops: dict[tuple[Mode, str], Hop]
+
+    def load_children(self) -> tuple[Child, ...]:
+        return (self.decode, self.prefill)
+
+    def hop_children(self) -> list[Child]:
+        return list(dict.fromkeys(c for hop in self.hops.values() for c in hop.children))
+
+
+def _sidecar(
+    name: str, decode: str, port: int, admin: int, *extra: str, checkout: Path | None = None
+) -> tuple[str, list[str], str]:
+    """``serve`` on ``port``; from ``checkout`` (another revision's tree) when given."""
+    start = ["-m", "sidecar"]
+    if checkout is not None:  # -P: not this tree's package from the working directory
+        start = ["-P", "-c", _FROM_CHECKOUT, str(checkout.resolve())]
+    argv = [sys.executable, *start, "serve", "--decode-url", decode, "--host", HOST, "--port",
+            str(port), "--admin-host", HOST, "--admin-port", str(admin), "--release", "dry-run",
+            "--log-level", "error", "--drain-timeout", "2", "--flush-timeout", "1", *extra]  # fmt: skip
+    return name, argv, f"http://{HOST}:{admin}/readyz"
+
+
+_FROM_CHECKOUT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'sidecar'; "
+    "runpy.run_module('sidecar', run_name='__main__')"
+)
+
+
+def _relay(name: str, port: int, target: int) -> tuple[str, list[str], str]:
+    argv = [sys.executable, "-m", "bench.relay", "--host", HOST, "--port", str(port),
+            "--target", f"{HOST}:{target}"]  # fmt: skip
+    return name, argv, f"http://{HOST}:{port}/health"
+
+
+@contextlib.contextmanager
+def launched(
+    plan: CorePlan, settings: StreamsSettings, binary: Path, nginx: str | None
+) -> Iterator[tuple[StreamServers, dict[Child, str]]]:
+    """Start D, P and every hop (not yet known ready); stop them all on exit."""
+    d, p, sc, sca, rt, rta, rd, rp, nd, np_ = (free_port() for _ in range(10))
+    d_url, p_url = f"http://{HOST}:{d}", f"http://{HOST}:{p}"
+    fake_d = cstreams.server_argv(binary, d, settings.events, settings.duration)
+    fake_p = [sys.executable, "-m", "bench.fast_servers", "--role", "prefill", "--port", str(p)]
+    load = [("fake-decode", fake_d, d_url + "/health"), ("fake-prefill", fake_p, p_url + "/health")]
+    router = ("--prefill", p_url, "--prefill-allow", HOST)
+    hop = [
+        _sidecar("sidecar", d_url, sc, sca),
+        _sidecar("sidecar-router", d_url, rt, rta, *router),
+        _relay("relay-decode", rd, d),
+        _relay("relay-prefill", rp, p),
+    ]
+    base, base_router = free_port(), free_port()
+    if settings.baseline:
+        checkout = Path(settings.baseline)
+        hop.append(_sidecar("baseline", d_url, base, free_port(), checkout=checkout))
+        hop.append(_sidecar("baseline-router", d_url, base_router, free_port(), *router, checkout=checkout))
+    with tempfile.TemporaryDirectory(prefix="kvr-bench-streams-") as logs, contextlib.ExitStack() as stack:
+        log_dir = Path(logs)
+        ready: dict[Child, str] = {}
+        started: dict[str, Child] = {}
+        for specs, cpus in ((load, plan.load), (hop, plan.sidecar)):
+            for name, argv, url in specs:
+                child = Child(name, argv, cpus, log_dir)
+                stack.callback(child.stop)
+                ready[child], started[name] = url, child
+        if nginx is not None:
+            listeners = {nd: f"{HOST}:{d}", np_: f"{HOST}:{p}"}
+            conns = 4 * settings.clients + 256  # each stream: the client's and D's (router: and P's)
+            conf = nginx_config(nginx, log_dir, listeners, connections=conns, keepalive=settings.clients)
+            child = Child("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar, log_dir)
+            stack.callback(child.stop)
+            ready[child], started["nginx"] = f"http://{HOST}:{nd}/health", child
+        relays = (started["relay-decode"], started["relay-prefill"])
+        hops: dict[tuple[Mode, str], Hop] = {
+            ("sidecar", "direct"): Hop(d, 0, ()),
+            ("sidecar", "sidecar"): Hop(sc, 0, (started["sidecar"],)),
+            ("sidecar", "relay"): Hop(rd, 0, relays[:1]),
+            ("router", "direct"): Hop(d, p, ()),
+            ("router", "sidecar"): Hop(rt, 0, (started["sidecar-router"],)),
+            ("router", "relay"): Hop(rd, rp, relays),
+        }
+        if settings.baseline:
+            hops["sidecar", "baseline"] = Hop(base, 0, (started["baseline"],))
+            hops["router", "baseline"] = Hop(base_router, 0, (started["baseline-router"],))
+        if "nginx" in started:
+            hops["sidecar", "nginx"] = Hop(nd, 0, (started["nginx"],))
+            hops["router", "nginx"] = Hop(nd, np_, (started["nginx"],))
+        yield StreamServers(started["fake-decode"], started["fake-prefill"], hops), ready
+
+
+def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
+    """The stream request and (two legs) the prefill leg's, as the C client fills them in."""
+    if mode == "sidecar":  # parameters of its own per request: the sidecar inspects and judges it
+        return request_body(True, events).replace(b'"bench-request"', b'"@ID@"'), b""
+    plain = msgspec.json.decode(request_body(True, events))
+    del plain["kv_transfer_params"]
+    if path in ("sidecar", "baseline"):  # the router runs both legs
+        return msgspec.json.encode(plain), b""
+    stream = msgspec.json.encode({**plain, "kv_transfer_params": "@PARAMS@"}).replace(
+        b'"@PARAMS@"', b"@PARAMS@"
+    )
+    prefill = msgspec.json.encode({**plain, "stream": False, "max_tokens": 1})
+    return stream, prefill
+
+
+@contextlib.asynccontextmanager
+async def peaks(children: Sequence[Child]) -> AsyncIterator[list[int]]:
+    """The highest RSS (bytes) and open files of ``children`` together, read while the block runs."""
+    peak = [0, 0]
+
+    def read() -> None:
+        rss = sum(child.rss_bytes() for child in children)
+        fds = sum(_open_files(child.pid) for child in children)
+        peak[0], peak[1] = max(peak[0], rss), max(peak[1], fds)
+
+    async def sample() -> None:
+        while True:
+            read()
+            await asyncio.sleep(SAMPLE_INTERVAL)
+
+    task = asyncio.create_task(sample()) if children else None
+    try:
+        yield peak
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            read()
+
+
+def _open_files(pid: int) -> int:
+    """Open file descriptors of ``pid`` and its children (nginx's worker)."""
+    total = 0
+    for proc in (pid, *_children(pid)):
+        with contextlib.suppress(OSError):
+            total += len(os.listdir(f"/proc/{proc}/fd"))
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(kid) for kid in children.read_text().split()]
+    return found
+
+
+class Measurer:
+    """Runs client phases on one path, with the CPU, memory and noise readings around them."""
+
+    def __init__(
+        self, settings: StreamsSettings, plan: CorePlan, servers: StreamServers, binary: Path
+    ) -> None:
+        self.settings, self._plan, self._servers, self._binary = settings, plan, servers, binary
+
+    async def path(self, mode: Mode, path: str) -> PathRun:
+        settings, hop = self.settings, self._servers.hops[mode, path]
+        main = await self.phase(mode, path, hop, settings.clients, settings.seconds, settings.ramp)
+        after = await self.phase(
+            mode, path, hop, settings.recovery_clients, settings.recovery_seconds, min(0.5, settings.ramp)
+        )
+        return PathRun(sample=main.sample, load=main.load, recovery=after.sample)
+
+    async def phase(
+        self, mode: Mode, path: str, hop: Hop, clients: int, seconds: float, ramp: float
+    ) -> PathRun:
+        settings = self.settings
+        body, prefill = bodies(mode, path, settings.events)
+        phase = cstreams.Phase(
+            port=hop.port, clients=clients, seconds=seconds, ramp=ramp, events=settings.events, body=body,
+            prefill_port=hop.prefill_port, prefill_body=prefill, drain=settings.duration + 10,
+        )  # fmt: skip
+        load, hops = self._servers.load_children(), hop.children
+        cpu_load, cpu_hop = _cpu(load), _cpu(hops)
+        before = snapshot_of(self._plan, time.process_time() + cpu_load, _cpu(self._servers.hop_children()))
+        async with peaks(hops) as peak:
+            sample = await cstreams.run_client(self._binary, self._plan.load, phase)
+        cpu_load, cpu_hop = _cpu(load) - cpu_load, _cpu(hops) - cpu_hop
+        after = snapshot_of(
+            self._plan,
+            time.process_time() + _cpu(load) + sample.client_cpu,
+            _cpu(self._servers.hop_children()),
+        )
+        other = Other()
+        other.add(before, after)
+        other_load, other_hop = other.shares()
+        wall = sample.client_wall
+        return PathRun(
+            sample=sample,
+            load=HopLoad(
+                hop_cores=cpu_hop / wall,
+                hop_us_per_event=cpu_hop / max(1, sample.events_total) * 1e6,
+                hop_rss_peak_mb=peak[0] / MB,
+                hop_fds_peak=peak[1],
+                client_cores=sample.client_cpu / wall,
+                decode_cores=cpu_load / wall,
+                other_load_core=other_load,
+                other_hop_core=other_hop,
+            ),
+        )
+
+
+def _cpu(children: Sequence[Child]) -> float:
+    return sum(child.cpu_seconds() for child in children)
+
+
+def _loadavg() -> str:
+    with open("/proc/loadavg") as file:
+        return file.read().strip()
+
+
+async def _busiest(exclude: set[int]) -> list[tuple[str, float]]:
+    before = process_cpu()
+    await asyncio.sleep(1.0)  # the span the reading covers
+    return busiest(before, process_cpu(), 1.0, exclude)
+
+
+async def run(
+    settings: StreamsSettings, plan: CorePlan, nginx: str | None, progress: Callable[[str], None], quick: bool
+) -> StreamsReport:
+    started = time.monotonic()
+    binary = cstreams.build()
+    ours = {os.getpid()}
+    machine_start = (_loadavg(), await _busiest(ours))
+    runs: list[RoundMode] = []
+    with launched(plan, settings, binary, nginx) as (servers, ready):
+        await wait_all_ready(ready, started + settings.ready_timeout)
+        children = {c.pid for c in ready} | {k for c in ready for k in _children(c.pid)}
+        progress(f"ready: {', '.join(f'{c.name} pid {c.pid}' for c in ready)}")
+        measurer = Measurer(settings, plan, servers, binary)
+        for round_ in range(settings.rounds):
+            for mode in settings.modes:
+                paths = [p for p in PATHS if (mode, p) in servers.hops]
+                runs.append(await _round(measurer, mode, order(paths, round_), round_ + 1, progress))
+        machine_end = (_loadavg(), await _busiest(ours | children))
+    skipped = [] if nginx else ["nginx: no nginx binary on PATH (--nginx PATH to give one)"]
+    return StreamsReport(
+        quick=quick,
+        cores=plan.describe(),
+        settings=msgspec.structs.asdict(settings),
+        seconds=time.monotonic() - started,
+        machine=Machine(
+            loadavg_start=machine_start[0],
+            loadavg_end=machine_end[0],
+            busiest_start=machine_start[1],
+            busiest_end=machine_end[1],
+        ),
+        runs=runs,
+        skipped=skipped,
+    )
+
+
+async def _round(
+    measurer: Measurer, mode: Mode, paths: list[str], round_: int, progress: Callable[[str], None]
+) -> RoundMode:
+    runs: dict[str, PathRun] = {}
+    for path in paths:
+        runs[path] = result = await measurer.path(mode, path)
+        s = result.sample
+        progress(
+            f"round {round_} {mode:<7} {path:<7} {s.streams:>6} streams, {s.errors} errors, TTFT p50 "
+            f"{s.ttft_p50_ms:.1f} p99 {s.ttft_p99_ms:.1f} ms, gap p99 {s.gap_p99_ms:.1f} ms, hop "
+            f"{result.load.hop_cores:.2f} cores, client {result.load.client_cores:.2f}, D+P "
+            f"{result.load.decode_cores:.2f}, others {result.load.other_load_core:.2f}/"
+            f"{result.load.other_hop_core:.2f}"
+        )
+    if "direct" not in runs or not runs["direct"].sample.streams:
+        raise BenchError(f"round {round_}, {mode} mode: no stream completed on the direct path")
+    direct = runs["direct"].sample
+    adds = {path: added(direct, run.sample) for path, run in runs.items() if path != "direct"}
+    return RoundMode(
+        round=round_, mode=mode, order=paths, paths=runs, added=adds, targets=targets(mode, runs, adds)
+    )
+
+
+def settings(args: argparse.Namespace) -> StreamsSettings:
+    """The preset (full, or quick with ``--quick``) with the command line's overrides."""
+    base = QUICK if args.quick else FULL
+    given = {
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "seconds": args.seconds,
+        "baseline": args.baseline,
+    }
+    return msgspec.structs.replace(base, **{k: v for k, v in given.items() if v is not None})

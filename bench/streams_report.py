@@ -1,0 +1,209 @@
+"""The many-streams workload's figures: per round, mode and path; what each hop adds; targets; the table.
+
+``StreamsReport`` is what ``out/bench-streams.json`` holds. Each round
+measures every path of each mode once (its order rotating), and every round is
+kept and printed: runs that disagree are shown side by side, not averaged
+away. A hop's figures are read against direct's of the same round (``added``),
+and the sidecar's targets are judged per round beside nginx's figures.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from bench.cstreams import StreamsSample
+
+Mode = Literal["sidecar", "router"]
+
+
+class HopLoad(msgspec.Struct, kw_only=True):
+    """What the hop and the load side used during one path's phase (cores' worth over its wall time)."""
+
+    hop_cores: float  # the hop's processes (0 on the direct path)
+    hop_us_per_event: float  # the hop's CPU per event the clients received (requests included)
+    hop_rss_peak_mb: float
+    hop_fds_peak: int
+    client_cores: float  # the C load generator
+    decode_cores: float  # the fake D (and the fake P, in router mode)
+    other_load_core: float  # other processes on the load core
+    other_hop_core: float  # other processes on the hop's core
+
+
+class PathRun(msgspec.Struct, kw_only=True):
+    """One path, one phase: what the clients measured and what it cost."""
+
+    sample: StreamsSample
+    load: HopLoad
+    recovery: StreamsSample | None = None  # a smaller phase right after, on the same path
+
+
+class Added(msgspec.Struct, kw_only=True):
+    """What a hop adds over direct in the same round, ms (noise can make it negative)."""
+
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    ttft_max_ms: float
+    gap_p99_ms: float
+
+
+class Target(msgspec.Struct, kw_only=True):
+    figure: str
+    value: float
+    limit: float
+    nginx: float | None  # nginx's same figure in the same round, when it ran
+    passed: bool
+
+
+class RoundMode(msgspec.Struct, kw_only=True):
+    round: int
+    mode: Mode
+    order: list[str]
+    paths: dict[str, PathRun]
+    added: dict[str, Added]  # by hop
+    targets: list[Target]
+
+
+class Machine(msgspec.Struct, kw_only=True):
+    """The machine's state at the start and end of the run."""
+
+    loadavg_start: str
+    loadavg_end: str
+    busiest_start: list[tuple[str, float]]  # other processes, cores' worth over a second
+    busiest_end: list[tuple[str, float]]
+
+
+class StreamsReport(msgspec.Struct, kw_only=True):
+    quick: bool
+    cores: str
+    settings: dict[str, object]
+    seconds: float
+    machine: Machine
+    runs: list[RoundMode]
+    skipped: list[str]  # paths not measured, and why
+
+
+# The targets: (mode, figure, limit); a figure name is an ``Added`` field, "errors" or "rss".
+TARGETS: list[tuple[Mode, str, float]] = [
+    ("sidecar", "ttft_p50_ms", 2.0),
+    ("sidecar", "ttft_p99_ms", 20.0),
+    ("sidecar", "errors", 0.0),
+    ("sidecar", "hop_rss_peak_mb", 150.0),
+    ("router", "ttft_p99_ms", 40.0),
+]
+
+
+def added(direct: StreamsSample, hop: StreamsSample) -> Added:
+    return Added(
+        ttft_p50_ms=hop.ttft_p50_ms - direct.ttft_p50_ms,
+        ttft_p99_ms=hop.ttft_p99_ms - direct.ttft_p99_ms,
+        ttft_max_ms=hop.ttft_max_ms - direct.ttft_max_ms,
+        gap_p99_ms=hop.gap_p99_ms - direct.gap_p99_ms,
+    )
+
+
+def _figure(name: str, path: str, runs: dict[str, PathRun], adds: dict[str, Added]) -> float | None:
+    if path not in runs:
+        return None
+    if name == "errors":
+        return float(runs[path].sample.errors)
+    if name == "hop_rss_peak_mb":
+        return runs[path].load.hop_rss_peak_mb
+    return float(getattr(adds[path], name)) if path in adds else None
+
+
+def targets(mode: Mode, runs: dict[str, PathRun], adds: dict[str, Added]) -> list[Target]:
+    """The sidecar's targets for ``mode``, judged on one round, with nginx's same figure."""
+    judged = []
+    for target_mode, name, limit in TARGETS:
+        value = _figure(name, "sidecar", runs, adds)
+        if target_mode != mode or value is None:
+            continue
+        nginx = _figure(name, "nginx", runs, adds)
+        judged.append(Target(figure=name, value=value, limit=limit, nginx=nginx, passed=value <= limit))
+    return judged
+
+
+def _ms(value: float) -> str:
+    return f"{value:,.1f}"
+
+
+def _cells(run: PathRun, add: Added | None) -> list[str]:
+    """One path's column of a round's table, in ``ROWS`` order."""
+    s, load, after = run.sample, run.load, run.recovery
+    ttft = "/".join(_ms(v) for v in (s.ttft_p50_ms, s.ttft_p99_ms, s.ttft_max_ms))
+    more = (
+        "-"
+        if add is None
+        else "/".join(f"{v:+,.1f}" for v in (add.ttft_p50_ms, add.ttft_p99_ms, add.ttft_max_ms))
+    )
+    return [
+        f"{s.streams:,} ({s.errors})",
+        ttft,
+        more,
+        f"{_ms(s.gap_p50_ms)}/{_ms(s.gap_p99_ms)}",
+        f"{load.hop_cores:.2f}",
+        f"{load.hop_us_per_event:.1f}",
+        f"{load.hop_rss_peak_mb:.0f} / {load.hop_fds_peak}",
+        f"{load.client_cores:.2f} / {load.decode_cores:.2f}",
+        f"{load.other_load_core:.2f} / {load.other_hop_core:.2f}",
+        "-" if after is None else f"{_ms(after.ttft_p50_ms)}/{_ms(after.ttft_p99_ms)}",
+        "-" if after is None else " ".join(f"{p99:.0f}" for _, _, p99 in after.timeline[:5]),
+    ]
+
+
+ROWS = [
+    "streams completed (errors)",
+    "TTFT p50 / p99 / max ms",
+    "TTFT added p50 / p99 / max ms",
+    "event gap p50 / p99 ms",
+    "hop CPU, cores",
+    "hop CPU per event, us",
+    "hop RSS peak MB / fds peak",
+    "load core: client / D+P",
+    "others: load / hop core",
+    "after: TTFT p50 / p99 ms",
+    "after: p99 per second ms",
+]
+
+
+def _table(run: RoundMode) -> list[str]:
+    paths = [p for p in ("direct", "sidecar", "baseline", "relay", "nginx") if p in run.paths]
+    columns = [[p, *_cells(run.paths[p], run.added.get(p))] for p in paths]
+    labels = ["path", *ROWS]
+    width = max(len(label) for label in labels)
+    widths = [max(len(cell) for cell in column) for column in columns]
+    return [
+        f"  {label:<{width}}  " + "  ".join(f"{col[i]:>{w}}" for col, w in zip(columns, widths, strict=True))
+        for i, label in enumerate(labels)
+    ]
+
+
+def render(report: StreamsReport) -> str:
+    """Every round's table, then the targets per round."""
+    settings = report.settings
+    lines = [
+        f"many streams ({'quick' if report.quick else 'full'} run, {report.seconds:.0f} s; {report.cores})",
+        f"{settings['clients']} clients, each a closed loop of streams of {settings['events']} events over "
+        f"{settings['duration']} s; measured {settings['seconds']} s after a {settings['ramp']} s ramp; "
+        f"'after': {settings['recovery_clients']} clients right after",
+        f"machine: loadavg {report.machine.loadavg_start} -> {report.machine.loadavg_end}; busiest others "
+        f"at start {_busy(report.machine.busiest_start)}, at end {_busy(report.machine.busiest_end)}",
+    ]
+    for run in report.runs:
+        lines.append("")
+        lines.append(f"round {run.round}, {run.mode} mode (order: {', '.join(run.order)})")
+        lines += _table(run)
+        for target in run.targets:
+            verdict = "PASS" if target.passed else "MISS"
+            nginx = "" if target.nginx is None else f"; nginx {target.nginx:,.1f}"
+            value = f"{target.value:,.1f}"
+            lines.append(f"  target {target.figure} <= {target.limit:g}: sidecar {value}{nginx}  {verdict}")
+    if report.skipped:
+        lines.append("skipped: " + "; ".join(report.skipped))
+    return "\n".join(lines)
+
+
+def _busy(found: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{name} {share:.2f}" for name, share in found) or "none over 0.01 core"

@@ -1,0 +1,38 @@
+"""The many-streams workload's pure parts: request templates, the timeline, what counts as busy."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bench.cstreams import timeline
+from bench.noise import busiest
+from bench.streams import bodies
+
+
+def test_each_mode_and_path_gets_the_request_its_hop_expects() -> None:
+    sidecar, none = bodies("sidecar", "sidecar", 64)
+    assert none == b"" and b'"remote_request_id":"@ID@"' in sidecar  # a request id per stream
+    routed, none = bodies("router", "sidecar", 64)
+    assert none == b"" and b"kv_transfer_params" not in routed  # the router makes its own
+    stream, prefill = bodies("router", "nginx", 64)
+    assert stream.endswith(b'"kv_transfer_params":@PARAMS@}')  # P's object goes in whole
+    leg = msgspec.json.decode(prefill)
+    assert leg["stream"] is False and leg["max_tokens"] == 1 and "kv_transfer_params" not in leg
+    filled = msgspec.json.decode(stream.replace(b"@PARAMS@", b'{"remote_request_id": "r"}'))
+    assert filled["stream"] is True and filled["kv_transfer_params"] == {"remote_request_id": "r"}
+
+
+def test_the_timeline_buckets_streams_by_the_second_they_started() -> None:
+    starts = [0.1, 0.5, 0.9, 1.2, 2.99, 3.5]  # the last past the window: counted in the last second
+    ttfts = [0.001, 0.002, 0.003, 0.010, 0.020, 0.030]
+    rows = timeline(starts, ttfts, 3.0)
+    assert [count for count, _, _ in rows] == [3, 1, 2]
+    assert rows[0][1] == pytest.approx(2.0) and rows[1] == (1, pytest.approx(10.0), pytest.approx(10.0))
+    assert timeline([], [], 2.0) == [(0, 0.0, 0.0), (0, 0.0, 0.0)]
+
+
+def test_busiest_leaves_out_the_benchmarks_own_processes_and_idle_ones() -> None:
+    before = {1: ("a", 10.0), 2: ("b", 5.0), 3: ("ours", 1.0), 4: ("idle", 7.0)}
+    after = {1: ("a", 10.5), 2: ("b", 7.0), 3: ("ours", 3.0), 4: ("idle", 7.0), 5: ("new", 1.0)}
+    assert busiest(before, after, 2.0, exclude={3}) == [("b 2", 1.0), ("a 1", 0.25)]
