@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="streams: also measure the sidecar of another checkout of this project (e.g. a git worktree)",
     )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="streams: sample the sidecars with py-spy, stacks written to DIR"
+    )
+    parser.add_argument(
+        "--limit", type=int, help="streams: also a sidecar with --limit-concurrency N (sidecar mode)"
+    )
+    parser.add_argument("--modes", help="streams: sidecar,router (default both)")
+    parser.add_argument(
+        "--paths", help="streams: which hops, e.g. sidecar,nginx (default all; direct always)"
+    )
     parser.add_argument("--rate", type=float, help="releases: rejected requests per second (default 2000)")
     parser.add_argument("--seconds", type=float, help="streams, releases: the measured window in seconds")
     parser.add_argument(

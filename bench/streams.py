@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench import cstreams
+from bench import cstreams, profile
 from bench.load import request_body
 from bench.noise import Other, busiest, process_cpu, snapshot_of
 from bench.procs import HOST, BenchError, Child, CorePlan, free_port, nginx_config, wait_all_ready
@@ -60,9 +60,12 @@ from bench.streams_report import (
 __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 
 MB = 1e6
-# In their base order; "baseline" is the sidecar of another checkout (``--baseline``).
-PATHS = ("direct", "sidecar", "baseline", "relay", "nginx")
 SAMPLE_INTERVAL = 0.1  # seconds between two readings of the hop's RSS and open files
+
+
+# In their base order; "baseline" is the sidecar of another checkout (``--baseline``), "limited"
+# the sidecar with ``--limit-concurrency`` (``--limit``, sidecar mode).
+PATHS = ("direct", "sidecar", "limited", "baseline", "relay", "nginx")
 
 
 class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,9 +78,15 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     recovery_clients: int = 300
     recovery_seconds: float = 4.0
     modes: tuple[Mode, ...] = ("sidecar", "router")
+    paths: tuple[str, ...] = PATHS  # which of them to measure (direct always)
     ready_timeout: float = 30.0
     # Another checkout of the project (a directory): its sidecar is measured too, as "baseline".
     baseline: str = ""
+    # Sample the sidecars with py-spy during their main phases (bench.profile), into this directory.
+    profile: str = ""
+    # Above 0: also a sidecar with --limit-concurrency at this many requests (sidecar mode), which
+    # answers the rest 503 before admission; its clients come back after a 100 ms pause.
+    limit: int = 0
 
 
 FULL = StreamsSettings()
@@ -151,7 +160,11 @@ def launched(
         _relay("relay-decode", rd, d),
         _relay("relay-prefill", rp, p),
     ]
-    base, base_router = free_port(), free_port()
+    base, base_router, limited = free_port(), free_port(), free_port()
+    if settings.limit:
+        hop.append(
+            _sidecar("limited", d_url, limited, free_port(), "--limit-concurrency", str(settings.limit))
+        )
     if settings.baseline:
         checkout = Path(settings.baseline)
         hop.append(_sidecar("baseline", d_url, base, free_port(), checkout=checkout))
@@ -181,6 +194,8 @@ def launched(
             ("router", "sidecar"): Hop(rt, 0, (started["sidecar-router"],)),
             ("router", "relay"): Hop(rd, rp, relays),
         }
+        if settings.limit:
+            hops["sidecar", "limited"] = Hop(limited, 0, (started["limited"],))
         if settings.baseline:
             hops["sidecar", "baseline"] = Hop(base, 0, (started["baseline"],))
             hops["router", "baseline"] = Hop(base_router, 0, (started["baseline-router"],))
@@ -256,13 +271,22 @@ class Measurer:
     ) -> None:
         self.settings, self._plan, self._servers, self._binary = settings, plan, servers, binary
 
-    async def path(self, mode: Mode, path: str) -> PathRun:
+    async def path(self, mode: Mode, path: str, round_: int) -> PathRun:
         settings, hop = self.settings, self._servers.hops[mode, path]
+        sampled = None
+        if settings.profile and path in ("sidecar", "limited", "baseline"):
+            out = Path(settings.profile) / f"profile-{mode}-{path}-round{round_}.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            seconds = settings.ramp + settings.seconds
+            sampled = (out, await profile.record(hop.children[0].pid, seconds, out, self._plan.load))
         main = await self.phase(mode, path, hop, settings.clients, settings.seconds, settings.ramp)
+        if sampled is not None:
+            await sampled[1].wait()
+            main.profile = profile.summary(sampled[0])
         after = await self.phase(
             mode, path, hop, settings.recovery_clients, settings.recovery_seconds, min(0.5, settings.ramp)
         )
-        return PathRun(sample=main.sample, load=main.load, recovery=after.sample)
+        return PathRun(sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile)
 
     async def phase(
         self, mode: Mode, path: str, hop: Hop, clients: int, seconds: float, ramp: float
@@ -333,7 +357,7 @@ async def run(
         measurer = Measurer(settings, plan, servers, binary)
         for round_ in range(settings.rounds):
             for mode in settings.modes:
-                paths = [p for p in PATHS if (mode, p) in servers.hops]
+                paths = [p for p in PATHS if (mode, p) in servers.hops and p in ("direct", *settings.paths)]
                 runs.append(await _round(measurer, mode, order(paths, round_), round_ + 1, progress))
         machine_end = (_loadavg(), await _busiest(ours | children))
     skipped = [] if nginx else ["nginx: no nginx binary on PATH (--nginx PATH to give one)"]
@@ -358,14 +382,14 @@ async def _round(
 ) -> RoundMode:
     runs: dict[str, PathRun] = {}
     for path in paths:
-        runs[path] = result = await measurer.path(mode, path)
+        runs[path] = result = await measurer.path(mode, path, round_)
         s = result.sample
         progress(
             f"round {round_} {mode:<7} {path:<7} {s.streams:>6} streams, {s.errors} errors, TTFT p50 "
             f"{s.ttft_p50_ms:.1f} p99 {s.ttft_p99_ms:.1f} ms, gap p99 {s.gap_p99_ms:.1f} ms, hop "
             f"{result.load.hop_cores:.2f} cores, client {result.load.client_cores:.2f}, D+P "
             f"{result.load.decode_cores:.2f}, others {result.load.other_load_core:.2f}/"
-            f"{result.load.other_hop_core:.2f}"
+            f"{result.load.other_hop_core:.2f}" + (f"; first errors: {s.first_errors}" if s.errors else "")
         )
     if "direct" not in runs or not runs["direct"].sample.streams:
         raise BenchError(f"round {round_}, {mode} mode: no stream completed on the direct path")
@@ -384,5 +408,9 @@ def settings(args: argparse.Namespace) -> StreamsSettings:
         "rounds": args.rounds,
         "seconds": args.seconds,
         "baseline": args.baseline,
+        "profile": args.profile,
+        "limit": args.limit,
+        "modes": tuple(args.modes.split(",")) if args.modes else None,
+        "paths": tuple(args.paths.split(",")) if args.paths else None,
     }
     return msgspec.structs.replace(base, **{k: v for k, v in given.items() if v is not None})

@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from bench.cstreams import StreamsSample
+from bench.profile import Profile
 
 Mode = Literal["sidecar", "router"]
 
@@ -37,6 +38,7 @@ class PathRun(msgspec.Struct, kw_only=True):
     sample: StreamsSample
     load: HopLoad
     recovery: StreamsSample | None = None  # a smaller phase right after, on the same path
+    profile: Profile | None = None  # where a sidecar's CPU went (``--profile``)
 
 
 class Added(msgspec.Struct, kw_only=True):
@@ -139,7 +141,7 @@ def _cells(run: PathRun, add: Added | None) -> list[str]:
         else "/".join(f"{v:+,.1f}" for v in (add.ttft_p50_ms, add.ttft_p99_ms, add.ttft_max_ms))
     )
     return [
-        f"{s.streams:,} ({s.errors})",
+        f"{s.streams:,} ({s.errors})" + "".join(f", {n:,} x {code}" for code, n in s.statuses.items()),
         ttft,
         more,
         f"{_ms(s.gap_p50_ms)}/{_ms(s.gap_p99_ms)}",
@@ -169,7 +171,7 @@ ROWS = [
 
 
 def _table(run: RoundMode) -> list[str]:
-    paths = [p for p in ("direct", "sidecar", "baseline", "relay", "nginx") if p in run.paths]
+    paths = [p for p in ("direct", "sidecar", "limited", "baseline", "relay", "nginx") if p in run.paths]
     columns = [[p, *_cells(run.paths[p], run.added.get(p))] for p in paths]
     labels = ["path", *ROWS]
     width = max(len(label) for label in labels)
@@ -200,9 +202,21 @@ def render(report: StreamsReport) -> str:
             nginx = "" if target.nginx is None else f"; nginx {target.nginx:,.1f}"
             value = f"{target.value:,.1f}"
             lines.append(f"  target {target.figure} <= {target.limit:g}: sidecar {value}{nginx}  {verdict}")
+    for run in report.runs:
+        for path, entry in run.paths.items():
+            if entry.profile is not None:
+                lines += _profile(f"round {run.round}, {run.mode} mode, {path}", entry.profile)
     if report.skipped:
         lines.append("skipped: " + "; ".join(report.skipped))
     return "\n".join(lines)
+
+
+def _profile(title: str, found: Profile) -> list[str]:
+    lines = ["", f"profile, {title}: {found.samples} samples ({found.raw})", "  self:"]
+    lines += [f"    {share:6.1%}  {name}" for name, share in found.self_share[:12]]
+    lines.append("  total (on the stack):")
+    lines += [f"    {share:6.1%}  {name}" for name, share in found.total_share[:12]]
+    return lines
 
 
 def _busy(found: list[tuple[str, float]]) -> str:
