@@ -46,6 +46,7 @@ def test_quick_release_workload_reports_what_p_freed(tmp_path: Path) -> None:
         assert 0 < step["freed"] <= step["sent"]  # as P recorded it
         assert 0 <= step["freed_p50_ms"] <= step["freed_p99_ms"] <= step["freed_max_ms"]
         assert step["answer_p50_ms"] <= step["answer_p99_ms"]
+        assert 0 <= step["sidecar_latency_p50_ms"] <= step["sidecar_latency_p99_ms"]  # its own histogram
         assert step["sidecar_cores"] > 0 and step["sidecar_rss_peak_mb"] > 1 and step["load_cores"] > 0
         assert step["backlog_end"] >= 0 and step["seconds"] >= seconds * 0.9
         expected = step["freed"] >= 0.99 * step["sent"] and step["freed_p99_ms"] <= 100
