@@ -38,6 +38,11 @@ class CoalescingTransport(asyncio.Transport):
         """Keep the next non-empty write until the write after it, or the end of this loop iteration."""
         self._hold = True
 
+    def direct(self) -> asyncio.Transport | None:
+        """The connection's own transport, when nothing is held back: writes straight to it keep
+        their order until the next write through this one (``sidecar.relay`` writes many)."""
+        return self._transport if self._held is None else None
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         held = self._held
         if held is not None:

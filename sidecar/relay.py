@@ -23,7 +23,10 @@ started and not ended is relayed; anything else takes the pump as before.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
+
+from sidecar.coalesce import CoalescingTransport
 
 RELAY = "kvr.relay"  # scope key: the request's ``ClientRelay``, from the server protocol
 
@@ -51,13 +54,14 @@ class Host(Protocol):
 class ClientRelay:
     """One request's relay to its client (see the module docstring); ``cycle`` is uvicorn's."""
 
-    __slots__ = ("_cycle", "_feed", "_host", "_reader")
+    __slots__ = ("_cycle", "_feed", "_host", "_reader", "_transport")
 
     def __init__(self, host: Host, cycle: Any) -> None:
         self._host = host
         self._cycle = cycle
         self._reader: Reader | None = None
         self._feed: Feed | None = None
+        self._transport: asyncio.Transport = cycle.transport
 
     def open(self, reader: Reader, feed: Feed | None = None) -> bool:
         """Relay to the client from now on; False when this response cannot be relayed."""
@@ -70,6 +74,10 @@ class ClientRelay:
         ):
             return False
         self._reader, self._feed = reader, feed
+        transport = cycle.transport
+        if isinstance(transport, CoalescingTransport):  # past its held head: one call less a part
+            transport = transport.direct() or transport
+        self._transport = transport
         self._host.relaying(self)
         if cycle.flow.write_paused:
             reader.pause_relay()
@@ -82,9 +90,8 @@ class ClientRelay:
             body = feed.feed(body)
             if not body:
                 return
-        cycle = self._cycle
-        if not cycle.disconnected:
-            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        if not self._cycle.disconnected:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     def close(self) -> None:
         """The relayed part is over: the rest of the response goes through uvicorn's cycle."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from sidecar.coalesce import CoalescingTransport
 from sidecar.relay import ClientRelay
 from tests.fakes import FakeTransport
 
@@ -88,3 +90,15 @@ def test_back_pressure_reaches_d_and_a_full_client_at_the_start_pauses_d_at_once
     relay.close()
     relay.pause()  # after the relay closed: D's connection is no longer its business
     assert reader.calls == ["pause", "resume", "pause"]
+
+
+async def test_a_head_still_held_back_goes_out_first_joined_with_the_first_part() -> None:
+    inner = FakeTransport()
+    coalescing = CoalescingTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+    coalescing.hold_next()
+    coalescing.write(b"HTTP/1.1 200 OK\r\n\r\n")  # held for its body
+    relay = ClientRelay(Host(), cycle(transport=coalescing))
+    assert relay.open(Reader())
+    relay.write(b"data: a\n\n")
+    relay.write(b"data: b\n\n")
+    assert inner.writes == [b"HTTP/1.1 200 OK\r\n\r\n9\r\ndata: a\n\n\r\n", b"9\r\ndata: b\n\n\r\n"]
