@@ -2,13 +2,13 @@
 
 llhttp does all response parsing (status line, headers, chunked framing,
 keep-alive); this module adds what a proxy needs around it: a response body
-kept as the raw bytes D sent (no content decoding), reading paused while more
-than ``HIGH_WATER`` bytes wait for the consumer, request bodies streamed with
-write flow control, and an exact record of whether the connection can carry
-another request. Errors surface as ``OSError`` (D closed or reset the connection),
-``ProtocolError`` (D sent something that is not HTTP/1.1), ``BodyError`` (the
-caller's request body failed) and ``TimeoutError``; ``sidecar.upstream``
-turns them into failures.
+kept as the raw bytes D sent (no content decoding) or relayed to the client
+as each read is parsed (``sidecar.relay``), reading paused while more than
+``HIGH_WATER`` bytes wait for the consumer (or the relay's client is full),
+request bodies streamed with write flow control, and an exact record of
+whether the connection can carry another request. Errors surface as ``OSError``
+(D closed or reset it), ``ProtocolError`` (D sent something that is not
+HTTP/1.1), ``BodyError`` (the caller's request body failed) and ``TimeoutError``.
 
 One exchange runs at a time (no pipelining). The parser is kept for the
 next exchange only after a response llhttp parsed to its end, so a HEAD
@@ -53,8 +53,8 @@ class Connection(asyncio.Protocol):
     __slots__ = (
         "_body", "_body_waiter", "_close", "_completed_at", "_drain_waiter", "_error", "_extra",
         "_head_only", "_head_waiter", "_interim", "_loop", "_on_lost", "_open", "_parser", "_read_paused",
-        "_relay", "_request_done", "_spare", "_timer", "_write_paused", "_writer", "buffered", "complete",
-        "headers", "idle_since", "keep_alive", "last_body", "relay_paused", "status", "transport",
+        "_relay", "_relayed", "_request_done", "_spare", "_timer", "_write_paused", "_writer", "buffered",
+        "complete", "headers", "idle_since", "keep_alive", "last_body", "relay_paused", "status", "transport",
     )  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_lost: Callable[[Connection], None]) -> None:
@@ -82,6 +82,7 @@ class Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self.buffered = 0
         self._relay: ClientRelay | None = None  # body parts go straight to the client (``relay_to``)
+        self._relayed: list[bytes] = []  # the parts of the current read, for the relay
         self.relay_paused = False
         self.last_body = 0.0  # loop time of the latest body bytes while relaying
         self.status = 0
@@ -197,11 +198,9 @@ class Connection(asyncio.Protocol):
             self._set_reading()
         return chunk
 
-    # -- relaying the body ------------------------------------------------------
-
     def relay_to(self, relay: ClientRelay | None) -> None:
-        """From now on each body part llhttp parses goes to ``relay`` at once (None: to the buffer
-        again). The consumer then waits for the body's end with ``wait_body``, which no part wakes."""
+        """Body parts go to ``relay`` as each read is parsed (None: to the buffer); no part wakes
+        ``wait_body``, which then waits for the body's end."""
         self._relay = relay
         self.last_body = self._loop.time()
         if relay is None:
@@ -315,6 +314,10 @@ class Connection(asyncio.Protocol):
             self._fail(ProtocolError("D switched protocols"))
         except httptools.HttpParserError as exc:
             self._fail(ProtocolError(f"malformed response from D: {exc}"))
+        if self._relayed:  # every part of this read in one write to the client
+            parts, self._relayed = self._relayed, []
+            if self._relay is not None:
+                self._relay.write_all(parts)
 
     def eof_received(self) -> bool:
         self._end(None)
@@ -376,10 +379,9 @@ class Connection(asyncio.Protocol):
         if self.complete:  # a body on a HEAD response
             self._extra = True
             return
-        relay = self._relay
-        if relay is not None:
+        if self._relay is not None:
             self.last_body = self._loop.time()
-            relay.write(body)
+            self._relayed.append(body)
             return
         self._body.append(body)
         self.buffered += len(body)

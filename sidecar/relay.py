@@ -85,13 +85,20 @@ class ClientRelay:
 
     def write(self, body: bytes) -> None:
         """One part of D's body, as one chunk to the client (nothing once the client left)."""
+        self.write_all([body])
+
+    def write_all(self, parts: list[bytes]) -> None:
+        """The parts of one read from D, one chunk each, in one write (nothing once the client
+        left). An empty part would end the body: a part the filter holds back is left out."""
         feed = self._feed
         if feed is not None:
-            body = feed.feed(body)
-            if not body:
-                return
-        if not self._cycle.disconnected:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            parts = [part for part in map(feed.feed, parts) if part]
+        if not parts or self._cycle.disconnected:
+            return
+        if len(parts) == 1:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(parts[0]), parts[0]))
+        else:
+            self._transport.write(b"".join([b"%x\r\n%b\r\n" % (len(part), part) for part in parts]))
 
     def close(self) -> None:
         """The relayed part is over: the rest of the response goes through uvicorn's cycle."""

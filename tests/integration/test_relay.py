@@ -90,13 +90,13 @@ def request(rid: str) -> dict[str, Any]:
 def relayed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The sizes of the parts the relay wrote to clients (the fast path taken)."""
     sizes: list[int] = []
-    write = ClientRelay.write
+    write_all = ClientRelay.write_all
 
-    def counted(self: ClientRelay, body: bytes) -> None:
-        sizes.append(len(body))
-        write(self, body)
+    def counted(self: ClientRelay, parts: list[bytes]) -> None:
+        sizes.extend(len(part) for part in parts)
+        write_all(self, parts)
 
-    monkeypatch.setattr(ClientRelay, "write", counted)
+    monkeypatch.setattr(ClientRelay, "write_all", counted)
     yield sizes
 
 

@@ -102,3 +102,12 @@ async def test_a_head_still_held_back_goes_out_first_joined_with_the_first_part(
     relay.write(b"data: a\n\n")
     relay.write(b"data: b\n\n")
     assert inner.writes == [b"HTTP/1.1 200 OK\r\n\r\n9\r\ndata: a\n\n\r\n", b"9\r\ndata: b\n\n\r\n"]
+
+
+def test_the_parts_of_one_read_leave_in_one_write_each_its_own_chunk() -> None:
+    state = cycle()
+    relay = ClientRelay(Host(), state)
+    assert relay.open(Reader(), Upper())
+    relay.write_all([b"data: a\n\n", b"held!", b"data: bc\n\n"])
+    relay.write_all([b"held!"])  # nothing left to write: no write at all
+    assert state.transport.writes == [b"9\r\nDATA: A\n\n\r\na\r\nDATA: BC\n\n\r\n"]
