@@ -407,7 +407,7 @@ static char *body_tpl, *prefill_body;
 static size_t prefill_len;
 static dvec ttfts, gaps_all;
 static long streams_ok, errors, events_total, reconnects;
-#define BACKOFF 0.1 /* seconds before a client whose connection was closed connects again */
+#define BACKOFF 1.0 /* seconds before a client whose connection was closed connects again */
 static int *rq;     /* clients to reconnect, in the order they are due (one backoff each: a FIFO) */
 static double *rq_at;
 static size_t rq_head, rq_len;

@@ -85,7 +85,7 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Sample the sidecars with py-spy during their main phases (bench.profile), into this directory.
     profile: str = ""
     # Above 0: also a sidecar with --limit-concurrency at this many requests (sidecar mode), which
-    # answers the rest 503 before admission; its clients come back after a 100 ms pause.
+    # answers the rest 503 before admission; its clients come back a second later.
     limit: int = 0
 
 
