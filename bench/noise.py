@@ -11,8 +11,10 @@ not counted as noise.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +84,25 @@ def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, fl
         if pid in before and pid not in exclude
     ]
     return sorted((u for u in used if u[1] > 0.01), key=lambda u: -u[1])[:top]
+
+
+async def wait_quiet(
+    plan: CorePlan, ours: Callable[[], float], threshold: float, bound: float
+) -> tuple[float, float]:
+    """Wait until other processes use at most ``threshold`` cores' worth of the benchmark's
+    cores over one second (``ours``: the CPU seconds of everything the benchmark runs), or until
+    ``bound`` seconds have passed. Returns the seconds waited and the last second's reading: on
+    a shared machine a phase then starts in a quiet spell, when there is one."""
+    cpus = plan.load | plan.sidecar
+    waited, started = 0.0, time.monotonic()
+    while True:
+        busy, own = core_busy(), ours()
+        await asyncio.sleep(1.0)  # the span of one reading
+        after, own_after = core_busy(), ours()
+        others = sum(after.get(c, 0.0) - busy.get(c, 0.0) for c in cpus) - (own_after - own)
+        waited = time.monotonic() - started
+        if others <= threshold or waited >= bound:
+            return waited, max(0.0, others)
 
 
 @dataclass(slots=True)

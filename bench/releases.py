@@ -37,7 +37,7 @@ import aiohttp
 import httptools
 import msgspec
 
-from bench.noise import Other, snapshot_of
+from bench.noise import Other, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
 from bench.stats import ms, percentile
 from bench.storm_load import Samples, Scrape, delta, quantile, sample
@@ -63,13 +63,18 @@ class ReleasesSettings(msgspec.Struct, frozen=True, kw_only=True):
     prepare_connections: int = 48
     settle: float = 5.0  # seconds after a step for its last releases to reach P
     warmup: int = 50  # requests released (at 50/s) before the first step: P's handshake is cached
+    # Before each step, wait until other processes use at most ``quiet`` cores' worth of the two
+    # cores (over a second), for at most ``quiet_wait`` seconds; what was waited is reported.
+    quiet: float = 0.25
+    quiet_wait: float = 180.0
     ready_timeout: float = 60.0
 
 
 FULL = ReleasesSettings()
 QUICK = ReleasesSettings(
-    rate=200.0, seconds=1.0, before=((100.0, 0.5),), after=((400.0, 0.5),), settle=2.0, warmup=10
-)
+    rate=200.0, seconds=1.0, before=((100.0, 0.5),), after=((400.0, 0.5),), settle=2.0, warmup=10,
+    quiet_wait=0.0,
+)  # fmt: skip
 
 
 def settings(args: argparse.Namespace) -> ReleasesSettings:
@@ -104,6 +109,8 @@ class Step(msgspec.Struct, kw_only=True):
     other_load_core: float
     other_hop_core: float
     kept_up: bool
+    waited_s: float = 0.0  # waited for a quiet spell before the step
+    others_before: float = 0.0  # other processes' cores' worth in the second before it began
 
 
 class ReleasesReport(msgspec.Struct, kw_only=True):
@@ -384,10 +391,12 @@ async def run(
             progress("warm-up: " + _line(warm))
             offset = settings.warmup
             for index, ((rate, _), count) in enumerate(zip(plan_steps, counts, strict=True)):
+                waited = await _quiet(servers, plan, settings)
                 result = await step(
                     servers, plan, scrape, bodies[offset : offset + count], rate, settings.settle
                 )
                 offset += count
+                result.waited_s, result.others_before = waited
                 steps.append(result)
                 progress(_line(result))
                 if index > len(settings.before) and not result.kept_up:
@@ -409,6 +418,14 @@ async def run(
     )
 
 
+async def _quiet(servers: StormServers, plan: CorePlan, settings: ReleasesSettings) -> tuple[float, float]:
+    if settings.quiet_wait <= 0:
+        return 0.0, 0.0
+    children = servers.children
+    own = lambda: time.process_time() + sum(c.cpu_seconds() for c in children)  # noqa: E731
+    return await wait_quiet(plan, own, settings.quiet, settings.quiet_wait)
+
+
 def _loadavg() -> str:
     with open("/proc/loadavg") as file:
         return file.read().strip()
@@ -420,7 +437,8 @@ def _line(s: Step) -> str:
         f"(p50 {s.freed_p50_ms:.1f} ms, p99 {s.freed_p99_ms:.1f} ms), sidecar sent {s.sidecar_sent} "
         f"(its part p50 {s.sidecar_latency_p50_ms:.1f} ms, p99 {s.sidecar_latency_p99_ms:.1f} ms), "
         f"backlog {s.backlog_end}, sidecar {s.sidecar_cores:.2f} cores, {s.sidecar_rss_peak_mb:.0f} MB, "
-        f"load side {s.load_cores:.2f}, others {s.other_load_core:.2f}/{s.other_hop_core:.2f}"
+        f"load side {s.load_cores:.2f}, others {s.other_load_core:.2f}/{s.other_hop_core:.2f} (waited "
+        f"{s.waited_s:.0f} s for {s.others_before:.2f})"
         f"{'' if s.kept_up else '  NOT KEPT UP'}"
     )
 

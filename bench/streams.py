@@ -42,8 +42,8 @@ import msgspec
 
 from bench import cstreams, profile
 from bench.load import request_body
-from bench.noise import Other, busiest, process_cpu, snapshot_of
-from bench.procs import HOST, BenchError, Child, CorePlan, free_port, nginx_config, wait_all_ready
+from bench.noise import Other, busiest, process_cpu, snapshot_of, wait_quiet
+from bench.procs import HOST, Child, CorePlan, free_port, nginx_config, wait_all_ready
 from bench.run import order
 from bench.streams_report import (
     HopLoad,
@@ -84,6 +84,10 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     baseline: str = ""
     # Sample the sidecars with py-spy during their main phases (bench.profile), into this directory.
     profile: str = ""
+    # Before each path, wait until other processes use at most ``quiet`` cores' worth of the two
+    # cores (over a second), for at most ``quiet_wait`` seconds; what was waited is reported.
+    quiet: float = 0.25
+    quiet_wait: float = 180.0
     # Above 0: also a sidecar with --limit-concurrency at this many requests (sidecar mode), which
     # answers the rest 503 before admission; its clients come back a second later.
     limit: int = 0
@@ -92,7 +96,7 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
 FULL = StreamsSettings()
 QUICK = StreamsSettings(
     clients=50, events=8, duration=0.3, seconds=1.0, ramp=0.2, rounds=1, recovery_clients=10,
-    recovery_seconds=0.5,
+    recovery_seconds=0.5, quiet_wait=0.0,
 )  # fmt: skip
 
 
@@ -273,6 +277,11 @@ class Measurer:
 
     async def path(self, mode: Mode, path: str, round_: int) -> PathRun:
         settings, hop = self.settings, self._servers.hops[mode, path]
+        children = [*self._servers.load_children(), *self._servers.hop_children()]
+        waited = (0.0, 0.0)
+        if settings.quiet_wait > 0:
+            own = lambda: time.process_time() + _cpu(children)  # noqa: E731
+            waited = await wait_quiet(self._plan, own, settings.quiet, settings.quiet_wait)
         sampled = None
         if settings.profile and path in ("sidecar", "limited", "baseline"):
             out = Path(settings.profile) / f"profile-{mode}-{path}-round{round_}.txt"
@@ -286,6 +295,7 @@ class Measurer:
         after = await self.phase(
             mode, path, hop, settings.recovery_clients, settings.recovery_seconds, min(0.5, settings.ramp)
         )
+        main.load.waited_s, main.load.others_before = waited
         return PathRun(sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile)
 
     async def phase(
@@ -391,9 +401,10 @@ async def _round(
             f"{result.load.decode_cores:.2f}, others {result.load.other_load_core:.2f}/"
             f"{result.load.other_hop_core:.2f}" + (f"; first errors: {s.first_errors}" if s.errors else "")
         )
-    if "direct" not in runs or not runs["direct"].sample.streams:
-        raise BenchError(f"round {round_}, {mode} mode: no stream completed on the direct path")
     direct = runs["direct"].sample
+    if not direct.streams:  # the machine stalled the direct path: nothing to add to (shown as is)
+        progress(f"round {round_}, {mode} mode: no stream completed on the direct path")
+        return RoundMode(round=round_, mode=mode, order=paths, paths=runs, added={}, targets=[])
     adds = {path: added(direct, run.sample) for path, run in runs.items() if path != "direct"}
     return RoundMode(
         round=round_, mode=mode, order=paths, paths=runs, added=adds, targets=targets(mode, runs, adds)

@@ -30,6 +30,8 @@ class HopLoad(msgspec.Struct, kw_only=True):
     decode_cores: float  # the fake D (and the fake P, in router mode)
     other_load_core: float  # other processes on the load core
     other_hop_core: float  # other processes on the hop's core
+    waited_s: float = 0.0  # waited for a quiet spell before the phase
+    others_before: float = 0.0  # other processes' cores' worth in the second before it began
 
 
 class PathRun(msgspec.Struct, kw_only=True):
@@ -150,6 +152,7 @@ def _cells(run: PathRun, add: Added | None) -> list[str]:
         f"{load.hop_rss_peak_mb:.0f} / {load.hop_fds_peak}",
         f"{load.client_cores:.2f} / {load.decode_cores:.2f}",
         f"{load.other_load_core:.2f} / {load.other_hop_core:.2f}",
+        f"{load.waited_s:.0f} s, {load.others_before:.2f}",
         "-" if after is None else f"{_ms(after.ttft_p50_ms)}/{_ms(after.ttft_p99_ms)}",
         "-" if after is None else " ".join(f"{p99:.0f}" for _, _, p99 in after.timeline[:5]),
     ]
@@ -165,6 +168,7 @@ ROWS = [
     "hop RSS peak MB / fds peak",
     "load core: client / D+P",
     "others: load / hop core",
+    "waited for quiet, others then",
     "after: TTFT p50 / p99 ms",
     "after: p99 per second ms",
 ]

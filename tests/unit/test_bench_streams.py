@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from bench.cstreams import timeline
-from bench.noise import busiest
+from bench.noise import busiest, wait_quiet
+from bench.procs import CorePlan
 from bench.streams import bodies
 
 
@@ -36,3 +37,11 @@ def test_busiest_leaves_out_the_benchmarks_own_processes_and_idle_ones() -> None
     before = {1: ("a", 10.0), 2: ("b", 5.0), 3: ("ours", 1.0), 4: ("idle", 7.0)}
     after = {1: ("a", 10.5), 2: ("b", 7.0), 3: ("ours", 3.0), 4: ("idle", 7.0), 5: ("new", 1.0)}
     assert busiest(before, after, 2.0, exclude={3}) == [("b 2", 1.0), ("a 1", 0.25)]
+
+
+async def test_waiting_for_quiet_ends_at_a_quiet_second_or_at_its_bound() -> None:
+    plan = CorePlan(frozenset({0}), frozenset({1}))
+    waited, others = await wait_quiet(plan, lambda: 0.0, threshold=100.0, bound=60.0)
+    assert 1.0 <= waited < 5 and 0 <= others <= 2  # the first second already counts as quiet
+    waited, others = await wait_quiet(plan, lambda: 0.0, threshold=-1.0, bound=1.5)
+    assert 1.5 <= waited < 5  # never quiet enough: given up at the bound, one reading past it
