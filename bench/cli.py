@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--limit", type=int, help="streams: also a sidecar with --limit-concurrency N (sidecar mode)"
     )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        help="streams, releases: seconds each phase waits at most for a quiet spell (default 180)",
+    )
     parser.add_argument("--modes", help="streams: sidecar,router (default both)")
     parser.add_argument(
         "--paths", help="streams: which hops, e.g. sidecar,nginx (default all; direct always)"

@@ -79,7 +79,7 @@ QUICK = ReleasesSettings(
 
 def settings(args: argparse.Namespace) -> ReleasesSettings:
     base = QUICK if args.quick else FULL
-    given = {"rate": args.rate, "seconds": args.seconds}
+    given = {"rate": args.rate, "seconds": args.seconds, "quiet_wait": args.quiet_wait}
     return msgspec.structs.replace(base, **{k: v for k, v in given.items() if v is not None})
 
 

@@ -421,6 +421,7 @@ def settings(args: argparse.Namespace) -> StreamsSettings:
         "baseline": args.baseline,
         "profile": args.profile,
         "limit": args.limit,
+        "quiet_wait": args.quiet_wait,
         "modes": tuple(args.modes.split(",")) if args.modes else None,
         "paths": tuple(args.paths.split(",")) if args.paths else None,
     }
