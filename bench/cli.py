@@ -47,6 +47,21 @@ DEFAULT_JSON = {
 }
 
 
+# The streams and releases workloads' own flags (``bench.streams.settings``, ``bench.releases.settings``).
+WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
+    ("--clients", {"type": int, "help": "streams: concurrent clients (default 2000)"}),
+    ("--rounds", {"type": int, "help": "streams: rounds of every path (default 2)"}),
+    ("--baseline", {"metavar": "DIR", "help": "streams: also the sidecar of another checkout (a worktree)"}),
+    ("--profile", {"metavar": "DIR", "help": "streams: py-spy on the sidecars, stacks written to DIR"}),
+    ("--limit", {"type": int, "help": "streams: also a sidecar with --limit-concurrency N"}),
+    ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
+    ("--modes", {"help": "streams: sidecar,router (default both)"}),
+    ("--paths", {"help": "streams: which hops, e.g. sidecar,nginx (default all; direct always)"}),
+    ("--rate", {"type": float, "help": "releases: rejected requests per second (default 2000)"}),
+    ("--seconds", {"type": float, "help": "streams, releases: the measured window in seconds"}),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -58,30 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds per path")
     parser.add_argument("--json", type=Path, help="where the raw figures go (default out/bench*.json)")
-    parser.add_argument("--clients", type=int, help="streams: concurrent clients (default 2000)")
-    parser.add_argument("--rounds", type=int, help="streams: rounds of every path (default 2)")
-    parser.add_argument(
-        "--baseline",
-        metavar="DIR",
-        help="streams: also measure the sidecar of another checkout of this project (e.g. a git worktree)",
-    )
-    parser.add_argument(
-        "--profile", metavar="DIR", help="streams: sample the sidecars with py-spy, stacks written to DIR"
-    )
-    parser.add_argument(
-        "--limit", type=int, help="streams: also a sidecar with --limit-concurrency N (sidecar mode)"
-    )
-    parser.add_argument(
-        "--quiet-wait",
-        type=float,
-        help="streams, releases: seconds each phase waits at most for a quiet spell (default 180)",
-    )
-    parser.add_argument("--modes", help="streams: sidecar,router (default both)")
-    parser.add_argument(
-        "--paths", help="streams: which hops, e.g. sidecar,nginx (default all; direct always)"
-    )
-    parser.add_argument("--rate", type=float, help="releases: rejected requests per second (default 2000)")
-    parser.add_argument("--seconds", type=float, help="streams, releases: the measured window in seconds")
+    for flag, options in WORKLOAD_OPTIONS:
+        parser.add_argument(flag, **options)  # type: ignore[arg-type]
     parser.add_argument(
         "--nginx",
         metavar="PATH",

@@ -168,7 +168,7 @@ class Measurer:
                 f"{phase.name} via {path}, warm-up",
             )
             before, decode, hop = snapshot(self._plan, servers), servers.decode.cpu_seconds(), _cpu(proxy)
-            async with _rss_peak(proxy) as peak:
+            async with rss_peak(proxy) as peak:
                 if phase.kind == "json":
                     sample = await self._json.run(
                         url, phase.concurrency, phase.seconds, settings.request_timeout
@@ -195,7 +195,7 @@ def _cpu(proxy: Child | None) -> float:
 
 
 @contextlib.asynccontextmanager
-async def _rss_peak(proxy: Child | None) -> AsyncIterator[list[int]]:
+async def rss_peak(proxy: Child | None) -> AsyncIterator[list[int]]:
     """The highest RSS of ``proxy`` read while the block runs (in a one-item list), 0 without a hop."""
     peak = [0]
     if proxy is None:

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import cast
 
 import aiohttp
 import httptools
 import msgspec
 
+from bench.measure import rss_peak
 from bench.noise import Other, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
 from bench.stats import ms, percentile
@@ -265,24 +265,6 @@ class OpenLoop:
                 conn.transport.close()
 
 
-@contextlib.asynccontextmanager
-async def rss_peak(servers: StormServers) -> AsyncIterator[list[int]]:
-    peak = [0]
-
-    async def read() -> None:
-        while True:
-            peak[0] = max(peak[0], servers.sidecar.rss_bytes())
-            await asyncio.sleep(0.1)
-
-    task = asyncio.create_task(read())
-    try:
-        yield peak
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def step(
     servers: StormServers, plan: CorePlan, scrape: Scrape, bodies: list[tuple[str, bytes]], rate: float,
     settle: float,
@@ -295,7 +277,7 @@ async def step(
     before = snapshot_of(plan, load0, cpu0)
     sender = OpenLoop(servers.sidecar_url)
     try:
-        async with rss_peak(servers) as peak:
+        async with rss_peak(servers.sidecar) as peak:
             wall = await sender.run(bodies, rate)
             cpu1, load1 = (
                 servers.sidecar.cpu_seconds(),

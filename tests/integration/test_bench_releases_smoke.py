@@ -11,30 +11,17 @@ Speed is not asserted.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.nixl
+from tests.integration.bench_runs import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.nixl
 
 
 def test_quick_release_workload_reports_what_p_freed(tmp_path: Path) -> None:
-    out = tmp_path / "releases.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--workload", "releases", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, stdout = run_bench(tmp_path / "releases.json", "--workload", "releases", "--quick")
     settings = report["settings"]
     planned = [*settings["before"], [settings["rate"], settings["seconds"]], *settings["after"]]
     assert report["main"] == len(settings["before"])
@@ -53,4 +40,4 @@ def test_quick_release_workload_reports_what_p_freed(tmp_path: Path) -> None:
         assert step["kept_up"] is expected
     missed = [s["rate"] for s in report["steps"] if not s["kept_up"]]
     assert report["stopped_keeping_up"] == (min(missed) if missed else None)
-    assert "<- main" in result.stdout and "target: " in result.stdout
+    assert "<- main" in stdout and "target: " in stdout

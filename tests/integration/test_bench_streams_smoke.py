@@ -11,16 +11,13 @@ Speed is not asserted: the targets are the full benchmark's business.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.bench_runs import run_bench
+
 NGINX = shutil.which("nginx") is not None
 PATHS = ["direct", "sidecar", "relay"] + (["nginx"] if NGINX else [])
 
@@ -30,17 +27,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C co
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("streams") / "streams.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--workload", "streams", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data: dict[str, Any] = json.loads(out.read_text())
-    data["stdout"] = result.stdout
+    data, stdout = run_bench(out, "--workload", "streams", "--quick")
+    data["stdout"] = stdout
     return data
 
 
