@@ -49,6 +49,15 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
 def run(args: argparse.Namespace) -> int:
     try:
         config, sources = config_args.load(args)
+    except config_mod.ConfigError as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 2
+    return start(config, sources)
+
+
+def start(config: config_mod.Config, sources: dict[str, str]) -> int:
+    """Serve ``config`` until SIGTERM (``sources``: where each setting came from, for errors)."""
+    try:
         try:
             trust = Trust(config)  # secrets read once, before any socket opens
             tracing.require(config)  # the otel extra installed when tracing is configured
