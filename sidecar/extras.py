@@ -3,7 +3,8 @@
 The core install runs ``serve`` with ``--release off``, ``dry-run`` or ``http``.
 The rest is optional: ``nixl`` (NIXL, numpy and ZMQ: ``--release nixl`` and
 ``auto``, the P simulator), ``loadtest`` (aiohttp and matplotlib: ``demo``,
-``loadtest``) and ``otel`` (OpenTelemetry tracing). A command that needs a
+``loadtest``), ``otel`` (OpenTelemetry tracing) and ``llm-d`` (the InferencePool
+watch, a self-signed certificate, llm-d's YAML configuration). A command that needs a
 missing extra stops with exit code 2 and ``MissingExtra``'s one line, naming
 the extra and how to install it, instead of an ``ImportError`` traceback.
 """
@@ -18,12 +19,14 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nixl": ("nixl_cu12|nixl", "numpy", "zmq"),
     "loadtest": ("aiohttp", "matplotlib"),
     "otel": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"),
+    "llm-d": ("lightkube", "cryptography", "yaml"),
 }
 # nixl-cu12 declares torch, so pip would pull it with the extra: point at the recipe without it.
 HINTS: dict[str, str] = {
     "nixl": 'install it without torch as "Install" in README.md shows',
     "loadtest": 'pip install "<checkout>[loadtest]"',
     "otel": 'pip install "<checkout>[otel]"',
+    "llm-d": 'pip install "<checkout>[llm-d]"',
 }
 
 
