@@ -174,7 +174,7 @@ def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
             fake.delete("pods", "prefill-0")  # the pool follows: P is no longer allowed
             status = lambda: (
                 client.post(url + "/v1/completions", json=completion(5), headers=header).status_code
-            )  # noqa: E731
+            )
             wait_for(lambda: status() == 403, 5.0)
             fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))
             wait_for(lambda: status() == 200, 5.0)
@@ -207,7 +207,10 @@ def served_serial(port: int, ca_file: Path) -> int:
     from cryptography import x509
 
     context = ssl.create_default_context(cafile=str(ca_file))
-    with socket.create_connection(("127.0.0.1", port)) as raw, context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+    with (
+        socket.create_connection(("127.0.0.1", port)) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
