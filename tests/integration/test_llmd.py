@@ -55,20 +55,23 @@ def kube_api(tmp: Path, ca: trustme.CA) -> Iterator[tuple[FakeKube, ServerThread
     """The fake API over HTTPS, and a service-account directory (token, ca.crt, namespace)."""
     fake = FakeKube(TOKEN)
     server_cert = ca.issue_cert("127.0.0.1")
-    with server_cert.cert_chain_pems[0].tempfile() as crt, server_cert.private_key_pem.tempfile() as key:
-        with serve(fake.app(), ssl_certfile=crt, ssl_keyfile=key) as api:
-            account = tmp / "serviceaccount"
-            account.mkdir()
-            (account / "token").write_text(TOKEN)
-            (account / "namespace").write_text("llm")
-            ca.cert_pem.write_to_path(str(account / "ca.crt"))
-            yield fake, api, account
+    with (
+        server_cert.cert_chain_pems[0].tempfile() as crt,
+        server_cert.private_key_pem.tempfile() as key,
+        serve(fake.app(), ssl_certfile=crt, ssl_keyfile=key) as api,
+    ):
+        account = tmp / "serviceaccount"
+        account.mkdir()
+        (account / "token").write_text(TOKEN)
+        (account / "namespace").write_text("llm")
+        ca.cert_pem.write_to_path(str(account / "ca.crt"))
+        yield fake, api, account
 
 
 @contextmanager
 def sidecar(args: list[str], env: dict[str, str], ready: Any) -> Iterator[subprocess.Popen[bytes]]:
     """``kv-release-sidecar serve <args>`` (the image's entry point), until ``ready()`` holds."""
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     process = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "serve", *args],
         env={**{k: v for k, v in os.environ.items() if not k.startswith("KVR_")}, **env},
@@ -172,9 +175,10 @@ def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
             assert denied.text == "Forbidden: prefill target not allowed by SSRF protection\n"
 
             fake.delete("pods", "prefill-0")  # the pool follows: P is no longer allowed
-            status = lambda: (
-                client.post(url + "/v1/completions", json=completion(5), headers=header).status_code
-            )
+
+            def status() -> int:
+                return client.post(url + "/v1/completions", json=completion(5), headers=header).status_code
+
             wait_for(lambda: status() == 403, 5.0)
             fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))
             wait_for(lambda: status() == 200, 5.0)
