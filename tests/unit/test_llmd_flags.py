@@ -1,4 +1,4 @@
-"""llm-d's command line onto the config: mappings, refusals in one line, the docs table, the pool's entries."""
+"""llm-d's command line onto the config: mappings, one-line refusals, the docs table, pool entries."""
 
 from __future__ import annotations
 
