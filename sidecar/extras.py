@@ -3,10 +3,11 @@
 The core install runs ``serve`` with ``--release off``, ``dry-run`` or ``http``.
 The rest is optional: ``nixl`` (NIXL, numpy and ZMQ: ``--release nixl`` and
 ``auto``, the P simulator), ``loadtest`` (aiohttp and matplotlib: ``demo``,
-``loadtest``), ``otel`` (OpenTelemetry tracing) and ``llm-d`` (the InferencePool
-watch, a self-signed certificate, llm-d's YAML configuration). A command that needs a
-missing extra stops with exit code 2 and ``MissingExtra``'s one line, naming
-the extra and how to install it, instead of an ``ImportError`` traceback.
+``loadtest``), ``otel`` (OpenTelemetry tracing) and ``llm-d`` (lightkube for the
+InferencePool watch, cryptography for a self-signed serving certificate, pyyaml
+for llm-d's ``--configuration`` YAML). A command that needs a missing extra stops
+with exit code 2 and ``MissingExtra``'s one line, naming the extra and how to
+install it, instead of an ``ImportError`` traceback.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def require(what: str, extras: Iterable[str]) -> None:
         module = missing_module(extra)
         if module is not None:
             raise MissingExtra(what, extra, module)
+
+
+def require_module(what: str, extra: str, module: str) -> None:
+    """Raise ``MissingExtra`` when ``module``, the part of ``extra`` that ``what`` imports, is missing."""
+    if not _importable(module):
+        raise MissingExtra(what, extra, module)
 
 
 def extra_of(module: str | None) -> str | None:

@@ -67,7 +67,7 @@ def start(config: config_mod.Config, sources: dict[str, str]) -> int:
             extras.require(f"--release {config.release}", ["nixl"])
         tls = preflight(config)
         sockets = listen(config)
-    except (config_mod.ConfigError, ListenError, TLSFileError) as exc:
+    except (config_mod.ConfigError, ListenError, TLSFileError, extras.MissingExtra) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     logs.setup(config.log_level, config.log_format)
@@ -251,12 +251,17 @@ class Serving:
 
 
 def preflight(config: config_mod.Config) -> Serving:
-    """What start-up needs beyond the config, checked before any socket opens: the llm-d extra,
-    the service account for the InferencePool watch, the certificates; raises a one-line error."""
-    if config.inference_pool or (config.tls and not config.tls_cert_dir):
-        extras.require("--inference-pool or --tls without --tls-cert-dir", ["llm-d"])
+    """What start-up needs beyond the config, checked before any socket opens: the llm-d extra's
+    parts, the service account for the InferencePool watch, the certificates; raises a one-line error."""
     if config.inference_pool:
+        extras.require_module(
+            f"the InferencePool watch (inference_pool {config.inference_pool})", "llm-d", "lightkube"
+        )
         check_service_account(config)
+    if config.tls and not config.tls_cert_dir:
+        extras.require_module(
+            "a self-signed serving certificate (TLS without a certificate directory)", "llm-d", "cryptography"
+        )
     version, ciphers = config.tls_min_version, config.tls_ciphers
     return Serving(
         serving(config.tls_cert_dir, config.tls, version, ciphers),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar import config as config_mod
+from sidecar import extras
 from sidecar.config import ConfigError, did_you_mean
 from sidecar.llmd.flags import MAPPING, MORIIO_PREFIX, as_list, refuse, settings
 
@@ -85,6 +86,8 @@ def with_yaml(given: dict[str, Any]) -> dict[str, Any]:
         )
     if not inline and not path:
         return given
+    flag = "--configuration-file" if path else "--configuration"
+    extras.require_module(f"{flag} (llm-d's YAML configuration)", "llm-d", "yaml")
     import yaml  # type: ignore[import-untyped]  # the llm-d extra
 
     try:
@@ -134,7 +137,7 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         config, sources = load(argv, os.environ)
-    except ConfigError as exc:
+    except (ConfigError, extras.MissingExtra) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     return serve.start(config, sources)
