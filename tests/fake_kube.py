@@ -9,7 +9,13 @@ list (``{"kind": "PodList", "metadata": {"resourceVersion"}, "items"}``), or wit
 selectors (``a=b,c=d``) and the ``metadata.name`` field selector are honoured. Every
 request must carry ``Authorization: Bearer <token>`` (401 with a ``Status`` otherwise).
 Tests change the objects with ``put`` and ``delete``; each change bumps the resource
-version and reaches open watches at once.
+version and reaches open watches at once. As the API does, a watch from a
+``resourceVersion`` first replays the changes after it; one from a version older
+than the history kept (``compact``, as etcd compaction does) gets a single
+``ERROR`` event with a 410 ``Expired`` ``Status`` and ends. ``end_watches`` ends
+every open watch (the server's ``timeoutSeconds``, or a restart); ``hold`` makes
+new watch requests wait until ``release``, so a test decides what happened while
+no watch was open.
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ class FakeKube:
         self.watchers: list[tuple[str, asyncio.Queue[dict[str, Any]]]] = []
         self.requests: list[str] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.history: list[tuple[int, str, dict[str, Any]]] = []  # (version, resource, event)
+        self.compacted = 0  # a watch from a version below this one gets 410 Gone
+        self._open = asyncio.Event()  # set: watch requests are answered (cleared by ``hold``)
+        self._open.set()
 
     def put(self, resource: str, obj: dict[str, Any]) -> None:
         """Create or replace (thread-safe: runs on the server's loop)."""
@@ -65,6 +75,32 @@ class FakeKube:
 
     def delete(self, resource: str, name: str) -> None:
         self._call(self._change, resource, {"metadata": {"name": name}}, True)
+
+    def end_watches(self) -> None:
+        """End every open watch: its stream closes, as at the server's ``timeoutSeconds``."""
+        self._call(self._end)
+
+    def compact(self) -> None:
+        """Forget the changes made so far: a watch resuming before now gets 410 Gone."""
+        self._call(self._compact)
+
+    def hold(self) -> None:
+        """New watch requests wait (unanswered) until ``release``."""
+        self._call(self._open.clear)
+
+    def release(self) -> None:
+        self._call(self._open.set)
+
+    def list_requests(self, resource: str) -> list[str]:
+        """The URLs of the lists (not watches) of ``resource`` served so far."""
+        return [u for u in self.requests if f"/{resource}" in u and "watch=" not in u]
+
+    def _end(self) -> None:
+        for _, queue in self.watchers:
+            queue.put_nowait(None)
+
+    def _compact(self) -> None:
+        self.compacted, self.history = self.version, []
 
     def _call(self, fn: Any, *args: Any) -> None:
         if self.loop is None:
@@ -83,9 +119,11 @@ class FakeKube:
         obj["metadata"] = {**obj["metadata"], "resourceVersion": str(self.version)}
         if not deleted:
             store[name] = obj
+        event = {"type": kind, "object": obj}
+        self.history.append((self.version, resource, event))
         for watched, queue in self.watchers:
             if watched == resource:
-                queue.put_nowait({"type": kind, "object": obj})
+                queue.put_nowait(event)
 
     def app(self) -> Starlette:
         async def pods(request: Request) -> Response:
@@ -123,20 +161,36 @@ class FakeKube:
                 "metadata": {"resourceVersion": str(self.version)},
             }
             return JSONResponse({**body, "items": items})
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        await self._open.wait()
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        for event in self._since(resource, request.query_params.get("resourceVersion"), items):
+            queue.put_nowait(event)
         entry = (resource, queue)
         self.watchers.append(entry)
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                while True:
-                    event = await queue.get()
-                    if match(event["object"]) or event["type"] == "DELETED":
+                while (event := await queue.get()) is not None:
+                    if event["type"] in ("DELETED", "ERROR") or match(event["object"]):
                         yield json.dumps(event).encode() + b"\n"
+                    if event["type"] == "ERROR":
+                        return
             finally:
                 self.watchers.remove(entry)
 
         return StreamingResponse(events(), media_type="application/json")
+
+    def _since(self, resource: str, version: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What a watch starts with: the changes after ``version`` (none given: every object,
+        ADDED), or 410 Gone when they are no longer kept."""
+        if not version:
+            return [{"type": "ADDED", "object": o} for o in items]
+        if int(version) < self.compacted:
+            message = f"too old resource version: {version} ({self.compacted})"
+            status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure"}
+            gone = {**status, "message": message, "reason": "Expired", "code": 410}
+            return [{"type": "ERROR", "object": gone}]
+        return [e for v, r, e in self.history if r == resource and v > int(version)]
 
 
 def _matcher(labels: str | None, fields: str | None) -> Any:
