@@ -44,9 +44,9 @@ class ServerTLS:
         self._stamp: tuple[object, ...] | None = None
         self._failed: tuple[object, ...] | None = None  # a pair already refused (logged once)
         self.reloads = 0
-        if cert_dir:
-            self._stamp = self._files_stamp()
+        if cert_dir:  # loaded first: a missing file is the same one-line error as a bad one
             self.context = self._load(Path(cert_dir) / CERT, Path(cert_dir) / KEY)
+            self._stamp = self._files_stamp()
         else:
             self.context = self._self_signed()
         self._current = self.context
