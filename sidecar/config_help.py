@@ -105,7 +105,8 @@ HELP: dict[str, tuple[str, str]] = {
     "tls_cert_dir": ("directory with tls.crt and tls.key, reloaded when they change", "path"),
     "tls_min_version": ("oldest TLS version the proxy port accepts: 1.2 or 1.3", ""),
     "tls_ciphers": (
-        "TLS 1.2 cipher suites by IANA name (TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, ...)",
+        "TLS 1.2 cipher suites by IANA name (TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, ...); "
+        "TLS 1.3 names only: TLS 1.3 alone is served",
         "comma-separated list",
     ),
     "admin_tls_cert_dir": ("serve TLS on the admin port with this directory's tls.crt and tls.key", "path"),

@@ -2,8 +2,11 @@
 
 Cipher suites are named the IANA way (``TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256``), as
 llm-d's ``--tls-cipher-suites`` takes them (Go's ``crypto/tls`` names). Only the
-suites Go lists as secure are accepted. TLS 1.3 suites are accepted and have no
-effect: OpenSSL, like Go, always offers its TLS 1.3 suites.
+suites Go lists as secure are accepted. The list applies to TLS 1.2, as Go's
+``CipherSuites`` does: OpenSSL, like Go, always offers all its TLS 1.3 suites,
+so TLS 1.3 names in a list have no effect. A list of TLS 1.3 names only leaves
+TLS 1.2 no suite: Go then fails every TLS 1.2 handshake (a ``handshake_failure``
+alert) and serves TLS 1.3 alone, and so does this sidecar (``minimum_version``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ def cipher_error(name: str) -> str:
     return "not a secure TLS cipher suite name; use one of " + ", ".join(sorted(TLS12_SUITES))
 
 
+def tls13_only(names: tuple[str, ...]) -> bool:
+    """``names`` is a list with no TLS 1.2 suite: only TLS 1.3 clients can be served."""
+    return bool(names) and not any(n in TLS12_SUITES for n in names)
+
+
+def minimum_version(version: str, names: tuple[str, ...]) -> ssl.TLSVersion:
+    """The oldest version served: ``version``, or TLS 1.3 when ``names`` leave TLS 1.2 no suite."""
+    return ssl.TLSVersion.TLSv1_3 if tls13_only(names) else VERSIONS[version]
+
+
 def openssl_ciphers(names: tuple[str, ...]) -> str:
-    """The OpenSSL cipher string for the TLS 1.2 suites of ``names`` (the default list when empty)."""
+    """The OpenSSL cipher string for the TLS 1.2 suites of ``names`` (the default list when there
+    are none: OpenSSL needs one, and with TLS 1.3 names only it is never used)."""
     chosen = [TLS12_SUITES[n] for n in (names or DEFAULT_SUITES) if n in TLS12_SUITES]
     return ":".join(dict.fromkeys(chosen)) or ":".join(TLS12_SUITES[n] for n in DEFAULT_SUITES)

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from sidecar.exceptions import SidecarError
-from sidecar.tls.names import VERSIONS, openssl_ciphers
+from sidecar.tls.names import minimum_version, openssl_ciphers, tls13_only
 from sidecar.tls.selfsigned import make_self_signed
 
 log = logging.getLogger("sidecar.tls")
@@ -51,10 +51,16 @@ class ServerTLS:
             self.context = self._self_signed()
         self._current = self.context
         self.context.sni_callback = self._pick
+        if tls13_only(ciphers):
+            log.warning(
+                "tls_ciphers names TLS 1.3 suites only: TLS 1.2 clients are refused and TLS 1.3 is "
+                "served with all its suites, as llm-d's sidecar (Go) does",
+                extra={"tls_ciphers": list(ciphers)},
+            )
 
     def _new_context(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = VERSIONS[self._min_version]
+        context.minimum_version = minimum_version(self._min_version, self._ciphers)
         context.set_ciphers(openssl_ciphers(self._ciphers))
         context.set_alpn_protocols(["http/1.1"])
         return context

@@ -120,3 +120,48 @@ async def test_a_bad_pair_on_reload_is_logged_once_and_the_old_certificate_stays
     write(certs, second_cert, second_key)  # the rotation completed
     assert tls.reload_if_changed() is True
     assert await served_serial(port, ca) == second and tls.reloads == 1
+
+
+def client(ca: trustme.CA, version: ssl.TLSVersion, ciphers: str = "") -> ssl.SSLContext:
+    """A client that speaks ``version`` only (and, for TLS 1.2, only ``ciphers`` when given)."""
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    context.minimum_version = context.maximum_version = version
+    if ciphers:
+        context.set_ciphers(ciphers)
+    return context
+
+
+async def handshake(port: int, context: ssl.SSLContext) -> tuple[str, str]:
+    """The version and cipher a new connection agrees on; raises ``ssl.SSLError`` when refused."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="127.0.0.1")
+    agreed = writer.get_extra_info("ssl_object")
+    writer.close()
+    return agreed.version(), agreed.cipher()[0]
+
+
+async def test_tls_1_3_cipher_names_only_serve_tls_1_3_alone_as_go_does(
+    ca: trustme.CA, tmp_path: Path, listener: list[asyncio.Server], caplog: pytest.LogCaptureFixture
+) -> None:
+    write(tmp_path, *issued(ca)[:2])
+    with caplog.at_level(logging.WARNING, logger="sidecar.tls"):
+        tls = ServerTLS(str(tmp_path), "1.2", ("TLS_AES_256_GCM_SHA384",))
+    assert any("TLS 1.3 suites only" in r.getMessage() for r in caplog.records)
+    port = await serve(tls, listener)
+    version, cipher = await handshake(port, client(ca, ssl.TLSVersion.TLSv1_3))
+    assert version == "TLSv1.3" and cipher.startswith("TLS_")  # any of TLS 1.3's suites
+    with pytest.raises((ssl.SSLError, ConnectionResetError)):  # refused in the handshake
+        await handshake(port, client(ca, ssl.TLSVersion.TLSv1_2))
+
+
+async def test_a_tls_1_2_cipher_list_is_honoured_and_tls_1_3_names_in_it_change_nothing(
+    ca: trustme.CA, tmp_path: Path, listener: list[asyncio.Server]
+) -> None:
+    write(tmp_path, *issued(ca)[:2])  # trustme's key is ECDSA
+    names = ("TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384", "TLS_AES_128_GCM_SHA256")
+    port = await serve(ServerTLS(str(tmp_path), "1.2", names), listener)
+    tls12 = ssl.TLSVersion.TLSv1_2
+    assert await handshake(port, client(ca, tls12)) == ("TLSv1.2", "ECDHE-ECDSA-AES256-GCM-SHA384")
+    with pytest.raises((ssl.SSLError, ConnectionResetError)):  # a suite outside the list
+        await handshake(port, client(ca, tls12, "ECDHE-ECDSA-AES128-GCM-SHA256"))
+    assert (await handshake(port, client(ca, ssl.TLSVersion.TLSv1_3)))[0] == "TLSv1.3"
