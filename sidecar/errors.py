@@ -74,15 +74,12 @@ async def send_error(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_raw(
-    send: Send, status: int, body: bytes, request_id: str, extra: Sequence[Header] = ()
-) -> None:
+async def send_raw(send: Send, status: int, body: bytes, request_id: str) -> None:
     """Relay another server's complete JSON answer (P's error in router mode)."""
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode("latin-1")),
-        *extra,
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

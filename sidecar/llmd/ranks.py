@@ -4,7 +4,8 @@ With ``data_parallel_size`` N the sidecar listens on ``port`` .. ``port + N - 1`
 the listener of rank r forwards to D's rank r, ``decode_url``'s port + r (vLLM's
 data-parallel ranks each serve their own API port). ``RankFront`` wraps the
 proxy app once per listener: it names the rank in the request's scope, serves
-llm-d's ``GET /health`` with ``answers = "llm-d"``, and on rank 0 honours llm-d's
+llm-d's ``GET /health`` (and ``HEAD``, as Go's router matches it) with
+``answers = "llm-d"``, and on rank 0 honours llm-d's
 deprecated ``x-data-parallel-host-port`` header (a listener's ``host:port``:
 that rank; any other port: 400, as llm-d answers). ``x-data-parallel-rank`` is
 passed on to P and D unchanged, as llm-d passes it.
@@ -49,7 +50,7 @@ class RankFront:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if self._health and scope["method"] == "GET" and scope["path"] == "/health":
+            if self._health and scope["method"] in ("GET", "HEAD") and scope["path"] == "/health":
                 await _empty(send, 200)
                 return
             rank = self._named_rank(scope) if self._routes else self.rank

@@ -23,8 +23,9 @@ import msgspec
 from sidecar.asgi import DISCONNECT_HUB, Send
 from sidecar.classify import Event, Failure
 from sidecar.decode_probes import says_close
-from sidecar.errors import FAILURE_STATUS, send_error, send_raw
+from sidecar.errors import FAILURE_STATUS, send_error
 from sidecar.headers import response_headers
+from sidecar.llmd.answers import send_plain
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
@@ -119,7 +120,9 @@ class Forwarder:
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
         )
         if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
-            await send_raw(send, status, self.unready, exchange.request_id, exchange.retry_headers())
+            await send_plain(
+                send, status, self.unready, exchange.request_id, exchange.retry_headers(), sniffed=True
+            )
             return
         message = f"decode server: {exc}"
         await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
@@ -239,7 +242,7 @@ class Forwarder:
             except UpstreamError as exc:
                 status = FAILURE_STATUS[exc.failure]
                 if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
-                    await send_raw(ctx.send, status, self.unready, ctx.request_id)
+                    await send_plain(ctx.send, status, self.unready, ctx.request_id, sniffed=True)
                     return
                 await send_error(ctx.send, status, f"decode server: {exc}", ctx.request_id)
                 return
