@@ -29,7 +29,8 @@ from sidecar.config import Config, dump
 from sidecar.decode_state import DecodeState
 from sidecar.faults import Injector
 from sidecar.k8s import PoolWatch, watched_allowlists
-from sidecar.llmd.ranks import RANK, rank_proxies, rank_url
+from sidecar.llmd.decode_ranks import Rank, ranks_ready, start_ranks
+from sidecar.llmd.ranks import RANK, rank_url
 from sidecar.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.release import make_releaser
@@ -85,7 +86,7 @@ class Runtime:
     # D's state (engine alive, shutting down, KV connector), polled while releases are sent.
     decode: DecodeState | None = None
     probes: Client | None = None  # DecodeState's own client to D
-    ranks: list[Proxy] = field(default_factory=list)  # data-parallel ranks 1..N-1 (0 is ``proxy``)
+    ranks: list[Rank] = field(default_factory=list)  # data-parallel ranks 1..N-1 (0 is ``proxy``)
     pool_watch: PoolWatch | None = None  # the InferencePool's pods, when inference_pool is set
 
     async def decode_healthy(self) -> bool:
@@ -157,6 +158,8 @@ class Runtime:
     def drain(self) -> None:
         """SIGTERM: readiness off; D, in this pod, is terminating too."""
         self.draining = True
+        for rank in self.ranks:
+            rank.drain()
         if self.decode is not None:
             self.decode.draining()
 
@@ -173,6 +176,7 @@ class Runtime:
             "decode": await self.decode_healthy(),
             "releaser": self.releaser.ready(),
         }
+        checks |= await ranks_ready(self.ranks)  # each rank's D, when there are data-parallel ranks
         checks |= {"inference_pool": self.pool_watch.synced} if self.pool_watch is not None else {}
         ok = not checks["draining"] and all(v for k, v in checks.items() if k != "draining")
         self.metrics.ready.set(1 if ok else 0)
@@ -181,7 +185,7 @@ class Runtime:
     async def close(self) -> None:
         if self.pool_watch is not None:
             await self.pool_watch.close()
-        await asyncio.gather(*(r.kit.forwarder.upstream.close() for r in self.ranks))
+        await asyncio.gather(*(r.close() for r in self.ranks))
         if self.decode is not None:
             await self.decode.close()
         if self.probes is not None:
@@ -204,7 +208,7 @@ class ProxyApp:
         if scope["type"] == "http":
             assert self.runtime is not None, "lifespan did not run"
             rank = scope.get(RANK, 0)
-            await (self.runtime.ranks[rank - 1] if rank else self.runtime.proxy)(scope, receive, send)
+            await (self.runtime.ranks[rank - 1].proxy if rank else self.runtime.proxy)(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         else:  # websocket: vLLM serves none on these routes
@@ -257,9 +261,9 @@ class ProxyApp:
             tracing=tracing,
         )
         proxy = Proxy(config, parts)
+        ranks = await start_ranks(config, parts, _upstream, releaser.frees)  # before /readyz sees any
         self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, inflight, proxy, tracing)
-        self.runtime.pool_watch = lists.watch
-        self.runtime.ranks = await rank_proxies(config, parts, _upstream)
+        self.runtime.pool_watch, self.runtime.ranks = lists.watch, ranks
         holder.append(self.runtime)
         if releaser.frees:  # what D's engine can release itself decides what the sidecar sends
             # Probes have their own connection to D: they never wait behind a full request pool
@@ -288,7 +292,7 @@ class ProxyApp:
         if runtime is None:
             return
         runtime.drain()
-        for proxy in (runtime.proxy, *runtime.ranks):
+        for proxy in (runtime.proxy, *(r.proxy for r in runtime.ranks)):
             proxy.stopping = True
         runtime.pipeline.hurry()
         flushed = await runtime.pipeline.flush(self.config.flush_timeout)

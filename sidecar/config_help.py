@@ -118,6 +118,10 @@ HELP: dict[str, tuple[str, str]] = {
         "data-parallel ranks: listeners on port..port+N-1, rank r forwarding to decode_url's port + r",
         "ranks",
     ),
+    "pod_ip": (
+        "this pod's address in x-data-parallel-host-port (POD_IP:port picks the rank on that port)",
+        "",
+    ),
     "inference_pool": (
         "namespace/name of the InferencePool whose pods are the allowed P hosts (watched)",
         "",

@@ -3,8 +3,8 @@
 The image's ``serve`` entry point also lands here when its arguments are
 llm-d's (``recognises``), so swapping the image in an llm-d decode pod is
 enough. Sources, highest first: llm-d's flags, its ``--configuration`` YAML,
-the variables llm-d reads (``INFERENCE_POOL``, ``ENABLE_PREFILLER_SAMPLING``),
-then this project's ``KVR_*`` variables and ``--config`` TOML file (for
+the variables llm-d reads (``INFERENCE_POOL``, ``ENABLE_PREFILLER_SAMPLING``,
+``POD_IP``), then this project's ``KVR_*`` variables and ``--config`` TOML file (for
 settings llm-d has no flag for), then llm-d's defaults (``PD_DEFAULTS``):
 router mode on llm-d's header, NIXL releases, TLS with a self-signed
 certificate, llm-d's answers. One ``Config`` underneath, as for ``serve``.

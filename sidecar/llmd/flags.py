@@ -2,7 +2,8 @@
 
 Every flag of llm-d's ``pd-sidecar`` is accepted in pflag's forms (``--name=value``,
 ``--name value``, a switch alone or ``--name=false``), with the environment
-variables llm-d reads and its ``--configuration``/``--configuration-file`` YAML
+variables llm-d reads (``INFERENCE_POOL``, ``ENABLE_PREFILLER_SAMPLING``, ``POD_IP``)
+and its ``--configuration``/``--configuration-file`` YAML
 (strict; flags win). ``settings`` maps them onto ``Config`` fields; a flag this
 sidecar cannot honour (another KV connector, an encoder stage, chunked decode,
 MoRI-IO, speculative prefill, P2P pulls) raises ``ConfigError`` naming it and why.
@@ -101,7 +102,7 @@ def settings(given: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, 
     """The ``Config`` values llm-d's flags ask for (``given``: flag name -> raw value)."""
     given = {**_from_env(environ), **given}
     _refusals(given)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"pod_ip": environ["POD_IP"].strip()} if environ.get("POD_IP") else {}
     _serving(given, out)
     _routing(given, out)
     _observability(given, out, environ)

@@ -33,6 +33,7 @@ from sidecar.sim.decode_nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.fake_kube import FakeKube, inference_pool, pod
 from tests.integration.test_router import completion, stats, wait_stats
+from tests.ranked import consecutive_free_ports, ranked
 from tests.servers import ServerThread, free_port, serve
 
 pytestmark = pytest.mark.nixl
@@ -220,27 +221,6 @@ def served_serial(port: int, ca_file: Path) -> int:
     return x509.load_der_x509_certificate(der).serial_number
 
 
-def consecutive_free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it."""
-    import socket
-
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for offset in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise AssertionError("no consecutive free ports")
-
-
 def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_leg_s_p() -> None:
     d_base = consecutive_free_ports(2)
     configs = [DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="m", log_params=True)] * 2
@@ -250,7 +230,7 @@ def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_
         )
         for _ in range(2)
     ]
-    with serve(ps[0]) as p0, serve(ps[1]) as p1, ranked(configs, d_base) as ds:
+    with serve(ps[0]) as p0, serve(ps[1]) as p1, ranked(configs, d_base, lambda: VllmDHooks(VERSION)) as ds:
         base, admin = consecutive_free_ports(2), free_port()
         args = [
             f"--port={base}",
@@ -258,9 +238,11 @@ def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_
             "--data-parallel-size=2",
             "--secure-serving=false",
         ]
-        env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1"}
+        env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1", "POD_IP": "127.0.0.1"}
         ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731
         with sidecar(args, env, ready):
+            checks = httpx.get(f"http://127.0.0.1:{admin}/readyz").json()["checks"]
+            assert checks["decode"] and checks["decode_rank_1"], checks  # each rank's D is probed
             for rank, p in ((0, p0), (1, p1)):
                 header = {"x-prefiller-host-port": f"127.0.0.1:{p.port}", "x-request-id": f"rank-{rank}"}
                 target = f"http://127.0.0.1:{base + rank}/v1/completions"
@@ -273,35 +255,13 @@ def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_
             for p in (p0, p1):  # each P: one read by its D rank, one freed by the sidecar
                 after = wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2)
                 assert after["freed_by_notification"] == 2 and after["notifs_unknown"] == 0
-            by_port = httpx.post(
-                f"http://127.0.0.1:{base}/v1/completions",
-                json=completion(5),
-                headers={"x-data-parallel-host-port": f"127.0.0.1:{base + 5}"},
-            )
-            assert by_port.status_code == 400  # llm-d's answer for a rank it does not serve
-
-
-@contextmanager
-def ranked(configs: list[DecodeSimConfig], base: int) -> Iterator[list[ServerThread]]:
-    """sim-decode servers on ``base``, ``base + 1``, ...: D's data-parallel API ports."""
-    import socket
-
-    servers = []
-    try:
-        for offset, config in enumerate(configs):
-            server = ServerThread(create_decode_app(config, VllmDHooks(VERSION)))
-            server.socks[0].close()
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", base + offset))
-            sock.listen(128)
-            server.socks, server.ports = [sock], [base + offset]
-            server.port, server.url = base + offset, f"http://127.0.0.1:{base + offset}"
-            servers.append(server.start())
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+            rank0 = f"http://127.0.0.1:{base}/v1/completions"
+            for named, status in ((f"127.0.0.1:{base + 5}", 400), (f"10.9.9.9:{base + 1}", 400)):
+                wrong = httpx.post(rank0, json=completion(5), headers={"x-data-parallel-host-port": named})
+                assert (wrong.status_code, wrong.content) == (status, b"")  # not POD_IP:a rank's port
+            by_header = {"x-data-parallel-host-port": f"127.0.0.1:{base + 1}", "x-request-id": "by-header"}
+            assert httpx.post(rank0, json=completion(5), headers=by_header, timeout=20).status_code == 200
+            assert "by-header" in {entry["request_id"] for entry in httpx.get(ds[1].url + "/sim/log").json()}
 
 
 def test_the_self_signed_certificate_is_made_at_start_without_a_directory(tmp_path: Path) -> None:
