@@ -103,9 +103,16 @@ class PrefillPool:
     @classmethod
     def of(cls, config: Config, allowlist: Allowlist) -> PrefillPool | None:
         """Router mode's P servers: a static pool, or llm-d's header checked against ``allowlist``
-        (``prefill_allow``, or an InferencePool's pods); None when neither is configured."""
-        if not config.prefill and not config.prefill_allow and not config.inference_pool:
+        (``prefill_allow``, or an InferencePool's pods); None when neither is configured, unless
+        the sidecar gives llm-d's answers: llm-d's header then always takes the router's path."""
+        unlisted = not config.prefill and not config.prefill_allow and not config.inference_pool
+        if unlisted and config.answers != "llm-d":
             return None
+        if unlisted:
+            log.warning(
+                "no prefill allowlist: every x-prefiller-host-port is refused (403); set "
+                "--enable-ssrf-protection with --inference-pool, or prefill_allow"
+            )
         return cls(config, allowlist=allowlist)
 
     def candidates(self, header: bytes | None) -> list[str]:

@@ -8,6 +8,7 @@ real sim-decode. ``answers = "llm-d"`` is what llm-d's command line gives
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from sidecar import cli
 from sidecar import serve as serve_mod
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
-from sidecar.llmd.answers import DECODE_NOT_READY
+from sidecar.llmd.answers import DECODE_NOT_READY, FORBIDDEN
 from sidecar.llmd.command import load
 from sidecar.llmd.ranks import RankFront
 from sidecar.release.dryrun import DryRunReleaser
@@ -112,3 +113,16 @@ def test_llm_d_s_defaults_as_a_whole() -> None:
     config: Any = load([], {})[0]
     assert (config.answers, config.tls, config.release, config.port) == ("llm-d", True, "nixl", 8000)
     assert config.decode_url == "http://localhost:8200" and config.prefill_policy == "first"
+
+
+def test_llm_d_s_header_is_refused_not_ignored_without_an_allowlist(caplog: pytest.LogCaptureFixture) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    named = {"x-prefiller-host-port": "10.1.2.3:8000"}
+    with serve(create_decode_app(DecodeSimConfig(port=0, model="m"))) as d:
+        with caplog.at_level(logging.WARNING, logger="sidecar.router"), front(d.url, "llm-d") as url:
+            refused = httpx.post(url + "/v1/completions", json=body, headers=named)
+            assert (refused.status_code, refused.text) == (403, FORBIDDEN.decode())
+            assert httpx.get(d.url + "/sim/log").json() == []  # D never saw it: no silent decode-only
+        assert any("no prefill allowlist" in r.getMessage() for r in caplog.records)
+        with front(d.url, "vllm") as url:  # serve's sidecar mode: the header is another router's
+            assert httpx.post(url + "/v1/completions", json=body, headers=named).status_code == 200
