@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from sidecar import retries
 from sidecar.allowlist import Allowlist
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.classify import Failure
@@ -263,6 +264,11 @@ class ProxyApp:
             )
             await self.runtime.decode.start()
         log.info("sidecar started", extra={"config": dump(config)})
+        if releaser.frees and not config.prefill:  # in router mode a retry runs a fresh prefill
+            injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
+            what, fix = retries.advice(retries.parse(config.retried_statuses), injected)
+            level = logging.INFO if config.retried_statuses != ("none",) else logging.WARNING
+            log.log(level, "%s; %s", what, fix, extra={"setting": "retried_statuses"})
         if config.dry_run:
             log.warning(
                 "dry run: every release is decided and checked as --release %s would, and none is sent "
