@@ -63,9 +63,14 @@ def _refused(sc: Sidecar, reason: str) -> float:
     return sc.sample("kvr_nixl_refused_total", reason=reason)
 
 
-def _flows(cluster: Backends, p: ServerThread) -> Flows:
+@contextmanager
+def _flows(cluster: Backends, p: ServerThread) -> Iterator[Flows]:
     """Flows whose prefill leg goes to ``p`` (the cluster's D rejects their decode legs)."""
-    return Flows(Backends(p, cluster.d, cluster.d_app), "restart")
+    flows = Flows(Backends(p, cluster.d, cluster.d_app), "restart")
+    try:
+        yield flows
+    finally:
+        flows.close()
 
 
 @pytest.mark.parametrize("new_engine", [False, True], ids=["same-engine-id", "new-engine-id"])
@@ -76,14 +81,14 @@ def test_a_restarted_p_gets_nothing_meant_for_the_old_one(cluster: Backends, new
         # An open breaker waits a minute before its own probe: only a request the new P prefilled
         # can bring the probe forward within this test (targets take the policy when first named).
         runtime.pipeline.targets._policy = BreakerPolicy(failures=3, interval=60.0, max_interval=60.0)
-        with prefill("p-restart") as old_p:
+        with prefill("p-restart") as old_p, _flows(cluster, old_p) as flows:
             port = int(_stats(old_p)["side_channel_port"])
-            flows = _flows(cluster, old_p)
             warm = flows.decode(sc.url, "reject")
             until(lambda: (_record(old_p, warm) or {}).get("freed_by") == "notification", "warm release")
             pinned = [flows.pin() for _ in range(OLD)]
         # The old P is gone: its requests' rejections arrive, and their releases find nobody.
-        old = [flows.decode(sc.url, "reject", pinned=item) for item in pinned]
+        with _flows(cluster, old_p) as flows:
+            old = [flows.decode(sc.url, "reject", pinned=item) for item in pinned]
         until(lambda: runtime.pipeline.live == OLD, "the old requests' jobs")
         made = max(live.job.detected_at for live in runtime.pipeline._jobs.values())
         target = runtime.pipeline.targets.get(f"127.0.0.1:{port}")
@@ -96,7 +101,8 @@ def test_a_restarted_p_gets_nothing_meant_for_the_old_one(cluster: Backends, new
             # The old requests were rejected before P was found gone: never the new P's.
             until(lambda: time.monotonic() > lost + 1.0, "the restart grace after P was found gone")
             assert _stats(new_p)["handshakes_served"] == 0  # the breaker is open: nobody tried yet
-            fresh = _flows(cluster, new_p).decode(sc.url, "reject")
+            with _flows(cluster, new_p) as new_flows:
+                fresh = new_flows.decode(sc.url, "reject")
             answered = time.monotonic()
             until(lambda: (_record(new_p, fresh) or {}).get("freed_by") == "notification", "fresh release")
             stats, record = _stats(new_p), _record(new_p, fresh)
@@ -110,5 +116,4 @@ def test_a_restarted_p_gets_nothing_meant_for_the_old_one(cluster: Backends, new
             assert sc.wait_idle(10)
             assert _stats(new_p)["notifs_unknown"] == 0  # nothing old reached the new P
             assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 2  # warm, fresh
-        flows.close()
         assert all(x.status == 400 for x in [warm, *old, fresh])
