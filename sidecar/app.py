@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from sidecar import retries
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.classify import Failure
 from sidecar.config import Config, dump
@@ -278,6 +279,9 @@ class ProxyApp:
             )
             await self.runtime.decode.start()
         log.info("sidecar started", extra={"config": dump(config)})
+        if releaser.frees and not config.prefill:  # in router mode a retry runs a fresh prefill
+            injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
+            retries.announce(log, config.retried_statuses, injected)
         if config.dry_run:
             log.warning(
                 "dry run: every release is decided and checked as --release %s would, and none is sent "

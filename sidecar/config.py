@@ -69,6 +69,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ledger_size: int = 65536
     ledger_ttl: float = 600.0
     release_ambiguous: bool = False
+    # Statuses a gateway or mesh in front of the decode pods may retry on another pod with the
+    # same body (sidecar.retries): never released behind, since that pod's D reads P's blocks.
+    retried_statuses: tuple[str, ...] = ("502", "503", "504")
     shutdown_delay: float = 0.0
     drain_timeout: float = 20.0
     flush_timeout: float = 5.0
@@ -291,7 +294,9 @@ def load_with_sources(
             raise ConfigError(key, flags[key], f"unknown setting{did_you_mean(key, FIELDS)}")
     for name, value in list(merged.items()):
         if isinstance(value, str) and get_origin(names[name]) is tuple:
-            merged[name] = [part.strip() for part in value.split(",") if part.strip()]
+            merged[name] = value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list) and get_args(names[name])[:1] == (str,):
+            merged[name] = [str(item) if isinstance(item, int) else item for item in value]  # [503]
     try:
         return _convert(merged, names), source
     except ConfigError as exc:

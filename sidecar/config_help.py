@@ -42,6 +42,11 @@ HELP: dict[str, tuple[str, str]] = {
     "ledger_size": ("released requests remembered to refuse replays and duplicates", "entries"),
     "ledger_ttl": ("how long a released request is remembered", "seconds"),
     "release_ambiguous": ("also release when D may have admitted the request (timeouts, resets)", ""),
+    "retried_statuses": (
+        "statuses a gateway or mesh in front of the decode pods may retry on another pod: answers "
+        "with them are never released behind (that pod reads P's blocks); none when nothing retries",
+        "comma-separated list of HTTP statuses, 4xx, 5xx or none",
+    ),
     "shutdown_delay": ("after SIGTERM, keep serving this long with /readyz at 503", "seconds"),
     "drain_timeout": ("after that, wait this long for requests in flight", "seconds"),
     "flush_timeout": ("then wait this long for queued releases", "seconds"),

@@ -62,6 +62,7 @@ def check(config: Config) -> None:
     _urls(config)
     _numbers(config)
     _injection(config)
+    _retries(config)
     for pattern in config.prefill_allow:
         reason = allow_pattern_error(pattern)
         if reason:
@@ -152,6 +153,14 @@ def _numbers(config: Config) -> None:
         raise ConfigError(
             "release_retry_initial", config.release_retry_initial, "must not exceed release_retry_max"
         )
+
+
+def _retries(config: Config) -> None:
+    from sidecar import retries  # local: like allowlist, a leaf module
+
+    problem = retries.problem(config.retried_statuses)
+    if problem:
+        raise ConfigError("retried_statuses", ",".join(config.retried_statuses), problem)
 
 
 def _injection(config: Config) -> None:
