@@ -34,17 +34,20 @@ from sidecar.llmd.decode_ranks import Rank, ranks_ready, start_ranks
 from sidecar.llmd.ranks import RANK, rank_url
 from sidecar.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
+from sidecar.proxy.kit import Kit, Routed
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
 from sidecar.release.value import hold_seconds
+from sidecar.router.legs import Router
 from sidecar.router.pool import PrefillPool
 from sidecar.tls.client import outbound
 from sidecar.tracing import Tracing
 from sidecar.tracing import build as build_tracing
-from sidecar.trust import InFlight, Trust
+from sidecar.proxy.inflight import InFlight
+from sidecar.trust import Trust
 from sidecar.upstream import Client, Upstream, UpstreamError
 
 log = logging.getLogger("sidecar.app")
@@ -258,7 +261,7 @@ class ProxyApp:
             inflight=inflight,
             injector=deps.injector or Injector(config),
             facts=_Facts(holder),
-            pool=deps.pool or PrefillPool.of(config, lists.prefill),
+            routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill)),
             tracing=tracing,
         )
         proxy = Proxy(config, parts)
@@ -303,7 +306,7 @@ class ProxyApp:
         await runtime.pipeline.stop()
         await runtime.releaser.close()
         if runtime.proxy.router is not None:
-            await runtime.proxy.router.pool.close()
+            await runtime.proxy.router.close()
         await runtime.close()
         await runtime.upstream.close()
         await runtime.tracing.shutdown(self.config.flush_timeout)  # last: the release spans ended
@@ -335,7 +338,7 @@ def _upstream(config: Config, rank: int = 0, pool_size: int | None = None) -> Cl
         header_timeout=config.header_timeout,
         read_timeout=config.read_timeout,
         pool_size=pool_size or config.pool_size,
-    ).use_tls(outbound(config, "decoder"))
+    ).use_tls(outbound(config.tls_ca_file, config.decode_tls_insecure))
 
 
 def _pipeline(
@@ -398,3 +401,8 @@ def create_admin_app(app: ProxyApp) -> Starlette:
         Route("/metrics", metrics),
     ]
     return Starlette(routes=routes)
+
+
+def _routing(pool: PrefillPool | None) -> Callable[[Kit], Routed] | None:
+    """Router mode, built on each proxy's kit, when there is a P pool (or llm-d's header)."""
+    return None if pool is None else lambda kit: Router(kit, pool)

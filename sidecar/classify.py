@@ -48,7 +48,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from sidecar.sse import FirstEvent
+
+
+@dataclass(frozen=True, slots=True)
+class FirstEvent:
+    """The first SSE event of a 200 stream, as ``sidecar.proxy.sse`` scanned it."""
+
+    error_code: int | None  # the error's code when the first event is an error
+    error_type: str | None
+    error_message: str | None = None
 
 
 class Outcome(StrEnum):

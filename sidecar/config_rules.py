@@ -176,7 +176,7 @@ def _injection(config: Config) -> None:
 
 def _serving(config: Config) -> None:
     """TLS, data-parallel ranks and the InferencePool (names checked here, files at start)."""
-    from sidecar.tls.names import cipher_error  # local: sidecar.tls imports this module's package
+    from sidecar.tls.names import cipher_error  # local: only TLS settings need it
 
     for name in config.tls_ciphers:
         reason = cipher_error(name)

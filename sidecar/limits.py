@@ -29,7 +29,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar import config as config_mod
-from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
+from sidecar.asgi import DISCONNECT_HUB, OVER_LIMIT, DisconnectHub
 from sidecar.coalesce import CoalescingTransport
 from sidecar.timers import LazyTimer
 from sidecar.wire import error_body
@@ -69,15 +69,6 @@ def _raw_error(status: int, type_: str, message: str) -> bytes:
         "connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
-
-
-OVER_LIMIT = "kvr.over_limit"  # scope extension: the request arrived above limit_concurrency
-
-
-def over_limit(scope: Mapping[str, Any]) -> bool:
-    """Whether ``GuardedProtocol`` marked this request as above ``limit_concurrency``."""
-    extensions = scope.get("extensions")
-    return extensions is not None and OVER_LIMIT in extensions
 
 
 def _marked(app: ASGI3Application) -> ASGI3Application:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from cachetools import TLRUCache
 
-from sidecar.release.base import PermanentReleaseError, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, RetryableReleaseError, Verdict
 
 Lookup = Callable[[str, int], Awaitable[list[str]]]
 

@@ -18,9 +18,9 @@ stream cut before one arrives is then judged as cut before its first event.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
+
+from sidecar.classify import FirstEvent
 
 LIMIT = 64 * 1024
 _ANY = msgspec.json.Decoder()
@@ -35,11 +35,6 @@ class _Typed(msgspec.Struct):
 _TYPED = msgspec.json.Decoder(_Typed)
 
 
-@dataclass(frozen=True, slots=True)
-class FirstEvent:
-    error_code: int | None  # the error's code when the first event is an error
-    error_type: str | None
-    error_message: str | None = None
 
 
 class FirstEventScanner:

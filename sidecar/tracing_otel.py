@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, urlsplit
 
 from opentelemetry import context as otel_context
@@ -31,8 +32,10 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from sidecar import __version__
 from sidecar.asgi import Message, Scope, Send
 from sidecar.config import Config
-from sidecar.release.base import ReleaseJob
 from sidecar.tracing import TRACE_HEADERS, Headers, Leg, RequestSpan, Tracing, traces_url
+
+if TYPE_CHECKING:
+    from sidecar.release.base import ReleaseJob
 
 log = logging.getLogger("sidecar.tracing")
 

@@ -9,11 +9,8 @@ tenant. With ``--trust token`` a release needs the router's shared token in
 ``x-request-id``, a newline and the exact bytes of the ``kv_transfer_params``
 value in the body. Router mode signs what it forwards. Untrusted parameters
 are forwarded unchanged but never released (counted as ``untrusted``).
-
-Independently of the mode, ``InFlight`` refuses to release parameters that
-another request through this sidecar forwarded to D and that D may be
-reading (in flight, or admitted within the lease): a replayed, failing copy
-of a live request never frees its blocks.
+Independently of the mode, ``sidecar.proxy.inflight`` vetoes releasing
+parameters D may still be reading.
 """
 
 from __future__ import annotations
@@ -76,31 +73,3 @@ class Trust:
         if self.token:
             headers.append((TOKEN_HEADER.decode(), self.token.decode("latin-1")))
         return headers
-
-
-class InFlight:
-    """Keys of parameters forwarded to D that D may still read: in flight, or admitted recently."""
-
-    def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._live: dict[Hashable, int] = {}
-        self._admitted: TTLMap[Hashable, bool] = TTLMap(size, ttl, clock)
-
-    def forwarded(self, key: Hashable) -> None:
-        self._live[key] = self._live.get(key, 0) + 1
-
-    def finished(self, key: Hashable, admitted: bool) -> None:
-        count = self._live.get(key, 0) - 1
-        if count > 0:
-            self._live[key] = count
-        else:
-            self._live.pop(key, None)
-        if admitted:
-            self.admitted(key)
-
-    def admitted(self, key: Hashable) -> None:
-        """D may read these parameters for the next ``ttl`` seconds (it admitted, or is aborting, one)."""
-        self._admitted[key] = True
-
-    def may_be_read(self, key: Hashable) -> bool:
-        """Another request with these parameters is at D, or D admitted one within the lease."""
-        return self._live.get(key, 0) > 0 or key in self._admitted

@@ -22,7 +22,7 @@ Every failure is translated once, where it happens, into this tree (the
 
 from __future__ import annotations
 
-from sidecar.release.base import PermanentReleaseError, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, RetryableReleaseError, Verdict
 
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (

@@ -29,7 +29,7 @@ from sidecar.allowlist import Allowlist, ip_or_none, is_host_name
 from sidecar.nixl import HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
-from sidecar.release.base import PermanentReleaseError
+from sidecar.exceptions import PermanentReleaseError
 from sidecar.resolver import Resolver
 from sidecar.ttlmap import TTLMap
 

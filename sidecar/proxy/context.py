@@ -24,7 +24,7 @@ from sidecar.trust import SIGNATURE_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
     from sidecar.proxy.judge import Policy
-    from sidecar.router.bodies import UsageRewriter
+    from sidecar.proxy.usage import UsageRewriter
     from sidecar.tracing import Leg
     from sidecar.upstream import Sent
 

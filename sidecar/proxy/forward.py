@@ -30,7 +30,7 @@ from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.judge import Judge, StreamJudge
-from sidecar.router.bodies import UsageRewriter
+from sidecar.proxy.usage import UsageRewriter
 from sidecar.tracing import Tracing
 from sidecar.upstream import Client, Response, Sent, UpstreamError
 from sidecar.wire import ERROR_DECODER

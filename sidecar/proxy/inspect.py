@@ -26,7 +26,7 @@ from sidecar.body import Oversized, tail_params
 from sidecar.metrics import Metrics
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.judge import SIDECAR, Policy
-from sidecar.router.bodies import UsageRewriter
+from sidecar.proxy.usage import UsageRewriter
 from sidecar.trust import Trust
 from sidecar.wire import VIEW_DECODER, lax_bool
 

@@ -40,7 +40,7 @@ from sidecar.release.coverage import engine_covers, engine_may_cover, fix_versio
 from sidecar.release.pipeline import Pipeline
 from sidecar.sse import FirstEvent, FirstEventScanner
 from sidecar.tracing import Tracing
-from sidecar.trust import InFlight
+from sidecar.proxy.inflight import InFlight
 
 if TYPE_CHECKING:
     from sidecar.proxy.context import Exchange

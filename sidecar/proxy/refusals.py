@@ -32,6 +32,7 @@ from sidecar.proxy.judge import Judge
 
 log = logging.getLogger("sidecar.proxy")
 
+SHUTTING_DOWN = "the sidecar is shutting down"
 REPLAY_MESSAGE = (
     "kv_transfer_params were released to the prefill server after an earlier rejection of a "
     "request with them; run the prefill again"

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from sidecar.classify import Cause
-from sidecar.exceptions import SidecarError
+from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableReleaseError, Verdict
 from sidecar.params import ReleaseParams
 
 
@@ -87,38 +87,6 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
         return (self.params.remote_engine_id, self.params.remote_request_id or self.request_id)
 
 
-class Verdict(StrEnum):
-    """What one attempt says about its target's health (``sidecar.release.targets``)."""
-
-    UP = "up"  # it reached the target: a success, or an answer the target gave
-    DOWN = "down"  # a connect-level failure: refused, unreachable, no reply in time
-    UNTOUCHED = "untouched"  # decided before any connection (allowlist, version, parameters)
-
-
-class ReleaseError(SidecarError):
-    """Base of every error a strategy raises for one job."""
-
-    reason: str = "error"  # a small enum, usable as a metric label
-    verdict: Verdict = Verdict.UP  # what the failure says about the target
-
-
-class RetryableReleaseError(ReleaseError):
-    """Worth trying again before the deadline: P unreachable, timeout, NIXL error."""
-
-    reason = "retryable"
-
-
-class PermanentReleaseError(ReleaseError):
-    """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
-
-    reason = "permanent"
-    verdict = Verdict.UNTOUCHED  # most are decided before connecting; those after say UP
-
-    def __init__(self, message: str, reason: str = "permanent") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
 class Releaser(Protocol):
     """A release strategy. One instance per process; the pipeline calls it from its workers."""
 
@@ -148,3 +116,14 @@ class Releaser(Protocol):
         Returns ``Result.SENT``, ``Result.DRY_RUN`` or ``Result.OFF``. Jobs D's engine
         releases itself never reach a strategy (``ReleaseJob.covered``).
         """
+
+
+__all__ = [
+    "PermanentReleaseError",
+    "ReleaseError",
+    "ReleaseJob",
+    "Releaser",
+    "Result",
+    "RetryableReleaseError",
+    "Verdict",
+]

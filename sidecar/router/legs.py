@@ -26,14 +26,15 @@ from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
 from sidecar.proxy.judge import Policy
 from sidecar.proxy.kit import Kit
-from sidecar.router.bodies import UsageRewriter, decode_body, prefill_body, prefill_headers, sized
+from sidecar.proxy.refusals import SHUTTING_DOWN
+from sidecar.proxy.usage import UsageRewriter
+from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
 from sidecar.router.pool import PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
 
 log = logging.getLogger("sidecar.router")
 
-SHUTTING_DOWN = "the sidecar is shutting down"
 RETRIED = frozenset({502, 503, 504})  # P's answers a prefill leg is retried on, as llm-d retries
 
 
@@ -44,6 +45,9 @@ class Router:
         self._kit = kit
         self.pool = pool
         self.policy = Policy(router=True, decode_releases=kit.config.decode_releases)
+
+    async def close(self) -> None:
+        await self.pool.close()
 
     def routes(self, ctx: RequestContext) -> bool:
         """This request takes the router's path: a static P pool, or llm-d's prefiller header."""

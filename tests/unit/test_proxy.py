@@ -26,7 +26,8 @@ from sidecar.proxy import Proxy, ProxyParts
 from sidecar.release.base import ReleaseJob, Result
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
-from sidecar.trust import InFlight, Trust
+from sidecar.proxy.inflight import InFlight
+from sidecar.trust import Trust
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
 
 V033 = {

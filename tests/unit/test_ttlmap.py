@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sidecar.nixl.handshake import HandshakeCache, PeerSet
 from sidecar.release.ledger import Ledger
-from sidecar.trust import InFlight
+from sidecar.proxy.inflight import InFlight
 from sidecar.ttlmap import TTLMap
 
 
