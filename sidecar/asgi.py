@@ -25,7 +25,7 @@ def over_limit(scope: Scope) -> bool:
 
 
 class DisconnectHub:
-    """One per client connection, from the server protocol (``sidecar.limits``): the callbacks
+    """One per client connection, from the server protocol (``sidecar.server.protocol``): the callbacks
     of the requests running on it, called once when the connection is lost. A request watches
     for its client leaving with one set entry instead of a task of its own."""
 

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 
-
 @dataclass(frozen=True, slots=True)
 class FirstEvent:
     """The first SSE event of a 200 stream, as ``sidecar.proxy.sse`` scanned it."""

@@ -7,21 +7,21 @@ the boundary that handles it::
     SidecarError
     +-- ConfigError (sidecar.config)           a setting that cannot be used: exit 2 before any socket
     |   +-- FileError                          the config file or a secret file cannot be read
-    +-- ListenError (sidecar.serve)            a port cannot be bound: exit 1
+    +-- ListenError (sidecar.server.serve)            a port cannot be bound: exit 1
     +-- UpstreamError (sidecar.upstream)       no response headers from D, or a body D broke off;
     |                                          carries a classify.Failure (the proxy judges it)
-    +-- ProtocolError (sidecar.http1)          D's bytes are not HTTP/1.1 (becomes UpstreamError)
-    +-- BodyError (sidecar.http1)              the request body to D failed (becomes UpstreamError)
-    +-- ClientGone (sidecar.body)              the client left while its body was being read
+    +-- ProtocolError (sidecar.upstream.http1)          D's bytes are not HTTP/1.1 (becomes UpstreamError)
+    +-- BodyError (sidecar.upstream.http1)              the request body to D failed (becomes UpstreamError)
+    +-- ClientGone (sidecar.proxy.body)              the client left while its body was being read
     +-- RouterError (sidecar.router.pool)      the prefill leg cannot run; its status is the answer
     +-- ReleaseError (here)                    one release attempt failed; ``reason`` is a metric label
         +-- RetryableReleaseError              retried by the pipeline until the job's deadline
         |   +-- PeerUnreachable, HandshakeTimeout, BadReply, NixlError   (sidecar.nixl)
-        |   +-- ResolveFailed                  (sidecar.resolver)
+        |   +-- ResolveFailed                  (sidecar.network.resolver)
         |   +-- ControlUnreachable, ControlFailed                        (sidecar.release.http)
         +-- PermanentReleaseError              refused at once (allowlist, unsupported release, ...)
             +-- EngineMismatch                 (sidecar.nixl)
-            +-- Unresolvable                   (sidecar.resolver)
+            +-- Unresolvable                   (sidecar.network.resolver)
 
 ``sidecar.nixl`` and ``sidecar.release.http`` list their reasons. Errors of
 libraries (httpx, zmq, NIXL) never cross a module boundary untranslated.

@@ -6,7 +6,7 @@
 refuses every release to a release it does not know, ``http`` releases anyway.
 ``control`` (``http`` and ``auto``): the plugin's authenticated health route,
 probed by the ``http`` strategy's own probe with the token it would send.
-``kv-connector``: D's ``/metrics`` (``sidecar.decode_probes``), unless
+``kv-connector``: D's ``/metrics`` (``sidecar.decode.probes``), unless
 ``decode_kv_connector`` says.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
-from sidecar.decode_probes import probe_kv_connector
+from sidecar.decode.probes import probe_kv_connector
 from sidecar.nixl.versions import NEWEST, OLDEST, WireProfile, parse_version
 from sidecar.release.http import HttpReleaser, Probe, read_token
 from sidecar.upstream import Upstream

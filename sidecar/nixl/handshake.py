@@ -25,12 +25,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from sidecar.allowlist import Allowlist, ip_or_none, is_host_name
+from sidecar.exceptions import PermanentReleaseError
+from sidecar.network.allowlist import Allowlist, ip_or_none, is_host_name
+from sidecar.network.resolver import Resolver
 from sidecar.nixl import HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
-from sidecar.exceptions import PermanentReleaseError
-from sidecar.resolver import Resolver
 from sidecar.ttlmap import TTLMap
 
 _T = TypeVar("_T")

@@ -5,7 +5,7 @@
   untouched);
 * ``prefilled``: router mode, from P's answer to the prefill leg;
 * ``oversized``: a body over ``max_body_bytes``, from the parameters a router
-  appended as the body's last member (``sidecar.body.tail_params``).
+  appended as the body's last member (``sidecar.proxy.body.tail_params``).
 
 Every one checks the parameters once (``sidecar.params.check``) and, in
 sidecar mode, the trust setting: untrusted parameters are forwarded but
@@ -22,12 +22,12 @@ from typing import Any
 import msgspec
 
 from sidecar import params as params_mod
-from sidecar.body import Oversized, tail_params
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.proxy.body import Oversized, tail_params
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.judge import SIDECAR, Policy
+from sidecar.proxy.trust import Trust
 from sidecar.proxy.usage import UsageRewriter
-from sidecar.trust import Trust
 from sidecar.wire import VIEW_DECODER, lax_bool
 
 log = logging.getLogger("sidecar.proxy")

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.config import Config
-from sidecar.faults import Injector
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import Tracing
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.forward import Forwarder
+from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
 from sidecar.proxy.judge import Judge
 from sidecar.proxy.refusals import Refusals
-from sidecar.tracing import Tracing
-from sidecar.trust import Trust
+from sidecar.proxy.trust import Trust
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,7 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     injected: bool = False
     detected_at: float
     deadline: float
-    # The request's span context (sidecar.tracing) when tracing is on: kvr.release is its child.
+    # The request's span context (sidecar.observability.tracing) when tracing is on: kvr.release is its child.
     trace_context: Any = None
     # kv_transfer_params exactly as they came (JSON): the http strategy hands D's engine every
     # field, also those a newer vLLM appends and ``KVTransferParams`` does not know.

@@ -38,7 +38,6 @@ from sidecar import __version__
 from sidecar.config import Config
 from sidecar.nixl.versions import WireProfile, engine_request_id
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
-from sidecar.release.version import DecodeRelease
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
 log = logging.getLogger(__name__)
@@ -143,7 +142,7 @@ class HttpReleaser:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._config = config
-        self._d_release = DecodeRelease(decode_version)
+        self._decode_version = decode_version
         self._transport = transport
         self.metrics = ControlMetrics(registry)
         self.release_url, self.health_url = release_url(config), health_url(config)
@@ -194,7 +193,7 @@ class HttpReleaser:
     async def release(self, job: ReleaseJob) -> Result:
         if job.raw_params is None:
             raise PermanentReleaseError("the http strategy sends P's parameters as they came", "no_params")
-        text = self._config.vllm_version or await self._d_release.get()
+        text = self._config.vllm_version or await self._decode_version()
         profile = WireProfile.for_version(text) if text else None
         request_id = _request_id(profile, job)
         if self._config.dry_run:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from sidecar.allowlist import Allowlist
 from sidecar.config import Config
+from sidecar.network.allowlist import Allowlist
 from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError, PRestarted
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
 from sidecar.nixl.lineage import Lineage
@@ -32,6 +32,7 @@ from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
 from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
+from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
     ReleaseError,
@@ -40,8 +41,6 @@ from sidecar.release.base import (
     RetryableReleaseError,
     Verdict,
 )
-from sidecar.release.version import DecodeRelease
-from sidecar.tracing import OFF, Tracing
 from sidecar.ttlmap import TTLMap
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class NixlReleaser:
     ) -> None:
         self._config = config
         self._tracing = tracing
-        self._d_release = DecodeRelease(decode_version)
+        self._decode_version = decode_version
         self.metrics = NixlMetrics(registry)
         self._check = check or TargetCheck(Allowlist(config.prefill_allow))
         self.peer = peer or NixlPeer()
@@ -233,7 +232,7 @@ class NixlReleaser:
     # --- versions --------------------------------------------------------------------------
 
     async def _profile(self) -> WireProfile:
-        text = self._config.vllm_version or await self._d_release.get()
+        text = self._config.vllm_version or await self._decode_version()
         if not text:
             raise PermanentReleaseError(
                 "P's vLLM release is unknown: set --vllm-version (D's GET /version gave nothing)",

@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
     ReleaseJob,
@@ -39,7 +40,6 @@ from sidecar.release.base import (
 from sidecar.release.ledger import Ledger
 from sidecar.release.targets import BreakerPolicy, Grant, Target, TargetDown, Targets
 from sidecar.release.value import LEASE_SECONDS, block_seconds_saved
-from sidecar.tracing import OFF, Tracing
 
 log = logging.getLogger("sidecar.release")
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from sidecar.allowlist import Allowlist, split_host_port
 from sidecar.config import Config
 from sidecar.exceptions import SidecarError
+from sidecar.network.allowlist import Allowlist, split_host_port
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Upstream
 

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.fake_engine import NotifyEngine
 from tests.integration.test_vllm_plugin import TOKEN, vllm_like
 from tests.servers import ServerThread, free_port, serve

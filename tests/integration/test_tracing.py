@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (sidecar.tracing): spans, W3C propagation on both legs, off means untouched.
+"""OpenTelemetry tracing (sidecar.observability): spans, W3C propagation on both legs, off means untouched.
 
 Real uvicorn servers on loopback. D and P are either tiny recording ASGI apps
 (they keep every request's headers) or the simulators with real NIXL. Spans
@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
+from sidecar.observability.tracing import build
 from sidecar.release.base import ReleaseJob, Result, RetryableReleaseError
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.tracing import build
 from tests.integration.conftest import Sidecar, kv_params
 from tests.servers import ServerThread, free_port, serve
 
@@ -396,7 +396,8 @@ def test_tracing_off_never_imports_opentelemetry() -> None:
     script = textwrap.dedent(
         """
         import asyncio, sys
-        from sidecar import cli, serve
+        from sidecar import cli
+        from sidecar.server import serve
         from sidecar.app import create_app, create_admin_app
         from sidecar.config import Config
 
@@ -423,8 +424,8 @@ def test_tracing_off_never_imports_opentelemetry() -> None:
 @pytest.mark.nixl
 def test_nixl_release_has_a_handshake_span_under_the_release_span() -> None:
     from sidecar.sim.decode import create_decode_app
-    from sidecar.sim.decode_config import DecodeSimConfig
-    from sidecar.sim.decode_nixl import VllmDHooks
+    from sidecar.sim.decode.config import DecodeSimConfig
+    from sidecar.sim.decode.nixl import VllmDHooks
     from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 
     version = "0.33.0"

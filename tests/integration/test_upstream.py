@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sidecar.classify import Failure
-from sidecar.http1 import HIGH_WATER
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
+from sidecar.upstream.http1 import HIGH_WATER
 from tests.fakes import CountingLoop
 from tests.servers import ServerThread, free_port, serve
 

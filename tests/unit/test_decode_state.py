@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from sidecar import decode_probes
 from sidecar.classify import Failure
-from sidecar.decode_probes import probe_kv_connector
-from sidecar.decode_state import (
+from sidecar.decode import probes as decode_probes
+from sidecar.decode.probes import probe_kv_connector
+from sidecar.decode.state import (
     ENGINE_DEAD_MESSAGES,
     INFO_MAX_AGE,
     DecodeState,
@@ -447,7 +447,7 @@ async def test_decode_version_reads_version_once_when_the_poller_has_none() -> N
 
 
 async def test_start_waits_for_a_silent_d_no_longer_than_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar import decode_state
+    from sidecar.decode import state as decode_state
 
     async def silent() -> Answer:
         await asyncio.Event().wait()

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy
 from sidecar.router import PREFILL_PARAMS, PrefillPool
 from sidecar.router.legs import Router

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sidecar.nixl.handshake import HandshakeCache, PeerSet
-from sidecar.release.ledger import Ledger
 from sidecar.proxy.inflight import InFlight
+from sidecar.release.ledger import Ledger
 from sidecar.ttlmap import TTLMap
 
 
