@@ -44,25 +44,71 @@ class Verdict(StrEnum):
     UNTOUCHED = "untouched"  # decided before any connection (allowlist, version, parameters)
 
 
+class Reason(StrEnum):
+    """Why a release attempt failed or was refused, or how a job ended without being sent: the
+    ``reason`` label of the release metrics and of the "release decision" log line."""
+
+    # retryable: P or D's control endpoint did not answer as it should
+    UNREACHABLE = "unreachable"
+    HANDSHAKE_TIMEOUT = "handshake_timeout"
+    BAD_REPLY = "bad_reply"
+    NIXL_ERROR = "nixl_error"
+    DNS_FAILURE = "dns_failure"
+    TIMEOUT = "timeout"  # the control endpoint's answer did not come in time
+    SERVER_ERROR = "server_error"  # the control endpoint answered 5xx
+    THROTTLED = "throttled"  # ... 408 or 429
+    TRANSPORT = "transport"  # ... broke the connection
+    # permanent: refused before (or without) anything being sent
+    UNKNOWN_VERSION = "unknown_version"
+    INCONSISTENT_VERSION = "inconsistent_version"
+    UNSAFE_VERSION = "unsafe_version"
+    UNSAFE_RETRY = "unsafe_retry"
+    NOT_ALLOWED = "not_allowed"
+    NO_REQUEST_ID = "no_request_id"
+    BAD_HOST = "bad_host"
+    BAD_PORT = "bad_port"
+    UNRESOLVABLE = "unresolvable"
+    ENGINE_MISMATCH = "engine_mismatch"
+    P_RESTARTED = "p_restarted"
+    NO_PARAMS = "no_params"  # the http strategy has no raw parameters to hand on
+    NO_PATH = "no_path"  # auto: neither NIXL nor D's control endpoint can carry it
+    UNAUTHORIZED = "unauthorized"  # D's control endpoint refused the token (401)
+    FORBIDDEN = "forbidden"  # ... 403
+    NOT_FOUND = "not_found"  # ... 404/405: no plugin in D
+    BAD_REQUEST = "bad_request"  # ... 400/413/422
+    REJECTED = "rejected"  # ... another 4xx
+    # the pipeline's own
+    TARGET_DOWN = "target_down"  # the target's breaker stayed open until the deadline
+    DEADLINE = "deadline"  # the deadline passed before or during an attempt
+    CANCELLED = "cancelled"  # a shared handshake was abandoned by the job that began it
+    BUG = "bug"  # an unexpected exception (logged with its traceback)
+    RETRYABLE = "retryable"  # a retryable error that names no reason of its own
+    PERMANENT = "permanent"  # a permanent error that names no reason of its own
+
+
 class ReleaseError(SidecarError):
     """Base of every error a strategy raises for one job."""
 
-    reason: str = "error"  # a small enum, usable as a metric label
+    reason: Reason = Reason.RETRYABLE  # the metric label
     verdict: Verdict = Verdict.UP  # what the failure says about the target
 
 
 class RetryableReleaseError(ReleaseError):
     """Worth trying again before the deadline: P unreachable, timeout, NIXL error."""
 
-    reason = "retryable"
+    reason = Reason.RETRYABLE
 
 
 class PermanentReleaseError(ReleaseError):
     """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
 
-    reason = "permanent"
+    reason = Reason.PERMANENT
     verdict = Verdict.UNTOUCHED  # most are decided before connecting; those after say UP
 
-    def __init__(self, message: str, reason: str = "permanent") -> None:
+    def __init__(
+        self, message: str, reason: Reason = Reason.PERMANENT, verdict: Verdict | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
+        if verdict is not None:
+            self.verdict = verdict

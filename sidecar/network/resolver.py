@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from cachetools import TLRUCache
 
-from sidecar.exceptions import PermanentReleaseError, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, Verdict
 
 Lookup = Callable[[str, int], Awaitable[list[str]]]
 
@@ -43,13 +43,13 @@ class Unresolvable(PermanentReleaseError):
     """The name does not exist, or has no address: retrying cannot help."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, "unresolvable")
+        super().__init__(message, Reason.UNRESOLVABLE)
 
 
 class ResolveFailed(RetryableReleaseError):
     """The resolver gave no answer now (a DNS server down or slow): worth retrying."""
 
-    reason = "dns_failure"
+    reason = Reason.DNS_FAILURE
     verdict = Verdict.DOWN
 
 

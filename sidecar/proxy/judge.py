@@ -215,6 +215,8 @@ class Judge:
             raw_params=exchange.raw_params,
             data_parallel_rank=exchange.data_parallel_rank,
             trace_context=self._tracing.job_context() if self._tracing.enabled else None,
+            dry_run=self._config.dry_run,
+            decode_reachable=decision.cause is not Cause.UNREACHABLE,
         )
         return self._covered(job, now)
 

@@ -71,6 +71,10 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     # Not sent before this time.monotonic() value: D may have notified P itself, and the
     # sidecar's notification must not land between D's readers' messages.
     not_before: float = 0.0
+    # The judge's word on the strategy's part: a dry run (every check, nothing sent), and whether
+    # D answered at all (``auto`` cannot use D's control endpoint for a D it could not reach).
+    dry_run: bool = False
+    decode_reachable: bool = True
 
     def but(self, **changes: Any) -> ReleaseJob:
         """This job with ``changes``."""

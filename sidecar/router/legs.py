@@ -20,6 +20,7 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB
 from sidecar.classify import Event, Failure
+from sidecar.params import Ineligible
 from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
@@ -63,7 +64,7 @@ class Router:
             await kit.forwarder.forward(ctx, kit.inspector.plain(ctx, stream=False), ctx.headers, body)
             return
         if request.pop("kv_transfer_params", None) is not None:
-            kit.metrics.ineligible.labels("client_params_dropped").inc()
+            kit.metrics.ineligible.labels(Ineligible.CLIENT_PARAMS_DROPPED).inc()
         n = request.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             await self._multi_choice(ctx, request)
