@@ -7,6 +7,7 @@ flag, the ``KVR_*`` variable or the file and key). Pure: no I/O, no sockets.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, urlsplit
 
@@ -54,6 +55,7 @@ ZERO_OR_POSITIVE = (
     "prefill_max_retries",
 )
 SHARES = ("inject_rate", "trace_sample_ratio")
+ADMIN_PORT_DEFAULT = 9100
 
 
 def check(config: Config) -> None:
@@ -86,7 +88,10 @@ def _ports(config: Config) -> None:
         if not 0 <= value <= 65535:
             raise ConfigError(name, value, "must be a TCP port between 0 and 65535")
     if config.port and config.port == config.admin_port:
-        raise ConfigError("admin_port", config.admin_port, "must differ from port")
+        # Blame the one moved from its default: "--port 9100" alone collides with the admin port.
+        if config.admin_port == ADMIN_PORT_DEFAULT:
+            raise ConfigError("port", config.port, f"is admin_port's too ({config.admin_port})")
+        raise ConfigError("admin_port", config.admin_port, f"is port's too ({config.port})")
 
 
 def _urls(config: Config) -> None:
@@ -109,6 +114,9 @@ def _urls(config: Config) -> None:
 def url_error(value: str) -> str:
     """Why ``value`` is not a usable http(s) URL, or "" when it is."""
     parts = urlsplit(value)
+    hostport = parts.netloc.rpartition("@")[2]
+    if parts.scheme in ("http", "https") and hostport.count(":") > 1 and "[" not in hostport:
+        return f"an IPv6 address needs brackets: {parts.scheme}://{_bracketed(hostport)}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http(s) URL with a host"
     try:
@@ -118,6 +126,18 @@ def url_error(value: str) -> str:
     if port == 0:
         return "port 0 is not a TCP port (1-65535)"
     return ""
+
+
+def _bracketed(netloc: str) -> str:
+    """``::1:8200`` -> ``[::1]:8200``; ``fe80::1`` (no port) -> ``[fe80::1]``."""
+    host, _, port = netloc.rpartition(":")
+    for address, suffix in ((host, f":{port}"), (netloc, "")):  # a trailing number is a port
+        try:
+            ipaddress.IPv6Address(address)
+        except ValueError:
+            continue
+        return f"[{address}]{suffix}"
+    return f"[{netloc}]"
 
 
 def _path_error(parts: SplitResult) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin
@@ -293,6 +294,8 @@ def load_with_sources(
         if flags[key] is not None:
             raise ConfigError(key, flags[key], f"unknown setting{did_you_mean(key, FIELDS)}")
     for name, value in list(merged.items()):
+        if isinstance(value, str) and HELP[name][1] == "seconds":
+            merged[name] = _seconds(name, value, source.get(name, ""))
         if isinstance(value, str) and get_origin(names[name]) is tuple:
             merged[name] = value = [part.strip() for part in value.split(",") if part.strip()]
         if isinstance(value, list) and get_args(names[name])[:1] == (str,):
@@ -312,6 +315,18 @@ def _read_toml(text: str | None, file_name: str) -> dict[str, Any]:
         raise FileError(file_name, f"not valid TOML: {exc}") from exc
 
 
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+SECONDS_HINT = "must be a number of seconds, or a duration such as 30s, 500ms or 2m"
+
+
+def _seconds(name: str, text: str, source: str) -> float:
+    """``"30"``, ``"30s"``, ``"500ms"``, ``"2m"``, ``"1h"`` as seconds; raises ``ConfigError``."""
+    match = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ms|s|m|h)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ConfigError(name, text, SECONDS_HINT, source)
+    return float(match.group(1)) * _UNITS[(match.group(2) or "s").lower()]
+
+
 def _convert(merged: dict[str, Any], names: Mapping[str, Any]) -> Config:
     try:
         return msgspec.convert(merged, Config, strict=False)
@@ -320,7 +335,8 @@ def _convert(merged: dict[str, Any], names: Mapping[str, Any]) -> Config:
     except msgspec.ValidationError as exc:
         message = str(exc)
         field = message.rsplit("$.", 1)[-1].split("[")[0].strip("`") if "$." in message else "?"
-        raise ConfigError(field, merged.get(field), _reason(message, names.get(field))) from exc
+        reason = SECONDS_HINT if field in HELP and HELP[field][1] == "seconds" else None
+        raise ConfigError(field, merged.get(field), reason or _reason(message, names.get(field))) from exc
 
 
 def _reason(message: str, type_: Any) -> str:

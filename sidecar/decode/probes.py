@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from sidecar.classify import Failure
 from sidecar.upstream import Client, UpstreamError
 
 Engine = Literal["alive", "dead", "unknown"]
@@ -108,3 +109,33 @@ async def _scan_metrics(chunks: AsyncIterator[bytes]) -> bool | None:
         if size >= METRICS_LIMIT:
             return None  # the families may sit past what was read
     return False if stats else None
+
+
+async def unreachable_cause(upstream: Client) -> str | None:
+    """Why D's ``GET /health`` gets no answer now, in plain words with the likely fix (None: it
+    answered). For the one warning at start-up: a D that cannot be reached is otherwise silent."""
+    try:
+        async with await upstream.send("GET", "/health", [], None, header_timeout=PROBE_TIMEOUT) as response:
+            await response.read(1024)
+    except UpstreamError as exc:
+        return likely_cause(exc.failure, str(exc), upstream.base_url)
+    return None
+
+
+def likely_cause(failure: Failure, detail: str, url: str) -> str:
+    """``failure`` reaching D at ``url`` as a cause an operator can act on."""
+    https = url.startswith("https://")
+    causes = {
+        Failure.CONNECT_REFUSED: f"nothing accepts connections at {url}: D not started yet, a wrong port, "
+        "or D listening on another address (localhost may be ::1 for one and 127.0.0.1 for the other)",
+        Failure.DNS: f"the host of {url} does not resolve",
+        Failure.CONNECT_TIMEOUT: f"no answer to a connection to {url}: a wrong host, or a firewall",
+        Failure.TLS_FAILED: f"the TLS handshake with {url} failed: D serves plain http? (use http:// in "
+        "decode_url), or its certificate is not trusted (tls_ca_file, decode_tls_insecure)",
+        Failure.HEADER_TIMEOUT: f"{url} accepted the connection but did not answer GET /health in time",
+    }
+    cause = causes.get(failure)
+    if cause is None:
+        plain = "" if https else ": D serves https? (use https:// in decode_url)"
+        cause = f"{url} closed the connection without an HTTP answer{plain}"
+    return f"{cause} ({detail})"

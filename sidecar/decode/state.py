@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from sidecar.classify import Failure
 from sidecar.config import KvConnectorSetting
-from sidecar.decode.probes import Engine, probe_health, read_kv_connector, read_version
+from sidecar.decode.probes import Engine, probe_health, read_kv_connector, read_version, unreachable_cause
 from sidecar.upstream import Client
 
 log = logging.getLogger("sidecar.decode_state")
@@ -68,7 +68,13 @@ ENGINE_DEAD_MESSAGES = frozenset(
 )
 #: Failures that leave D's engine unknown: nothing listens, or D dropped the connection.
 UNREACHABLE = frozenset(
-    {Failure.CONNECT_REFUSED, Failure.DNS, Failure.CONNECT_TIMEOUT, Failure.RESET_AFTER_SEND}
+    {
+        Failure.CONNECT_REFUSED,
+        Failure.DNS,
+        Failure.CONNECT_TIMEOUT,
+        Failure.TLS_FAILED,
+        Failure.RESET_AFTER_SEND,
+    }
 )
 
 
@@ -151,6 +157,12 @@ class DecodeState:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(START_BOUND):
                 await self.refresh()
+                if self._health == "unknown":  # say once why, or D's absence shows only in /readyz
+                    cause = await unreachable_cause(self._upstream)
+                    if cause is not None:
+                        log.warning(
+                            "D cannot be reached at start-up: %s; /readyz stays 503 until it answers", cause
+                        )
         self._task = asyncio.create_task(self._poll_forever(), name="decode-state")
 
     async def close(self) -> None:

@@ -35,6 +35,7 @@ FAILURE_STATUS = {
     Failure.CONNECT_REFUSED: 503,
     Failure.DNS: 503,
     Failure.CONNECT_TIMEOUT: 503,
+    Failure.TLS_FAILED: 503,
     Failure.POOL_TIMEOUT: 503,
     Failure.HEADER_TIMEOUT: 504,
     Failure.RESET_AFTER_SEND: 502,

@@ -304,6 +304,8 @@ class Upstream:
             raise UpstreamError(Failure.CONNECT_TIMEOUT, "connecting to D timed out") from exc
         except socket.gaierror as exc:
             raise UpstreamError(Failure.DNS, f"cannot resolve D ({self._host}): {exc}") from exc
+        except ssl.SSLError as exc:
+            raise UpstreamError(Failure.TLS_FAILED, f"the TLS handshake with D failed: {exc}") from exc
         except OSError as exc:
             raise UpstreamError(Failure.CONNECT_REFUSED, f"cannot connect to D: {exc}") from exc
         if self._closed:
