@@ -60,6 +60,7 @@ HELP: dict[str, tuple[str, str]] = {
     "handshake_cache_ttl": ("how long a P engine's handshake is kept (nixl)", "seconds"),
     "allow_unsafe_vllm": ("release to vLLM 0.9.x/0.10.0 (a late notification can crash their P engine)", ""),
     "log_level": ("log level: debug, info, warning or error", ""),
+    "access_log": ("log one line per request answered on the proxy port (logger uvicorn.access)", ""),
     "log_format": ("log format: json (one object per line) or text", ""),
     "control_url": ("vLLM plugin's control endpoint; empty: decode-url + /kv_release/v1/release", "URL"),
     "control_token": ("control endpoint's bearer token; prefer the file or variable (ps shows flags)", ""),

@@ -84,6 +84,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     allow_unsafe_vllm: bool = False
     log_level: LogLevel = "info"
     log_format: LogFormat = "json"
+    # One line per request answered on the proxy port (logger uvicorn.access); off: the release
+    # decisions and metrics say what matters, and a busy pod would log thousands of lines a second.
+    access_log: bool = False
     # The control endpoint a vLLM plugin adds to D (strategies http and auto).
     control_url: str = ""
     control_token: str = ""

@@ -45,6 +45,7 @@ class ServerLimits:
     body_timeout: float = 60.0
     concurrency: int = 0  # requests in flight; 0 = unlimited
     keep_alive: float = 5.0
+    access_log: bool = False  # one uvicorn.access line per request
 
     @classmethod
     def of(cls, config: config_mod.Config, admin: bool = False) -> ServerLimits:
@@ -55,6 +56,7 @@ class ServerLimits:
             body_timeout=config.client_body_timeout,
             concurrency=0 if admin else config.limit_concurrency,
             keep_alive=config.timeout_keep_alive,
+            access_log=config.access_log and not admin,  # probes every second are no one's news
         )
 
 
@@ -129,6 +131,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._timer = LazyTimer(self.loop, self._expired)
         self._hub = DisconnectHub()
         super().connection_made(coalescing)
+        self.access_log = self.limits.access_log  # uvicorn's own test: any handler up the tree
         self.flow = _ClockedFlowControl(coalescing, self)
         self._start_head()
 

@@ -73,7 +73,7 @@ def start(config: config_mod.Config, sources: dict[str, str]) -> int:
     except (config_mod.ConfigError, ListenError, TLSFileError, extras.MissingExtra) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
-    logs.setup(config.log_level, config.log_format)
+    logs.setup(config.log_level, config.log_format, config.access_log)
     memory.release_large_buffers()
     for warning in config_mod.unknown_env(os.environ):
         log.warning(warning)
@@ -183,7 +183,9 @@ def uvicorn_config(
         "port": port,
         "loop": "none",
         "log_config": None,
-        "access_log": False,
+        # True keeps uvicorn from cutting uvicorn.access off for every server in the process
+        # (Config.configure_logging); each protocol says whether it logs (ServerLimits.access_log).
+        "access_log": True,
         "server_header": False,  # D's own Server/Date headers pass through
         "date_header": False,
         "proxy_headers": False,  # the sidecar never reads the client address
