@@ -55,9 +55,9 @@ class Rank:
     state: DecodeState
     probes: Client  # the state's own connection to D
 
-    def healthy(self) -> bool:
+    async def healthy(self) -> bool:
         """This rank's D answers ``GET /health`` with 200."""
-        return self.state.view().engine == "alive"
+        return (await self.state.fresh()).engine == "alive"
 
     def drain(self) -> None:
         self.state.draining()
@@ -85,6 +85,7 @@ async def start_ranks(config: Config, parts: ProxyParts, connect: Connect) -> li
     return ranks
 
 
-def ranks_ready(ranks: list[Rank]) -> dict[str, bool]:
+async def ranks_ready(ranks: list[Rank]) -> dict[str, bool]:
     """``/readyz``'s check of each rank's D."""
-    return {f"decode_rank_{r.number}": r.healthy() for r in ranks}
+    healthy = await asyncio.gather(*(r.healthy() for r in ranks))
+    return {f"decode_rank_{r.number}": ok for r, ok in zip(ranks, healthy, strict=True)}

@@ -73,10 +73,10 @@ class Runtime:
     async def ready(self) -> tuple[bool, dict[str, bool]]:
         checks = {
             "draining": self.draining,
-            "decode": self.decode.view().engine == "alive",
+            "decode": (await self.decode.fresh()).engine == "alive",
             "releaser": self.releaser.ready(),
         }
-        checks |= ranks_ready(self.ranks)  # each rank's D, when there are data-parallel ranks
+        checks |= await ranks_ready(self.ranks)  # each rank's D, when there are data-parallel ranks
         checks |= {"inference_pool": self.pool_watch.synced} if self.pool_watch is not None else {}
         ok = not checks["draining"] and all(v for k, v in checks.items() if k != "draining")
         self.metrics.ready.set(1 if ok else 0)

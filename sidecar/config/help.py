@@ -68,7 +68,9 @@ HELP: dict[str, tuple[str, str]] = {
     "control_timeout": ("one request to the control endpoint", "seconds"),
     "auto_probe_interval": ("auto: how often D's control endpoint is probed", "seconds"),
     "decode_health_interval": (
-        "how often D's /health is polled to know whether D can release P's blocks itself",
+        "how often D's /health is polled to know whether D can release P's blocks itself; "
+        "0: never polled, /readyz asks D when read (D's state stays unknown between, so the "
+        "sidecar also sends what D's engine would release)",
         "seconds",
     ),
     "decode_kv_connector": (

@@ -37,7 +37,6 @@ POSITIVE = (
     "handshake_cache_ttl",
     "control_timeout",
     "auto_probe_interval",
-    "decode_health_interval",
     "prefill_timeout",
     "prefill_backoff",
     "timeout_keep_alive",
@@ -48,6 +47,7 @@ POSITIVE = (
 )
 ZERO_OR_POSITIVE = (
     "read_timeout",
+    "decode_health_interval",
     "shutdown_delay",
     "p_hold_seconds",
     "limit_concurrency",

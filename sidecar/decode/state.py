@@ -134,6 +134,7 @@ class DecodeState:
         self._version: str | None = None
         self._info_due = float("-inf")
         self._task: asyncio.Task[None] | None = None
+        self._probed_at = float("-inf")
         self._lock = asyncio.Lock()
         self._view = DecodeView("unknown", False, self._kv(), None)
 
@@ -153,7 +154,10 @@ class DecodeState:
 
     async def start(self) -> None:
         """Probe D once (so the first view is D's; at most ``START_BOUND`` seconds: D that does
-        not answer, e.g. not started yet, leaves it "unknown"), then poll every ``interval``."""
+        not answer, e.g. not started yet, leaves it "unknown"), then poll every ``interval``.
+        ``interval`` 0: nothing until someone asks (``fresh``)."""
+        if not self._interval:
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(START_BOUND):
                 await self.refresh()
@@ -202,9 +206,16 @@ class DecodeState:
             self._exiting, self._exiting_at = True, now
         self._publish()
 
+    async def fresh(self, max_age: float = 1.0) -> DecodeView:
+        """The view, probed now when no poller keeps it and the last probe is older than
+        ``max_age`` (``/readyz`` with ``interval`` 0)."""
+        if not self._interval and self._clock() - self._probed_at >= max_age:
+            await self.refresh()
+        return self._view
+
     async def refresh(self) -> DecodeView:
         """Probe D now (``/health``; ``/version`` and ``/metrics`` when due) and publish."""
-        started = self._clock()
+        started = self._probed_at = self._clock()
         engine, closing = await probe_health(self._upstream)
         if engine != "unknown":
             self._health = engine
