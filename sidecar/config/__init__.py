@@ -1,4 +1,6 @@
-"""The sidecar's one frozen config, and how it is loaded."""
+"""The sidecar's one frozen config and how it is loaded: the struct and its loader
+(``settings``), the checks of each value (``rules``), the ``--help`` lines (``help``) and the
+command-line arguments shared by ``serve`` and ``check`` (``args``)."""
 
 from __future__ import annotations
 
