@@ -20,17 +20,18 @@ import time
 import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
-from sidecar.classify import Event
-from sidecar.decode_probes import says_close
-from sidecar.errors import FAILURE_STATUS, send_error
-from sidecar.headers import response_headers
-from sidecar.metrics import ROUTES, Metrics, status_class
+from sidecar.classify import Event, Failure
+from sidecar.decode.probes import says_close
+from sidecar.observability.metrics import ROUTES, Metrics, status_class
+from sidecar.observability.tracing import Tracing
+from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
+from sidecar.proxy.headers import response_headers
 from sidecar.proxy.judge import Judge, StreamJudge
-from sidecar.relay import RELAY, ClientRelay
-from sidecar.router.bodies import UsageRewriter
-from sidecar.tracing import Tracing
+from sidecar.proxy.llmd_answers import send_plain
+from sidecar.proxy.usage import UsageRewriter
+from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.upstream import Client, Response, Sent, UpstreamError
 from sidecar.wire import ERROR_DECODER
 
@@ -49,6 +50,8 @@ class Forwarder:
         self._judge = judge
         self._metrics = metrics
         self._tracing = tracing
+        # With answers = "llm-d": the body D's refused connection is answered with (503).
+        self.unready: bytes | None = None
 
     def count(self, route: str, status: int) -> None:
         """``kvr_requests_total`` for one answer (``status`` < 0: the client left)."""
@@ -116,6 +119,11 @@ class Forwarder:
             "decode server failed before answering",
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
         )
+        if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
+            await send_plain(
+                send, status, self.unready, exchange.request_id, exchange.retry_headers(), sniffed=True
+            )
+            return
         message = f"decode server: {exc}"
         await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
 
@@ -212,7 +220,7 @@ class Forwarder:
     ) -> None:
         """D's body to the client, chunk by chunk through ``send`` while the judge reads it. Once it
         has judged (at once without one), a ``relay`` takes the rest straight from D's connection
-        to the client's (``sidecar.relay``), and the chunks then end."""
+        to the client's (``sidecar.transport.relay``), and the chunks then end."""
         relaying = relay is not None
         try:
             async for chunk in response.chunks():
@@ -244,6 +252,9 @@ class Forwarder:
                 response = await self.upstream.send(ctx.method, ctx.target, ctx.headers, body)
             except UpstreamError as exc:
                 status = FAILURE_STATUS[exc.failure]
+                if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
+                    await send_plain(ctx.send, status, self.unready, ctx.request_id, sniffed=True)
+                    return
                 await send_error(ctx.send, status, f"decode server: {exc}", ctx.request_id)
                 return
             async with response:

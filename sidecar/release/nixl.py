@@ -1,11 +1,12 @@
 """The ``nixl`` release strategy: free P's blocks by speaking D's part of the NIXL protocol.
 
-For one job: learn P's vLLM release (``--vllm-version``, else D's ``GET
-/version``; P and D run the same release), check ``kv_transfer_params``
-against it, leave D's own rejections to D when its release has the fix
-(``coverage``), check P's endpoint against the allowlist, handshake with every
-P worker (or reuse the cached handshake) and send each worker one
-notification (``<id>:1``; ``<id>`` for 0.9.0). Nothing is ever sent by trial:
+For one job (the judge has decided it is the sidecar's to send, and whether it
+is a dry run): learn P's vLLM release (``--vllm-version``, else D's ``GET
+/version`` through D's state; P and D run the same release), check
+``kv_transfer_params`` against it, check P's endpoint against the allowlist,
+handshake with every P worker (or reuse the cached handshake), refuse a P
+process that is not the one that held the blocks (``sidecar.nixl.lineage``)
+and send each worker one notification (``<id>:1``; ``<id>`` for 0.9.0). Nothing is ever sent by trial:
 an unknown or contradicted release is refused before any socket exists.
 Failures are typed (``sidecar.nixl``); the pipeline retries the retryable
 ones, and the ranks already notified for a job are remembered so a retry
@@ -23,23 +24,25 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from sidecar.allowlist import Allowlist
 from sidecar.config import Config
-from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError
+from sidecar.exceptions import Reason
+from sidecar.network.allowlist import Allowlist
+from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError, PRestarted
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
+from sidecar.nixl.lineage import Lineage
 from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
 from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
+from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
     ReleaseError,
     ReleaseJob,
     Result,
     RetryableReleaseError,
+    Verdict,
 )
-from sidecar.release.version import DecodeRelease
-from sidecar.tracing import OFF, Tracing
 from sidecar.ttlmap import TTLMap
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class _Progress:
 
     sent: set[Rank] = field(default_factory=set)
     attempted: bool = False
+    agents: frozenset[str] = frozenset()  # the P process the ranks in ``sent`` belong to
 
 
 class NixlReleaser:
@@ -76,13 +80,14 @@ class NixlReleaser:
     ) -> None:
         self._config = config
         self._tracing = tracing
-        self._d_release = DecodeRelease(decode_version)
+        self._decode_version = decode_version
         self.metrics = NixlMetrics(registry)
         self._check = check or TargetCheck(Allowlist(config.prefill_allow))
         self.peer = peer or NixlPeer()
         self._context: zmq.asyncio.Context | None = None
         self._client: HandshakeClient | None = None
         self._cache = HandshakeCache(config.handshake_cache_size, config.handshake_cache_ttl)
+        self._lineage = Lineage(config.handshake_cache_size, config.handshake_cache_ttl)
         self._inflight: dict[str, asyncio.Future[PeerSet]] = {}
         # A job's retries end at its deadline, ``release_deadline`` after it was made.
         self._progress: TTLMap[tuple[str, str], _Progress] = TTLMap(PROGRESS_SIZE, config.release_deadline)
@@ -152,31 +157,31 @@ class NixlReleaser:
         problem = check_params(profile, params)
         if problem:
             raise PermanentReleaseError(
-                f"kv_transfer_params do not fit vLLM {profile.text}: {problem}", "inconsistent_version"
+                f"kv_transfer_params do not fit vLLM {profile.text}: {problem}", Reason.INCONSISTENT_VERSION
             )
         unsafe = not profile.safe_unknown_id
         if unsafe and not self._config.allow_unsafe_vllm:
             raise PermanentReleaseError(
                 f"vLLM {profile.text} crashes P's engine on a notification for an id it no longer "
                 "holds; releases need --allow-unsafe-vllm",
-                "unsafe_version",
+                Reason.UNSAFE_VERSION,
             )
         request_id = engine_request_id(profile, params, job.x_request_id, job.route, job.body_request_id)
         if request_id is None:
             raise PermanentReleaseError(
                 f"P's id for this request cannot be known on vLLM {profile.text} "
                 f"(route {job.route}, x-request-id {job.request_id!r})",
-                "no_request_id",
+                Reason.NO_REQUEST_ID,
             )
         ranks = profile.ranks(params)
-        if self._config.dry_run:  # every check the live release makes before it connects to P
+        if job.dry_run:  # every check the live release makes before it connects to P
             target = await self._check.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
             self._warn_loopback(target)
             return Result.WOULD_SEND, "dry_run"
         progress = self._progress_of(engine_id, request_id)
         if unsafe and progress.attempted:
             raise PermanentReleaseError(
-                "vLLM < 0.10.1: a send was attempted once, never twice", "unsafe_retry"
+                "vLLM < 0.10.1: a send was attempted once, never twice", Reason.UNSAFE_RETRY
             )
         await self._sweep()
         endpoint = (host, port)
@@ -190,20 +195,29 @@ class NixlReleaser:
             self.metrics.cache.labels("hit").inc()
         message = notification(profile, request_id)
         progress.attempted = True
-        failed = await self._send(peers, ranks, message, progress)
+        failed = await self._send(peers, ranks, message, progress, job)
         if failed and not unsafe:
             # A cached agent may be gone (P restarted): handshake again, once.
             await self._invalidate(peers, "send_failure")
             peers = await self._connect(engine_id, generation, endpoint, profile, ranks)
-            failed = await self._send(peers, ranks, message, progress)
+            failed = await self._send(peers, ranks, message, progress, job)
         if failed:
             raise NixlError(f"notification to {len(failed)} P worker(s) failed: {failed[0]}")
         self._progress.pop((engine_id, request_id), None)
         return Result.SENT, path
 
     async def _send(
-        self, peers: PeerSet, ranks: list[Rank], message: bytes, progress: _Progress
+        self, peers: PeerSet, ranks: list[Rank], message: bytes, progress: _Progress, job: ReleaseJob
     ) -> list[str]:
+        """Notify the ranks not notified yet; the failures' texts. Refused (``p_restarted``) when
+        ``peers`` is a P process that came after the one that held the job's blocks."""
+        agents = frozenset(peers.agents.values())
+        why = self._lineage.refusal(peers.endpoint, agents, job.detected_at)
+        if why is None and progress.sent and progress.agents != agents:
+            why = "P restarted between the notifications of this request's ranks"
+        if why is not None:
+            raise PRestarted(why)
+        progress.agents = agents
         todo = [rank for rank in ranks if rank not in progress.sent]
         results = await self.peer.notify_many([(peers.agents[rank], message) for rank in todo])
         errors = []
@@ -220,11 +234,11 @@ class NixlReleaser:
     # --- versions --------------------------------------------------------------------------
 
     async def _profile(self) -> WireProfile:
-        text = self._config.vllm_version or await self._d_release.get()
+        text = self._config.vllm_version or await self._decode_version()
         if not text:
             raise PermanentReleaseError(
                 "P's vLLM release is unknown: set --vllm-version (D's GET /version gave nothing)",
-                "unknown_version",
+                Reason.UNKNOWN_VERSION,
             )
         if text not in self._profiles:
             self._profiles[text] = WireProfile.for_version(text)
@@ -233,7 +247,7 @@ class NixlReleaser:
             raise PermanentReleaseError(
                 f"vLLM {text!r} is not a release this sidecar knows (0.9.0-0.33.0; "
                 "pre-releases only where the wire format did not change)",
-                "unknown_version",
+                Reason.UNKNOWN_VERSION,
             )
         return profile
 
@@ -296,7 +310,12 @@ class NixlReleaser:
         self._warn_loopback(target)
         started = time.perf_counter()
         try:
-            replies = await self._client.fetch(target, profile, ranks)
+            try:
+                replies = await self._client.fetch(target, profile, ranks)
+            except ReleaseError as exc:
+                if exc.verdict is Verdict.DOWN:
+                    self._lineage.lost(endpoint)
+                raise
             wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})
             if wrong:
                 raise EngineMismatch(f"{host}:{base_port} serves engine {wrong[0]!r}, not {engine_id!r}")
@@ -313,6 +332,7 @@ class NixlReleaser:
         self.metrics.handshakes.labels("ok").inc()
         self.metrics.handshake_seconds.observe(time.perf_counter() - started)
         peers = PeerSet(engine_id, generation, endpoint, agents)
+        self._lineage.seen(endpoint, agents.values())
         await self._drop(self._cache.put(peers), "lru")
         return peers
 

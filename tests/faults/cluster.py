@@ -26,8 +26,8 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.faults.gate import FaultGate
 from tests.integration.conftest import Sidecar, run_sidecar
@@ -108,6 +108,9 @@ SIDECAR_DEFAULTS: dict[str, Any] = {
     "release_retry_initial": 0.05,
     "release_retry_max": 0.2,
     "log_format": "text",
+    # The scenarios talk to the sidecar directly: nothing in front retries its answers on another
+    # pod, so D unreachable (503) is released (tests/faults/test_mesh_retries.py has the proxies).
+    "retried_statuses": ("none",),
 }
 
 

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
-from sidecar.limits import ServerLimits, server_options
 from sidecar.release.dryrun import DryRunReleaser
+from sidecar.server.protocol import ServerLimits, server_options
 from tests.servers import ServerThread, serve
 
 
@@ -61,13 +61,15 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     ``record``: the recording releaser stands in for the configured strategy (the proxy still
     behaves as configured for it, e.g. keeping raw parameters for ``http``).
     """
-    settings = {"release": "dry-run", "log_level": "warning", **settings}
+    # Tests talk to the sidecar directly: nothing in front retries its answers on another pod
+    # (tests/faults/test_mesh_retries.py runs real retrying proxies with the default).
+    settings = {"release": "dry-run", "log_level": "warning", "retried_statuses": ("none",), **settings}
     config = Config(decode_url=decode_url, **settings)
     frees, keeps_raw = config.release in ("nixl", "http", "auto"), config.release in ("http", "auto")
     releaser = DryRunReleaser(keep=100_000, frees=frees, keeps_raw=keeps_raw)
     injected = releaser if record or config.release == "dry-run" else None
     app = create_app(config, Deps(releaser=injected, registry=CollectorRegistry()))
-    # The production protocol (httptools behind GuardedProtocol, sidecar.serve) on the proxy port,
+    # The production protocol (httptools behind GuardedProtocol, sidecar.server.serve) on the proxy port,
     # not the test servers' default h11: what a client meets is what the sidecar ships.
     options = server_options(ServerLimits.of(config))
     with serve(app, create_admin_app(app), server_header=False, date_header=False, **options) as server:

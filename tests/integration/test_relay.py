@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from sidecar.relay import ClientRelay
+from sidecar.transport.relay import ClientRelay
 from tests.integration.conftest import kv_params, run_sidecar
 from tests.servers import serve
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, free_port, serve
@@ -214,7 +214,7 @@ def test_prefiller_header_selects_p_and_is_checked_against_the_allowlist() -> No
         denied = httpx.post(
             sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": "10.1.2.3:8100"}
         )
-        assert denied.status_code == 400 and "allowlist" in denied.json()["error"]["message"]
+        assert denied.status_code == 403 and "allowlist" in denied.json()["error"]["message"]
         bad = httpx.post(
             sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": "nope"}
         )

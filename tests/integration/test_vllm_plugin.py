@@ -28,8 +28,8 @@ from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob, Result
 from sidecar.release.dryrun import DryRunReleaser
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from sidecar.vllm_plugin import (
     HEALTH_PATH,
@@ -254,6 +254,7 @@ class RecordingNixl:
 @contextmanager
 def run_auto(decode_url: str, nixl: Any | None = None, **settings: Any) -> Iterator[Sidecar]:
     """A sidecar with ``--release auto``; ``nixl`` replaces the NIXL strategy when given."""
+    settings = {"retried_statuses": ("none",), **settings}  # nothing in front retries D's 503
     config = Config(
         decode_url=decode_url, release="auto", log_level="warning", control_token=TOKEN, **settings
     )
@@ -262,7 +263,7 @@ def run_auto(decode_url: str, nixl: Any | None = None, **settings: Any) -> Itera
 
     async def decode_version() -> str | None:
         runtime = apps[0].runtime
-        return await runtime.decode_version() if runtime is not None else None
+        return await runtime.decode.decode_version() if runtime is not None else None
 
     auto = AutoReleaser(config, decode_version, registry, nixl=nixl)
     app = create_app(config, Deps(releaser=auto, registry=registry))

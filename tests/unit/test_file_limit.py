@@ -14,7 +14,7 @@ class Kept(logging.Handler):
     def emit(self, record):
         records.append(record.getMessage())
 logging.getLogger("sidecar.serve").addHandler(Kept())
-from sidecar.serve import raise_file_limit
+from sidecar.server.serve import raise_file_limit
 raise_file_limit(int(sys.argv[1]))
 print(json.dumps({"limit": resource.getrlimit(resource.RLIMIT_NOFILE), "warnings": records}))
 """

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.coalesce import CoalescingTransport
-from sidecar.relay import ClientRelay
+from sidecar.transport.coalesce import CoalescingTransport
+from sidecar.transport.relay import ClientRelay
 from tests.fakes import FakeTransport
 
 

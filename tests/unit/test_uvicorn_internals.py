@@ -1,4 +1,4 @@
-"""The uvicorn internals ``sidecar.limits`` (and ``sidecar.serve``'s server) are built on.
+"""The uvicorn internals ``sidecar.server.protocol`` (and ``sidecar.server.serve``'s server) are built on.
 
 ``GuardedProtocol`` subclasses uvicorn's httptools protocol: it overrides
 some of its methods, calls others, reads and sets attributes of the protocol,
@@ -23,8 +23,8 @@ import uvicorn
 from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
-from sidecar.limits import ServerLimits, guarded_protocol
-from sidecar.relay import ClientRelay
+from sidecar.server.protocol import ServerLimits, guarded_protocol
+from sidecar.transport.relay import ClientRelay
 from tests.fakes import FakeTransport
 
 Protocol = httptools_impl.HttpToolsProtocol
@@ -44,7 +44,7 @@ PROTOCOL_METHODS = {
     "on_response_complete": [],  # replaced, not extended, when no pipelined request waits
     "send_400_response": ["msg"],
     "_unset_keepalive_if_required": [],
-    "pause_writing": [],  # extended: a relayed body's back-pressure (sidecar.relay)
+    "pause_writing": [],  # extended: a relayed body's back-pressure (sidecar.transport.relay)
     "resume_writing": [],
 }
 FLOW_CONTROL_METHODS = {"__init__": ["transport"], "pause_reading": [], "resume_reading": []}
@@ -117,7 +117,7 @@ async def test_the_protocol_and_cycle_attributes_the_sidecar_reads_and_sets() ->
     assert isinstance(cycle.message_event, asyncio.Event)
     assert (cycle.response_started, cycle.response_complete, cycle.disconnected) == (False, False, False)
     assert cycle.waiting_for_100_continue is False
-    # sidecar.relay frames a body as the cycle does, once it knows the response is chunked
+    # sidecar.transport.relay frames a body as the cycle does, once it knows the response is chunked
     assert cycle.chunked_encoding is None and protocol.flow.write_paused is False
     assert cycle.scope is protocol.scope and isinstance(protocol.scope["kvr.relay"], ClientRelay)
     await asyncio.gather(*protocol.tasks)

@@ -1,0 +1,140 @@
+"""Prometheus collectors of the sidecar, on a registry injected at construction.
+
+Names are prefixed ``kvr_``; label values are small enumerations (route,
+status class, cause, strategy, result), never request ids or hosts. Label
+children on the request path are resolved once and cached.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """Every collector the proxy and the release pipeline update."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvr_requests", "Requests proxied to D.", ["route", "status_class"], registry=r
+        )
+        self.upstream_latency = Histogram(
+            "kvr_upstream_latency_seconds",
+            "Time from forwarding to D's response headers.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kvr_rejections", "do_remote_prefill requests rejected before admission.", ["cause"], registry=r
+        )
+        self.not_released = Counter(
+            "kvr_not_released",
+            "do_remote_prefill requests whose outcome does not release: admitted, ambiguous, or "
+            "retryable (a rejection whose status a proxy in front may retry on another decode pod).",
+            ["outcome", "cause"],
+            registry=r,
+        )
+        self.ineligible = Counter(
+            "kvr_ineligible",
+            "Inspected requests whose kv_transfer_params cannot be released.",
+            ["reason"],
+            registry=r,
+        )
+        self.replays = Counter(
+            "kvr_released_replays",
+            "Requests naming kv_transfer_params already released: refused (409), or forwarded "
+            "when the strategy frees nothing.",
+            ["action"],
+            registry=r,
+        )
+        self.releases = Counter(
+            "kvr_releases",
+            "Release jobs finished, by strategy and result.",
+            ["strategy", "result"],
+            registry=r,
+        )
+        self.release_attempts = Counter(
+            "kvr_release_attempts",
+            "Release attempts, by strategy and reason: ok, the failure's reason, or target_down "
+            "(the job found its target's breaker open and waited instead of connecting).",
+            ["strategy", "reason"],
+            registry=r,
+        )
+        self.release_targets = Gauge(
+            "kvr_release_targets",
+            "Release targets (P side channels, D's control endpoint) by breaker state.",
+            ["state"],
+            registry=r,
+        )
+        self.release_latency = Histogram(
+            "kvr_release_latency_seconds",
+            "From D's answer reaching the sidecar to the release being done.",
+            ["strategy"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.released_blocks = Counter(
+            "kvr_released_blocks",
+            "P's KV blocks named by released requests (every block id of every KV-cache group), "
+            "counted once per request when its release is sent.",
+            ["strategy"],
+            registry=r,
+        )
+        self.block_seconds_saved = Counter(
+            "kvr_pinned_block_seconds_saved",
+            "Estimated pinned block-seconds the releases spared P: blocks x (P's hold without a "
+            "release - the time the release took).",
+            ["strategy"],
+            registry=r,
+        )
+        self.injected = Counter(
+            "kvr_injected",
+            "Rejections injected by the sidecar (load tests); never forwarded to D.",
+            ["status_class"],
+            registry=r,
+        )
+        self.leg_latency = Histogram(
+            "kvr_leg_latency_seconds",
+            "Router mode: latency of each leg to its response headers.",
+            ["leg"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.leg_failures = Counter(
+            "kvr_leg_failures", "Router mode: failed legs, by leg and cause.", ["leg", "cause"], registry=r
+        )
+        self.queue_depth = Gauge("kvr_release_queue_depth", "Release jobs waiting.", registry=r)
+        self.ledger_size = Gauge(
+            "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r
+        )
+        self.inflight = Gauge("kvr_inflight_requests", "Requests being proxied.", registry=r)
+        self.ready = Gauge("kvr_ready", "1 when /readyz answers 200.", registry=r)
+        self.decode_can_notify = Gauge(
+            "kvr_decode_can_notify",
+            "1 when D's engine can release its own handler rejections (alive, not shutting down, "
+            "a KV connector); 0: the sidecar releases them too. Set while releases are sent.",
+            registry=r,
+        )
+
+    @cache  # noqa: B019 - one Metrics per process; bounded by the label enumerations
+    def request_counter(self, route: str, status_class: str) -> Counter:
+        return self.requests.labels(route, status_class)
+
+    @cache  # noqa: B019
+    def latency_for(self, route: str) -> Histogram:
+        return self.upstream_latency.labels(route)
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx" if 100 <= status < 600 else "error"

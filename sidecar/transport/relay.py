@@ -1,0 +1,116 @@
+"""A response body relayed from D's connection straight to the client's, once nothing in it is judged.
+
+The proxy reads a stream's first event to judge it; the rest of D's body only
+passes through. Handing each of those parts to the request's task (wake the
+task, resume the pump, an ASGI message into uvicorn's cycle, back to sleep)
+cost several times what writing it costs. ``ClientRelay`` is one request's
+way around that: the server protocol (``sidecar.server.protocol``) puts one in the
+scope, the proxy ``open``\\ s it on D's connection (``sidecar.upstream.http1``), and
+from then on that connection's ``data_received`` writes every body part it
+parses to the client's transport, framed exactly as uvicorn frames a body
+message (one HTTP/1.1 chunk each), while the request's task waits once for
+the body's end. What the proxy must still see (router mode's corrected
+``cached_tokens``) is applied to each part on the way (``Feed``).
+
+Back-pressure holds both ways: when the client's transport is over its
+high-water mark (``pause``, from the server protocol's ``pause_writing``) D's
+connection stops reading until it drains (``resume``), so a slow client
+throttles D rather than growing the sidecar's memory. A client that leaves
+gets nothing more written (uvicorn's cycle is marked disconnected) and its
+request's task is cancelled as before. Only a chunked response that has
+started and not ended is relayed; anything else takes the pump as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from sidecar.transport.coalesce import CoalescingTransport
+
+RELAY = "kvr.relay"  # scope key: the request's ``ClientRelay``, from the server protocol
+
+
+class Feed(Protocol):
+    """A filter on the relayed parts (``sidecar.router.bodies.UsageRewriter``)."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+
+class Reader(Protocol):
+    """D's side (``sidecar.upstream.http1.Connection``): stops and resumes reading for the relay."""
+
+    def pause_relay(self) -> None: ...
+
+    def resume_relay(self) -> None: ...
+
+
+class Host(Protocol):
+    """The server protocol the client's connection runs on (``sidecar.server.protocol.GuardedProtocol``)."""
+
+    def relaying(self, relay: ClientRelay | None) -> None: ...
+
+
+class ClientRelay:
+    """One request's relay to its client (see the module docstring); ``cycle`` is uvicorn's."""
+
+    __slots__ = ("_cycle", "_feed", "_host", "_reader", "_transport")
+
+    def __init__(self, host: Host, cycle: Any) -> None:
+        self._host = host
+        self._cycle = cycle
+        self._reader: Reader | None = None
+        self._feed: Feed | None = None
+        self._transport: asyncio.Transport = cycle.transport
+
+    def open(self, reader: Reader, feed: Feed | None = None) -> bool:
+        """Relay to the client from now on; False when this response cannot be relayed."""
+        cycle = self._cycle
+        if (
+            cycle.chunked_encoding is not True
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+        ):
+            return False
+        self._reader, self._feed = reader, feed
+        transport = cycle.transport
+        if isinstance(transport, CoalescingTransport):  # past its held head: one call less a part
+            transport = transport.direct() or transport
+        self._transport = transport
+        self._host.relaying(self)
+        if cycle.flow.write_paused:
+            reader.pause_relay()
+        return True
+
+    def write(self, body: bytes) -> None:
+        """One part of D's body, as one chunk to the client (nothing once the client left)."""
+        self.write_all([body])
+
+    def write_all(self, parts: list[bytes]) -> None:
+        """The parts of one read from D, one chunk each, in one write (nothing once the client
+        left). An empty part would end the body: a part the filter holds back is left out."""
+        feed = self._feed
+        if feed is not None:
+            parts = [part for part in map(feed.feed, parts) if part]
+        if not parts or self._cycle.disconnected:
+            return
+        if len(parts) == 1:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(parts[0]), parts[0]))
+        else:
+            self._transport.write(b"".join([b"%x\r\n%b\r\n" % (len(part), part) for part in parts]))
+
+    def close(self) -> None:
+        """The relayed part is over: the rest of the response goes through uvicorn's cycle."""
+        if self._reader is not None:
+            self._host.relaying(None)
+            self._reader = None
+
+    def pause(self) -> None:
+        """The client's transport is full: D's connection stops reading."""
+        if self._reader is not None:
+            self._reader.pause_relay()
+
+    def resume(self) -> None:
+        if self._reader is not None:
+            self._reader.resume_relay()
