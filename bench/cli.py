@@ -51,8 +51,8 @@ DEFAULT_JSON = {
 WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
     ("--clients", {"type": int, "help": "streams: concurrent clients (default 2000)"}),
     ("--rounds", {"type": int, "help": "streams: rounds of every path (default 2)"}),
-    ("--baseline", {"metavar": "DIR", "help": "streams: also the sidecar of another checkout (a worktree)"}),
-    ("--profile", {"metavar": "DIR", "help": "streams: py-spy on the sidecars, stacks written to DIR"}),
+    ("--baseline", {"metavar": "DIR", "help": "streams, releases: also another checkout's sidecar"}),
+    ("--profile", {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks to DIR"}),
     ("--limit", {"type": int, "help": "streams: also a sidecar with --limit-concurrency N"}),
     ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
     ("--modes", {"help": "streams: sidecar,router (default both)"}),

@@ -39,6 +39,12 @@ import aiohttp
 
 HOST = "127.0.0.1"
 STOP_TIMEOUT = 10.0
+# ``python -P -c FROM_CHECKOUT DIR serve ...``: the sidecar of another checkout (a worktree) in this
+# environment, for a before-and-after in one run.
+FROM_CHECKOUT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'sidecar'; "
+    "runpy.run_module('sidecar', run_name='__main__')"
+)
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
 

@@ -84,3 +84,12 @@ def _short(frame: str) -> str:
     function, _, where = frame.partition(" (")
     module = where.rsplit(":", 1)[0].rsplit("/", 1)[-1] if where else "?"
     return f"{module}:{function}"
+
+
+def render(title: str, found: Profile, top: int = 12) -> list[str]:
+    """``found`` as text lines: its top functions by self share, then by total share."""
+    lines = ["", f"profile, {title}: {found.samples} samples ({found.raw})", "  self:"]
+    lines += [f"    {share:6.1%}  {name}" for name, share in found.self_share[:top]]
+    lines.append("  total (on the stack):")
+    lines += [f"    {share:6.1%}  {name}" for name, share in found.total_share[:top]]
+    return lines

@@ -22,6 +22,12 @@ request, the time from the client having D's answer to P having freed the
 blocks comes from P's own record (``POST /sim/freed``, ``time.monotonic``
 on both sides). The sidecar's CPU and peak RSS are read from ``/proc``, its
 release counters and backlog from its ``/metrics``.
+
+With ``--baseline DIR`` the sidecar of another checkout runs beside this
+one (same P, D and core) and every step is run on both, one after the other,
+their order swapped from step to step; each waits for the other's release
+backlog to drain first. With ``--profile DIR`` py-spy samples each sidecar
+during the main step.
 """
 
 from __future__ import annotations
@@ -30,18 +36,21 @@ import argparse
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import aiohttp
 import httptools
 import msgspec
 
+from bench import profile
 from bench.measure import rss_peak
 from bench.noise import Other, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
+from bench.profile import Profile
 from bench.stats import ms, percentile
 from bench.storm_load import Samples, Scrape, delta, quantile, sample
-from bench.storm_procs import MODEL, StormServers, launched, wait_ready
+from bench.storm_procs import MODEL, Hop, StormServers, launched, wait_ready
 
 _PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
 _RELEASES = "kvr_releases_total"
@@ -68,6 +77,9 @@ class ReleasesSettings(msgspec.Struct, frozen=True, kw_only=True):
     quiet: float = 0.25
     quiet_wait: float = 180.0
     ready_timeout: float = 60.0
+    drain_wait: float = 40.0  # at most, for a sidecar's release backlog to drain before a step
+    baseline: str = ""  # another checkout whose sidecar runs every step too ("baseline")
+    profile: str = ""  # py-spy each sidecar during the main step, stacks written here
 
 
 FULL = ReleasesSettings()
@@ -79,7 +91,10 @@ QUICK = ReleasesSettings(
 
 def settings(args: argparse.Namespace) -> ReleasesSettings:
     base = QUICK if args.quick else FULL
-    given = {"rate": args.rate, "seconds": args.seconds, "quiet_wait": args.quiet_wait}
+    given = {
+        "rate": args.rate, "seconds": args.seconds, "quiet_wait": args.quiet_wait,
+        "baseline": args.baseline, "profile": args.profile,
+    }  # fmt: skip
     return msgspec.structs.replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -111,6 +126,9 @@ class Step(msgspec.Struct, kw_only=True):
     kept_up: bool
     waited_s: float = 0.0  # waited for a quiet spell before the step
     others_before: float = 0.0  # other processes' cores' worth in the second before it began
+    hop: str = "sidecar"  # which sidecar: this tree's, or "baseline" (``--baseline``)
+    drained_s: float = 0.0  # waited for the sidecars' earlier release backlog to drain
+    profile: Profile | None = None  # where the sidecar's CPU went (``--profile``, main step)
 
 
 class ReleasesReport(msgspec.Struct, kw_only=True):
@@ -125,6 +143,9 @@ class ReleasesReport(msgspec.Struct, kw_only=True):
     steps: list[Step]
     main: int  # index of the main step
     stopped_keeping_up: float | None  # the first offered rate it did not keep up with, if any
+    baseline: str = ""  # the other checkout, when one ran
+    baseline_steps: list[Step] = []  # its steps, as ``steps``
+    baseline_stopped_keeping_up: float | None = None
 
 
 class _Conn(asyncio.Protocol):
@@ -267,20 +288,24 @@ class OpenLoop:
 
 async def step(
     servers: StormServers, plan: CorePlan, scrape: Scrape, bodies: list[tuple[str, bytes]], rate: float,
-    settle: float,
+    settle: float, hop: Hop | None = None,
 ) -> Step:  # fmt: skip
-    """One rate held for ``len(bodies) / rate`` seconds, and what P and the sidecar made of it."""
+    """One rate held for ``len(bodies) / rate`` seconds, and what P and the sidecar made of it.
+
+    ``hop``: the sidecar the requests go through (default this tree's); ``scrape`` reads its metrics.
+    """
+    hop = hop or servers.hops[0]
     load = (servers.prefill, servers.decode)
     m0 = await scrape.metrics()
     await _freed(servers)  # what earlier steps left is not this one's
-    cpu0, load0 = servers.sidecar.cpu_seconds(), time.process_time() + sum(c.cpu_seconds() for c in load)
+    cpu0, load0 = hop.child.cpu_seconds(), time.process_time() + sum(c.cpu_seconds() for c in load)
     before = snapshot_of(plan, load0, cpu0)
-    sender = OpenLoop(servers.sidecar_url)
+    sender = OpenLoop(hop.url)
     try:
-        async with rss_peak(servers.sidecar) as peak:
+        async with rss_peak(hop.child) as peak:
             wall = await sender.run(bodies, rate)
             cpu1, load1 = (
-                servers.sidecar.cpu_seconds(),
+                hop.child.cpu_seconds(),
                 time.process_time() + sum(c.cpu_seconds() for c in load),
             )
             after = snapshot_of(plan, load1, cpu1)
@@ -293,9 +318,11 @@ async def step(
     other = Other()
     other.add(before, after)
     latencies = [freed[rid] - answered for rid, answered in sender.answered.items() if rid in freed]
-    return _step(
+    result = _step(
         rate, wall, bodies, sender, latencies, (m0, m1), (cpu1 - cpu0, load1 - load0), peak[0], other
     )
+    result.hop = hop.name
+    return result
 
 
 def _step(
@@ -357,47 +384,112 @@ async def run(
     loadavg_start = _loadavg()
     plan_steps = [*settings.before, (settings.rate, settings.seconds), *settings.after]
     counts = [round(rate * seconds) for rate, seconds in plan_steps]
-    with launched(plan, settings.release_queue_size, settings.release_workers, settings.tp, True) as servers:
+    baseline = Path(settings.baseline) if settings.baseline else None
+    with launched(
+        plan, settings.release_queue_size, settings.release_workers, settings.tp, True, baseline
+    ) as servers:
         await wait_ready(servers, started + settings.ready_timeout)
         progress(f"ready: {', '.join(f'{c.name} pid {c.pid}' for c in servers.children)}")
+        hops = servers.hops
         t0 = time.monotonic()
         bodies = await prepare(
-            servers.prefill_url, settings.warmup + sum(counts), settings.prepare_connections
+            servers.prefill_url, (settings.warmup + sum(counts)) * len(hops), settings.prepare_connections
         )
         prepared = time.monotonic() - t0
         progress(f"prepared {len(bodies)} requests' parameters on P in {prepared:.1f} s")
-        steps: list[Step] = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            scrape = Scrape(session, servers.admin_url, servers.prefill_url)
-            warm = await step(servers, plan, scrape, bodies[: settings.warmup], 50.0, settings.settle)
-            progress("warm-up: " + _line(warm))
-            offset = settings.warmup
-            for index, ((rate, _), count) in enumerate(zip(plan_steps, counts, strict=True)):
-                waited = await _quiet(servers, plan, settings)
-                result = await step(
-                    servers, plan, scrape, bodies[offset : offset + count], rate, settings.settle
-                )
-                offset += count
-                result.waited_s, result.others_before = waited
-                steps.append(result)
-                progress(_line(result))
-                if index > len(settings.before) and not result.kept_up:
-                    break
+            scrapes = {hop.name: Scrape(session, hop.admin_url, servers.prefill_url) for hop in hops}
+            runner = _Runner(servers, plan, settings, scrapes, bodies, progress)
+            for hop in hops:
+                warm = await runner.next(hop, 50.0, settings.warmup)
+                progress(f"warm-up, {hop.name}: " + _line(warm))
+            steps = await runner.climb(plan_steps, counts)
     main = len(settings.before)
-    missed = [s.rate for s in steps if not s.kept_up]
     return ReleasesReport(
         quick=quick,
         cores=plan.describe(),
         settings=msgspec.structs.asdict(settings),
         seconds=time.monotonic() - started,
-        prepared=len(bodies) - settings.warmup,
+        prepared=(len(bodies) - settings.warmup * len(hops)) // len(hops),
         prepare_seconds=prepared,
         loadavg_start=loadavg_start,
         loadavg_end=_loadavg(),
-        steps=steps,
+        steps=steps["sidecar"],
         main=main,
-        stopped_keeping_up=min(missed) if missed else None,
+        stopped_keeping_up=_stopped(steps["sidecar"]),
+        baseline=settings.baseline,
+        baseline_steps=steps.get("baseline", []),
+        baseline_stopped_keeping_up=_stopped(steps.get("baseline", [])),
     )
+
+
+def _stopped(steps: list[Step]) -> float | None:
+    missed = [s.rate for s in steps if not s.kept_up]
+    return min(missed) if missed else None
+
+
+class _Runner:
+    """Runs the steps on every sidecar, each with its own slice of the prepared requests."""
+
+    def __init__(
+        self, servers: StormServers, plan: CorePlan, settings: ReleasesSettings, scrapes: dict[str, Scrape],
+        bodies: list[tuple[str, bytes]], progress: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self.servers, self.plan, self.settings, self.scrapes = servers, plan, settings, scrapes
+        self.bodies, self.offset, self.progress = bodies, 0, progress
+
+    async def next(self, hop: Hop, rate: float, count: int, main: bool = False) -> Step:
+        """The next ``count`` prepared requests through ``hop`` at ``rate``."""
+        drained = await self._drain()
+        waited = await _quiet(self.servers, self.plan, self.settings)
+        bodies = self.bodies[self.offset : self.offset + count]
+        self.offset += count
+        sampled = None
+        if main and self.settings.profile:
+            out = Path(self.settings.profile) / f"profile-releases-{hop.name}.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sampled = (out, await profile.record(hop.child.pid, count / rate, out, self.plan.load))
+        scrape = self.scrapes[hop.name]
+        result = await step(self.servers, self.plan, scrape, bodies, rate, self.settings.settle, hop)
+        if sampled is not None:
+            await sampled[1].wait()
+            result.profile = profile.summary(sampled[0])
+        result.waited_s, result.others_before = waited
+        result.drained_s = drained
+        return result
+
+    async def climb(self, plan_steps: list[tuple[float, float]], counts: list[int]) -> dict[str, list[Step]]:
+        """Every step on every sidecar (order swapped per step); a sidecar stops climbing past the main
+        step at the first step it did not keep up with."""
+        hops = self.servers.hops
+        steps: dict[str, list[Step]] = {hop.name: [] for hop in hops}
+        stopped: set[str] = set()
+        main = len(self.settings.before)
+        for index, ((rate, _), count) in enumerate(zip(plan_steps, counts, strict=True)):
+            for hop in hops if index % 2 == 0 else hops[::-1]:
+                if hop.name in stopped:
+                    self.offset += count
+                    continue
+                result = await self.next(hop, rate, count, main=index == main)
+                steps[hop.name].append(result)
+                self.progress(f"{hop.name}: " + _line(result))
+                if index > main and not result.kept_up:
+                    stopped.add(hop.name)
+            if len(stopped) == len(hops):
+                break
+        return steps
+
+    async def _drain(self) -> float:
+        """Wait (at most ``drain_wait``) until no sidecar has release jobs live; the seconds waited."""
+        began = time.monotonic()
+        while time.monotonic() - began < self.settings.drain_wait:
+            live = 0.0
+            for scrape in self.scrapes.values():
+                live += sample(await scrape.metrics(), "kvr_release_queue_depth")
+            if live == 0:
+                break
+            await asyncio.sleep(0.2)  # poll interval
+        return time.monotonic() - began
 
 
 async def _quiet(servers: StormServers, plan: CorePlan, settings: ReleasesSettings) -> tuple[float, float]:
@@ -429,28 +521,44 @@ def render(report: ReleasesReport) -> str:
     lines = [
         f"release throughput ({'quick' if report.quick else 'full'} run, {report.seconds:.0f} s; "
         f"{report.cores})",
-        f"P: sim-prefill TP {report.settings['tp']}, {report.prepared} requests prefilled beforehand in "
-        f"{report.prepare_seconds:.0f} s; loadavg {report.loadavg_start} -> {report.loadavg_end}",
+        f"P: sim-prefill TP {report.settings['tp']}, {report.prepared} requests prefilled beforehand (per "
+        f"sidecar) in {report.prepare_seconds:.0f} s; loadavg {report.loadavg_start} -> {report.loadavg_end}",
+    ]
+    runs = [("sidecar", report.steps, report.stopped_keeping_up)]
+    if report.baseline:
+        stop = report.baseline_stopped_keeping_up
+        runs.append((f"baseline ({report.baseline})", report.baseline_steps, stop))
+    for name, steps, stop in runs:
+        lines += ["", name + ":", *_table(steps, report.main)]
+        lines.append("stopped keeping up at: " + (f"{stop:.0f}/s" if stop else "every rate tried kept up"))
+    for name, steps, _ in runs:
+        for s in steps:
+            if s.profile is not None:
+                lines += profile.render(f"{name}, {s.rate:.0f}/s", s.profile, top=15)
+    return "\n".join(lines)
+
+
+def _table(steps: list[Step], main_index: int) -> list[str]:
+    lines = [
         f"{'rate/s':>7} {'secs':>5} {'answered':>9} {'P freed':>8} {'freed p50':>9} {'p99':>7} {'max':>7} "
         f"{'sent':>7} {'its p50':>7} {'p99':>6} {'backlog':>7} {'CPU':>5} {'RSS MB':>6} {'load':>5} "
-        f"{'others':>9} {'late p99':>8}",
+        f"{'others':>9} {'late p99':>8} {'drop':>6}",
     ]
-    for index, s in enumerate(report.steps):
-        mark = " <- main" if index == report.main else "" if s.kept_up else " <- not kept up"
+    for index, s in enumerate(steps):
+        mark = " <- main" if index == main_index else "" if s.kept_up else " <- not kept up"
         lines.append(
             f"{s.rate:>7.0f} {s.seconds:>5.1f} {s.answered:>9} {s.freed:>8} {s.freed_p50_ms:>9.1f} "
             f"{s.freed_p99_ms:>7.1f} {s.freed_max_ms:>7.1f} {s.sidecar_sent:>7} "
             f"{s.sidecar_latency_p50_ms:>7.1f} {s.sidecar_latency_p99_ms:>6.1f} {s.backlog_end:>7} "
             f"{s.sidecar_cores:>5.2f} {s.sidecar_rss_peak_mb:>6.0f} {s.load_cores:>5.2f} "
-            f"{s.other_load_core:>4.2f}/{s.other_hop_core:.2f} {s.send_late_p99_ms:>8.1f}{mark}"
+            f"{s.other_load_core:>4.2f}/{s.other_hop_core:.2f} {s.send_late_p99_ms:>8.1f} "
+            f"{s.sidecar_other.get('dropped', 0):>6}{mark}"
         )
-    main = report.steps[report.main] if len(report.steps) > report.main else None
+    main = steps[main_index] if len(steps) > main_index else None
     if main is not None:
         verdict = "PASS" if main.kept_up and main.freed_p99_ms <= 20 else "MISS"
         lines.append(
             f"target: {main.rate:.0f}/s sustained with P freed p99 <= 20 ms: {main.freed}/{main.sent} freed, "
             f"p99 {main.freed_p99_ms:.1f} ms  {verdict}"
         )
-    stop = report.stopped_keeping_up
-    lines.append("stopped keeping up at: " + (f"{stop:.0f}/s" if stop else "every rate tried kept up"))
-    return "\n".join(lines)
+    return lines

@@ -29,13 +29,23 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.procs import HOST, STOP_TIMEOUT, BenchError, Child, CorePlan, free_port
+from bench.procs import FROM_CHECKOUT, HOST, STOP_TIMEOUT, BenchError, Child, CorePlan, free_port
 
 VLLM_VERSION = "0.33.0"
 MODEL = "sim-prefill"  # P's default model name; D serves the same
 PREFILL_BLOCKS = 200_000
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One sidecar in front of D: this tree's, or another checkout's (``launched(baseline=...)``)."""
+
+    name: str
+    child: Child
+    url: str
+    admin_url: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,28 +57,64 @@ class StormServers:
     decode_url: str
     sidecar_url: str
     admin_url: str
+    others: tuple[Hop, ...] = ()  # more sidecars in front of the same D (another checkout's)
 
     @property
-    def children(self) -> tuple[Child, Child, Child]:
-        return (self.prefill, self.decode, self.sidecar)
+    def hops(self) -> tuple[Hop, ...]:
+        return (Hop("sidecar", self.sidecar, self.sidecar_url, self.admin_url), *self.others)
+
+    @property
+    def children(self) -> tuple[Child, ...]:
+        return (self.prefill, self.decode, self.sidecar, *(hop.child for hop in self.others))
 
     def logs(self) -> str:
         return "\n".join(f"--- {child.name} log:\n{child.log_tail()}" for child in self.children)
 
 
-def _argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sidecar", *args]
+def _argv(*args: str, checkout: Path | None = None) -> list[str]:
+    if checkout is None:
+        return [sys.executable, "-m", "sidecar", *args]
+    # -P: not this tree's package from the working directory, but the checkout's.
+    return [sys.executable, "-P", "-c", FROM_CHECKOUT, str(checkout.resolve()), *args]
+
+
+def _sidecar_argv(
+    decode_url: str, port: int, admin_port: int, queue_size: int, workers: int, checkout: Path | None = None
+) -> list[str]:
+    return _argv(
+        "serve",
+        "--decode-url", decode_url,
+        "--host", HOST,
+        "--port", str(port),
+        "--admin-host", HOST,
+        "--admin-port", str(admin_port),
+        "--release", "nixl",
+        "--prefill-allow", HOST,
+        "--vllm-version", VLLM_VERSION,
+        "--release-queue-size", str(queue_size),
+        "--release-workers", str(workers),
+        "--log-level", "error",
+        "--drain-timeout", "2",
+        "--flush-timeout", "1",
+        checkout=checkout,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
 def launched(
-    plan: CorePlan, release_queue_size: int, release_workers: int, tp: int = 1, fast_decode: bool = False
+    plan: CorePlan,
+    release_queue_size: int,
+    release_workers: int,
+    tp: int = 1,
+    fast_decode: bool = False,
+    baseline: Path | None = None,
 ) -> Iterator[StormServers]:
-    """Start P, D and the sidecar (not yet known ready); stop all three on exit.
+    """Start P, D and the sidecar (not yet known ready); stop them all on exit.
 
     ``tp``: P's tensor-parallel workers. ``fast_decode``: D is ``bench.fast_servers --role reject``
     (every completion refused before its handler, at a fraction of sim-decode's CPU) instead of
-    sim-decode.
+    sim-decode. ``baseline``: another checkout whose sidecar runs too, beside this tree's, in front
+    of the same D and on the same core (``StormServers.others``, named "baseline").
     """
     p_port, d_port, s_port, a_port = free_port(), free_port(), free_port(), free_port()
     urls = [f"http://{HOST}:{port}" for port in (p_port, d_port, s_port, a_port)]
@@ -100,24 +146,21 @@ def launched(
                 d_argv = [sys.executable, "-m", "bench.fast_servers", "--role", "reject"]
                 d_argv += ["--port", str(d_port)]
             started.append(Child("fake-decode" if fast_decode else "sim-decode", d_argv, plan.load, log_dir))
-            started.append(Child("sidecar", _argv(
-                "serve",
-                "--decode-url", urls[1],
-                "--host", HOST,
-                "--port", str(s_port),
-                "--admin-host", HOST,
-                "--admin-port", str(a_port),
-                "--release", "nixl",
-                "--prefill-allow", HOST,
-                "--vllm-version", VLLM_VERSION,
-                "--release-queue-size", str(release_queue_size),
-                "--release-workers", str(release_workers),
-                "--log-level", "error",
-                "--drain-timeout", "2",
-                "--flush-timeout", "1",
-            ), plan.sidecar, log_dir))  # fmt: skip
-            prefill, decode, sidecar = started
-            yield StormServers(prefill, decode, sidecar, *urls)
+            queue, workers = release_queue_size, release_workers
+            argv = _sidecar_argv(urls[1], s_port, a_port, queue, workers)
+            started.append(Child("sidecar", argv, plan.sidecar, log_dir))
+            others: list[Hop] = []
+            if baseline is not None:
+                b_port, b_admin = free_port(), free_port()
+                argv = _sidecar_argv(urls[1], b_port, b_admin, queue, workers, baseline)
+                child = Child("baseline", argv, plan.sidecar, log_dir)
+                started.append(child)
+                others.append(Hop("baseline", child, f"http://{HOST}:{b_port}", f"http://{HOST}:{b_admin}"))
+            prefill, decode, sidecar = started[:3]
+            prefill_url, decode_url, sidecar_url, admin_url = urls
+            yield StormServers(
+                prefill, decode, sidecar, prefill_url, decode_url, sidecar_url, admin_url, tuple(others)
+            )
         finally:
             _stop(started)
 
@@ -139,7 +182,8 @@ async def wait_ready(servers: StormServers, deadline: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
         await _poll(session, servers.prefill, servers.prefill_url + "/health", deadline)
         await _poll(session, servers.decode, servers.decode_url + "/health", deadline)
-        await _poll(session, servers.sidecar, servers.admin_url + "/readyz", deadline)
+        for hop in servers.hops:
+            await _poll(session, hop.child, hop.admin_url + "/readyz", deadline)
 
 
 async def _poll(session: aiohttp.ClientSession, child: Child, url: str, deadline: float) -> None:

@@ -13,6 +13,7 @@ from typing import Literal
 
 import msgspec
 
+from bench import profile
 from bench.cstreams import StreamsSample
 from bench.profile import Profile
 
@@ -209,18 +210,10 @@ def render(report: StreamsReport) -> str:
     for run in report.runs:
         for path, entry in run.paths.items():
             if entry.profile is not None:
-                lines += _profile(f"round {run.round}, {run.mode} mode, {path}", entry.profile)
+                lines += profile.render(f"round {run.round}, {run.mode} mode, {path}", entry.profile)
     if report.skipped:
         lines.append("skipped: " + "; ".join(report.skipped))
     return "\n".join(lines)
-
-
-def _profile(title: str, found: Profile) -> list[str]:
-    lines = ["", f"profile, {title}: {found.samples} samples ({found.raw})", "  self:"]
-    lines += [f"    {share:6.1%}  {name}" for name, share in found.self_share[:12]]
-    lines.append("  total (on the stack):")
-    lines += [f"    {share:6.1%}  {name}" for name, share in found.total_share[:12]]
-    return lines
 
 
 def _busy(found: list[tuple[str, float]]) -> str:
