@@ -10,16 +10,29 @@ chosen. NIXL exceptions become ``NixlError`` here, once.
 The agent runs without NIXL's progress thread: that thread busy-polls UCX and
 cost 0.89 of a core on an idle sidecar (measured). A notification only
 leaves when UCX makes progress (connection wire-up takes several rounds), so
-after every send the owner thread drives progress itself
-(``get_new_notifs()``) every ``PROGRESS_TICK`` for ``PROGRESS_WINDOW``, then
-every ``SLOW_TICK`` until ``SLOW_WINDOW`` (a P slow to answer the wire-up, on a
+after a send the owner thread drives progress itself (``get_new_notifs()``)
+at least every ``PROGRESS_TICK`` for ``PROGRESS_WINDOW``, then every
+``SLOW_TICK`` until ``SLOW_WINDOW`` (a P slow to answer the wire-up, on a
 loaded node, still gets the message), and then sleeps until the next call: CPU
-is spent only while releasing.
+is spent only while releasing. A progress call is made when one is due (the
+tick since the last one passed), not after every call: while releases keep
+coming, the progress call each batch of notifications makes before sending
+is the progress, and one more is made only when the tick passes without one.
+
+Notifications are batched (``notify_many``): callers put their messages in
+an outbox on the event loop, and the owner thread takes the whole outbox in
+one go (one progress call, every send, one hand-back to the event loop).
+Within the fast window the owner thread is awake every ``PROGRESS_TICK``
+anyway, so it takes the outbox on that tick and nobody wakes it; outside it
+(the first release after a quiet spell) the caller wakes it with a call. So
+under load the hops to the thread and back cost per tick, not per job, and a
+notification waits at most a tick (and the GIL) for its thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import importlib
 import logging
@@ -44,15 +57,20 @@ SLOW_WINDOW = 30.0  # ...until this long after the last send (P's lease in vLLM 
 
 
 class _Owner:
-    """The one thread that owns the agent: runs submitted calls, drives UCX progress after sends."""
+    """The one thread that owns the agent: runs submitted calls, drives UCX progress after sends.
+
+    ``on_tick``, when set, is called on each progress tick instead of the plain progress call;
+    it returns False when it made no progress call itself (nothing to send)."""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = (
             queue.SimpleQueue()
         )
         self.agent: Any = None
+        self.on_tick: Callable[[], bool] | None = None
         self._progress_until = 0.0
         self._slow_until = 0.0
+        self._last_progress = float("-inf")
         self._thread = threading.Thread(target=self._run, name="kvr-nixl", daemon=True)
         self._thread.start()
 
@@ -66,18 +84,31 @@ class _Owner:
         now = time.monotonic()
         self._progress_until, self._slow_until = now + PROGRESS_WINDOW, now + SLOW_WINDOW
 
+    def progressed(self) -> None:
+        """Called on the owner thread after a progress call made outside ``_progress``."""
+        self._last_progress = time.monotonic()
+
+    def ticking(self) -> bool:
+        """In the fast window for at least another tick: the thread takes the outbox by itself.
+
+        Only the owner thread moves the window, so when another thread sees it open, the owner's
+        current wait was computed in it too and ends within a tick."""
+        return self._progress_until - time.monotonic() > 2 * PROGRESS_TICK
+
     def stop(self) -> None:
         self._calls.put(None)
         self._thread.join()
 
     def _run(self) -> None:
         while True:
-            tick = self._tick(time.monotonic())
-            try:
-                item = self._calls.get(timeout=tick)
-            except queue.Empty:
-                self._progress()
+            wait = self._due(time.monotonic())
+            if wait is not None and wait <= 0:
+                self._progress()  # due, whether or not calls are waiting: none waits behind the next
                 continue
+            try:
+                item = self._calls.get(timeout=wait)
+            except queue.Empty:
+                continue  # the progress call is due now
             if item is None:
                 return
             fn, future = item
@@ -86,21 +117,28 @@ class _Owner:
                     future.set_result(fn())
                 except BaseException as exc:
                     future.set_exception(exc)
-            if self._progress_until > time.monotonic():
-                self._progress()
 
     def _tick(self, now: float) -> float | None:
-        """How long to wait for the next call before driving progress (None: until a call)."""
+        """The progress interval at ``now`` (None: no progress is needed until the next send)."""
         if self._progress_until > now:
             return PROGRESS_TICK
         return SLOW_TICK if self._slow_until > now else None
 
+    def _due(self, now: float) -> float | None:
+        """Seconds until the next progress call is due (<= 0: now; None: none until a send)."""
+        tick = self._tick(now)
+        return None if tick is None else self._last_progress + tick - now
+
     def _progress(self) -> None:
-        if self.agent is not None:
-            try:
-                self.agent.get_new_notifs()
-            except Exception as exc:  # NIXL raises its own exception types
-                log.warning("NIXL progress failed", extra={"error": str(exc)})
+        self._last_progress = time.monotonic()
+        if self.agent is None:
+            return
+        try:
+            if self.on_tick is not None and self.on_tick():
+                return  # the batch it sent made this tick's progress call
+            self.agent.get_new_notifs()
+        except Exception as exc:  # NIXL raises its own exception types; the thread must go on
+            log.warning("NIXL progress failed", extra={"error": str(exc)})
 
 
 def import_nixl() -> Any:
@@ -119,6 +157,10 @@ def agent_name() -> str:
     return f"kvr-sidecar-{uuid.uuid4()}"
 
 
+Results = list[str | None]  # per message: None when sent, else the error's text
+_Asked = tuple[Sequence[tuple[str, bytes]], "asyncio.Future[Results]"]
+
+
 class NixlPeer:
     """One NIXL agent (UCX backend) and the thread that owns it."""
 
@@ -127,6 +169,13 @@ class NixlPeer:
         self._backends = list(backends)
         self._owner: _Owner | None = None
         self._agent: Any = None
+        # ``notify_many`` calls waiting for the owner thread (appended on the event loop, taken
+        # whole on the owner thread) and whether a batch call is queued there that will take them.
+        self._outbox: collections.deque[_Asked] = collections.deque()
+        self._batch_queued = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.batches = 0  # batches sent, and the notify_many calls they carried (diagnostics)
+        self.batched = 0
 
     def ready(self) -> bool:
         return self._agent is not None
@@ -134,8 +183,10 @@ class NixlPeer:
     async def start(self) -> None:
         """Create the agent on its thread; raises ``NixlError`` when NIXL is unusable."""
         self._owner = _Owner()
+        self._loop = asyncio.get_running_loop()
         self._agent = await self._call(self._create)
         self._owner.agent = self._agent
+        self._owner.on_tick = self._take_outbox
         log.info("NIXL agent started", extra={"agent": self.name, "backends": self._backends})
 
     def _create(self) -> Any:
@@ -149,6 +200,8 @@ class NixlPeer:
         owner, self._owner = self._owner, None
         if owner is None:
             return
+        await asyncio.wrap_future(owner.submit(lambda: None))  # a batch queued before runs first
+        _answer(self._outbox, NixlError("NIXL agent is closed"))
         holder = [self._agent] if self._agent is not None else []
         self._agent = None
 
@@ -195,36 +248,74 @@ class NixlPeer:
 
         await self._call(send)
 
-    async def notify_many(self, messages: Sequence[tuple[str, bytes]]) -> list[str | None]:
-        """Send several notifications in one hop to the NIXL thread.
+    async def notify_many(self, messages: Sequence[tuple[str, bytes]]) -> Results:
+        """Send several notifications in one hop to the NIXL thread, batched with the other
+        callers' that ask meanwhile (see the module docstring).
 
         Returns, per message, None when it was sent or the error text; a failure
-        does not stop the others (each rank frees independently).
+        does not stop the others (each rank frees independently). Raises the retryable
+        ``NixlError`` when nothing was sent (the progress call before sending failed).
         """
+        owner = self._owner
+        if owner is None:
+            raise NixlError("NIXL agent is not started")
+        future: asyncio.Future[Results] = asyncio.get_running_loop().create_future()
+        self._outbox.append((messages, future))
+        if not self._batch_queued and not owner.ticking():
+            self._batch_queued = True
+            owner.submit(self._send_batch)
+        return await future
 
-        def send() -> list[str | None]:
-            agent = self._require()
-            # One progress call first: UCX notices the remote agents that went away while this
-            # agent was idle (P re-registered its workers), so send_notif to them fails here and
-            # the caller handshakes again, instead of "succeeding" into a dead endpoint.
-            try:
-                agent.get_new_notifs()
-            except Exception as exc:  # NIXL's own types: the job retries (NixlError is retryable)
-                raise NixlError(f"NIXL progress before sending failed: {exc}") from exc
-            results: list[str | None] = []
+    def _send_batch(self) -> None:
+        """On the owner thread, woken by a caller: the flag goes down before the outbox is taken,
+        so a call appended after the take wakes the thread again, and none is left behind."""
+        self._batch_queued = False
+        self._take_outbox()
+
+    def _take_outbox(self) -> bool:
+        """On the owner thread: take every waiting ``notify_many`` call, send, hand the results
+        back; False when there was none (no progress call made)."""
+        batch: list[_Asked] = []
+        while self._outbox:
+            asked = self._outbox.popleft()
+            if not asked[1].done():  # a caller cancelled before its batch ran sends nothing
+                batch.append(asked)
+        if not batch:
+            return False
+        try:
+            answers: list[Results | BaseException] = list(self._send_all(batch))
+        except BaseException as exc:  # every caller gets an answer, whatever happened
+            answers = [exc] * len(batch)
+        self.batches, self.batched = self.batches + 1, self.batched + len(batch)
+        assert self._loop is not None, "start() first"
+        self._loop.call_soon_threadsafe(_deliver, [asked[1] for asked in batch], answers)
+        return True
+
+    def _send_all(self, batch: list[_Asked]) -> list[Results]:
+        agent = self._require()
+        owner = self._owner
+        # One progress call first: UCX notices the remote agents that went away while this
+        # agent was idle (P re-registered its workers), so send_notif to them fails here and
+        # the caller handshakes again, instead of "succeeding" into a dead endpoint.
+        try:
+            agent.get_new_notifs()
+        except Exception as exc:  # NIXL's own types: the job retries (NixlError is retryable)
+            raise NixlError(f"NIXL progress before sending failed: {exc}") from exc
+        finally:
+            if owner is not None:
+                owner.progressed()
+        answers: list[Results] = []
+        for messages, _ in batch:
+            results: Results = []
             for name, message in messages:
                 try:
                     agent.send_notif(name, message)
                     results.append(None)
                 except Exception as exc:  # NIXL raises its own exception types
                     results.append(f"{type(exc).__name__}: {exc}")
-            self._sent()
-            return results
-
-        owner = self._owner
-        if owner is None:
-            raise NixlError("NIXL agent is not started")
-        return await asyncio.wrap_future(owner.submit(send))
+            answers.append(results)
+        self._sent()
+        return answers
 
     def _sent(self) -> None:
         if self._owner is not None:
@@ -245,3 +336,22 @@ class NixlPeer:
             raise
         except Exception as exc:  # NIXL raises its own exception types
             raise NixlError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _deliver(futures: list[asyncio.Future[Results]], answers: list[Results | BaseException]) -> None:
+    """On the event loop: each ``notify_many`` caller of a batch gets its answer."""
+    for future, answer in zip(futures, answers, strict=True):
+        if future.done():
+            continue
+        if isinstance(answer, BaseException):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)
+
+
+def _answer(outbox: collections.deque[_Asked], error: NixlError) -> None:
+    """Callers still waiting when the agent closes get ``error``."""
+    while outbox:
+        future = outbox.popleft()[1]
+        if not future.done():
+            future.set_exception(error)
