@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from sidecar.observability.metrics import Children
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -79,3 +81,8 @@ class NixlMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         )
+        # The children every release updates, resolved once.
+        self.outcome = Children(self.releases)
+        self.lookup = Children(self.cache)
+        self.notified = Children(self.notifications)
+        self.seconds = Children(self.release_seconds)

@@ -8,8 +8,12 @@ children on the request path are resolved once and cached.
 from __future__ import annotations
 
 from functools import cache
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 ROUTES = {
     "/v1/chat/completions": "chat",
@@ -138,3 +142,20 @@ class Metrics:
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "error"
+
+
+class Children(Generic[_M]):
+    """``metric.labels(*values)``, resolved once per set of values (small enumerations only):
+    prometheus_client checks and converts the values on every ``labels`` call."""
+
+    __slots__ = ("_found", "_metric")
+
+    def __init__(self, metric: _M) -> None:
+        self._metric = metric
+        self._found: dict[tuple[str, ...], _M] = {}
+
+    def __call__(self, *values: str) -> _M:
+        found = self._found.get(values)
+        if found is None:
+            found = self._found[values] = self._metric.labels(*values)
+        return found

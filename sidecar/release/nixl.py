@@ -133,21 +133,21 @@ class NixlReleaser:
         try:
             result, path = await self._release(job)
         except PermanentReleaseError as exc:
-            self.metrics.releases.labels("refused").inc()
+            self.metrics.outcome("refused").inc()
             self.metrics.refused.labels(exc.reason).inc()
             self._log_refusal(job, exc)
             raise
         except RetryableReleaseError as exc:
-            self.metrics.releases.labels("error").inc()
+            self.metrics.outcome("error").inc()
             self.metrics.errors.labels(exc.reason).inc()
             # Debug only: the job's one outcome line comes from the pipeline, not one per retry.
             log.debug(
                 "nixl release failed, will retry", extra=_fields(job, reason=exc.reason, error=str(exc))
             )
             raise
-        self.metrics.releases.labels(result.value).inc()
+        self.metrics.outcome(result.value).inc()
         if result is Result.SENT:
-            self.metrics.release_seconds.labels(path).observe(time.perf_counter() - started)
+            self.metrics.seconds(path).observe(time.perf_counter() - started)
         return result
 
     async def _release(self, job: ReleaseJob) -> tuple[Result, str]:
@@ -189,10 +189,10 @@ class NixlReleaser:
         peers = self._cache.get(engine_id)
         path = "warm"
         if peers is None or not peers.serves(generation, endpoint, ranks):
-            self.metrics.cache.labels("miss").inc()
+            self.metrics.lookup("miss").inc()
             peers, path = await self._connect(engine_id, generation, endpoint, profile, ranks), "cold"
         else:
-            self.metrics.cache.labels("hit").inc()
+            self.metrics.lookup("hit").inc()
         message = notification(profile, request_id)
         progress.attempted = True
         failed = await self._send(peers, ranks, message, progress, job)
@@ -226,9 +226,9 @@ class NixlReleaser:
                 progress.sent.add(rank)
             else:
                 errors.append(f"rank {rank}: {error}")
-        self.metrics.notifications.labels("ok").inc(len(todo) - len(errors))
+        self.metrics.notified("ok").inc(len(todo) - len(errors))
         if errors:
-            self.metrics.notifications.labels("error").inc(len(errors))
+            self.metrics.notified("error").inc(len(errors))
         return errors
 
     # --- versions --------------------------------------------------------------------------

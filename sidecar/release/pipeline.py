@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.exceptions import Reason
-from sidecar.observability.metrics import Metrics
+from sidecar.observability.metrics import Children, Metrics
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
@@ -111,6 +111,12 @@ class Pipeline:
         self._started = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._released = Children(metrics.releases)
+        self._attempts = Children(metrics.release_attempts)
+        self._latency = Children(metrics.release_latency)
+        self._blocks = Children(metrics.released_blocks)
+        self._saved = Children(metrics.block_seconds_saved)
+        self._gauges_due = False
 
     @property
     def depth(self) -> int:
@@ -294,11 +300,19 @@ class Pipeline:
     # --- accounting ------------------------------------------------------------------------
 
     def _count_attempt(self, reason: str) -> None:
-        self._metrics.release_attempts.labels(self.releaser.name, reason).inc()
+        self._attempts(self.releaser.name, reason).inc()
         if self._tracing.enabled:
             self._tracing.release_attempt(reason)
 
     def _gauges(self) -> None:
+        """The gauges change: published once, after the callbacks ready now (a job changes
+        them several times on its way; a scrape runs in a callback of its own)."""
+        if not self._gauges_due:
+            self._gauges_due = True
+            asyncio.get_running_loop().call_soon(self._publish)
+
+    def _publish(self) -> None:
+        self._gauges_due = False
         self._metrics.queue_depth.set(self.depth)
         self._metrics.ledger_size.set(len(self._ledger))
 
@@ -309,12 +323,14 @@ class Pipeline:
         job, strategy = live.job, self.releaser.name
         if result in NOT_SENT:
             self._ledger.discard(job.key)
-        self._metrics.releases.labels(strategy, result.value).inc()
+        self._released(strategy, result.value).inc()
         if self._tracing.enabled:
             self._tracing.release_finished(result.value, reason, detail)
         if result in (Result.SENT, Result.DRY_RUN):
             self._count_value(job, result)
         level = logging.INFO if result not in (Result.FAILED, Result.DROPPED) else logging.WARNING
+        if not log.isEnabledFor(level):
+            return
         log.log(
             level,
             "release decision",
@@ -334,13 +350,11 @@ class Pipeline:
     def _count_value(self, job: ReleaseJob, result: Result) -> None:
         strategy = self.releaser.name
         took = self._clock() - job.detected_at
-        self._metrics.release_latency.labels(strategy).observe(took)
+        self._latency(strategy).observe(took)
         if result is Result.SENT:
             blocks = job.params.blocks
-            self._metrics.released_blocks.labels(strategy).inc(blocks)
-            self._metrics.block_seconds_saved.labels(strategy).inc(
-                block_seconds_saved(blocks, self._hold(), took)
-            )
+            self._blocks(strategy).inc(blocks)
+            self._saved(strategy).inc(block_seconds_saved(blocks, self._hold(), took))
 
 
 class _Retry(Exception):

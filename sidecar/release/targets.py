@@ -229,12 +229,13 @@ class Targets:
         self._policy = policy or BreakerPolicy()
         self._size = size
         self.clock = clock
-        self._gauge = gauge
+        self._gauges = {state: gauge.labels(state.value) for state in State}
         self._targets: dict[str, Target] = {}
         self._counts = collections.Counter({State.CLOSED: 0, State.OPEN: 0, State.HALF_OPEN: 0})
         self._log_times: collections.deque[float] = collections.deque()
         self._suppressed = 0
-        self._publish()
+        for state in State:
+            self._publish(state)
 
     def __len__(self) -> int:
         return len(self._targets)
@@ -246,7 +247,7 @@ class Targets:
                 self._evict()
             target = self._targets[key] = Target(key, self._cap, self._policy, self)
             self._counts[State.CLOSED] += 1
-            self._publish()
+            self._publish(State.CLOSED)
         return target
 
     def attach(self, key: str) -> Target:
@@ -274,17 +275,17 @@ class Targets:
         target.close()
         del self._targets[target.key]
         self._counts[target.state] -= 1
-        self._publish()
+        self._publish(target.state)
 
     def changed(self, target: Target, old: State) -> None:
         self._counts[old] -= 1
         self._counts[target.state] += 1
-        self._publish()
+        self._publish(old)
+        self._publish(target.state)
         self._log(target, old)
 
-    def _publish(self) -> None:
-        for state in State:
-            self._gauge.labels(state.value).set(self._counts[state])
+    def _publish(self, state: State) -> None:
+        self._gauges[state].set(self._counts[state])
 
     def _log(self, target: Target, old: State) -> None:
         now = self.clock()
