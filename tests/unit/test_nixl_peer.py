@@ -1,12 +1,20 @@
-"""``NixlPeer.notify_many`` on a fake agent: NIXL's failures become the retryable ``NixlError``."""
+"""``NixlPeer.notify_many``: NIXL's failures become the retryable ``NixlError`` (fake agents), and
+callers are batched on the owner thread (real NIXL agents on loopback; P's workers polled, never
+slept on)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
 from sidecar.nixl import NixlError
+from sidecar.nixl import peer as peer_module
 from sidecar.nixl.peer import NixlPeer
 from sidecar.release.base import RetryableReleaseError
 
@@ -79,5 +87,151 @@ def test_progress_is_fast_after_a_send_then_slow_then_stops() -> None:
         assert owner._tick(now) == peer.PROGRESS_TICK
         assert owner._tick(now + peer.PROGRESS_WINDOW) == peer.SLOW_TICK
         assert owner._tick(now + peer.SLOW_WINDOW) is None
+    finally:
+        owner.stop()
+
+
+# --- batching, on real NIXL agents (loopback) ---------------------------------------------------
+
+
+class Counting:
+    """A real agent whose progress calls and sends are recorded in order, then made."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.calls: list[str] = []
+
+    def get_new_notifs(self) -> Any:
+        self.calls.append("progress")
+        return self.agent.get_new_notifs()
+
+    def send_notif(self, name: str, message: bytes) -> None:
+        self.calls.append("send")
+        self.agent.send_notif(name, message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.agent, name)
+
+
+class RealP:
+    """Two P workers' agents (their own progress threads) and what each was notified."""
+
+    def __init__(self) -> None:
+        from sidecar.nixl.peer import import_nixl
+
+        api = import_nixl()
+        self.agents = [
+            api.nixl_agent(str(uuid.uuid4()), api.nixl_agent_config(backends=["UCX"])) for _ in "ab"
+        ]
+        self.got: list[list[bytes]] = [[] for _ in self.agents]
+
+    async def names(self, peer: NixlPeer) -> list[str]:
+        return [await peer.add_remote(agent.get_agent_metadata()) for agent in self.agents]
+
+    async def until(self, done: Callable[[], bool], within: float = 10.0) -> None:
+        deadline = time.monotonic() + within
+        while not done():
+            for agent, got in zip(self.agents, self.got, strict=True):
+                for messages in agent.get_new_notifs().values():
+                    got.extend(messages)
+            assert time.monotonic() < deadline, f"P's workers got {self.got}"
+            await asyncio.sleep(0.001)  # poll interval
+
+    def has(self, message: bytes) -> bool:
+        return all(message in got for got in self.got)
+
+
+@pytest.fixture
+async def real() -> AsyncIterator[tuple[NixlPeer, Counting, RealP, list[str]]]:
+    peer = NixlPeer()
+    await peer.start()
+    counting = Counting(peer._agent)
+    peer._agent = peer._owner.agent = counting  # type: ignore[union-attr]
+    p = RealP()
+    names = await p.names(peer)
+    try:
+        yield peer, counting, p, names
+    finally:
+        await peer.close()
+
+
+def hold(peer: NixlPeer) -> threading.Event:
+    """Keep the owner thread busy in a call until the returned event is set."""
+    gate = threading.Event()
+    peer._owner.submit(lambda: gate.wait(30))  # type: ignore[union-attr]
+    return gate
+
+
+@pytest.mark.nixl
+async def test_callers_that_ask_meanwhile_go_in_one_batch_with_one_progress_call(real: Any) -> None:
+    """50 releases asking while the thread is busy: one hop, one progress call, then 100 sends;
+    each worker gets each message exactly once, and progress goes on after the last send."""
+    peer, counting, p, names = real
+    gate = hold(peer)
+    asked = [
+        asyncio.create_task(peer.notify_many([(n, f"r{i}:1".encode()) for n in names])) for i in range(50)
+    ]
+    await asyncio.sleep(0)  # every caller reaches the outbox
+    assert len(peer._outbox) == 50
+    before, batches = len(counting.calls), peer.batches
+    gate.set()
+    assert await asyncio.gather(*asked) == [[None, None]] * 50
+    assert peer.batches == batches + 1 and peer.batched == 50
+    assert counting.calls[before : before + 101] == ["progress"] + ["send"] * 100
+    await p.until(lambda: all(p.has(f"r{i}:1".encode()) for i in range(50)))
+    assert all(sorted(got) == sorted(f"r{i}:1".encode() for i in range(50)) for got in p.got)
+    sent = len(counting.calls)
+    await p.until(lambda: len(counting.calls) > sent)  # the window: UCX keeps progressing
+    assert counting.calls[sent:] == ["progress"] * (len(counting.calls) - sent)
+
+
+@pytest.mark.nixl
+async def test_in_the_fast_window_the_tick_takes_the_outbox_without_waking_the_thread(
+    real: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer, _, p, names = real
+    monkeypatch.setattr(peer_module, "PROGRESS_WINDOW", 60.0)  # a stalled test machine stays in it
+    assert await peer.notify_many([(names[0], b"first:1")]) == [None]  # opens the window
+    woken: list[object] = []
+    submit = peer._owner.submit
+
+    def counted(fn: Callable[[], Any]) -> Any:
+        woken.append(fn)
+        return submit(fn)
+
+    peer._owner.submit = counted
+    assert await peer.notify_many([(n, b"second:1") for n in names]) == [None, None]
+    assert woken == []  # taken by a progress tick, no call queued for it
+    await p.until(lambda: p.has(b"second:1"))
+
+
+@pytest.mark.nixl
+async def test_a_caller_cancelled_before_its_batch_ran_sends_nothing(real: Any) -> None:
+    peer, _, p, names = real
+    gate = hold(peer)
+    gone = asyncio.create_task(peer.notify_many([(n, b"gone:1") for n in names]))
+    kept = asyncio.create_task(peer.notify_many([(n, b"kept:1") for n in names]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    gate.set()
+    assert await kept == [None, None]
+    assert await peer.notify_many([(n, b"after:1") for n in names]) == [None, None]
+    await p.until(lambda: p.has(b"kept:1") and p.has(b"after:1"))  # in order on each endpoint
+    assert not any(b"gone:1" in got for got in p.got)
+
+
+def test_progress_is_due_a_tick_after_the_last_call_not_after_every_call() -> None:
+    from sidecar.nixl import peer
+
+    owner = peer._Owner()
+    try:
+        assert owner._due(time.monotonic()) is None  # nothing sent
+        owner.sent()
+        owner.progressed()  # a batch's own progress call
+        now = time.monotonic()
+        assert 0 < owner._due(now) <= peer.PROGRESS_TICK  # type: ignore[operator]
+        assert owner._due(now + peer.PROGRESS_TICK) <= 0  # type: ignore[operator]
+        assert owner.ticking()
     finally:
         owner.stop()
