@@ -103,7 +103,10 @@ def build(uv: str, venv: Path, links: list[str]) -> None:
     python = str(venv / "bin" / "python")
     flinks = [arg for link in links for arg in ("--find-links", link)]
     _run([uv, "venv", *QUIET, "--python", sys.executable, str(venv)], f"virtualenv {venv}")
-    _run([uv, "pip", "install", *QUIET, "-p", python, "--no-index", "--no-deps", wheel], f"{TORCH} from {wheel}")
+    _run(
+        [uv, "pip", "install", *QUIET, "-p", python, "--no-index", "--no-deps", wheel],
+        f"{TORCH} from {wheel}",
+    )
     _run([uv, "pip", "install", *QUIET, "-p", python, *flinks, TORCH, VLLM], f"{VLLM} (index)")
     _run([uv, "pip", "uninstall", *QUIET, "-p", python, *BREAK_IMPORTS], "remove " + ", ".join(BREAK_IMPORTS))
     _run([uv, "pip", "install", *QUIET, "-p", python, "--no-deps", *NIXL], " and ".join(NIXL) + " (no deps)")
