@@ -26,6 +26,7 @@ from tests.e2e.engines import (
     Child,
     EngineFailed,
     EngineSpec,
+    PeakMemory,
     Processes,
     split_cores,
     start_engine,
@@ -47,6 +48,7 @@ class Engines:
     d: Child | None = None
     control_token_file: Path | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    memory: PeakMemory | None = None  # the harness's own engines: their peak memory
 
 
 def make_model(python: str, out: Path) -> float:
@@ -79,14 +81,19 @@ def own_engines(processes: Processes, python: str, out: Path, lease: int, timeou
         ),
     ]
     children = [start_engine(processes, spec) for spec in specs]
+    memory = PeakMemory(children).__enter__()
     started = {}
-    for spec, child in zip(specs, children, strict=True):
-        started[spec.role] = wait_healthy(child, spec.url + "/health", timeout)
+    try:
+        for spec, child in zip(specs, children, strict=True):
+            started[spec.role] = wait_healthy(child, spec.url + "/health", timeout)
+    except BaseException:
+        memory.__exit__()
+        raise
     p, d = specs
     target = Target(p.url, d.url, "", float(lease), LogSource.of(children[0]))
     info = {"engines": "started by the harness", "model_seconds": round(model_seconds, 1)}
     info["engine_ready_seconds"] = {role: round(seconds, 1) for role, seconds in started.items()}
-    return Engines(target, children[1], token, info)
+    return Engines(target, children[1], token, info, memory)
 
 
 def given_engines(p_url: str, d_url: str, lease: float, p_log: str, token: str) -> Engines:

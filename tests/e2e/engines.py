@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -217,3 +218,44 @@ def wait_healthy(
             if time.monotonic() - started > timeout:
                 raise EngineFailed(f"{child.name} not ready at {url} after {timeout:.0f} s:\n{child.tail()}")
             time.sleep(0.5)
+
+
+def group_pss_mb(pgids: set[int]) -> float:
+    """Memory of every process in the process groups ``pgids``, in MB of PSS (shared pages split)."""
+    total_kb = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pgrp = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            if pgrp not in pgids:
+                continue
+            for line in (entry / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total_kb / 1024
+
+
+class PeakMemory:
+    """Samples the engines' memory once a second in a thread; ``peak_mb`` is the highest seen."""
+
+    def __init__(self, children: list[Child]) -> None:
+        self.pgids = {child.process.pid for child in children}
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-memory", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.peak_mb = max(self.peak_mb, group_pss_mb(self.pgids))
+
+    def __enter__(self) -> PeakMemory:
+        self.peak_mb = group_pss_mb(self.pgids)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)

@@ -32,6 +32,7 @@ P_SERIES = {
     "finished": "vllm:request_success_total",
 }
 D_READS = "vllm:nixl_xfer_time_seconds_count"
+PROMPT_TOKENS = "vllm:request_prompt_tokens"  # a histogram with 1-2-5 buckets
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -77,13 +78,16 @@ class PView:
     failed_notifications: float = 0.0
     failed_transfers: float = 0.0
     finished: float = 0.0
+    prefills: float = 0.0  # requests of more than 5 prompt tokens P has served (not one-token pokes)
 
     @classmethod
     def parse(cls, text: str) -> PView:
         summed = totals(text)
         if P_SERIES["expired"] not in summed:
             raise ValueError("P's /metrics has no vllm:nixl_* counters: P runs no NIXL connector")
-        return cls(**{key: summed.get(name, 0.0) for key, name in P_SERIES.items()})
+        short = by_label(text, PROMPT_TOKENS + "_bucket", "le").get("5.0", 0.0)
+        prefills = summed.get(PROMPT_TOKENS + "_count", 0.0) - short
+        return cls(**{key: summed.get(name, 0.0) for key, name in P_SERIES.items()}, prefills=prefills)
 
 
 def d_reads(text: str) -> float:
@@ -146,6 +150,8 @@ class Evidence:
     output: str = ""
     reference: str = ""
     lease: float = 0.0
+    stall: float = 0.0  # the longest the machine stalled during the scenario (``tests.e2e.stalls``)
+    load: float = 0.0  # the machine's load average (1 minute) when the scenario ended
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -7,21 +7,14 @@ once the sidecar has decided the request and P has taken one more engine
 step, so a late notification is processed and counted before P's counters
 are read.
 
-While a scenario waits, both engines get a one-token request of their own
-every tenth of a second or so, as live traffic would keep them busy. vLLM
-moves NIXL notifications only when an engine steps: an idle D sends the
-notification its own fix (or the plugin) queued at its next step, and an
-idle P reads what arrived at its next step, which without traffic can be
-the lease's deadline (P then frees by expiry first and counts the
-notification as one for a request it no longer holds). Those requests
-never pin a block (they carry no ``kv_transfer_params``) and send nothing
-to P's side channel: a release that was never sent still ends in P's
-expiry, and a second one still shows.
+P gets light traffic for the whole scenario (``tests.e2e.traffic``), as a P
+in service has: vLLM moves NIXL notifications only when an engine steps.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +27,7 @@ from tests.e2e.engines import Child
 from tests.e2e.evidence import Evidence, PLog, PView, d_reads, delta, error_shape, sidecar_results, totals
 from tests.e2e.scenarios import (
     Expect,
+    Limits,
     Mode,
     Scenario,
     base_body,
@@ -44,6 +38,8 @@ from tests.e2e.scenarios import (
     prompt,
 )
 from tests.e2e.sidecars import SidecarProcess
+from tests.e2e.stalls import StallWatch
+from tests.e2e.traffic import Traffic
 
 DECIDED = ("kvr_releases_total", "kvr_not_released_total", "kvr_ineligible_total")
 SHORT_PROMPT_WORDS = 12
@@ -73,6 +69,10 @@ class Target:
     max_model_len: int = 256
     d_up: bool = True
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_model_len)
+
 
 @dataclass
 class Before:
@@ -86,12 +86,16 @@ class Before:
 class Runner:
     """Runs scenarios with one HTTP client; see the module docstring."""
 
-    def __init__(self, target: Target, client: httpx.Client) -> None:
+    def __init__(self, target: Target, client: httpx.Client, stalls: StallWatch | None = None) -> None:
         self.target = target
         self.client = client
+        self.stalls = stalls or StallWatch()
 
     def p_view(self) -> PView:
-        return PView.parse(self.client.get(self.target.p_url + "/metrics").text)
+        started = time.monotonic()
+        text = self.client.get(self.target.p_url + "/metrics").text
+        self.stalls.note(time.monotonic() - started)
+        return PView.parse(text)
 
     def wait_p_idle(self, since: float, ev: Evidence) -> None:
         """Poll P until it holds no block; ``ev.freed_after`` counts from ``since``."""
@@ -100,7 +104,6 @@ class Runner:
             if self.p_view().usage == 0.0:
                 ev.freed_after = time.monotonic() - since
                 return
-            self.step_engines()
             time.sleep(0.05)
 
     def step_engines(self) -> None:
@@ -132,9 +135,19 @@ class Runner:
     def run(self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess) -> Evidence:
         """One scenario, start to end (see the module docstring)."""
         before = self.before(sidecar)
+        self.stalls.reset()
         ev = Evidence(lease=self.target.lease)
+        with Traffic(self.target.p_url, self.target.model):
+            self._run(scenario, mode, sidecar, before, ev)
+        ev.stall = round(self.stalls.worst, 2)
+        ev.load = round(os.getloadavg()[0], 1)
+        return ev
+
+    def _run(
+        self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess, before: Before, ev: Evidence
+    ) -> None:
         text = self.text(scenario, mode)
-        body = client_body(scenario, self.target.model, text, pad=70_000 if scenario.oversize else 0)
+        body = client_body(scenario, self.target.model, text, self.target.limits)
         if mode == "router":
             started = time.monotonic()
             content = json.dumps(body).encode()
@@ -143,14 +156,13 @@ class Runner:
             content = decode_leg(body, params)
         self.send(sidecar.url + scenario.route, content, scenario, ev)
         if mode == "router":  # the router ran the prefill leg before the decode leg
-            ev.pinned = self.p_view().finished > before.p.finished
+            ev.pinned = self.p_view().prefills > before.p.prefills
         self.wait_p_idle(started, ev)
         if ev.pinned:
             self.settle(sidecar, before)
         self.after(sidecar, before, ev)
         if scenario.expectation(mode) is Expect.D_READS and ev.status == 200:
             self.compare(scenario, body, ev)
-        return ev
 
     def text(self, scenario: Scenario, mode: Mode) -> str:
         words = self.target.long_prompt_words if scenario.long_prompt else SHORT_PROMPT_WORDS
@@ -167,7 +179,7 @@ class Runner:
         params = response.json().get("kv_transfer_params")
         if not isinstance(params, dict):
             raise RuntimeError(f"P answered no kv_transfer_params: {response.text[:300]}")
-        ev.pinned = self.p_view().usage > 0.0
+        ev.pinned = any(params.get("remote_block_ids") or ())  # P says it holds these blocks for D
         return params, time.monotonic()
 
     def send(self, url: str, content: bytes, scenario: Scenario, ev: Evidence) -> None:

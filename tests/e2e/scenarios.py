@@ -83,7 +83,28 @@ ADMITTED, PRE, AFTER_200, HANDLER, DOWN, CAP = (
     "sidecar's body cap",
 )
 GROUP_STATUS = {ADMITTED: 200, PRE: 400, AFTER_200: 200, HANDLER: 400, DOWN: 503, CAP: 413}
-_TOO_LONG = " ".join(["kalo"] * 300)  # over max_model_len (256) in tokens
+
+
+@dataclass(frozen=True)
+class OverContext:
+    """A field value sized from D's ``max_model_len`` when the body is built (``client_body``)."""
+
+    field: str  # "prompt": more words than max_model_len; "max_tokens": max_model_len + 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bodies are sized from: D's context length and the sidecars' body cap."""
+
+    max_model_len: int = 256
+
+    @property
+    def body_cap(self) -> int:
+        """The sidecars' ``--max-body-bytes``: room for a prompt over the context, no more."""
+        return max(65536, 8 * self.max_model_len + 4096)
+
+
+_TOO_LONG, _TOO_MANY = OverContext("prompt"), OverContext("max_tokens")
 
 SIDECAR_SCENARIOS: tuple[Scenario, ...] = (
     Scenario("admit", "completion", ADMITTED, COMPLETIONS, Expect.D_READS, long_prompt=True),
@@ -177,7 +198,12 @@ SIDECAR_SCENARIOS: tuple[Scenario, ...] = (
         {"prompt": _TOO_LONG},
     ),
     Scenario(
-        "handler-max-tokens", "max_tokens 1000", HANDLER, COMPLETIONS, Expect.D_FREES, {"max_tokens": 1000}
+        "handler-max-tokens",
+        "max_tokens over max_model_len",
+        HANDLER,
+        COMPLETIONS,
+        Expect.D_FREES,
+        {"max_tokens": _TOO_MANY},
     ),
     Scenario("handler-top-p", "top_p 0", HANDLER, COMPLETIONS, Expect.D_FREES, {"top_p": 0}),
     Scenario(
@@ -239,15 +265,20 @@ ROUTER_SCENARIOS: tuple[Scenario, ...] = (
         stream=True,
     ),
     Scenario(
-        "handler-max-tokens", "max_tokens 1000", HANDLER, COMPLETIONS, Expect.D_FREES, {"max_tokens": 1000}
-    ),
-    Scenario(
-        "handler-max-tokens-stream",
-        "max_tokens 1000, stream",
+        "handler-max-tokens",
+        "max_tokens over max_model_len",
         HANDLER,
         COMPLETIONS,
         Expect.D_FREES,
-        {"max_tokens": 1000},
+        {"max_tokens": _TOO_MANY},
+    ),
+    Scenario(
+        "handler-max-tokens-stream",
+        "max_tokens over max_model_len, stream",
+        HANDLER,
+        COMPLETIONS,
+        Expect.D_FREES,
+        {"max_tokens": _TOO_MANY},
         stream=True,
     ),
     Scenario("cap", "body over the router's cap (413)", CAP, COMPLETIONS, Expect.NOT_PINNED, oversize=True),
@@ -301,14 +332,23 @@ def pin_body(scenario: Scenario, model: str, text: str) -> bytes:
     return prefill_body(base_body(scenario.route, model, text), scenario.route)
 
 
-def client_body(scenario: Scenario, model: str, text: str, pad: int = 0) -> dict[str, Any]:
-    """What the client sends: the base body, the fault, the stream flag, ``pad`` bytes of padding."""
-    body = {**base_body(scenario.route, model, text), **scenario.change}
+def client_body(scenario: Scenario, model: str, text: str, limits: Limits) -> dict[str, Any]:
+    """What the client sends: the base body, the fault (sized from ``limits``), the stream flag,
+    and for an oversized scenario padding past the body cap."""
+    body = {**base_body(scenario.route, model, text)}
+    for name, value in scenario.change.items():
+        body[name] = _sized(value, limits) if isinstance(value, OverContext) else value
     if scenario.stream:
         body["stream"] = True
-    if pad:
-        body["user"] = "x" * pad
+    if scenario.oversize:
+        body["user"] = "x" * (limits.body_cap + 4096)
     return body
+
+
+def _sized(value: OverContext, limits: Limits) -> str | int:
+    if value.field == "prompt":
+        return " ".join(["kalo"] * (limits.max_model_len + 8))  # one token a word at least
+    return limits.max_model_len + 1
 
 
 def decode_leg(body: dict[str, Any], params: dict[str, Any]) -> bytes:

@@ -21,8 +21,8 @@ from tests.e2e.engines import Child, Processes, wait_healthy
 from tests.e2e.scenarios import Mode
 from tests.servers import free_port
 
-#: Settings every e2e sidecar runs with. The body cap is small so a 413 is cheap to provoke; releases
-#: retry quickly (and give up at half P's lease, see ``sidecar_command``).
+#: Settings every e2e sidecar runs with (and, from the run, ``sidecar_command``'s): releases retry
+#: quickly and give up at half P's lease.
 SIDECAR_ARGS: tuple[str, ...] = (
     "--host",
     "127.0.0.1",
@@ -30,8 +30,6 @@ SIDECAR_ARGS: tuple[str, ...] = (
     "127.0.0.1",
     "--log-format",
     "json",
-    "--max-body-bytes",
-    "65536",
     "--release-retry-initial",
     "0.05",
     "--release-retry-max",
@@ -73,6 +71,7 @@ class Peers:
     prefill_allow: str
     lease: float
     control_token_file: Path | None = None
+    body_cap: int = 65536  # small, so a 413 is cheap to provoke
 
 
 @dataclass
@@ -102,6 +101,8 @@ def sidecar_command(mode: Mode, peers: Peers, port: int, admin_port: int, python
         *MODE_ARGS[mode],
         "--prefill-allow",
         peers.prefill_allow,
+        "--max-body-bytes",
+        str(peers.body_cap),
         "--p-hold-seconds",
         f"{peers.lease:g}",
         "--release-deadline",  # a release that never gets through shows as P's expiry

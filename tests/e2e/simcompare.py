@@ -27,7 +27,7 @@ from sidecar.sim.decode_config import DecodeSimConfig
 from sidecar.sim.decode_nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.e2e.evidence import Evidence, error_shape
-from tests.e2e.scenarios import Scenario, client_body, decode_leg, headers_for, prompt
+from tests.e2e.scenarios import Limits, Scenario, client_body, decode_leg, headers_for, prompt
 from tests.servers import ServerThread, serve
 
 #: Differences between the simulator and real vLLM that are understood, by scenario key.
@@ -94,7 +94,7 @@ def simulators(version: str, model: str, max_model_len: int) -> Iterator[Simulat
         yield Simulators(p, d)
 
 
-def ask(sims: Simulators, scenario: Scenario, client: httpx.Client) -> Answer:
+def ask(sims: Simulators, scenario: Scenario, client: httpx.Client, limits: Limits) -> Answer:
     """The decode leg of ``scenario`` on the simulators: what D answered, and whether P was notified."""
     text, model = prompt(f"sim:{scenario.key}", 12), _served(sims, client)
     pin = {
@@ -106,7 +106,7 @@ def ask(sims: Simulators, scenario: Scenario, client: httpx.Client) -> Answer:
     pinned = client.post(sims.p.url + "/v1/completions", json=pin)
     pinned.raise_for_status()
     params: dict[str, Any] = pinned.json()["kv_transfer_params"]
-    content = decode_leg(client_body(scenario, model, text), params)
+    content = decode_leg(client_body(scenario, model, text, limits), params)
     headers = headers_for(scenario, f"sim-{scenario.key}-{time.time_ns()}")
     with client.stream("POST", sims.d.url + scenario.route, content=content, headers=headers) as response:
         raw = response.read()
@@ -132,9 +132,11 @@ def _notified(sims: Simulators, client: httpx.Client, request_id: str, window: f
     return False
 
 
-def compare(sims: Simulators, scenario: Scenario, real: Evidence, client: httpx.Client) -> Comparison:
+def compare(
+    sims: Simulators, scenario: Scenario, real: Evidence, client: httpx.Client, limits: Limits
+) -> Comparison:
     """One scenario's real answer beside the simulator's."""
-    real_answer, sim_answer = Answer.of(real), ask(sims, scenario, client)
+    real_answer, sim_answer = Answer.of(real), ask(sims, scenario, client, limits)
     found = differences(real_answer, sim_answer)
     return Comparison(
         scenario.key, real_answer, sim_answer, found, KNOWN.get(scenario.key, "") if found else ""

@@ -21,6 +21,11 @@ vllm:nixl_num_notifications_after_expiry_total{engine="0",model_name="tiny-llama
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny-llama"} 1.0
 vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny-llama"} 41.0
 vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny-llama"} 3.0
+vllm:request_prompt_tokens_bucket{engine="0",le="2.0",model_name="tiny-llama"} 29.0
+vllm:request_prompt_tokens_bucket{engine="0",le="5.0",model_name="tiny-llama"} 30.0
+vllm:request_prompt_tokens_bucket{engine="0",le="+Inf",model_name="tiny-llama"} 42.0
+vllm:request_prompt_tokens_count{engine="0",model_name="tiny-llama"} 42.0
+vllm:request_prompt_tokens_sum{engine="0",model_name="tiny-llama"} 2030.0
 """
 SIDECAR_METRICS = """\
 kvr_releases_total{strategy="nixl",result="sent"} 4.0
@@ -46,6 +51,7 @@ def test_p_view_reads_p_own_series_and_sums_labels() -> None:
         failed_notifications=0.0,
         failed_transfers=0.0,
         finished=42.0,
+        prefills=12.0,  # the requests of more than 5 prompt tokens
     )
 
 

@@ -9,6 +9,7 @@ build needs, and the project's own environment never loads torch or vLLM for it.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.e2e.scenarios import (
     ROUTER_SCENARIOS,
     SIDECAR_SCENARIOS,
     Expect,
+    Limits,
     client_body,
     decode_leg,
     pin_body,
@@ -65,7 +67,7 @@ def test_an_environment_is_ready_only_with_today_pins(tmp_path: Path) -> None:
     assert not setup_env.ready(tmp_path)
     (tmp_path / setup_env.STAMP).write_text('{"torch": "torch==2.12.0+cpu"}')
     assert not setup_env.ready(tmp_path)
-    (tmp_path / setup_env.STAMP).write_text(__import__("json").dumps(setup_env.PINS))
+    (tmp_path / setup_env.STAMP).write_text(json.dumps(setup_env.PINS))
     assert setup_env.ready(tmp_path)
 
 
@@ -97,7 +99,7 @@ def test_engines_run_the_api_server_module_with_the_cpu_build_settings() -> None
         "--num-gpu-blocks-override 64",
     ):
         assert flag in joined
-    kv = __import__("json").loads(command[command.index("--kv-transfer-config") + 1])
+    kv = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
     assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 20}
 
@@ -124,12 +126,24 @@ def test_split_cores(count: int, cores: tuple[str, str]) -> None:
 
 def test_scenario_bodies_carry_the_fault_to_d_only() -> None:
     scenario = next(s for s in SIDECAR_SCENARIOS if s.key == "pre-validation")
-    pin = __import__("json").loads(pin_body(scenario, "m", "ka lo"))
+    pin = json.loads(pin_body(scenario, "m", "ka lo"))
     assert pin["max_tokens"] == 1 and pin["stream"] is False
     assert pin["kv_transfer_params"]["do_remote_decode"] is True
-    leg = decode_leg(client_body(scenario, "m", "ka lo", pad=70_000), {"remote_request_id": "r"})
+    leg = decode_leg(client_body(scenario, "m", "ka lo", Limits()), {"remote_request_id": "r"})
     assert leg.endswith(b'"kv_transfer_params": {"remote_request_id": "r"}}')  # last, as routers append
-    assert b'"max_tokens": "abc"' in leg and len(leg) > 70_000
+    assert b'"max_tokens": "abc"' in leg
+    cap = next(s for s in SIDECAR_SCENARIOS if s.oversize)
+    assert len(json.dumps(client_body(cap, "m", "ka", Limits()))) > Limits().body_cap
+
+
+@pytest.mark.parametrize("max_model_len", [256, 32768])
+def test_faults_over_the_context_are_sized_from_d(max_model_len: int) -> None:
+    limits = Limits(max_model_len)
+    by_key = {s.key: s for s in SIDECAR_SCENARIOS}
+    prompt = client_body(by_key["handler-too-long"], "m", "ka", limits)["prompt"]
+    assert len(prompt.split()) > max_model_len  # every word is a token at least
+    assert client_body(by_key["handler-max-tokens"], "m", "ka", limits)["max_tokens"] == max_model_len + 1
+    assert len(json.dumps(client_body(by_key["handler-too-long"], "m", "ka", limits))) < limits.body_cap
 
 
 def test_every_mode_has_its_cases_and_a_short_set() -> None:

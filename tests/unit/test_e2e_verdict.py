@@ -10,7 +10,7 @@ from tests.e2e.evidence import Evidence, PLog
 from tests.e2e.report import Report, Row, table
 from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect
 from tests.e2e.simcompare import Answer, Comparison, differences
-from tests.e2e.verdict import judge
+from tests.e2e.verdict import judge, only_late
 
 LEASE = 20.0
 
@@ -159,3 +159,15 @@ def test_differences_name_each_field() -> None:
     ]
     unknown = Answer(400, "BadRequestError", "temperature", None, None)  # P's evidence could not tell
     assert differences(unknown, Answer(400, "BadRequestError", "temperature", None, True)) == []
+
+
+def test_only_lateness_earns_a_second_attempt() -> None:
+    late = freed_by_sidecar(expired=1, after_expiry=1, freed_after=LEASE + 0.5, p_log=PLog(("r",), ("r",)))
+    assert judge(Expect.SIDECAR_FREES, 400, late) != []
+    assert only_late(Expect.SIDECAR_FREES, 400, late)
+    # Not lateness: nobody's notification arrived, or two did, or the wrong party sent it.
+    assert not only_late(Expect.SIDECAR_FREES, 400, released_by_nobody())
+    assert not only_late(Expect.SIDECAR_FREES, 400, freed_by_sidecar(expired=1, after_expiry=2))
+    assert not only_late(Expect.D_FREES, 400, late)
+    assert not only_late(Expect.SIDECAR_FREES, 400, freed_by_sidecar(after_expiry=1))  # a duplicate
+    assert not only_late(Expect.LEASE, 400, late)
