@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # kv-release-sidecar: `make image`. Two images from one file:
-#   docker build .                    the sidecar (the default, last stage): core + the nixl extra
+#   docker build .                    the sidecar (the default, last stage): core + the nixl and llm-d extras
 #   docker build --target loadtest .  the load generator Job: core + the loadtest extra
 # Build stages resolve the locked environment with uv; each runtime image receives only its virtual
 # environment (no uv, no compilers, no torch) and runs as a numeric non-root user. All stages start
@@ -21,10 +21,10 @@ COPY pyproject.toml uv.lock README.md ./
 # imports it; pyproject's [tool.uv] override-dependencies keeps it out of uv.lock, and --frozen
 # installs exactly the lock.
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-install-project --extra nixl ${EXTRAS:+--extra "$EXTRAS"}
+    uv sync --frozen --no-dev --no-install-project --extra nixl --extra llm-d ${EXTRAS:+--extra "$EXTRAS"}
 COPY sidecar ./sidecar
 RUN --mount=type=cache,target=/root/.cache/uv \
-    uv sync --frozen --no-dev --no-editable --extra nixl ${EXTRAS:+--extra "$EXTRAS"}
+    uv sync --frozen --no-dev --no-editable --extra nixl --extra llm-d ${EXTRAS:+--extra "$EXTRAS"}
 # Fail the build, not the pod: no torch, no plotting or load-generator stack, and NIXL with its
 # bundled UCX makes an agent.
 RUN /opt/venv/bin/python -c "import importlib.util as u, sys; sys.exit([m for m in ('torch', 'matplotlib', 'aiohttp') if u.find_spec(m)] or 0)" \

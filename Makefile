@@ -8,10 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance faults soak e2e image clean
+.PHONY: help demo test lint bench conformance faults soak e2e image clean tools
 
 help:
-	@echo "make demo | test | lint | bench | conformance | faults | soak | e2e | image | clean"
+	@echo "make demo | test | lint | bench | conformance | faults | soak | e2e | image | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -24,8 +24,24 @@ $(STAMP): $(UV) pyproject.toml uv.lock
 demo: $(STAMP)
 	$(UV) run --frozen --no-sync kv-release-sidecar demo
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(UV) run --frozen --no-sync pytest -q $(PYTEST_ARGS)
+
+# The real proxies the tests run (nginx and haproxy retrying in front of two decode pods) and the
+# bench's load generator: Debian's packages, installed when missing and this is root on Debian.
+TEST_TOOLS := nginx haproxy wrk
+tools:
+	@missing=""; for tool in $(TEST_TOOLS); do \
+	  command -v $$tool >/dev/null || [ -x /usr/sbin/$$tool ] || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "make tools: installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$(echo $$missing | sed 's/nginx/nginx-light/') >/dev/null; \
+	  else \
+	    echo "make tools: install$$missing (Debian: apt-get install nginx-light haproxy wrk)"; exit 1; \
+	  fi; \
+	fi
 
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench

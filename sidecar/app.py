@@ -23,12 +23,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from sidecar.allowlist import Allowlist
+from sidecar import retries
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.classify import Failure
 from sidecar.config import Config, dump
 from sidecar.decode_state import DecodeState
 from sidecar.faults import Injector
+from sidecar.k8s import PoolWatch, watched_allowlists
+from sidecar.llmd.decode_ranks import Rank, ranks_ready, start_ranks
+from sidecar.llmd.ranks import RANK, rank_url
 from sidecar.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.release import make_releaser
@@ -38,6 +41,7 @@ from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
 from sidecar.release.value import hold_seconds
 from sidecar.router.pool import PrefillPool
+from sidecar.tls.client import outbound
 from sidecar.tracing import Tracing
 from sidecar.tracing import build as build_tracing
 from sidecar.trust import InFlight, Trust
@@ -83,6 +87,8 @@ class Runtime:
     # D's state (engine alive, shutting down, KV connector), polled while releases are sent.
     decode: DecodeState | None = None
     probes: Client | None = None  # DecodeState's own client to D
+    ranks: list[Rank] = field(default_factory=list)  # data-parallel ranks 1..N-1 (0 is ``proxy``)
+    pool_watch: PoolWatch | None = None  # the InferencePool's pods, when inference_pool is set
 
     async def decode_healthy(self) -> bool:
         """D's ``GET /health`` is 200 (cached for a second; the poller's view when it runs)."""
@@ -153,6 +159,8 @@ class Runtime:
     def drain(self) -> None:
         """SIGTERM: readiness off; D, in this pod, is terminating too."""
         self.draining = True
+        for rank in self.ranks:
+            rank.drain()
         if self.decode is not None:
             self.decode.draining()
 
@@ -169,11 +177,16 @@ class Runtime:
             "decode": await self.decode_healthy(),
             "releaser": self.releaser.ready(),
         }
-        ok = not checks["draining"] and checks["decode"] and checks["releaser"]
+        checks |= await ranks_ready(self.ranks)  # each rank's D, when there are data-parallel ranks
+        checks |= {"inference_pool": self.pool_watch.synced} if self.pool_watch is not None else {}
+        ok = not checks["draining"] and all(v for k, v in checks.items() if k != "draining")
         self.metrics.ready.set(1 if ok else 0)
         return ok, checks
 
     async def close(self) -> None:
+        if self.pool_watch is not None:
+            await self.pool_watch.close()
+        await asyncio.gather(*(r.close() for r in self.ranks))
         if self.decode is not None:
             await self.decode.close()
         if self.probes is not None:
@@ -195,7 +208,8 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             assert self.runtime is not None, "lifespan did not run"
-            await self.runtime.proxy(scope, receive, send)
+            rank = scope.get(RANK, 0)
+            await (self.runtime.ranks[rank - 1].proxy if rank else self.runtime.proxy)(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         else:  # websocket: vLLM serves none on these routes
@@ -228,9 +242,9 @@ class ProxyApp:
         async def decode_version() -> str | None:
             return await holder[0].decode_version()
 
-        allowlist = Allowlist(config.prefill_allow)  # one for the NIXL targets and router mode's P
+        lists = await watched_allowlists(config)  # NIXL targets, router mode's P: static or watched
         releaser = deps.releaser or make_releaser(
-            config, decode_version, metrics.registry, tracing, allowlist
+            config, decode_version, metrics.registry, tracing, lists.release
         )
         await releaser.start()
         pipeline = _pipeline(config, releaser, metrics, tracing, deps.clock, lambda: holder[0].p_hold())
@@ -244,11 +258,13 @@ class ProxyApp:
             inflight=inflight,
             injector=deps.injector or Injector(config),
             facts=_Facts(holder),
-            pool=deps.pool or _pool(config, allowlist),
+            pool=deps.pool or PrefillPool.of(config, lists.prefill),
             tracing=tracing,
         )
         proxy = Proxy(config, parts)
+        ranks = await start_ranks(config, parts, _upstream, releaser.frees)  # before /readyz sees any
         self.runtime = Runtime(config, metrics, upstream, releaser, pipeline, inflight, proxy, tracing)
+        self.runtime.pool_watch, self.runtime.ranks = lists.watch, ranks
         holder.append(self.runtime)
         if releaser.frees:  # what D's engine can release itself decides what the sidecar sends
             # Probes have their own connection to D: they never wait behind a full request pool
@@ -263,6 +279,9 @@ class ProxyApp:
             )
             await self.runtime.decode.start()
         log.info("sidecar started", extra={"config": dump(config)})
+        if releaser.frees and not config.prefill:  # in router mode a retry runs a fresh prefill
+            injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
+            retries.announce(log, config.retried_statuses, injected)
         if config.dry_run:
             log.warning(
                 "dry run: every release is decided and checked as --release %s would, and none is sent "
@@ -277,7 +296,8 @@ class ProxyApp:
         if runtime is None:
             return
         runtime.drain()
-        runtime.proxy.stopping = True
+        for proxy in (runtime.proxy, *(r.proxy for r in runtime.ranks)):
+            proxy.stopping = True
         runtime.pipeline.hurry()
         flushed = await runtime.pipeline.flush(self.config.flush_timeout)
         await runtime.pipeline.stop()
@@ -307,22 +327,15 @@ class _Facts:
             self._holder[0].observe(signal, message, closing=closing)
 
 
-def _pool(config: Config, allowlist: Allowlist) -> PrefillPool | None:
-    """Router mode's P servers: a static pool, or llm-d's header checked against the allowlist."""
-    if not config.prefill and not config.prefill_allow:
-        return None
-    return PrefillPool(config, allowlist=allowlist)
-
-
-def _upstream(config: Config, pool_size: int | None = None) -> Client:
+def _upstream(config: Config, rank: int = 0, pool_size: int | None = None) -> Client:
     return Upstream(
-        config.decode_url,
+        rank_url(config.decode_url, rank),
         connect_timeout=config.connect_timeout,
         pool_timeout=config.pool_timeout,
         header_timeout=config.header_timeout,
         read_timeout=config.read_timeout,
         pool_size=pool_size or config.pool_size,
-    )
+    ).use_tls(outbound(config, "decoder"))
 
 
 def _pipeline(

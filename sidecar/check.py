@@ -26,7 +26,13 @@ import msgspec
 from sidecar import checks, config_args, logs
 from sidecar.checks import Check, Context, Finding
 from sidecar.checks.decode import check_control, check_decode, check_kv_connector, check_version
-from sidecar.checks.settings import check_allowlist, check_environment, check_release, check_trust
+from sidecar.checks.settings import (
+    check_allowlist,
+    check_environment,
+    check_release,
+    check_retries,
+    check_trust,
+)
 from sidecar.config import Config, ConfigError
 
 #: The checks, in the order their lines are printed.
@@ -37,6 +43,7 @@ CHECKS: tuple[Check, ...] = (
     check_control,
     check_kv_connector,
     check_allowlist,
+    check_retries,
     check_trust,
     check_environment,
 )

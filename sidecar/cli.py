@@ -32,6 +32,9 @@ COMMANDS: dict[str, Command] = {
         "sidecar.check",
         "check serve's configuration against D, DNS and the files it names; sends nothing to P",
     ),
+    "pd-sidecar": Command(
+        "sidecar.llmd.command", "serve with llm-d's routing-sidecar flags, a drop-in for it (docs/llm-d.md)"
+    ),
     "sim-decode": Command("sidecar.sim.decode", "run the fake vLLM decode server"),
     "sim-prefill": Command("sidecar.sim.prefill", "run the fake vLLM prefill server (NIXL)", ("nixl",)),
     "demo": Command(
@@ -71,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if not a.startswith("-")), None)
     try:
+        llmd = _llm_d_argv(argv)
+        if llmd is not None:  # llm-d's flags are pflag's, parsed by the command itself
+            from sidecar.llmd.command import main as pd_sidecar
+
+            return pd_sidecar(llmd)
         args = build_parser(selected).parse_args(argv)
         module = importlib.import_module(args._module)
         code: int = module.run(args)
@@ -84,6 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {MissingExtra(f'{PROG} {selected}', extra, exc.name or extra)}", file=sys.stderr)
         return 2
     return code
+
+
+def _llm_d_argv(argv: list[str]) -> list[str] | None:
+    """The flags of ``pd-sidecar``, or of ``serve`` given llm-d's flags (the image's entry point
+    is ``serve``: an llm-d decode pod's args then run ``pd-sidecar``); None for any other command."""
+    if argv and argv[0] == "pd-sidecar":
+        return argv[1:]
+    if argv and argv[0] == "serve":
+        from sidecar.llmd.command import recognises
+
+        return argv[1:] if recognises(argv[1:]) else None
+    return None
 
 
 def entrypoint() -> None:

@@ -24,11 +24,13 @@ from sidecar.config_help import HELP
 from sidecar.exceptions import SidecarError
 
 ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
-PrefillPolicy = Literal["least-outstanding", "round-robin"]
+PrefillPolicy = Literal["least-outstanding", "round-robin", "first", "random"]
 TrustMode = Literal["any", "token", "hmac"]
 LogFormat = Literal["json", "text"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 KvConnectorSetting = Literal["auto", "yes", "no"]
+TlsVersion = Literal["1.2", "1.3"]
+AnswerStyle = Literal["vllm", "llm-d"]
 
 ENV_PREFIX = "KVR_"
 INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -67,6 +69,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ledger_size: int = 65536
     ledger_ttl: float = 600.0
     release_ambiguous: bool = False
+    # Statuses a gateway or mesh in front of the decode pods may retry on another pod with the
+    # same body (sidecar.retries): never released behind, since that pod's D reads P's blocks.
+    retried_statuses: tuple[str, ...] = ("502", "503", "504")
     shutdown_delay: float = 0.0
     drain_timeout: float = 20.0
     flush_timeout: float = 5.0
@@ -127,6 +132,31 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # 0: from P's vLLM release (30 s lease from 0.22.0, 480 s abort timeout before).
     p_hold_seconds: float = 0.0
     may_cover_delay: float = 1.0
+    # TLS on the proxy port(s) (sidecar.tls): tls.crt and tls.key from tls_cert_dir, reloaded when
+    # they change; without a directory, a self-signed certificate made at start.
+    tls: bool = False
+    tls_cert_dir: str = ""
+    tls_min_version: TlsVersion = "1.2"
+    tls_ciphers: tuple[str, ...] = ()  # TLS 1.2 suites by IANA name; empty: ECDHE with AES-GCM or ChaCha20
+    admin_tls_cert_dir: str = ""  # the admin port serves TLS only when this is set
+    # Outbound TLS: an https decode_url is verified; prefill_tls makes header-named P https.
+    tls_ca_file: str = ""
+    decode_tls_insecure: bool = False
+    prefill_tls: bool = False
+    prefill_tls_insecure: bool = False
+    # Data-parallel ranks: listeners on port..port+N-1, rank r forwarding to decode_url's port + r.
+    data_parallel_size: int = 1
+    pod_ip: str = ""  # this pod's address as x-data-parallel-host-port names a rank (llm-d: POD_IP)
+    # P hosts allowed: the pods an InferencePool selects, watched from the Kubernetes API (sidecar.k8s).
+    inference_pool: str = ""  # namespace/name
+    pool_group: str = "inference.networking.k8s.io"
+    pool_side_channel_ports: str = "5600-5663"  # where releases may reach those pods
+    kube_service_account: str = "/var/run/secrets/kubernetes.io/serviceaccount"
+    # Router mode: a prefill leg answered 502, 503 or 504 (or unreachable) is retried on the same P.
+    prefill_max_retries: int = 0
+    prefill_retry_backoff: float = 0.2
+    # The sidecar's own answers where llm-d's routing sidecar answers differently (docs/llm-d.md).
+    answers: AnswerStyle = "vllm"
 
     def __post_init__(self) -> None:
         from sidecar.config_rules import check  # it imports this module
@@ -264,7 +294,9 @@ def load_with_sources(
             raise ConfigError(key, flags[key], f"unknown setting{did_you_mean(key, FIELDS)}")
     for name, value in list(merged.items()):
         if isinstance(value, str) and get_origin(names[name]) is tuple:
-            merged[name] = [part.strip() for part in value.split(",") if part.strip()]
+            merged[name] = value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list) and get_args(names[name])[:1] == (str,):
+            merged[name] = [str(item) if isinstance(item, int) else item for item in value]  # [503]
     try:
         return _convert(merged, names), source
     except ConfigError as exc:

@@ -42,6 +42,11 @@ HELP: dict[str, tuple[str, str]] = {
     "ledger_size": ("released requests remembered to refuse replays and duplicates", "entries"),
     "ledger_ttl": ("how long a released request is remembered", "seconds"),
     "release_ambiguous": ("also release when D may have admitted the request (timeouts, resets)", ""),
+    "retried_statuses": (
+        "statuses a gateway or mesh in front of the decode pods may retry on another pod: answers "
+        "with them are never released behind (that pod reads P's blocks); none when nothing retries",
+        "comma-separated list of HTTP statuses, 4xx, 5xx or none",
+    ),
     "shutdown_delay": ("after SIGTERM, keep serving this long with /readyz at 503", "seconds"),
     "drain_timeout": ("after that, wait this long for requests in flight", "seconds"),
     "flush_timeout": ("then wait this long for queued releases", "seconds"),
@@ -70,7 +75,10 @@ HELP: dict[str, tuple[str, str]] = {
         "",
     ),
     "prefill": ("router mode: P servers for the prefill leg, scheme://host:port", "comma-separated list"),
-    "prefill_policy": ("router mode: how P is picked, least-outstanding or round-robin", ""),
+    "prefill_policy": (
+        "router mode: how P is picked: least-outstanding, round-robin, first (of a list) or random",
+        "",
+    ),
     "prefill_timeout": ("router mode: the prefill leg on P, to its answer", "seconds"),
     "prefill_backoff": ("router mode: a failing P is skipped this long", "seconds"),
     "decode_only_fallback": ("router mode: with no P left (or n > 1), D prefills itself", ""),
@@ -98,4 +106,38 @@ HELP: dict[str, tuple[str, str]] = {
         "seconds",
     ),
     "p_hold_seconds": ("P's hold of unreleased blocks (saved-time metric); 0: from P's release", "seconds"),
+    "tls": ("serve TLS on the proxy port(s): tls_cert_dir's certificate, else a self-signed one", ""),
+    "tls_cert_dir": ("directory with tls.crt and tls.key, reloaded when they change", "path"),
+    "tls_min_version": ("oldest TLS version the proxy port accepts: 1.2 or 1.3", ""),
+    "tls_ciphers": (
+        "TLS 1.2 cipher suites by IANA name (TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, ...); "
+        "TLS 1.3 names only: TLS 1.3 alone is served",
+        "comma-separated list",
+    ),
+    "admin_tls_cert_dir": ("serve TLS on the admin port with this directory's tls.crt and tls.key", "path"),
+    "tls_ca_file": ("CA bundle that verifies D and P over https (empty: the system's)", "path"),
+    "decode_tls_insecure": ("do not verify D's certificate (an https decode_url)", ""),
+    "prefill_tls": ("reach P named by x-prefiller-host-port over https", ""),
+    "prefill_tls_insecure": ("do not verify P's certificate", ""),
+    "data_parallel_size": (
+        "data-parallel ranks: listeners on port..port+N-1, rank r forwarding to decode_url's port + r",
+        "ranks",
+    ),
+    "pod_ip": (
+        "this pod's address in x-data-parallel-host-port (POD_IP:port picks the rank on that port)",
+        "",
+    ),
+    "inference_pool": (
+        "namespace/name of the InferencePool whose pods are the allowed P hosts (watched)",
+        "",
+    ),
+    "pool_group": ("API group of the InferencePool", ""),
+    "pool_side_channel_ports": (
+        "P side-channel ports releases may reach on the pool's pods",
+        "port range lo-hi",
+    ),
+    "kube_service_account": ("where the pod's service-account token and CA are mounted", "path"),
+    "prefill_max_retries": ("retries of a prefill leg answered 502, 503 or 504, on the same P", "retries"),
+    "prefill_retry_backoff": ("wait between two prefill leg attempts", "seconds"),
+    "answers": ("the sidecar's own error answers: vllm or llm-d (llm-d's routing sidecar's)", ""),
 }

@@ -42,6 +42,8 @@ POSITIVE = (
     "timeout_keep_alive",
     "client_header_timeout",
     "client_body_timeout",
+    "prefill_retry_backoff",
+    "data_parallel_size",
 )
 ZERO_OR_POSITIVE = (
     "read_timeout",
@@ -49,6 +51,7 @@ ZERO_OR_POSITIVE = (
     "p_hold_seconds",
     "limit_concurrency",
     "may_cover_delay",
+    "prefill_max_retries",
 )
 SHARES = ("inject_rate", "trace_sample_ratio")
 
@@ -59,6 +62,7 @@ def check(config: Config) -> None:
     _urls(config)
     _numbers(config)
     _injection(config)
+    _retries(config)
     for pattern in config.prefill_allow:
         reason = allow_pattern_error(pattern)
         if reason:
@@ -73,6 +77,7 @@ def check(config: Config) -> None:
         )
     if not config.trace_service_name.strip():
         raise ConfigError("trace_service_name", config.trace_service_name, "must not be empty")
+    _serving(config)
 
 
 def _ports(config: Config) -> None:
@@ -150,6 +155,14 @@ def _numbers(config: Config) -> None:
         )
 
 
+def _retries(config: Config) -> None:
+    from sidecar import retries  # local: like allowlist, a leaf module
+
+    problem = retries.problem(config.retried_statuses)
+    if problem:
+        raise ConfigError("retried_statuses", ",".join(config.retried_statuses), problem)
+
+
 def _injection(config: Config) -> None:
     for status in config.inject_statuses:
         if not 400 <= status <= 599:
@@ -159,6 +172,34 @@ def _injection(config: Config) -> None:
     for route in config.inject_routes:
         if route not in INSPECTED_ROUTES:
             raise ConfigError("inject_routes", route, f"must be one of {', '.join(INSPECTED_ROUTES)}")
+
+
+def _serving(config: Config) -> None:
+    """TLS, data-parallel ranks and the InferencePool (names checked here, files at start)."""
+    from sidecar.tls.names import cipher_error  # local: sidecar.tls imports this module's package
+
+    for name in config.tls_ciphers:
+        reason = cipher_error(name)
+        if reason:
+            raise ConfigError("tls_ciphers", name, reason)
+    last = config.port + config.data_parallel_size - 1
+    if config.data_parallel_size > 1 and (config.port == 0 or last > 65535):
+        reason = f"needs port 1-{65536 - config.data_parallel_size} for ranks port..port+{last - config.port}"
+        raise ConfigError("data_parallel_size", config.data_parallel_size, reason)
+    if config.inference_pool and not _pool_name(config.inference_pool):
+        raise ConfigError("inference_pool", config.inference_pool, "must be namespace/name")
+    if config.pool_group != "inference.networking.k8s.io":
+        raise ConfigError("pool_group", config.pool_group, "only inference.networking.k8s.io (v1) is watched")
+    reason = allow_pattern_error(f"0.0.0.0/0:{config.pool_side_channel_ports}")
+    if reason or "-" not in config.pool_side_channel_ports:
+        raise ConfigError(
+            "pool_side_channel_ports", config.pool_side_channel_ports, reason or "must be lo-hi"
+        )
+
+
+def _pool_name(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and p.replace("-", "a").replace(".", "a").isalnum() for p in parts)
 
 
 def _is_version(text: str) -> bool:

@@ -19,6 +19,7 @@ ERROR_TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     409: "ConflictError",
+    410: "GoneError",
     413: "RequestEntityTooLargeError",
     422: "UnprocessableEntityError",  # vLLM's type for 422 (0.25.0+)
     429: "RateLimitError",
@@ -48,8 +49,8 @@ Header = tuple[bytes, bytes]
 INJECTED: Header = (b"x-kvr-injected", b"true")
 #: Shed the client's connection after this answer.
 CLOSE: Header = (b"connection", b"close")
-#: The request's kv_transfer_params were released (or refused as spent): a retry with them gets
-#: 409, so a client must not retry it as it is. The OpenAI SDKs honour this header.
+#: The request's kv_transfer_params were released (or refused as spent): a retry with them is
+#: refused (409), so a client must not retry it as it is. The OpenAI SDKs honour this header.
 NO_RETRY: Header = (b"x-should-retry", b"false")
 
 

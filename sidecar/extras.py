@@ -3,9 +3,11 @@
 The core install runs ``serve`` with ``--release off``, ``dry-run`` or ``http``.
 The rest is optional: ``nixl`` (NIXL, numpy and ZMQ: ``--release nixl`` and
 ``auto``, the P simulator), ``loadtest`` (aiohttp and matplotlib: ``demo``,
-``loadtest``) and ``otel`` (OpenTelemetry tracing). A command that needs a
-missing extra stops with exit code 2 and ``MissingExtra``'s one line, naming
-the extra and how to install it, instead of an ``ImportError`` traceback.
+``loadtest``), ``otel`` (OpenTelemetry tracing) and ``llm-d`` (lightkube for the
+InferencePool watch, cryptography for a self-signed serving certificate, pyyaml
+for llm-d's ``--configuration`` YAML). A command that needs a missing extra stops
+with exit code 2 and ``MissingExtra``'s one line, naming the extra and how to
+install it, instead of an ``ImportError`` traceback.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ MODULES: dict[str, tuple[str, ...]] = {
     "nixl": ("nixl_cu12|nixl", "numpy", "zmq"),
     "loadtest": ("aiohttp", "matplotlib"),
     "otel": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"),
+    "llm-d": ("lightkube", "cryptography", "yaml"),
 }
 # nixl-cu12 declares torch, so pip would pull it with the extra: point at the recipe without it.
 HINTS: dict[str, str] = {
     "nixl": 'install it without torch as "Install" in README.md shows',
     "loadtest": 'pip install "<checkout>[loadtest]"',
     "otel": 'pip install "<checkout>[otel]"',
+    "llm-d": 'pip install "<checkout>[llm-d]"',
 }
 
 
@@ -59,6 +63,12 @@ def require(what: str, extras: Iterable[str]) -> None:
         module = missing_module(extra)
         if module is not None:
             raise MissingExtra(what, extra, module)
+
+
+def require_module(what: str, extra: str, module: str) -> None:
+    """Raise ``MissingExtra`` when ``module``, the part of ``extra`` that ``what`` imports, is missing."""
+    if not _importable(module):
+        raise MissingExtra(what, extra, module)
 
 
 def extra_of(module: str | None) -> str | None:

@@ -40,7 +40,8 @@ class Metrics:
         )
         self.not_released = Counter(
             "kvr_not_released",
-            "do_remote_prefill requests whose outcome does not release (admitted or ambiguous).",
+            "do_remote_prefill requests whose outcome does not release: admitted, ambiguous, or "
+            "retryable (a rejection whose status a proxy in front may retry on another decode pod).",
             ["outcome", "cause"],
             registry=r,
         )

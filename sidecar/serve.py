@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -27,7 +28,10 @@ from sidecar import config as config_mod
 from sidecar import config_args, extras, logs, memory, tracing
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.exceptions import SidecarError
+from sidecar.k8s.account import check_service_account
 from sidecar.limits import ServerLimits, server_options
+from sidecar.llmd.ranks import RankFront
+from sidecar.tls.server import ServerTLS, TLSFileError, serving
 from sidecar.trust import Trust
 
 log = logging.getLogger("sidecar.serve")
@@ -45,6 +49,15 @@ def load_config(args: argparse.Namespace) -> config_mod.Config:
 def run(args: argparse.Namespace) -> int:
     try:
         config, sources = config_args.load(args)
+    except config_mod.ConfigError as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 2
+    return start(config, sources)
+
+
+def start(config: config_mod.Config, sources: dict[str, str]) -> int:
+    """Serve ``config`` until SIGTERM (``sources``: where each setting came from, for errors)."""
+    try:
         try:
             trust = Trust(config)  # secrets read once, before any socket opens
             tracing.require(config)  # the otel extra installed when tracing is configured
@@ -52,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
             raise exc.at(sources.get(exc.field, exc.source)) from exc
         if config.release in config_args.NIXL_STRATEGIES:
             extras.require(f"--release {config.release}", ["nixl"])
+        tls = preflight(config)
         sockets = listen(config)
-    except (config_mod.ConfigError, ListenError) as exc:
+    except (config_mod.ConfigError, ListenError, TLSFileError, extras.MissingExtra) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     logs.setup(config.log_level, config.log_format)
@@ -67,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
     try:
-        asyncio.run(serve(config, sockets=sockets, deps=Deps(trust=trust)))
+        asyncio.run(serve(config, sockets=sockets, deps=Deps(trust=trust), tls=tls))
     except StartupFailed as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 1
@@ -79,11 +93,19 @@ class ListenError(SidecarError):
 
 
 def listen(config: config_mod.Config) -> dict[str, list[socket.socket]]:
-    """Bind the proxy and admin ports before anything starts, so a busy port is one clear error."""
+    """Bind the proxy and admin ports before anything starts, so a busy port is one clear error.
+
+    Data-parallel ranks above 0 listen on ``port + rank`` (keys ``port+1``, ...)."""
     bound: dict[str, list[socket.socket]] = {}
+    ports = [("port", config.host, config.port, "--port")]
+    ports += [
+        (f"port+{r}", config.host, config.port + r, "--data-parallel-size")
+        for r in range(1, config.data_parallel_size)
+    ]
+    ports.append(("admin_port", config.admin_host, config.admin_port, "--admin-port"))
     try:
-        for name, host in (("port", config.host), ("admin_port", config.admin_host)):
-            bound[name] = _bind(host, getattr(config, name), "--" + name.replace("_", "-"))
+        for name, host, port, flag in ports:
+            bound[name] = _bind(host, port, flag)
     except ListenError:
         for sock in (s for socks in bound.values() for s in socks):
             sock.close()
@@ -173,52 +195,104 @@ async def serve(
     stop: asyncio.Event | None = None,
     sockets: dict[str, list[socket.socket]] | None = None,
     deps: Deps | None = None,
+    tls: Serving | None = None,
 ) -> None:
     """Run both servers until ``stop`` is set or a termination signal arrives.
 
     ``sockets`` are the listening sockets from ``listen`` (bound here when not given).
     """
     sockets = sockets or listen(config)
+    tls = tls or Serving()
     app: ProxyApp = create_app(config, deps)
-    proxy = _Server(
-        uvicorn_config(
-            app,
-            config.host,
-            config.port,
-            ServerLimits.of(config),
-            lifespan="on",
-            timeout_graceful_shutdown=config.drain_timeout,
-            backlog=BACKLOG,
-        ),
-        freeze=True,
-    )
+    proxies = [_rank_server(app, config, rank, tls.proxy) for rank in range(config.data_parallel_size)]
     admin_limits = ServerLimits.of(config, admin=True)
     admin = _Server(
         uvicorn_config(
             create_admin_app(app), config.admin_host, config.admin_port, admin_limits, lifespan="off"
         )
     )
+    _serve_tls(admin.config, tls.admin)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     for name, socks in sockets.items():
         log.info("listening", extra={"setting": name, "addresses": [_shown(s) for s in socks]})
-    proxy_task = asyncio.create_task(proxy.serve(sockets=sockets["port"]))
+    keys = ["port", *(f"port+{r}" for r in range(1, config.data_parallel_size))]
+    proxy_tasks = [
+        asyncio.create_task(p.serve(sockets=sockets[k])) for p, k in zip(proxies, keys, strict=True)
+    ]
     admin_task = asyncio.create_task(admin.serve(sockets=sockets["admin_port"]))
     waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait({proxy_task, admin_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    reloads = [asyncio.create_task(t.watch()) for t in (tls.proxy, tls.admin) if t is not None and t.cert_dir]
+    await asyncio.wait({*proxy_tasks, admin_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down: readiness off, draining")
     if app.runtime is not None:
         app.runtime.drain()
     await asyncio.sleep(config.shutdown_delay)
-    proxy.should_exit = True
-    await asyncio.gather(proxy_task, return_exceptions=True)
+    for server in proxies:  # rank 0 last: its lifespan closes what the other ranks use
+        server.should_exit = True
+    await asyncio.gather(*proxy_tasks, return_exceptions=True)
     admin.should_exit = True
-    await asyncio.gather(admin_task, return_exceptions=True)
+    await asyncio.gather(admin_task, *reloads, return_exceptions=True)
     waiter.cancel()
-    if proxy.startup_failed:
+    for task in reloads:
+        task.cancel()
+    if proxies[0].startup_failed:
         raise StartupFailed("start-up failed (the error is logged above)")
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The serving TLS of the proxy port(s) and of the admin port (None: plain HTTP)."""
+
+    proxy: ServerTLS | None = None
+    admin: ServerTLS | None = None
+
+
+def preflight(config: config_mod.Config) -> Serving:
+    """What start-up needs beyond the config, checked before any socket opens: the llm-d extra's
+    parts, the service account for the InferencePool watch, the certificates; raises a one-line error."""
+    if config.inference_pool:
+        extras.require_module(
+            f"the InferencePool watch (inference_pool {config.inference_pool})", "llm-d", "lightkube"
+        )
+        check_service_account(config)
+    if config.tls and not config.tls_cert_dir:
+        extras.require_module(
+            "a self-signed serving certificate (TLS without a certificate directory)", "llm-d", "cryptography"
+        )
+    version, ciphers = config.tls_min_version, config.tls_ciphers
+    return Serving(
+        serving(config.tls_cert_dir, config.tls, version, ciphers),
+        serving(config.admin_tls_cert_dir, bool(config.admin_tls_cert_dir), version, ciphers),
+    )
+
+
+def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: ServerTLS | None) -> _Server:
+    """The uvicorn server of one data-parallel rank's listener; rank 0 runs the app's lifespan."""
+    front = (
+        app if config.data_parallel_size == 1 and config.answers == "vllm" else RankFront(app, rank, config)
+    )
+    options: dict[str, object] = {"lifespan": "on" if rank == 0 else "off", "backlog": BACKLOG}
+    uv = uvicorn_config(
+        front,
+        config.host,
+        config.port + rank,
+        ServerLimits.of(config),
+        timeout_graceful_shutdown=config.drain_timeout,
+        **options,
+    )
+    _serve_tls(uv, tls)
+    return _Server(uv, freeze=rank == 0)
+
+
+def _serve_tls(uv: uvicorn.Config, tls: ServerTLS | None) -> None:
+    """Serve ``uv`` with ``tls``'s context: uvicorn builds one only from file names, so the
+    config is loaded here and its context replaced (the server then does not load it again)."""
+    if tls is not None:
+        uv.load()
+        uv.ssl = tls.context
 
 
 def _shown(sock: socket.socket) -> str:

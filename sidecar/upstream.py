@@ -184,7 +184,7 @@ class Upstream:
         self._port = url.port or (443 if url.scheme == "https" else 80)
         self._authority = url.netloc.rpartition("@")[2]
         self._prefix = url.path.rstrip("/")
-        # https: the system's trust store and hostname checks (``ssl.create_default_context``).
+        # https: the system's trust store and hostname checks, until ``use_tls`` sets a context.
         self._ssl = ssl.create_default_context() if url.scheme == "https" else None
         self._connect_timeout = connect_timeout
         self._pool_timeout = pool_timeout
@@ -195,6 +195,12 @@ class Upstream:
         self._conns: set[Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+
+    def use_tls(self, context: ssl.SSLContext) -> Upstream:
+        """Verify an https server with ``context`` (``sidecar.tls.client``); no effect on http."""
+        if self._ssl is not None:
+            self._ssl = context
+        return self
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -4,8 +4,10 @@
 NIXL is importable (``sidecar.extras``, without importing it). ``allowlist``:
 every ``prefill_allow`` entry parses and each host name resolves (the
 sidecar's own resolver); an empty one with ``nixl`` or ``auto`` releases
-nothing. ``trust``: the key or token file readable (``sidecar.trust`` reads it
-as ``serve`` does), and what the mode lets through. ``environment``:
+nothing. ``retries``: which rejections are left to a gateway's or mesh's retry on
+another decode pod, and what to configure there. ``trust``: the key or token
+file readable (``sidecar.trust`` reads it as ``serve`` does), and what the mode
+lets through. ``environment``:
 ``KVR_*`` variables that are no setting (a misspelt one is silently unused).
 """
 
@@ -15,7 +17,7 @@ import asyncio
 import os
 import re
 
-from sidecar import extras
+from sidecar import extras, retries
 from sidecar.allowlist import parse_entry
 from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
 from sidecar.config import ConfigError, unknown_env
@@ -46,6 +48,19 @@ async def check_release(ctx: Context) -> list[Finding]:
         return [ok("release", f"{what}; NIXL is importable")]
     detail = f"{what}, but the nixl extra is not installed (no module {module})"
     return [fail("release", detail, extras.HINTS["nixl"] + ", or use --release http or dry-run")]
+
+
+async def check_retries(ctx: Context) -> list[Finding]:
+    """What a gateway or mesh retrying answers on another decode pod means for releases."""
+    config = ctx.config
+    if config.release in ("off", "dry-run") or config.prefill:
+        return []  # nothing is freed, or router mode: a retry runs a fresh prefill
+    injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
+    source = ctx.sources.get("retried_statuses", "the default")
+    what, fix = retries.advice(retries.parse(config.retried_statuses), injected, source)
+    if config.retried_statuses == (retries.NONE,):
+        return [warn("retries", what, fix)]
+    return [Finding("retries", "ok", what, fix)]
 
 
 # --- the allowlist -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ Every failure is translated once, where it happens, into this tree (the
     |   +-- NixlError          "nixl_error"         add_remote_agent / send_notif failed
     +-- PermanentReleaseError                 never retried; reasons listed in REFUSALS
         +-- EngineMismatch     "engine_mismatch"    reply's engine_id is not remote_engine_id
+        +-- PRestarted         "p_restarted"        P came back as a new process (``lineage``)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ REFUSALS = (
     "bad_port",  # a side-channel port past 65535
     "unresolvable",  # remote_host names no address (NXDOMAIN)
     "engine_mismatch",  # P's side channel serves another engine: the one named is gone
+    "p_restarted",  # the request's P process is gone; a new one answers there (lineage)
 )
 
 
@@ -72,6 +74,16 @@ class EngineMismatch(PermanentReleaseError):
         super().__init__(message, "engine_mismatch")
 
 
+class PRestarted(PermanentReleaseError):
+    """The P process that held the request's blocks is gone, and a new one answers at its address
+    (``sidecar.nixl.lineage``): its notification would name an id the new P never held."""
+
+    verdict = Verdict.UP  # the new P answered: the endpoint is alive
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "p_restarted")
+
+
 class NixlError(RetryableReleaseError):
     """A NIXL call failed (bad metadata, remote disconnected, agent not started)."""
 
@@ -84,5 +96,6 @@ __all__ = [
     "EngineMismatch",
     "HandshakeTimeout",
     "NixlError",
+    "PRestarted",
     "PeerUnreachable",
 ]

@@ -27,6 +27,7 @@ from sidecar.config import Config
 from sidecar.errors import send_error
 from sidecar.faults import Injector
 from sidecar.limits import over_limit
+from sidecar.llmd.answers import DECODE_NOT_READY
 from sidecar.metrics import Metrics
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import uncancel
@@ -65,6 +66,8 @@ class Proxy:
         judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.facts, parts.tracing)
         inspector = Inspector(parts.metrics, parts.trust, parts.pipeline.releaser.keeps_raw)
         forwarder = Forwarder(parts.upstream, judge, parts.metrics, parts.tracing)
+        if config.answers == "llm-d":
+            forwarder.unready = DECODE_NOT_READY
         refusals = Refusals(config, inspector, judge, forwarder, parts.metrics)
         self.kit = Kit(
             config,

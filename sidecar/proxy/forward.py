@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
-from sidecar.classify import Event
+from sidecar.classify import Event, Failure
 from sidecar.decode_probes import says_close
 from sidecar.errors import FAILURE_STATUS, send_error
 from sidecar.headers import response_headers
+from sidecar.llmd.answers import send_plain
 from sidecar.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
@@ -49,6 +50,8 @@ class Forwarder:
         self._judge = judge
         self._metrics = metrics
         self._tracing = tracing
+        # With answers = "llm-d": the body D's refused connection is answered with (503).
+        self.unready: bytes | None = None
 
     def count(self, route: str, status: int) -> None:
         """``kvr_requests_total`` for one answer (``status`` < 0: the client left)."""
@@ -116,6 +119,11 @@ class Forwarder:
             "decode server failed before answering",
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
         )
+        if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
+            await send_plain(
+                send, status, self.unready, exchange.request_id, exchange.retry_headers(), sniffed=True
+            )
+            return
         message = f"decode server: {exc}"
         await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
 
@@ -233,6 +241,9 @@ class Forwarder:
                 response = await self.upstream.send(ctx.method, ctx.target, ctx.headers, body)
             except UpstreamError as exc:
                 status = FAILURE_STATUS[exc.failure]
+                if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
+                    await send_plain(ctx.send, status, self.unready, ctx.request_id, sniffed=True)
+                    return
                 await send_error(ctx.send, status, f"decode server: {exc}", ctx.request_id)
                 return
             async with response:

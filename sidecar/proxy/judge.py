@@ -8,13 +8,16 @@ in this order, each step counted:
 2. the exchange's ``Policy``: router mode releases what it aborted itself,
    and with ``decode_releases`` leaves D's answers to the decode sidecar;
 3. ``release_ambiguous``;
-4. the in-flight veto: parameters another request forwarded to D, which D
+4. an answer a gateway or mesh may retry on another decode pod
+   (``retried_statuses``, sidecar mode only): never released behind, since that
+   pod's D reads the blocks (``sidecar.retries``);
+5. the in-flight veto: parameters another request forwarded to D, which D
    may be reading, are never released;
-5. D's own fix (``sidecar.release.coverage``): a rejection D's engine
+6. D's own fix (``sidecar.release.coverage``): a rejection D's engine
    releases itself goes to the pipeline as ``covered`` (recorded, never
    sent), unless D cannot notify now; one D may or may not have released is
    sent only after D's own notifications would have gone out;
-6. the job is handed to the pipeline, which never blocks.
+7. the job is handed to the pipeline, which never blocks.
 
 ``StreamJudge`` applies the same decision to a 200 stream from its first SSE
 event while the bytes pass through.
@@ -27,8 +30,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from sidecar import retries
 from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify, stream_event
 from sidecar.config import Config
+from sidecar.errors import FAILURE_STATUS
 from sidecar.metrics import Metrics
 from sidecar.release.base import ReleaseJob
 from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
@@ -41,6 +46,9 @@ if TYPE_CHECKING:
     from sidecar.proxy.context import Exchange
 
 log = logging.getLogger("sidecar.proxy")
+
+#: ``kvr_not_released_total{outcome}`` of a rejection left to a retry on another decode pod.
+RETRYABLE = "retryable"
 
 
 class DecodeFacts(Protocol):
@@ -86,6 +94,11 @@ class Policy:
         if self.router:
             metrics.leg_failures.labels("decode", failure.value).inc()
 
+    def retried_elsewhere(self, answer: int | None, retried: frozenset[int]) -> bool:
+        """Whether a proxy in front may resend this request, P's parameters and all, to another
+        decode pod (sidecar mode). A router's client retries with a fresh prefill."""
+        return not self.router and answer in retried
+
     @property
     def spends(self) -> bool:
         """A released request's parameters are spent for the client (sidecar mode); a router's
@@ -119,6 +132,7 @@ class Judge:
         # Whether a release frees P's blocks now: off, dry-run and --dry-run free nothing, so a
         # client's retry with the same parameters is never refused and answers never change.
         self.frees = pipeline.releaser.frees and not config.dry_run
+        self.retried = retries.parse(config.retried_statuses)
 
     def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
         """Tell what D answered (or how it failed) to what the judge knows of D, before judging."""
@@ -137,9 +151,17 @@ class Judge:
             self._traced(decision, "no_params")
             return decision
         releases = decision.releases(self._config.release_ambiguous)
+        # Once a response started (a 200 stream cut later) no proxy retries the request.
+        answer = None if exchange.responded else _answer(event, status)
+        left = releases and exchange.policy.retried_elsewhere(answer, self.retried)
         key = exchange.key
         if exchange.sent is not None:
-            self._inflight.finished(key, admitted=not releases)
+            # Left to a retry on another pod: D there may read them, as if admitted here.
+            self._inflight.finished(key, admitted=left or not releases)
+        if left:
+            self._metrics.not_released.labels(RETRYABLE, decision.cause.value).inc()
+            self._traced(decision, "retryable")
+            return decision
         if not releases:
             self._metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
             self._traced(decision, "not_released")
@@ -204,6 +226,15 @@ class Judge:
     def _traced(self, decision: Decision, release: str) -> None:
         if self._tracing.enabled:
             self._tracing.decided(decision.outcome.value, decision.cause.value, release)
+
+
+def _answer(event: Event, status: int | None) -> int | None:
+    """The status the client sees (``status``: the sidecar's own answer, when it chose one)."""
+    if status is not None:
+        return status
+    if event.failure is not None:
+        return FAILURE_STATUS.get(event.failure)
+    return event.status
 
 
 class StreamJudge:

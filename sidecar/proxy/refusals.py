@@ -1,13 +1,15 @@
 """The answers the sidecar gives itself, D never seeing the request.
 
 * ``replay``: parameters already handed to a release (P may reuse the blocks:
-  D reading them would decode from another request's cache), 409;
+  D reading them would decode from another request's cache), 409 (410, then
+  400, when a proxy in front retries 409: ``sidecar.retries``);
 * ``inject``: an injected rejection for load tests (``sidecar.faults``);
 * ``refuse``: the sidecar is shutting down (503), or over its own limits;
 * ``too_large``: a body over ``max_body_bytes`` (413), released when its
   parameters can be found and trusted;
 * ``over_limit``: above ``limit_concurrency`` (503, connection shed), the body
-  read first, at most ``max(8, limit / 4)`` at once, so its blocks are released.
+  read first, at most ``max(8, limit / 4)`` at once, so its blocks are released
+  (unread when a proxy in front retries 503: nothing is released behind it).
 
 Each judges the exchange before answering, so a release's ``x-should-retry``
 reaches the client.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 
+from sidecar import retries
 from sidecar.body import ClientGone, Oversized, read_body
 from sidecar.classify import Event, Failure
 from sidecar.config import Config
@@ -51,6 +54,9 @@ class Refusals:
         # past this many, such requests are refused unread and P's lease frees their blocks.
         self._over_limit_cap = max(8, config.limit_concurrency // 4)
         self._over_limit_reads = 0
+        # The spent-parameters answer is one no proxy in front retries on another pod.
+        self._replay_status = retries.replay_status(judge.retried)
+        self._over_limit_unread = FAILURE_STATUS[Failure.OVERLOADED] in judge.retried
         self.stopping = False  # set once the drain began: new inspected requests are refused
 
     async def replay(self, ctx: RequestContext, exchange: Exchange) -> bool:
@@ -67,14 +73,15 @@ class Refusals:
                 extra={"request_id": exchange.request_id},
             )
             return False
+        status = self._replay_status
         self._metrics.replays.labels("refused").inc()
-        self._forwarder.count(exchange.route, 409)
+        self._forwarder.count(exchange.route, status)
         log.warning(
             "request reuses parameters already released to P; refused",
             extra={"request_id": exchange.request_id},
         )
         await send_error(
-            ctx.send, 409, REPLAY_MESSAGE, exchange.request_id, "kv_transfer_params", (NO_RETRY,)
+            ctx.send, status, REPLAY_MESSAGE, exchange.request_id, "kv_transfer_params", (NO_RETRY,)
         )
         return True
 
@@ -111,7 +118,8 @@ class Refusals:
         dropped there) and any past the cap are refused unread.
         """
         message = "the sidecar is at its concurrency limit"
-        if ctx.route is None or routed or self._over_limit_reads >= self._over_limit_cap:
+        unread = routed or self._over_limit_unread or self._over_limit_reads >= self._over_limit_cap
+        if ctx.route is None or unread:
             if ctx.route is not None:
                 self._forwarder.count(ctx.route, 503)
             await send_error(ctx.send, 503, message, ctx.request_id, extra=(CLOSE,))

@@ -25,8 +25,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.allowlist import Allowlist
 from sidecar.config import Config
-from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError
+from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError, PRestarted
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
+from sidecar.nixl.lineage import Lineage
 from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
@@ -37,6 +38,7 @@ from sidecar.release.base import (
     ReleaseJob,
     Result,
     RetryableReleaseError,
+    Verdict,
 )
 from sidecar.release.version import DecodeRelease
 from sidecar.tracing import OFF, Tracing
@@ -55,6 +57,7 @@ class _Progress:
 
     sent: set[Rank] = field(default_factory=set)
     attempted: bool = False
+    agents: frozenset[str] = frozenset()  # the P process the ranks in ``sent`` belong to
 
 
 class NixlReleaser:
@@ -83,6 +86,7 @@ class NixlReleaser:
         self._context: zmq.asyncio.Context | None = None
         self._client: HandshakeClient | None = None
         self._cache = HandshakeCache(config.handshake_cache_size, config.handshake_cache_ttl)
+        self._lineage = Lineage(config.handshake_cache_size, config.handshake_cache_ttl)
         self._inflight: dict[str, asyncio.Future[PeerSet]] = {}
         # A job's retries end at its deadline, ``release_deadline`` after it was made.
         self._progress: TTLMap[tuple[str, str], _Progress] = TTLMap(PROGRESS_SIZE, config.release_deadline)
@@ -190,20 +194,29 @@ class NixlReleaser:
             self.metrics.cache.labels("hit").inc()
         message = notification(profile, request_id)
         progress.attempted = True
-        failed = await self._send(peers, ranks, message, progress)
+        failed = await self._send(peers, ranks, message, progress, job)
         if failed and not unsafe:
             # A cached agent may be gone (P restarted): handshake again, once.
             await self._invalidate(peers, "send_failure")
             peers = await self._connect(engine_id, generation, endpoint, profile, ranks)
-            failed = await self._send(peers, ranks, message, progress)
+            failed = await self._send(peers, ranks, message, progress, job)
         if failed:
             raise NixlError(f"notification to {len(failed)} P worker(s) failed: {failed[0]}")
         self._progress.pop((engine_id, request_id), None)
         return Result.SENT, path
 
     async def _send(
-        self, peers: PeerSet, ranks: list[Rank], message: bytes, progress: _Progress
+        self, peers: PeerSet, ranks: list[Rank], message: bytes, progress: _Progress, job: ReleaseJob
     ) -> list[str]:
+        """Notify the ranks not notified yet; the failures' texts. Refused (``p_restarted``) when
+        ``peers`` is a P process that came after the one that held the job's blocks."""
+        agents = frozenset(peers.agents.values())
+        why = self._lineage.refusal(peers.endpoint, agents, job.detected_at)
+        if why is None and progress.sent and progress.agents != agents:
+            why = "P restarted between the notifications of this request's ranks"
+        if why is not None:
+            raise PRestarted(why)
+        progress.agents = agents
         todo = [rank for rank in ranks if rank not in progress.sent]
         results = await self.peer.notify_many([(peers.agents[rank], message) for rank in todo])
         errors = []
@@ -296,7 +309,12 @@ class NixlReleaser:
         self._warn_loopback(target)
         started = time.perf_counter()
         try:
-            replies = await self._client.fetch(target, profile, ranks)
+            try:
+                replies = await self._client.fetch(target, profile, ranks)
+            except ReleaseError as exc:
+                if exc.verdict is Verdict.DOWN:
+                    self._lineage.lost(endpoint)
+                raise
             wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})
             if wrong:
                 raise EngineMismatch(f"{host}:{base_port} serves engine {wrong[0]!r}, not {engine_id!r}")
@@ -313,6 +331,7 @@ class NixlReleaser:
         self.metrics.handshakes.labels("ok").inc()
         self.metrics.handshake_seconds.observe(time.perf_counter() - started)
         peers = PeerSet(engine_id, generation, endpoint, agents)
+        self._lineage.seen(endpoint, agents.values())
         await self._drop(self._cache.put(peers), "lru")
         return peers
 

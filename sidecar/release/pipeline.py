@@ -224,7 +224,9 @@ class Pipeline:
         """One attempt; True when the job is decided, False to retry it later."""
         job = live.job
         try:
-            grant = await target.acquire(job.deadline, lambda: self._count_attempt("target_down"))
+            grant = await target.acquire(
+                job.deadline, lambda: self._count_attempt("target_down"), job.detected_at
+            )
         except TargetDown:
             detail = "P's endpoint stayed unreachable (its breaker open) until the deadline"
             self._finish(live, Result.FAILED, detail, reason="target_down")

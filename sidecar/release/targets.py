@@ -10,9 +10,13 @@ A dead P must not slow the releases of a live one, so every target has:
   failures (refused, unreachable, no handshake reply) it is ``open``: no
   attempt is made, and its jobs wait without a worker until their deadline.
   After an interval it is ``half_open``: one waiting job's own attempt is the
-  probe (no extra request is ever sent to P). A probe that connects closes
-  the breaker and its jobs go on; one that fails opens it again for twice the
-  interval (up to ``max_interval``).
+  probe (no extra request is ever sent to P). A job made after the last
+  failure probes ``FRESH_GAP`` after it at the latest, whatever the interval:
+  its request was prefilled by that P since, so P is likely back (a dead P
+  then costs at most one attempt per ``FRESH_GAP`` while new rejections keep
+  naming it). A probe that connects (any job's) closes the breaker and the
+  jobs waiting for it go at once; one that fails opens it again for twice
+  the interval (up to ``max_interval``).
 
 Waiters are woken in FIFO order, one per freed slot, so a storm to one target
 costs O(1) per attempt. State changes are logged at most ``LOG_BURST`` lines
@@ -40,6 +44,7 @@ log = logging.getLogger("sidecar.release")
 
 LOG_WINDOW = 10.0
 LOG_BURST = 5
+FRESH_GAP = 0.5  # seconds after a failure before a job made since may probe
 
 
 class State(StrEnum):
@@ -78,6 +83,7 @@ class Target:
         self._failures = 0
         self._interval = policy.interval
         self._retry_at = 0.0
+        self._failed_at = float("-inf")  # the last connect failure
         self._probing = False
         self._timer: asyncio.TimerHandle | None = None
         self.running = 0
@@ -88,7 +94,9 @@ class Target:
     def idle(self) -> bool:
         return self.jobs == 0 and self.running == 0 and not self.waiting
 
-    def _try(self) -> Grant | None:
+    def _try(self, created: float) -> Grant | None:
+        if self.state is State.OPEN and created > self._failed_at:
+            self._soon(self._failed_at + FRESH_GAP)  # a request P prefilled since it failed
         if self.state is State.OPEN and self._owner.clock() >= self._retry_at:
             self._set(State.HALF_OPEN)
         if self.state is State.CLOSED and self.running < self._cap:
@@ -100,12 +108,15 @@ class Target:
             return Grant(probe=True)
         return None
 
-    async def acquire(self, deadline: float, on_blocked: Callable[[], None]) -> Grant:
+    async def acquire(
+        self, deadline: float, on_blocked: Callable[[], None], created: float = float("-inf")
+    ) -> Grant:
         """Wait (holding no worker) until an attempt may run; ``TargetDown`` or ``TimeoutError``
-        at ``deadline``. ``on_blocked`` is called once when the job first finds the breaker open."""
+        at ``deadline``. ``on_blocked`` is called once when the job first finds the breaker open;
+        ``created``: when the job was made (one made after the last failure may probe at once)."""
         blocked = woken = False
         while True:
-            grant = self._try()
+            grant = self._try(created)
             if grant is not None:
                 return grant
             if self.state is not State.CLOSED and not blocked:
@@ -136,6 +147,7 @@ class Target:
             self._probing = False
         if verdict is Verdict.DOWN:
             self._failures += 1
+            self._failed_at = self._owner.clock()
             if grant.probe or (self.state is State.CLOSED and self._failures >= self._policy.failures):
                 self._open()
                 return
@@ -144,7 +156,7 @@ class Target:
             if self.state is not State.CLOSED:
                 self._interval = self._policy.interval
                 self._set(State.CLOSED)
-                self.wake(self._cap)
+                self.wake(self._cap)  # as many as the cap lets run; each done wakes the next
                 return
         self.wake(1)
 
@@ -154,9 +166,20 @@ class Target:
             self._interval = min(self._interval * 2, self._policy.max_interval)
         self._retry_at = self._owner.clock() + self._interval
         self._set(State.OPEN)
+        self._schedule()
+
+    def _soon(self, at: float) -> None:
+        """Probe by ``at`` at the latest (an open breaker only)."""
+        if at < self._retry_at:
+            self._retry_at = at
+            self._interval = self._policy.interval  # fresh evidence: the backoff starts over
+            self._schedule()
+
+    def _schedule(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self._interval, self._half_open_due)
+        delay = max(0.0, self._retry_at - self._owner.clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._half_open_due)
 
     def hurry(self, policy: BreakerPolicy) -> None:
         """Take a shorter ``policy``; an open breaker probes within its new interval."""
@@ -164,10 +187,7 @@ class Target:
         self._interval = min(self._interval, policy.max_interval)
         if self.state is State.OPEN:
             self._retry_at = min(self._retry_at, self._owner.clock() + self._interval)
-            if self._timer is not None:
-                self._timer.cancel()
-            delay = max(0.0, self._retry_at - self._owner.clock())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._half_open_due)
+            self._schedule()
 
     def _half_open_due(self) -> None:
         self._timer = None

@@ -21,6 +21,7 @@ import msgspec
 from sidecar.asgi import DISCONNECT_HUB
 from sidecar.classify import Event, Failure
 from sidecar.errors import send_error, send_raw
+from sidecar.llmd.answers import FORBIDDEN, send_plain
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
 from sidecar.proxy.judge import Policy
@@ -33,6 +34,7 @@ from sidecar.wire import lax_bool
 log = logging.getLogger("sidecar.router")
 
 SHUTTING_DOWN = "the sidecar is shutting down"
+RETRIED = frozenset({502, 503, 504})  # P's answers a prefill leg is retried on, as llm-d retries
 
 
 class Router:
@@ -67,6 +69,9 @@ class Router:
         except RouterError as exc:
             assert ctx.route is not None
             kit.forwarder.count(ctx.route, exc.status)
+            if exc.status == 403 and kit.config.answers == "llm-d":
+                await send_plain(ctx.send, 403, FORBIDDEN, ctx.request_id)
+                return
             await send_error(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
             return
         watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB))
@@ -138,33 +143,61 @@ class Router:
     async def _try_prefill(
         self, ctx: RequestContext, candidates: list[str], request: dict[str, Any]
     ) -> PrefillResult:
+        """One P, then one other; with ``answers = "llm-d"`` one P only, whose last answer is the client's."""
         assert ctx.route is not None
         kit, route = self._kit, ctx.route
         body = prefill_body(request, route)
         p_headers = sized(prefill_headers(ctx.headers), body)
+        llmd = kit.config.answers == "llm-d"
         last: Exception | None = None
-        for url in candidates[:2]:  # a failing P leg is tried once on another P
-            started = time.monotonic()
+        for url in candidates[: 1 if llmd else 2]:  # a failing P leg is tried once on another P
             try:
-                if kit.tracing.enabled:
-                    with kit.tracing.leg_span("kvr.prefill", "POST", url + route, p_headers) as leg:
-                        result = await self.pool.prefill(url, route, body, leg.headers)
-                else:
-                    result = await self.pool.prefill(url, route, body, p_headers)
+                return await self._attempts(url, route, body, p_headers)
             except RouterError as exc:
-                if exc.status < 500:
-                    raise  # P refused the request itself: the client sees P's answer
+                if exc.status < 500 or llmd:
+                    raise  # P's own answer, passed to the client as it is
                 last = exc
-                kit.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
             except UpstreamError as exc:
+                if llmd:
+                    raise RouterError(502, f"prefill server {url} failed: {exc}") from exc
                 last = exc
-                kit.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
-            else:
-                kit.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
-                return result
             self.pool.mark_failed(url)
             log.warning("prefill leg failed", extra={"prefill": url, "detail": str(last)})
         raise RouterError(503, f"no prefill server available ({last or 'none configured'})")
+
+    async def _attempts(
+        self, url: str, route: str, body: bytes, headers: list[tuple[str, str]]
+    ) -> PrefillResult:
+        """The prefill leg on ``url``, retried ``prefill_max_retries`` times while P answers 502, 503
+        or 504 or cannot be reached, ``prefill_retry_backoff`` apart; raises the last failure."""
+        kit = self._kit
+        retries = kit.config.prefill_max_retries
+        for attempt in range(retries + 1):
+            started = time.monotonic()
+            try:
+                result = await self._prefill(url, route, body, headers)
+            except RouterError as exc:
+                if exc.status >= 500:
+                    kit.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
+                if exc.status not in RETRIED or attempt == retries:
+                    raise
+            except UpstreamError as exc:
+                kit.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
+                if attempt == retries:
+                    raise
+            else:
+                kit.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
+                return result
+            await asyncio.sleep(kit.config.prefill_retry_backoff)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _prefill(
+        self, url: str, route: str, body: bytes, headers: list[tuple[str, str]]
+    ) -> PrefillResult:
+        if self._kit.tracing.enabled:
+            with self._kit.tracing.leg_span("kvr.prefill", "POST", url + route, headers) as leg:
+                return await self.pool.prefill(url, route, body, leg.headers)
+        return await self.pool.prefill(url, route, body, headers)
 
     async def _prefill_failed(self, ctx: RequestContext, request: dict[str, Any], exc: RouterError) -> None:
         assert ctx.route is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import msgspec
 from sidecar.allowlist import Allowlist, split_host_port
 from sidecar.config import Config
 from sidecar.exceptions import SidecarError
+from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Upstream
 
 log = logging.getLogger("sidecar.router")
@@ -55,10 +57,14 @@ class PrefillResult:
     cached_tokens: int  # P's own prefix-cache hits, reported to the client
 
 
-def parse_targets(value: bytes, allowlist: Allowlist) -> list[str]:
-    """``x-prefiller-host-port`` to P URLs; raises RouterError(400) on a bad or disallowed entry."""
+def parse_targets(value: bytes, allowlist: Allowlist, scheme: str = "http", pick: str = "") -> list[str]:
+    """``x-prefiller-host-port`` to P URLs; raises RouterError(400) on a bad entry, 403 outside
+    the allowlist. ``pick`` (``first`` or ``random``) keeps one entry before checking, as llm-d."""
     urls = []
-    for item in value.decode("latin-1").split(","):
+    items = value.decode("latin-1").split(",")
+    if pick:
+        items = [items[0] if pick == "first" else random.choice(items)]
+    for item in items:
         text = item.strip()
         target = split_host_port(text)
         if target is None:
@@ -67,8 +73,8 @@ def parse_targets(value: bytes, allowlist: Allowlist) -> list[str]:
             )
         host, port = target
         if not allowlist.allows(host, port):
-            raise RouterError(400, f"x-prefiller-host-port: {text!r} is not in the prefill allowlist")
-        urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+            raise RouterError(403, f"x-prefiller-host-port: {text!r} is not in the prefill allowlist")
+        urls.append(f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}")
     if not urls:
         raise RouterError(400, "x-prefiller-host-port is empty", "x-prefiller-host-port")
     return urls
@@ -94,14 +100,39 @@ class PrefillPool:
         self._connect = connect or self._upstream  # a fake per P in unit tests
         self._rotation = itertools.count()
 
+    @classmethod
+    def of(cls, config: Config, allowlist: Allowlist) -> PrefillPool | None:
+        """Router mode's P servers: a static pool, or llm-d's header checked against ``allowlist``
+        (``prefill_allow``, or an InferencePool's pods); None when neither is configured, unless
+        the sidecar gives llm-d's answers: llm-d's header then always takes the router's path."""
+        unlisted = not config.prefill and not config.prefill_allow and not config.inference_pool
+        if unlisted and config.answers != "llm-d":
+            return None
+        if unlisted:
+            log.warning(
+                "no prefill allowlist: every x-prefiller-host-port is refused (403); set "
+                "--enable-ssrf-protection with --inference-pool, or prefill_allow"
+            )
+        return cls(config, allowlist=allowlist)
+
     def candidates(self, header: bytes | None) -> list[str]:
         """The P URLs for one request, best first, healthy before backed-off ones."""
-        urls = parse_targets(header, self.allowlist) if header is not None else list(self.static)
+        policy = self.config.prefill_policy
+        if header is not None:
+            scheme = "https" if self.config.prefill_tls else "http"
+            pick = policy if policy in ("first", "random") else ""
+            urls = parse_targets(header, self.allowlist, scheme, pick)
+        else:
+            urls = list(self.static)
+        if header is not None and policy in ("first", "random"):
+            return urls  # the one P the header names: tried even while backed off, as llm-d does
         now = self._clock()
         healthy = [u for u in urls if self._unhealthy_until.get(u, 0.0) <= now]
+        if policy in ("first", "random"):
+            return _pick(policy, healthy)
         shift = next(self._rotation) % max(len(healthy), 1)
         healthy = healthy[shift:] + healthy[:shift]
-        if self.config.prefill_policy == "least-outstanding":
+        if policy == "least-outstanding":
             # A stable sort of the rotated list: ties (an idle pool) take turns.
             healthy.sort(key=lambda u: self._outstanding.get(u, 0))
         return healthy
@@ -130,7 +161,7 @@ class PrefillPool:
             header_timeout=self.config.prefill_timeout,
             read_timeout=self.config.read_timeout,
             pool_size=self.config.pool_size,
-        )
+        ).use_tls(outbound(self.config, "prefiller"))
 
     async def client(self, url: str) -> Client:
         client = self._clients.get(url)
@@ -163,6 +194,14 @@ class PrefillPool:
             message = f"prefill server answered {status}"
             raise RouterError(status, message, body=answer)
         return _prefill_result(url, answer)
+
+
+def _pick(policy: str, urls: list[str]) -> list[str]:
+    """A static pool with ``first`` or ``random``: that P first, the others after it."""
+    if policy == "random" and urls:
+        chosen = random.choice(urls)
+        return [chosen, *(u for u in urls if u != chosen)]
+    return urls
 
 
 def _prefill_result(url: str, answer: bytes) -> PrefillResult:

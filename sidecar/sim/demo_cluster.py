@@ -151,6 +151,7 @@ def _sidecar(settings: ClusterSettings, decode_url: str) -> Any:
         prefill_allow=("127.0.0.1",),
         vllm_version=settings.vllm_version,
         p_hold_seconds=settings.lease,  # the saving the sidecar estimates counts P's real lease
+        retried_statuses=("none",),  # the load generator talks to the sidecar: nothing retries
         log_level="error",
         log_format="text",
     )

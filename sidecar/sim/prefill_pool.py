@@ -232,6 +232,7 @@ class BlockPool:
             "notification_counts": held.counts,
             "expires_in": [None] * self.ranks,
             "held_seconds": self._clock() - held.pinned_at,
+            "freed_at": self._clock(),
         }
         while len(self._history) > _HISTORY:
             self._history.popitem(last=False)

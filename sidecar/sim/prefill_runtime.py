@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,7 @@ class PrefillSim:
         self._lock = threading.Lock()  # guards _handshakes_served
         self._restart_lock = threading.Lock()
         self._handshakes_served = 0
+        self._first_handshake_at: float | None = None  # time.monotonic() of the first one served
 
     # -- lifetime (blocking) ---------------------------------------------------
 
@@ -157,6 +159,8 @@ class PrefillSim:
     def _served(self) -> None:
         with self._lock:
             self._handshakes_served += 1
+            if self._first_handshake_at is None:
+                self._first_handshake_at = time.monotonic()
 
     # -- requests (event loop) -------------------------------------------------
 
@@ -202,13 +206,14 @@ class PrefillSim:
         data = self.pool.stats()
         alive = [listener.alive for listener in self._listeners]
         with self._lock:
-            served = self._handshakes_served
+            served, first = self._handshakes_served, self._first_handshake_at
         data.update(
             listener_alive=bool(alive) and all(alive),
             listener_dead=not (bool(alive) and all(alive)),
             listeners_alive=alive,
             listener_errors=[listener.error for listener in self._listeners],
             handshakes_served=served,
+            first_handshake_at=first,
             version=self.release.version,
             engine_id=self.engine_id,
             side_channel_host=self.config.side_channel_host,

@@ -29,7 +29,7 @@ DEPLOY = ROOT / "deploy"
 DOCS = ROOT / "docs"
 DOCKERFILE = ROOT / "Dockerfile"
 PLUGIN_DOCKERFILE = DEPLOY / "vllm-plugin.Dockerfile"
-OVERLAYS = ("sidecar", "router", "loadtest", "example-prefill")
+OVERLAYS = ("sidecar", "router", "loadtest", "example-prefill", "mesh/istio")
 SIDECAR_IMAGE = "kv-release-sidecar"
 VLLM_IMAGE = "vllm/vllm-openai"
 # Pod-level env a manifest fills from the downward API or a Secret: stand-ins for loading.

@@ -185,7 +185,7 @@ def _stage(name: str) -> list[tuple[str, str]]:
 
 def _synced_extras(stage: list[tuple[str, str]]) -> set[str]:
     runs = " ".join(rest for name, rest in stage if name == "RUN" and "uv sync" in rest)
-    return set(re.findall(r'--extra "?([a-z$]\w*)', runs))
+    return set(re.findall(r'--extra "?([a-z$][\w-]*)', runs))
 
 
 def test_sidecar_image_has_nixl_and_no_load_generator() -> None:
@@ -193,7 +193,8 @@ def test_sidecar_image_has_nixl_and_no_load_generator() -> None:
         "the default target is the sidecar"
     )
     build = _stage("build")
-    assert _synced_extras(build) == {"nixl", "$EXTRAS"}  # $EXTRAS: the optional otel build argument
+    # llm-d: the drop-in for llm-d's routing sidecar; $EXTRAS: the optional otel build argument
+    assert _synced_extras(build) == {"nixl", "llm-d", "$EXTRAS"}
     checks = " ".join(rest for name, rest in build if name == "RUN")
     assert "'matplotlib', 'aiohttp'" in checks, "the build fails if the plotting stack slips in"
 

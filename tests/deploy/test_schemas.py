@@ -89,7 +89,79 @@ PODMONITOR_SCHEMA: dict[str, Any] = {
         },
     },
 }
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SCHEMA}
+_STRINGS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+# The fields of networking.istio.io/v1 VirtualService the manifests may use (Istio's reference,
+# "Virtual Service": HTTPRoute, HTTPRouteDestination, Destination, PortSelector, HTTPRetry).
+VIRTUALSERVICE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "networking.istio.io/v1"},
+        "kind": {"const": "VirtualService"},
+        "metadata": PODMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["hosts", "http"],
+            "properties": {
+                "hosts": _STRINGS,
+                "gateways": _STRINGS,
+                "http": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["route"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "timeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "route": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["destination"],
+                                    "properties": {
+                                        "weight": {"type": "integer"},
+                                        "destination": {
+                                            "type": "object",
+                                            "additionalProperties": False,
+                                            "required": ["host"],
+                                            "properties": {
+                                                "host": {"type": "string"},
+                                                "subset": {"type": "string"},
+                                                "port": {
+                                                    "type": "object",
+                                                    "additionalProperties": False,
+                                                    "properties": {"number": {"type": "integer"}},
+                                                },
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                            "retries": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "attempts": {"type": "integer", "minimum": 0},
+                                    "perTryTimeout": {"type": "string"},
+                                    "retryOn": {"type": "string"},
+                                    "retryRemoteLocalities": {"type": "boolean"},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SCHEMA,
+    ("networking.istio.io/v1", "VirtualService"): VIRTUALSERVICE_SCHEMA,
+}
 
 
 def validate(resource: Resource, version: str) -> None:

@@ -108,6 +108,9 @@ SIDECAR_DEFAULTS: dict[str, Any] = {
     "release_retry_initial": 0.05,
     "release_retry_max": 0.2,
     "log_format": "text",
+    # The scenarios talk to the sidecar directly: nothing in front retries its answers on another
+    # pod, so D unreachable (503) is released (tests/faults/test_mesh_retries.py has the proxies).
+    "retried_statuses": ("none",),
 }
 
 

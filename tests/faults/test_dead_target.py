@@ -9,8 +9,9 @@ workers. Expected:
 * every real release reaches P at once: P frees each within 100 ms of D's
   answer reaching the client (an upper bound computed from P's own record);
 * the dead target's breaker opens after three refused connections; from then
-  on its jobs wait without a worker and only a probe at growing intervals
-  connects, so the attempts stay bounded whatever the number of jobs;
+  on its jobs wait without a worker and only a probe connects, at growing
+  intervals (at most one per ``FRESH_GAP`` while new rejections name it), so
+  the attempts stay bounded by time whatever the number of jobs;
 * each job ends with exactly one "release decision" line: ``failed`` for the
   dead ones at their deadline, ``sent`` for the real ones.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.release.targets import FRESH_GAP
 from tests.faults.cluster import Backends, Sent, until
 from tests.faults.conftest import scene
 from tests.servers import free_port
@@ -31,8 +33,10 @@ pytestmark = pytest.mark.nixl
 DEADLINE = 4.0
 STEADY_SECONDS = 4.0
 #: Three failures open the breaker; probes follow at 0.5, 1, 2, 4 s intervals while jobs keep it
-#: in use (about 8 s here): at most 3 + 4, plus a few for timing.
-ATTEMPTS_BOUND = 10
+#: in use (about 8 s here), and each new rejection naming the dead P brings a probe forward to
+#: FRESH_GAP after the last failure (at most one per FRESH_GAP while they keep coming, for
+#: STEADY_SECONDS): at most 3 + 4 + 8, plus a few for timing, whatever the number of jobs.
+ATTEMPTS_BOUND = 3 + 4 + int(STEADY_SECONDS / FRESH_GAP) + 3
 
 
 def _dead_params(template: dict[str, Any], port: int, index: int) -> dict[str, Any]:

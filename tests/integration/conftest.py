@@ -61,7 +61,9 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     ``record``: the recording releaser stands in for the configured strategy (the proxy still
     behaves as configured for it, e.g. keeping raw parameters for ``http``).
     """
-    settings = {"release": "dry-run", "log_level": "warning", **settings}
+    # Tests talk to the sidecar directly: nothing in front retries its answers on another pod
+    # (tests/faults/test_mesh_retries.py runs real retrying proxies with the default).
+    settings = {"release": "dry-run", "log_level": "warning", "retried_statuses": ("none",), **settings}
     config = Config(decode_url=decode_url, **settings)
     frees, keeps_raw = config.release in ("nixl", "http", "auto"), config.release in ("http", "auto")
     releaser = DryRunReleaser(keep=100_000, frees=frees, keeps_raw=keeps_raw)

@@ -56,7 +56,8 @@ LIMITS = {
 @contextmanager
 def guarded_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
     """Like ``run_sidecar``, served with the production protocol and limits."""
-    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **{**LIMITS, **settings})
+    settings = {"retried_statuses": ("none",), **LIMITS, **settings}  # nothing in front retries
+    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **settings)
     releaser = DryRunReleaser(keep=1000)
     app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
     options = server_options(ServerLimits.of(config))

@@ -214,7 +214,7 @@ def test_prefiller_header_selects_p_and_is_checked_against_the_allowlist() -> No
         denied = httpx.post(
             sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": "10.1.2.3:8100"}
         )
-        assert denied.status_code == 400 and "allowlist" in denied.json()["error"]["message"]
+        assert denied.status_code == 403 and "allowlist" in denied.json()["error"]["message"]
         bad = httpx.post(
             sc.url + "/v1/completions", json=completion(5), headers={"x-prefiller-host-port": "nope"}
         )

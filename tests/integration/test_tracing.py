@@ -99,7 +99,7 @@ def traced_sidecar(
     decode_url: str, exporter: InMemorySpanExporter | None = None, releaser: Any = None, **settings: Any
 ) -> Iterator[Sidecar]:
     """``run_sidecar`` with tracing: spans to ``exporter``, or as the config says when None."""
-    settings = {"release": "dry-run", "log_level": "warning", **settings}
+    settings = {"release": "dry-run", "log_level": "warning", "retried_statuses": ("none",), **settings}
     config = Config(decode_url=decode_url, **settings)
     dry = DryRunReleaser(keep=1000)
     injected = releaser or (dry if config.release == "dry-run" else None)

@@ -254,6 +254,7 @@ class RecordingNixl:
 @contextmanager
 def run_auto(decode_url: str, nixl: Any | None = None, **settings: Any) -> Iterator[Sidecar]:
     """A sidecar with ``--release auto``; ``nixl`` replaces the NIXL strategy when given."""
+    settings = {"retried_statuses": ("none",), **settings}  # nothing in front retries D's 503
     config = Config(
         decode_url=decode_url, release="auto", log_level="warning", control_token=TOKEN, **settings
     )

@@ -49,7 +49,9 @@ def test_nixl_recipe_pins_the_locked_versions_of_the_nixl_extra() -> None:
 def test_core_and_extras_are_as_documented() -> None:
     project = PYPROJECT["project"]
     assert {canonicalize_name(Requirement(r).name) for r in project["dependencies"]} == CORE
-    assert set(project["optional-dependencies"]) == {"nixl", "loadtest", "otel"} == set(extras.MODULES)
+    assert (
+        set(project["optional-dependencies"]) == {"nixl", "loadtest", "otel", "llm-d"} == set(extras.MODULES)
+    )
     dev = PYPROJECT["dependency-groups"]["dev"]
-    assert "kv-release-sidecar[nixl,loadtest,otel]" in dev, "make demo and make test need every extra"
+    assert "kv-release-sidecar[nixl,loadtest,otel,llm-d]" in dev, "make demo and make test need every extra"
     assert not forbidden(_locked()), "uv.lock holds torch, triton or nvidia-*"

@@ -163,8 +163,8 @@ async def test_an_admitted_request_is_not_released() -> None:
         assert r.releaser.jobs == []
 
 
-async def test_d_down_is_answered_503_and_released() -> None:
-    async with rig(FakeUpstream(refused, reached=False)) as r:
+async def test_d_down_is_answered_503_and_released_when_nothing_in_front_retries() -> None:
+    async with rig(FakeUpstream(refused, reached=False), retried_statuses=("none",)) as r:
         client = await r.call(Client(body=completion(V033)))
         assert client.status == 503 and b"decode server" in client.response_body
         assert [job.cause for job in r.releaser.jobs] == ["unreachable"]
@@ -286,14 +286,15 @@ async def test_the_client_leaving_while_d_works_is_judged_ambiguous() -> None:
 
 
 async def test_an_injected_rejection_never_reaches_d_and_is_released() -> None:
-    async with rig(FakeUpstream(lambda r: FakeResponse.json(200, {})), inject_header=True) as r:
+    d = FakeUpstream(lambda r: FakeResponse.json(200, {}))
+    async with rig(d, inject_header=True, retried_statuses=("none",)) as r:
         client = await r.call(Client(body=completion(V033), headers=[(b"x-kvr-inject-reject", b"503")]))
         assert client.status == 503 and client.response_headers[b"x-kvr-injected"] == b"true"
         assert r.d.requests == [] and [job.cause for job in r.releaser.jobs] == ["injected"]
 
 
-async def test_a_draining_sidecar_refuses_and_releases() -> None:
-    async with rig(FakeUpstream(lambda r: FakeResponse.json(200, {}))) as r:
+async def test_a_draining_sidecar_refuses_and_releases_when_nothing_in_front_retries() -> None:
+    async with rig(FakeUpstream(lambda r: FakeResponse.json(200, {})), retried_statuses=("none",)) as r:
         r.proxy.stopping = True
         client = await r.call(Client(body=completion(V033)))
         assert client.status == 503 and r.d.requests == []

@@ -9,16 +9,21 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
+from sidecar.release import targets as targets_module
 from sidecar.release.base import Verdict
 from sidecar.release.targets import BreakerPolicy, Grant, State, Target, TargetDown, Targets
 
 POLICY = BreakerPolicy(failures=3, interval=0.05, max_interval=0.2)
 
 
-def make(cap: int = 2, size: int = 64) -> tuple[Targets, CollectorRegistry]:
+def make(cap: int = 2, size: int = 64, policy: BreakerPolicy = POLICY) -> tuple[Targets, CollectorRegistry]:
     registry = CollectorRegistry()
     gauge = Gauge("kvr_release_targets", "targets by state", ["state"], registry=registry)
-    return Targets(cap, gauge, POLICY, size=size), registry
+    return Targets(cap, gauge, policy, size=size), registry
+
+
+# An open interval no test waits out: only a fresh job can probe within one.
+LONG = BreakerPolicy(failures=3, interval=30.0, max_interval=30.0)
 
 
 def counted(registry: CollectorRegistry, state: str) -> float:
@@ -57,6 +62,53 @@ async def test_three_connect_failures_open_then_a_probe_closes() -> None:
     grant = await second
     assert not grant.probe and target.state is State.CLOSED
     assert counted(registry, "closed") == 1 and counted(registry, "half_open") == 0
+
+
+GAP = 0.1
+
+
+@pytest.fixture
+def short_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(targets_module, "FRESH_GAP", GAP)
+
+
+@pytest.mark.usefixtures("short_gap")
+async def test_a_job_made_after_the_last_failure_brings_the_probe_forward() -> None:
+    """P came back: a request it prefilled since is the first sign. The breaker's long interval is
+    cut to ``FRESH_GAP`` after the failure; one job probes, and when it connects every job goes."""
+    targets, _ = make(cap=2, policy=LONG)
+    target = targets.attach("p:5600")
+    before = time.monotonic()
+    await fail(target, 3)
+    failed = time.monotonic()
+    assert target.state is State.OPEN
+    jobs = [asyncio.ensure_future(target.acquire(failed + 5, lambda: None, before)) for _ in range(3)]
+    await asyncio.sleep(GAP * 2)
+    assert not any(job.done() for job in jobs)  # made before the failure: the interval holds them
+    fresh = asyncio.ensure_future(target.acquire(failed + 5, lambda: None, time.monotonic()))
+    done, _ = await asyncio.wait([*jobs, fresh], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+    [probe] = [job.result() for job in done]
+    assert probe.probe and target.state is State.HALF_OPEN
+    target.done(probe, Verdict.UP)
+    waiting = [job for job in (*jobs, fresh) if job not in done]
+    grants = await asyncio.wait_for(asyncio.gather(*waiting[:2]), 0.1)  # the cap's worth, at once
+    assert target.state is State.CLOSED and not any(g.probe for g in grants)
+    target.done(grants[0], Verdict.UP)
+    assert not (await asyncio.wait_for(waiting[2], 0.1)).probe
+
+
+@pytest.mark.usefixtures("short_gap")
+async def test_a_dead_p_costs_one_probe_per_gap_while_new_rejections_name_it() -> None:
+    targets, _ = make(cap=2, policy=LONG)
+    target = targets.attach("p:5600")
+    await fail(target, 3)
+    started, probes = time.monotonic(), 0
+    while time.monotonic() - started < GAP * 5:
+        grant = await target.acquire(time.monotonic() + 5, lambda: None, time.monotonic())
+        assert grant.probe
+        probes += 1
+        target.done(grant, Verdict.DOWN)
+    assert 3 <= probes <= 6  # one per FRESH_GAP at most, never one per job
 
 
 async def test_a_failed_probe_doubles_the_interval_up_to_the_cap() -> None:

@@ -1,0 +1,42 @@
+"""The allowed P hosts: static (``prefill_allow``), or the pods an InferencePool selects, watched.
+
+With ``inference_pool`` set (llm-d's ``--enable-ssrf-protection --inference-pool``)
+the sidecar watches that InferencePool and the pods its selector matches from
+the Kubernetes API (``watch``, in-cluster service-account auth), and keeps two
+allowlists current (``members``): router mode's P, each pod's IP on the pool's
+target ports, which ``x-prefiller-host-port`` is checked against (403
+otherwise); and the release pipeline's, each pod's IP on P's side-channel
+ports (``pool_side_channel_ports``). Both also hold ``prefill_allow``'s entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.allowlist import Allowlist
+from sidecar.config import Config
+from sidecar.k8s.members import LiveAllowlist, PoolWatch
+
+# Start-up waits this long for the first list of the pool and its pods; /readyz says when it came.
+FIRST_SYNC_SECONDS = 10.0
+
+__all__ = ["Allowlists", "LiveAllowlist", "PoolWatch", "watched_allowlists"]
+
+
+@dataclass(frozen=True, slots=True)
+class Allowlists:
+    prefill: Allowlist  # router mode: the hosts x-prefiller-host-port may name
+    release: Allowlist  # the NIXL targets: P's side channels
+    watch: PoolWatch | None = None
+
+
+async def watched_allowlists(config: Config) -> Allowlists:
+    """Static lists (one object for both), or live ones kept by a started ``PoolWatch``."""
+    if not config.inference_pool:
+        static = Allowlist(config.prefill_allow)
+        return Allowlists(static, static)
+    from sidecar.k8s.watch import start_pool_watch  # needs the llm-d extra (lightkube)
+
+    prefill, release = LiveAllowlist(config.prefill_allow), LiveAllowlist(config.prefill_allow)
+    watch = await start_pool_watch(config, prefill, release, FIRST_SYNC_SECONDS)
+    return Allowlists(prefill, release, watch)

@@ -1,0 +1,276 @@
+"""The llm-d drop-in end to end: llm-d's decode args, TLS, the InferencePool watch, real P and D.
+
+The sidecar runs as llm-d's decode pod runs its routing sidecar: the image's
+``serve`` entry point with llm-d's exact arguments (TLS on, a certificate
+directory, SSRF protection with an InferencePool), in front of sim-decode (vLLM
+D) with sim-prefill (TP 2, real NIXL) as P. Kubernetes is a fake API server
+(tests.fake_kube) reached with the pod's service-account token over HTTPS. A real
+TLS client (httpx, verifying the test CA) sends requests with llm-d's header.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trustme
+
+from sidecar.sim.decode import create_decode_app
+from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from tests.fake_kube import FakeKube, inference_pool, pod
+from tests.integration.test_router import completion, stats, wait_stats
+from tests.ranked import consecutive_free_ports, ranked
+from tests.servers import ServerThread, free_port, serve
+
+pytestmark = pytest.mark.nixl
+VERSION = "0.33.0"
+TOKEN = "service-account-token"
+LABELS = {"llm-d.ai/inferenceServing": "true"}
+
+
+def write_cert(ca: trustme.CA, directory: Path) -> None:
+    """tls.crt and tls.key as a Kubernetes TLS Secret mounts them (replaced by a rename)."""
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    directory.mkdir(exist_ok=True)
+    for name, blob in (("tls.crt", cert.cert_chain_pems[0]), ("tls.key", cert.private_key_pem)):
+        blob.write_to_path(str(directory / f".{name}"))
+        os.replace(directory / f".{name}", directory / name)
+
+
+@contextmanager
+def kube_api(tmp: Path, ca: trustme.CA) -> Iterator[tuple[FakeKube, ServerThread, Path]]:
+    """The fake API over HTTPS, and a service-account directory (token, ca.crt, namespace)."""
+    fake = FakeKube(TOKEN)
+    server_cert = ca.issue_cert("127.0.0.1")
+    with (
+        server_cert.cert_chain_pems[0].tempfile() as crt,
+        server_cert.private_key_pem.tempfile() as key,
+        serve(fake.app(), ssl_certfile=crt, ssl_keyfile=key) as api,
+    ):
+        account = tmp / "serviceaccount"
+        account.mkdir()
+        (account / "token").write_text(TOKEN)
+        (account / "namespace").write_text("llm")
+        ca.cert_pem.write_to_path(str(account / "ca.crt"))
+        yield fake, api, account
+
+
+@contextmanager
+def sidecar(args: list[str], env: dict[str, str], ready: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """``kv-release-sidecar serve <args>`` (the image's entry point), until ``ready()`` holds."""
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "serve", *args],
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("KVR_")}, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready():
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise AssertionError(f"the sidecar did not become ready: {log.read().decode()[-3000:]}")
+            time.sleep(0.05)
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def answers(url: str, **kwargs: Any) -> bool:
+    try:
+        return httpx.get(url, timeout=2, **kwargs).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)
+
+
+def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    certs = tmp_path / "certs"
+    write_cert(ca, certs)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    p_app = create_prefill_app(
+        PrefillSimConfig(port=0, vllm_version=VERSION, tp=2, num_blocks=64, lease=0, side_channel_port=0)
+    )
+    d_config = DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="m", log_params=True)
+    with (
+        kube_api(tmp_path, ca) as (fake, api, account),
+        serve(p_app) as p,
+        serve(create_decode_app(d_config, VllmDHooks(VERSION))) as d,
+    ):
+        fake.put("inferencepools", inference_pool("pool", LABELS, [p.port]))
+        fake.put("pods", pod("prefill-0", "127.0.0.1", LABELS))
+        port, admin = free_port(), free_port()
+        llm_d_args = [
+            f"--port={port}",
+            f"--vllm-port={d.port}",
+            "--kv-connector=nixlv2",
+            "--secure-proxy=true",
+            f"--cert-path={certs}",
+            "--enable-ssrf-protection",
+            "--inference-pool=llm/pool",
+            "--zap-encoder=json",
+            "--zap-log-level=info",
+        ]
+        env = {
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": str(api.port),
+            "KVR_KUBE_SERVICE_ACCOUNT": str(account),
+            "KVR_ADMIN_PORT": str(admin),
+            "KVR_POOL_SIDE_CHANNEL_PORTS": "1024-65535",
+        }
+        url = f"https://127.0.0.1:{port}"
+        ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731
+        with (
+            sidecar(llm_d_args, env, ready),
+            httpx.Client(verify=ssl.create_default_context(cafile=ca_file), timeout=20) as client,
+        ):
+            header = {"x-prefiller-host-port": f"127.0.0.1:{p.port}"}
+            assert client.get(url + "/health").status_code == 200
+            ok = client.post(url + "/v1/completions", json=completion(20), headers=header)
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["choices"]
+            after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+            assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]  # D read them
+
+            rejected = client.post(
+                url + "/v1/completions", json=completion(60, max_tokens="x"), headers=header
+            )
+            assert rejected.status_code == 400
+            after = wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2)
+            assert after["notifs_per_rank"] == [2, 2] and after["notifs_unknown"] == 0  # freed by the sidecar
+            metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
+            assert 'kvr_releases_total{result="sent",strategy="nixl"} 1.0' in metrics
+
+            outside = {"x-prefiller-host-port": f"127.0.0.2:{p.port}"}
+            denied = client.post(url + "/v1/completions", json=completion(5), headers=outside)
+            assert denied.status_code == 403
+            assert denied.text == "Forbidden: prefill target not allowed by SSRF protection\n"
+
+            fake.delete("pods", "prefill-0")  # the pool follows: P is no longer allowed
+
+            def status() -> int:
+                return client.post(url + "/v1/completions", json=completion(5), headers=header).status_code
+
+            wait_for(lambda: status() == 403, 5.0)
+            fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))
+            wait_for(lambda: status() == 200, 5.0)
+            assert stats(p)["requests_pinned"] >= 3
+
+
+def test_a_rotated_certificate_reaches_new_connections_without_a_restart(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    certs = tmp_path / "certs"
+    write_cert(ca, certs)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    with serve(create_decode_app(DecodeSimConfig(port=0, model="m"))) as d:
+        port, admin = free_port(), free_port()
+        args = [f"--port={port}", f"--model-server-port={d.port}", f"--cert-path={certs}"]
+        env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1", "KVR_RELEASE": "dry-run"}
+        ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731
+        with sidecar(args, env, ready):
+            first = served_serial(port, ca_file)
+            write_cert(ca, certs)  # the Secret's new version
+            wait_for(lambda: served_serial(port, ca_file) != first, 5.0)
+            with httpx.Client(verify=ssl.create_default_context(cafile=ca_file)) as client:
+                assert client.get(f"https://127.0.0.1:{port}/health").status_code == 200
+
+
+def served_serial(port: int, ca_file: Path) -> int:
+    """The serial number of the certificate a new TLS connection is served."""
+    import socket
+
+    from cryptography import x509
+
+    context = ssl.create_default_context(cafile=str(ca_file))
+    with (
+        socket.create_connection(("127.0.0.1", port)) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_leg_s_p() -> None:
+    d_base = consecutive_free_ports(2)
+    configs = [DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="m", log_params=True)] * 2
+    ps = [
+        create_prefill_app(
+            PrefillSimConfig(port=0, vllm_version=VERSION, tp=2, num_blocks=64, lease=0, side_channel_port=0)
+        )
+        for _ in range(2)
+    ]
+    with serve(ps[0]) as p0, serve(ps[1]) as p1, ranked(configs, d_base, lambda: VllmDHooks(VERSION)) as ds:
+        base, admin = consecutive_free_ports(2), free_port()
+        args = [
+            f"--port={base}",
+            f"--model-server-port={d_base}",
+            "--data-parallel-size=2",
+            "--secure-serving=false",
+        ]
+        env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1", "POD_IP": "127.0.0.1"}
+        ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731
+        with sidecar(args, env, ready):
+            checks = httpx.get(f"http://127.0.0.1:{admin}/readyz").json()["checks"]
+            assert checks["decode"] and checks["decode_rank_1"], checks  # each rank's D is probed
+            for rank, p in ((0, p0), (1, p1)):
+                header = {"x-prefiller-host-port": f"127.0.0.1:{p.port}", "x-request-id": f"rank-{rank}"}
+                target = f"http://127.0.0.1:{base + rank}/v1/completions"
+                assert httpx.post(target, json=completion(20), headers=header, timeout=20).status_code == 200
+                rejected = httpx.post(target, json=completion(60, max_tokens="x"), headers=header, timeout=20)
+                assert rejected.status_code == 400
+            for rank, d in enumerate(ds):
+                log = httpx.get(d.url + "/sim/log").json()
+                assert {entry["request_id"] for entry in log} == {f"rank-{rank}"}, log
+            for p in (p0, p1):  # each P: one read by its D rank, one freed by the sidecar
+                after = wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2)
+                assert after["freed_by_notification"] == 2 and after["notifs_unknown"] == 0
+            rank0 = f"http://127.0.0.1:{base}/v1/completions"
+            for named, status in ((f"127.0.0.1:{base + 5}", 400), (f"10.9.9.9:{base + 1}", 400)):
+                wrong = httpx.post(rank0, json=completion(5), headers={"x-data-parallel-host-port": named})
+                assert (wrong.status_code, wrong.content) == (status, b"")  # not POD_IP:a rank's port
+            by_header = {"x-data-parallel-host-port": f"127.0.0.1:{base + 1}", "x-request-id": "by-header"}
+            assert httpx.post(rank0, json=completion(5), headers=by_header, timeout=20).status_code == 200
+            assert "by-header" in {entry["request_id"] for entry in httpx.get(ds[1].url + "/sim/log").json()}
+
+
+def test_the_self_signed_certificate_is_made_at_start_without_a_directory(tmp_path: Path) -> None:
+    assert shutil.which(sys.executable)
+    with serve(create_decode_app(DecodeSimConfig(port=0, model="m"))) as d:
+        port, admin = free_port(), free_port()
+        env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1", "KVR_RELEASE": "dry-run"}
+        ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731
+        with sidecar([f"--port={port}", f"--vllm-port={d.port}"], env, ready):
+            assert httpx.get(f"https://127.0.0.1:{port}/health", verify=False).status_code == 200
+            with pytest.raises(httpx.ConnectError):  # self-signed: a verifying client refuses it
+                httpx.get(f"https://127.0.0.1:{port}/health")

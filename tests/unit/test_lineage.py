@@ -1,0 +1,93 @@
+"""Which P process a release is for: P's agent names as its identity, outages as restart points."""
+
+from __future__ import annotations
+
+from sidecar.nixl.lineage import RESTART_GRACE, Lineage
+
+P = ("10.0.0.7", 5600)
+OLD, NEW = ("agent-a0", "agent-a1"), ("agent-b0", "agent-b1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lineage() -> tuple[Lineage, Clock]:
+    clock = Clock()
+    return Lineage(64, 3600, clock), clock
+
+
+def test_a_release_for_the_process_it_was_made_under_goes() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    clock.now += 5
+    assert known.refusal(P, OLD, created=clock.now - 1) is None
+
+
+def test_a_request_rejected_as_p_went_away_is_refused_by_the_process_that_came_back() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    clock.now += 5
+    rejected = clock.now
+    clock.now += 0.01
+    known.lost(P)  # the release's own attempt finds P gone
+    clock.now += 0.3
+    known.lost(P)  # the first failure counts, not the later ones
+    clock.now += 30
+    known.seen(P, NEW)
+    why = known.refusal(P, NEW, created=rejected)
+    assert why is not None and "new process" in why and "before" in why
+    assert known.refusal(P, NEW, created=rejected + 0.01 + RESTART_GRACE * 0.9) is not None
+
+
+def test_a_request_rejected_well_after_p_was_found_gone_is_the_new_processes() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    known.lost(P)
+    lost = clock.now
+    clock.now += 20
+    known.seen(P, NEW)
+    assert known.refusal(P, NEW, created=lost + RESTART_GRACE + 0.1) is None
+    assert known.refusal(P, NEW, created=clock.now + 1) is None  # made after it was seen
+
+
+def test_the_same_process_after_an_outage_is_still_the_same() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    clock.now += 1
+    known.lost(P)
+    clock.now += 10
+    known.seen(P, OLD)  # a network blip: the same agents answer again
+    assert known.refusal(P, OLD, created=clock.now - 10.5) is None
+
+
+def test_at_first_contact_after_an_outage_nothing_tells_a_restart_from_a_blip() -> None:
+    known, clock = lineage()
+    known.lost(P)
+    clock.now += 10
+    known.seen(P, NEW)
+    assert known.refusal(P, NEW, created=clock.now - 10) is None
+
+
+def test_a_restart_nobody_saw_go_down_is_taken_as_the_same_lineage() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    clock.now += 10
+    known.seen(P, NEW)  # a send to the old agents failed, the handshake found new ones
+    assert known.refusal(P, NEW, created=clock.now - 5) is None
+
+
+def test_endpoints_are_apart() -> None:
+    known, clock = lineage()
+    other = ("10.0.0.8", 5600)
+    known.seen(P, OLD)
+    known.lost(P)
+    clock.now += 5
+    known.seen(P, NEW)
+    known.seen(other, NEW)
+    assert known.refusal(other, NEW, created=clock.now - 5) is None
+    assert known.refusal(P, NEW, created=clock.now - 5) is not None

@@ -1,0 +1,174 @@
+"""Answers a proxy in front of the decode pods may retry elsewhere are never released behind.
+
+A gateway or mesh that resends a failed request, P's ``kv_transfer_params``
+and all, to another decode pod makes that pod's D read P's blocks; a release
+by this sidecar would let P reuse them first. ``retried_statuses`` (default
+502, 503, 504) names what such a proxy retries: the judge leaves those
+rejections to the retry (or to P's lease), the answer stays as it was (no
+``x-should-retry: false``: the parameters are not spent), and the refusal of
+spent parameters takes a status outside the list. Router mode is untouched: a
+retry there runs a fresh prefill. Over real retrying proxies (nginx, haproxy)
+in ``tests/faults/test_mesh_retries.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sidecar import retries
+from sidecar.config import Config, ConfigError, load
+from sidecar.limits import OVER_LIMIT
+from tests.fakes import Client, FakeResponse, FakeUpstream, refused
+from tests.unit.test_proxy import V033, Rig, completion, error, rig
+from tests.unit.test_router_legs import router
+
+
+@pytest.mark.parametrize(
+    ("entries", "statuses"),
+    [
+        (("502", "503", "504"), {502, 503, 504}),
+        (("none",), set()),
+        (("5xx",), set(range(500, 600))),
+        (("5XX", "409"), {*range(500, 600), 409}),
+        (("429", "503"), {429, 503}),
+    ],
+)
+def test_entries_name_statuses(entries: tuple[str, ...], statuses: set[int]) -> None:
+    assert retries.problem(entries) is None
+    assert retries.parse(entries) == statuses
+
+
+@pytest.mark.parametrize(
+    ("entries", "words"),
+    [
+        (("none", "503"), "stands alone"),
+        (("200",), "not a 4xx or 5xx"),
+        (("abc",), "not a 4xx or 5xx"),
+        (("6xx",), "not a 4xx or 5xx"),
+        (("4xx",), "leaves no status"),
+        (("409", "410", "400"), "leaves no status"),
+    ],
+)
+def test_bad_entries_are_refused_with_the_reason(entries: tuple[str, ...], words: str) -> None:
+    assert words in (retries.problem(entries) or "")
+    with pytest.raises(ConfigError, match="retried_statuses"):
+        Config(retried_statuses=entries)
+
+
+@pytest.mark.parametrize(
+    ("retried", "status"),
+    [(set(), 409), ({502, 503, 504}, 409), ({409}, 410), ({409, 410}, 400), (set(range(500, 600)), 409)],
+)
+def test_the_spent_answer_is_a_status_no_proxy_in_front_retries(retried: set[int], status: int) -> None:
+    assert retries.replay_status(frozenset(retried)) == status
+
+
+def test_ranges_are_shown_folded() -> None:
+    assert retries.shown(frozenset()) == "none"
+    assert retries.shown(retries.parse(("502", "503", "504", "409"))) == "409,502-504"
+    assert retries.shown(retries.parse(("5xx",))) == "500-599"
+
+
+def test_flags_variables_and_the_file_all_take_the_list() -> None:
+    assert load({}, {}).retried_statuses == ("502", "503", "504")
+    assert load({}, {"KVR_RETRIED_STATUSES": "none"}).retried_statuses == ("none",)
+    assert load({"retried_statuses": "503, 5xx"}, {}).retried_statuses == ("503", "5xx")
+    assert load({}, {}, "retried_statuses = [503, 502]").retried_statuses == ("503", "502")
+    with pytest.raises(ConfigError, match=r"KVR_RETRIED_STATUSES.*'nope'"):
+        load({}, {"KVR_RETRIED_STATUSES": "nope"})
+
+
+def _left(r: Rig, cause: str) -> float:
+    labels = {"outcome": "retryable", "cause": cause}
+    return r.metrics.registry.get_sample_value("kvr_not_released_total", labels) or 0.0
+
+
+def _answer(status: int) -> Any:
+    return lambda request: error(status, "ServiceUnavailableError")
+
+
+@pytest.mark.parametrize(
+    ("d", "settings", "client_status", "cause"),
+    [
+        (FakeUpstream(refused, reached=False), {}, 503, "unreachable"),
+        (FakeUpstream(_answer(503)), {}, 503, "rejected_5xx"),
+        (FakeUpstream(lambda r: FakeResponse.json(200, {})), {"inject_header": True}, 503, "injected"),
+        (FakeUpstream(_answer(500)), {"retried_statuses": ("5xx",)}, 500, "rejected_5xx"),
+        (FakeUpstream(_answer(429)), {"retried_statuses": ("429",)}, 429, "rejected_4xx"),
+    ],
+    ids=["d-down", "d-503", "injected-503", "d-500-under-5xx", "d-429-listed"],
+)
+async def test_a_retryable_answer_is_left_to_the_retry(
+    d: FakeUpstream, settings: dict[str, Any], client_status: int, cause: str
+) -> None:
+    headers = [(b"x-kvr-inject-reject", b"503")] if settings.get("inject_header") else []
+    async with rig(d, **settings) as r:
+        client = await r.call(Client(body=completion(V033), headers=headers))
+        assert client.status == client_status
+        assert r.releaser.jobs == [] and _left(r, cause) == 1
+        # Not spent: a retry with the same parameters, here or elsewhere, may use them.
+        assert b"x-should-retry" not in client.response_headers
+        again = await r.call(Client(body=completion(V033)))
+        assert again.status != 409
+
+
+@pytest.mark.parametrize(
+    ("d", "settings", "client_status"),
+    [
+        (FakeUpstream(refused, reached=False), {"retried_statuses": ("none",)}, 503),
+        (FakeUpstream(_answer(500)), {}, 500),
+        (FakeUpstream(lambda r: error(400, "Bad Request")), {}, 400),
+        (FakeUpstream(lambda r: error(400, "Bad Request")), {"retried_statuses": ("5xx",)}, 400),
+    ],
+    ids=["d-down-nothing-retries", "d-500", "d-400", "d-400-under-5xx"],
+)
+async def test_other_answers_are_released_and_spent(
+    d: FakeUpstream, settings: dict[str, Any], client_status: int
+) -> None:
+    async with rig(d, **settings) as r:
+        client = await r.call(Client(body=completion(V033, max_tokens="x")))
+        assert client.status == client_status and len(r.releaser.jobs) == 1
+        assert client.response_headers[b"x-should-retry"] == b"false"
+
+
+async def test_a_stream_opening_with_an_error_is_released_whatever_is_retried() -> None:
+    """A 200 went out: no proxy retries it."""
+    refusal = {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+    async with rig(FakeUpstream(lambda r: FakeResponse.sse(refusal)), retried_statuses=("5xx", "409")) as r:
+        client = await r.call(Client(body=completion(V033, stream=True)))
+        assert client.status == 200 and [job.cause for job in r.releaser.jobs] == ["stream_admission_error"]
+
+
+@pytest.mark.parametrize(("retried", "status"), [(("503",), 409), (("409",), 410), (("409", "410"), 400)])
+async def test_spent_parameters_are_refused_with_a_status_the_proxy_does_not_retry(
+    retried: tuple[str, ...], status: int
+) -> None:
+    async with rig(FakeUpstream(lambda r: error(400, "Bad Request")), retried_statuses=retried) as r:
+        await r.call(Client(body=completion(V033, max_tokens="x")))
+        again = await r.call(Client(body=completion(V033)))
+        assert again.status == status and again.response_headers[b"x-should-retry"] == b"false"
+        assert len(r.d.requests) == 1
+
+
+async def test_above_the_concurrency_limit_the_body_is_read_only_when_its_503_may_be_released() -> None:
+    def over() -> Client:
+        client = Client(body=completion(V033))
+        scope = client.scope
+        client.scope = lambda: {**scope(), "extensions": {OVER_LIMIT: {}}}  # type: ignore[method-assign]
+        return client
+
+    d = FakeUpstream(lambda r: FakeResponse.json(200, {}))
+    async with rig(d, limit_concurrency=10) as r:
+        client = await r.call(over())
+        assert client.status == 503 and r.releaser.jobs == [] and _left(r, "overloaded") == 0
+    async with rig(d, limit_concurrency=10, retried_statuses=("none",)) as r:
+        client = await r.call(over())
+        assert client.status == 503 and [job.cause for job in r.releaser.jobs] == ["overloaded"]
+
+
+async def test_router_mode_releases_behind_any_status_a_retry_runs_a_fresh_prefill() -> None:
+    async with router(FakeUpstream(refused, reached=False)) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 503 and [job.cause for job in r.releaser.jobs] == ["unreachable"]
