@@ -46,7 +46,7 @@ tools:
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
-	$(UV) run --frozen --no-sync mypy --strict sidecar bench
+	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e
 
 bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench

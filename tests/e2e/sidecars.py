@@ -8,9 +8,7 @@ settings every e2e sidecar shares, in one place.
 
 from __future__ import annotations
 
-import functools
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,30 +34,17 @@ SIDECAR_ARGS: tuple[str, ...] = (
     "0.5",
     "--decode-health-interval",
     "0.5",
+    # Nothing in front of these sidecars retries an answer on another D (no gateway, no mesh), so
+    # every status may be released: D down is a 503 the sidecar must release.
+    "--retried-statuses",
+    "none",
 )
-#: No proxy or mesh retries on another D in front of these sidecars: every status may be released.
-NO_RETRYING_PROXY = ("--retried-statuses", "none")
 MODE_ARGS: dict[Mode, tuple[str, ...]] = {
     "nixl": ("--release", "nixl"),
     "router": ("--release", "nixl"),
     "http": ("--release", "http"),
     "off": ("--release", "off"),
 }
-
-
-@functools.cache
-def serve_flags(python: str) -> frozenset[str]:
-    """The flags this checkout's ``serve`` knows (settings come and go between releases)."""
-    done = subprocess.run(
-        [python, "-m", "sidecar", "serve", "--help"], capture_output=True, text=True, timeout=120
-    )
-    return frozenset(word.rstrip(",") for word in done.stdout.split() if word.startswith("--"))
-
-
-def common_args(python: str) -> tuple[str, ...]:
-    """``SIDECAR_ARGS``, and ``--retried-statuses none`` where the sidecar has that setting."""
-    extra = NO_RETRYING_PROXY if NO_RETRYING_PROXY[0] in serve_flags(python) else ()
-    return SIDECAR_ARGS + extra
 
 
 @dataclass(frozen=True)
@@ -97,7 +82,7 @@ def sidecar_command(mode: Mode, peers: Peers, port: int, admin_port: int, python
         str(port),
         "--admin-port",
         str(admin_port),
-        *common_args(python),
+        *SIDECAR_ARGS,
         *MODE_ARGS[mode],
         "--prefill-allow",
         peers.prefill_allow,

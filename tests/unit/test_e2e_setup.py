@@ -8,6 +8,7 @@ build needs, and the project's own environment never loads torch or vLLM for it.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar import retries, serve
 from tests.e2e import setup_env
 from tests.e2e.__main__ import main as e2e_main
 from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
@@ -30,6 +32,7 @@ from tests.e2e.scenarios import (
     pin_body,
     scenarios_for,
 )
+from tests.e2e.sidecars import Peers, sidecar_command
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
@@ -175,3 +178,18 @@ def test_the_harness_loads_neither_torch_nor_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("mode", ["nixl", "http", "router", "off"])
+def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Path) -> None:
+    peers = Peers("http://127.0.0.1:8302", "http://127.0.0.1:8301", "127.0.0.1", 20.0, tmp_path / "token")
+    (tmp_path / "token").write_text("t")
+    command = sidecar_command(mode, peers, 8000, 9100, sys.executable)  # type: ignore[arg-type]
+    assert command[1:4] == ["-m", "sidecar", "serve"]
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.load_config(parser.parse_args(command[4:]))
+    assert retries.parse(config.retried_statuses) == frozenset()  # D down's 503 may be released
+    assert config.release == ("nixl" if mode == "router" else mode)
+    assert config.release_deadline == 10.0 and config.p_hold_seconds == 20.0
+    assert config.prefill == (("http://127.0.0.1:8301",) if mode == "router" else ())
