@@ -179,8 +179,8 @@ def run_mode(
         problems = judge(expect, status, evidence)
         if problems and (evidence.stall >= STALL or only_late(expect, status, evidence)):
             first = (
-                f"first attempt failed (machine stalled {evidence.stall:.1f} s, load {evidence.load:.1f}): "
-                + "; ".join(problems)
+                f"first attempt failed (stalled {evidence.stall:.1f} s, the harness "
+                f"{evidence.harness_stall:.1f} s, load {evidence.load:.1f}): " + "; ".join(problems)
             )
             evidence = runner.run(scenario, mode, sidecar)
             evidence.notes.append(first)

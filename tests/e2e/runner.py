@@ -140,6 +140,7 @@ class Runner:
         with Traffic(self.target.p_url, self.target.model):
             self._run(scenario, mode, sidecar, before, ev)
         ev.stall = round(self.stalls.worst, 2)
+        ev.harness_stall = round(self.stalls.worst_gap, 2)
         ev.load = round(os.getloadavg()[0], 1)
         return ev
 

@@ -27,6 +27,7 @@ class StallWatch:
     def __init__(self, tick: float = 0.1) -> None:
         self.tick = tick
         self._worst = 0.0
+        self._worst_gap = 0.0  # the harness's own (the ticking thread's)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
@@ -35,7 +36,10 @@ class StallWatch:
         last = time.monotonic()
         while not self._stop.wait(self.tick):
             now = time.monotonic()
-            self.note(now - last - self.tick)
+            gap = now - last - self.tick
+            self.note(gap)
+            with self._lock:
+                self._worst_gap = max(self._worst_gap, gap)
             last = now
 
     def note(self, seconds: float) -> None:
@@ -45,12 +49,18 @@ class StallWatch:
 
     def reset(self) -> None:
         with self._lock:
-            self._worst = 0.0
+            self._worst = self._worst_gap = 0.0
 
     @property
     def worst(self) -> float:
         with self._lock:
             return self._worst
+
+    @property
+    def worst_gap(self) -> float:
+        """The harness's own longest stall (the rest of ``worst`` was P's ``/metrics`` answering late)."""
+        with self._lock:
+            return self._worst_gap
 
     def __enter__(self) -> StallWatch:
         self._thread.start()
