@@ -73,7 +73,7 @@ E2E_VENV := .venv-e2e
 E2E_FIND_LINKS ?=
 E2E_ARGS ?=
 e2e: $(STAMP)
-	rm -rf out/e2e/dist && $(UV) build --quiet --wheel --out-dir out/e2e/dist
+	rm -rf out/e2e/dist out/e2e/report.json && $(UV) build --quiet --wheel --out-dir out/e2e/dist
 	$(PYTHON) -m tests.e2e.setup_env --uv $(UV) --venv $(E2E_VENV) --find-links "$(E2E_FIND_LINKS)" \
 		--wheel "out/e2e/dist/kv_release_sidecar-*.whl"
 	$(UV) run --frozen --no-sync python -m tests.e2e --engine-python $(E2E_VENV)/bin/python $(E2E_ARGS)
