@@ -105,8 +105,9 @@ def table(report: Report) -> str:
     for row in rows:
         ev = row.evidence
         verdict = "pass" if row.passed else "FAIL: " + "; ".join(row.problems)
-        if any(note.startswith("first attempt failed") for note in ev.notes):
-            verdict += " (second attempt; the first failed during a machine stall, see the report)"
+        retried = sum(note.startswith("attempt ") for note in ev.notes)
+        if retried:
+            verdict += f" (attempt {retried + 1}: the machine stalled before, see the report)"
         if row is report.control:
             verdict = (
                 "control ok (fails as it must): " if report.control_failed else "CONTROL PASSED: "

@@ -6,10 +6,10 @@ long enough for P's lease to run out with nothing wrong in the system under
 test. ``StallWatch`` measures two things per scenario: the longest gap
 between the ticks of a thread that only sleeps (the harness not running),
 and the slowest answer of P's ``/metrics`` (P's server not running; it is
-a constant, cheap request). A scenario that fails during such a stall, or
-whose only fault is that the expected notification reached P after its
-lease (``tests.e2e.verdict.only_late``), is run once more, and the report
-keeps the first attempt's verdict beside the second.
+a constant, cheap request). A scenario that fails during such a stall runs
+again (three attempts at most), one whose only fault is that the expected
+notification reached P after its lease (``tests.e2e.verdict.only_late``)
+once more; the report keeps every failed attempt's verdict.
 """
 
 from __future__ import annotations

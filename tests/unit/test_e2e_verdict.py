@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.e2e.__main__ import worth_another
 from tests.e2e.evidence import Evidence, PLog
 from tests.e2e.report import Report, Row, table
 from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect
@@ -171,3 +172,13 @@ def test_only_lateness_earns_a_second_attempt() -> None:
     assert not only_late(Expect.D_FREES, 400, late)
     assert not only_late(Expect.SIDECAR_FREES, 400, freed_by_sidecar(after_expiry=1))  # a duplicate
     assert not only_late(Expect.LEASE, 400, late)
+
+
+def test_another_attempt_after_a_stall_or_once_after_lateness() -> None:
+    late = freed_by_sidecar(expired=1, after_expiry=1, freed_after=LEASE + 0.5)
+    assert worth_another(Expect.SIDECAR_FREES, 400, late, [])
+    assert not worth_another(Expect.SIDECAR_FREES, 400, late, ["attempt 1 failed"])
+    stalled = released_by_nobody()
+    stalled.stall = 12.0
+    assert worth_another(Expect.SIDECAR_FREES, 400, stalled, ["attempt 1 failed"])
+    assert not worth_another(Expect.SIDECAR_FREES, 400, released_by_nobody(), [])  # a real failure
