@@ -12,10 +12,20 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: The scope key under which the sidecar's server puts its connection's ``DisconnectHub``.
 DISCONNECT_HUB = "kvr.disconnect"
+#: Scope extension: the server saw the request arrive above ``limit_concurrency``.
+OVER_LIMIT = "kvr.over_limit"
+
+
+def over_limit(scope: Scope) -> bool:
+    """Whether the server marked this request as above ``limit_concurrency``: the app answers it
+    with a 503 and ``connection: close`` (the proxy reads an inspected body first, so the blocks
+    it names are released)."""
+    extensions = scope.get("extensions")
+    return extensions is not None and OVER_LIMIT in extensions
 
 
 class DisconnectHub:
-    """One per client connection, from the server protocol (``sidecar.limits``): the callbacks
+    """One per client connection, from the server protocol (``sidecar.server.protocol``): the callbacks
     of the requests running on it, called once when the connection is lost. A request watches
     for its client leaving with one set entry instead of a task of its own."""
 

@@ -48,7 +48,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from sidecar.sse import FirstEvent
+
+@dataclass(frozen=True, slots=True)
+class FirstEvent:
+    """The first SSE event of a 200 stream, as ``sidecar.proxy.sse`` scanned it."""
+
+    error_code: int | None  # the error's code when the first event is an error
+    error_type: str | None
+    error_message: str | None = None
 
 
 class Outcome(StrEnum):
@@ -89,6 +96,7 @@ class Failure(StrEnum):
     CONNECT_REFUSED = "connect_refused"
     DNS = "dns"
     CONNECT_TIMEOUT = "connect_timeout"
+    TLS_FAILED = "tls_failed"  # the TLS handshake with D failed: nothing was sent
     POOL_TIMEOUT = "pool_timeout"
     HEADER_TIMEOUT = "header_timeout"
     RESET_AFTER_SEND = "reset_after_send"
@@ -126,6 +134,7 @@ _FAILURES: dict[Failure, Decision] = {
     Failure.CONNECT_REFUSED: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
     Failure.DNS: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
     Failure.CONNECT_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
+    Failure.TLS_FAILED: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
     Failure.POOL_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
     Failure.BODY_TOO_LARGE: Decision(Outcome.RELEASE, Cause.BODY_TOO_LARGE),
     Failure.SHUTTING_DOWN: Decision(Outcome.RELEASE, Cause.SHUTTING_DOWN),

@@ -27,18 +27,18 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("sidecar.serve", "run the sidecar in front of a vLLM decode server"),
+    "serve": Command("sidecar.server.serve", "run the sidecar in front of a vLLM decode server"),
     "check": Command(
-        "sidecar.check",
+        "sidecar.checks.command",
         "check serve's configuration against D, DNS and the files it names; sends nothing to P",
     ),
     "pd-sidecar": Command(
         "sidecar.llmd.command", "serve with llm-d's routing-sidecar flags, a drop-in for it (docs/llm-d.md)"
     ),
-    "sim-decode": Command("sidecar.sim.decode", "run the fake vLLM decode server"),
-    "sim-prefill": Command("sidecar.sim.prefill", "run the fake vLLM prefill server (NIXL)", ("nixl",)),
+    "sim-decode": Command("sidecar.sim.decode.app", "run the fake vLLM decode server"),
+    "sim-prefill": Command("sidecar.sim.prefill.app", "run the fake vLLM prefill server (NIXL)", ("nixl",)),
     "demo": Command(
-        "sidecar.sim.demo", "run the embedded demo and print what is released", ("loadtest", "nixl")
+        "sidecar.sim.demo.command", "run the embedded demo and print what is released", ("loadtest", "nixl")
     ),
     "loadtest": Command(
         "sidecar.loadtest.command", "open-loop P->D load with a release verdict", ("loadtest",)

@@ -38,10 +38,16 @@ MAX_BLOCK_IDS = 1 << 22
 
 
 class Ineligible(StrEnum):
+    """Why an inspected request's ``kv_transfer_params`` cannot be released
+    (``kvr_ineligible_total{reason}``)."""
+
     NO_PARAMS = "no_params"  # absent, null, or do_remote_prefill not true
     MALFORMED = "malformed"
     PUSH_MODE = "push_mode"  # P writes to D (0.24.0+); a done notification frees nothing, only the lease
     EMPTY_BLOCKS = "empty_blocks"  # P kept nothing
+    NOT_JSON = "not_json"  # the body is not a JSON object: D answers it, nothing names P's blocks
+    UNTRUSTED = "untrusted"  # not signed as ``trust`` requires: forwarded, never released
+    CLIENT_PARAMS_DROPPED = "client_params_dropped"  # router mode drops the client's parameters
 
 
 class ReleaseParams(msgspec.Struct, frozen=True, kw_only=True):

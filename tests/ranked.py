@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.servers import ServerThread, free_port
 
 

@@ -6,7 +6,7 @@
 refuses every release to a release it does not know, ``http`` releases anyway.
 ``control`` (``http`` and ``auto``): the plugin's authenticated health route,
 probed by the ``http`` strategy's own probe with the token it would send.
-``kv-connector``: D's ``/metrics`` (``sidecar.decode_probes``), unless
+``kv-connector``: D's ``/metrics`` (``sidecar.decode.probes``), unless
 ``decode_kv_connector`` says.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
-from sidecar.decode_probes import probe_kv_connector
+from sidecar.decode.probes import probe_kv_connector
 from sidecar.nixl.versions import NEWEST, OLDEST, WireProfile, parse_version
 from sidecar.release.http import HttpReleaser, Probe, read_token
 from sidecar.upstream import Upstream
@@ -30,13 +30,29 @@ async def check_decode(ctx: Context) -> list[Finding]:
     url = ctx.config.decode_url.rstrip("/") + "/health"
     answer = await ctx.ask_decode("/health")
     if isinstance(answer, str):
-        return [fail("decode", f"D is unreachable: {answer}", START_D)]
+        return [
+            fail("decode", f"D is unreachable: {answer}", _unreachable_fix(ctx.config.decode_url, answer))
+        ]
     status = answer[0]
     if status == 200:
         return [ok("decode", f"GET {url} answered 200")]
     if status == 503:
         return [fail("decode", f"GET {url} answered 503: D's engine is dead", "read D's log and restart D")]
     return [fail("decode", f"GET {url} answered {status}, not vLLM's 200 or 503", START_D)]
+
+
+def _unreachable_fix(url: str, answer: str) -> str:
+    """The fix for D unreachable: a scheme that does not match D's is named as such."""
+    if url.startswith("https://") and any(word in answer for word in ("SSL", "TLS", "certificate")):
+        return (
+            "D does not complete a TLS handshake: use http:// in decode_url if D serves plain http, "
+            "or trust its certificate (tls_ca_file, decode_tls_insecure)"
+        )
+    if url.startswith("http://") and (
+        "without sending a response" in answer or "RemoteProtocolError" in answer
+    ):
+        return "D closed the connection without an answer: if D serves https, use https:// in decode_url"
+    return START_D
 
 
 async def decode_version(ctx: Context) -> tuple[str | None, str]:

@@ -6,7 +6,7 @@ every ``prefill_allow`` entry parses and each host name resolves (the
 sidecar's own resolver); an empty one with ``nixl`` or ``auto`` releases
 nothing. ``retries``: which rejections are left to a gateway's or mesh's retry on
 another decode pod, and what to configure there. ``trust``: the key or token
-file readable (``sidecar.trust`` reads it as ``serve`` does), and what the mode
+file readable (``sidecar.proxy.trust`` reads it as ``serve`` does), and what the mode
 lets through. ``environment``:
 ``KVR_*`` variables that are no setting (a misspelt one is silently unused).
 """
@@ -18,12 +18,12 @@ import os
 import re
 
 from sidecar import extras, retries
-from sidecar.allowlist import parse_entry
 from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
 from sidecar.config import ConfigError, unknown_env
-from sidecar.config_args import NIXL_STRATEGIES
-from sidecar.resolver import ResolveFailed, Resolver, Unresolvable
-from sidecar.trust import Trust
+from sidecar.config.args import NIXL_STRATEGIES
+from sidecar.network.allowlist import parse_entry
+from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
+from sidecar.proxy.trust import Trust
 
 WHAT = {
     "off": "off: nothing is released; the sidecar forwards every request and counts the decisions",
@@ -178,7 +178,7 @@ _ANY_FIX = (
 
 def _secret_source(ctx: Context, name: str) -> str:
     path = getattr(ctx.config, name + "_file")
-    if path:  # the file wins over the value, as sidecar.trust reads them
+    if path:  # the file wins over the value, as sidecar.proxy.trust reads them
         return f"{path} ({ctx.source(name + '_file')})"
     return f"{name} ({ctx.source(name)})"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.allowlist import Allowlist
 from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, PoolWatch
+from sidecar.network.allowlist import Allowlist
 
 # Start-up waits this long for the first list of the pool and its pods; /readyz says when it came.
 FIRST_SYNC_SECONDS = 10.0

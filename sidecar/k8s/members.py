@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sidecar.allowlist import Allowlist, parse_entry
+from sidecar.network.allowlist import Allowlist, parse_entry
 
 FINISHED = frozenset({"Succeeded", "Failed"})
 

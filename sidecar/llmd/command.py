@@ -133,7 +133,7 @@ def main(argv: Sequence[str]) -> int:
         for name, (_, effect) in MAPPING.items():
             print(f"  --{name}: {effect}")
         return 0
-    from sidecar import serve
+    from sidecar.server import serve
 
     try:
         config, sources = load(argv, os.environ)

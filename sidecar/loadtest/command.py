@@ -16,12 +16,12 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from sidecar import logs
 from sidecar.config import ConfigError
 from sidecar.loadtest.config import LoadConfig, add_arguments, config_from_args
 from sidecar.loadtest.plot import run_from_report, write_plot
 from sidecar.loadtest.report import render_table
 from sidecar.loadtest.runner import run_loadtest
+from sidecar.observability import logs
 
 __all__ = ["add_arguments", "run", "write_outputs"]
 

@@ -89,8 +89,8 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 _HELP = {
     "prefill_url": "P's OpenAI server, e.g. http://127.0.0.1:8100",
     "decode_url": "D, or the sidecar in front of D, e.g. http://127.0.0.1:8000",
-    "rate": "open-loop Poisson arrivals per second",
-    "concurrency": "instead of --rate: keep this many flows in flight",
+    "rate": "open-loop Poisson arrivals per second (this or --concurrency is required)",
+    "concurrency": "closed loop: keep this many flows in flight (this or --rate is required)",
     "duration": "seconds of arrivals (default 10)",
     "max_requests": "stop after this many flows (default 0: no limit)",
     "stream_share": "share of decode legs that stream (default 0)",
@@ -127,10 +127,12 @@ _CHOICES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, plus ``--stream``; unset flags keep the defaults."""
+    """One flag per config field, plus ``--stream``; unset flags keep the defaults. One of
+    ``--rate`` and ``--concurrency`` is required (argparse says so, naming both)."""
+    load = parser.add_mutually_exclusive_group(required=True)
     for field in msgspec.structs.fields(LoadConfig):
         required = field.name in ("prefill_url", "decode_url")
-        parser.add_argument(
+        (load if field.name in ("rate", "concurrency") else parser).add_argument(
             "--" + field.name.replace("_", "-"),
             dest=field.name,
             type=_TYPES.get(field.name, str),

@@ -22,42 +22,42 @@ Every failure is translated once, where it happens, into this tree (the
 
 from __future__ import annotations
 
-from sidecar.release.base import PermanentReleaseError, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, Verdict
 
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (
-    "unknown_version",  # no release known (no --vllm-version, D's /version unusable)
-    "inconsistent_version",  # kv_transfer_params contradict the release
-    "unsafe_version",  # 0.9.x / 0.10.0 without --allow-unsafe-vllm
-    "unsafe_retry",  # 0.9.x / 0.10.0: a send was attempted once already
-    "not_allowed",  # P's endpoint is outside --prefill-allow
-    "no_request_id",  # P's id for the request cannot be known
-    "bad_host",  # remote_host is neither an IP address nor a DNS name
-    "bad_port",  # a side-channel port past 65535
-    "unresolvable",  # remote_host names no address (NXDOMAIN)
-    "engine_mismatch",  # P's side channel serves another engine: the one named is gone
-    "p_restarted",  # the request's P process is gone; a new one answers there (lineage)
+    Reason.UNKNOWN_VERSION,  # no release known (no --vllm-version, D's /version unusable)
+    Reason.INCONSISTENT_VERSION,  # kv_transfer_params contradict the release
+    Reason.UNSAFE_VERSION,  # 0.9.x / 0.10.0 without --allow-unsafe-vllm
+    Reason.UNSAFE_RETRY,  # 0.9.x / 0.10.0: a send was attempted once already
+    Reason.NOT_ALLOWED,  # P's endpoint is outside --prefill-allow
+    Reason.NO_REQUEST_ID,  # P's id for the request cannot be known
+    Reason.BAD_HOST,  # remote_host is neither an IP address nor a DNS name
+    Reason.BAD_PORT,  # a side-channel port past 65535
+    Reason.UNRESOLVABLE,  # remote_host names no address (NXDOMAIN)
+    Reason.ENGINE_MISMATCH,  # P's side channel serves another engine: the one named is gone
+    Reason.P_RESTARTED,  # the request's P process is gone; a new one answers there (lineage)
 )
 
 
 class PeerUnreachable(RetryableReleaseError):
     """P's side channel refused or dropped the connection, or its name did not resolve."""
 
-    reason = "unreachable"
+    reason = Reason.UNREACHABLE
     verdict = Verdict.DOWN
 
 
 class HandshakeTimeout(RetryableReleaseError):
     """P's side channel did not answer within the handshake timeout."""
 
-    reason = "handshake_timeout"
+    reason = Reason.HANDSHAKE_TIMEOUT
     verdict = Verdict.DOWN
 
 
 class BadReply(RetryableReleaseError):
     """P's reply had the wrong number of frames or could not be decoded."""
 
-    reason = "bad_reply"
+    reason = Reason.BAD_REPLY
 
 
 class EngineMismatch(PermanentReleaseError):
@@ -71,7 +71,7 @@ class EngineMismatch(PermanentReleaseError):
     verdict = Verdict.UP  # something answered there: the endpoint itself is alive
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, "engine_mismatch")
+        super().__init__(message, Reason.ENGINE_MISMATCH)
 
 
 class PRestarted(PermanentReleaseError):
@@ -81,13 +81,13 @@ class PRestarted(PermanentReleaseError):
     verdict = Verdict.UP  # the new P answered: the endpoint is alive
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, "p_restarted")
+        super().__init__(message, Reason.P_RESTARTED)
 
 
 class NixlError(RetryableReleaseError):
     """A NIXL call failed (bad metadata, remote disconnected, agent not started)."""
 
-    reason = "nixl_error"
+    reason = Reason.NIXL_ERROR
 
 
 __all__ = [

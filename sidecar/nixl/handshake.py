@@ -25,12 +25,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from sidecar.allowlist import Allowlist, ip_or_none, is_host_name
+from sidecar.exceptions import PermanentReleaseError, Reason
+from sidecar.network.allowlist import Allowlist, ip_or_none, is_host_name
+from sidecar.network.resolver import Resolver
 from sidecar.nixl import HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
-from sidecar.release.base import PermanentReleaseError
-from sidecar.resolver import Resolver
 from sidecar.ttlmap import TTLMap
 
 _T = TypeVar("_T")
@@ -71,10 +71,12 @@ async def resolve_target(allowlist: Allowlist, resolver: Resolver, host: str, po
     """
     literal = ip_or_none(host)
     if literal is None and not is_host_name(host):
-        raise PermanentReleaseError(f"P host {host!r} is neither an IP address nor a DNS name", "bad_host")
+        raise PermanentReleaseError(
+            f"P host {host!r} is neither an IP address nor a DNS name", Reason.BAD_HOST
+        )
     bad = [port for port in ports if not 0 < port <= 65535]
     if bad:
-        raise PermanentReleaseError(f"P side-channel port {bad[0]} is outside 1-65535", "bad_port")
+        raise PermanentReleaseError(f"P side-channel port {bad[0]} is outside 1-65535", Reason.BAD_PORT)
     if literal is not None:
         addresses = [str(literal)]
     elif all(allowlist.allows_name(host, port) or allowlist.may_admit_address(port) for port in ports):
@@ -85,7 +87,7 @@ async def resolve_target(allowlist: Allowlist, resolver: Resolver, host: str, po
         if not addresses or not allowlist.allows(host, port, addresses if literal is None else None):
             shown = f" ({', '.join(addresses)})" if addresses and literal is None else ""
             raise PermanentReleaseError(
-                f"P endpoint {host}:{port}{shown} is not in --prefill-allow", reason="not_allowed"
+                f"P endpoint {host}:{port}{shown} is not in --prefill-allow", reason=Reason.NOT_ALLOWED
             )
     return Target(host=host, address=addresses[0], base_port=ports[0])
 

@@ -21,7 +21,7 @@ class NixlMetrics:
         reg = self.registry
         self.releases = Counter(
             "kvr_nixl_releases",
-            "Release attempts by outcome (sent, covered_by_engine, refused, error).",
+            "Release attempts by outcome (sent, would_send, refused, error).",
             ["outcome"],
             registry=reg,
         )

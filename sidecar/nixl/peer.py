@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from sidecar.nixl import NixlError
+from sidecar.observability import logs
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class NixlPeer:
 
     def _create(self) -> Any:
         api = import_nixl()
+        logs.adopt("nixl")  # NIXL's import installed its own text handler on stdout
         config = api.nixl_agent_config(enable_prog_thread=False, backends=self._backends)
         return api.nixl_agent(self.name, config)
 

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.errors import NO_RETRY, Header
-from sidecar.faults import HEADER as INJECT_HEADER
-from sidecar.headers import DATA_PARALLEL_RANK, data_parallel_rank, request_headers
-from sidecar.metrics import ROUTES
+from sidecar.observability.metrics import ROUTES
 from sidecar.params import ReleaseParams
-from sidecar.trust import SIGNATURE_HEADER, TOKEN_HEADER
+from sidecar.proxy.answers import NO_RETRY, Header
+from sidecar.proxy.headers import DATA_PARALLEL_RANK, data_parallel_rank, request_headers
+from sidecar.proxy.inject import HEADER as INJECT_HEADER
+from sidecar.proxy.trust import SIGNATURE_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
+    from sidecar.observability.tracing import Leg
     from sidecar.proxy.judge import Policy
-    from sidecar.router.bodies import UsageRewriter
-    from sidecar.tracing import Leg
+    from sidecar.proxy.usage import UsageRewriter
     from sidecar.upstream import Sent
 
 PREFILLER_HEADER = b"x-prefiller-host-port"  # llm-d's routing sidecar names P per request

@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from sidecar.asgi import DisconnectHub, Receive
-from sidecar.body import ClientGone
 from sidecar.classify import Event, Failure
+from sidecar.proxy.body import ClientGone
 from sidecar.proxy.context import Exchange
 
 

@@ -18,29 +18,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.asgi import Receive, Scope, Send
-from sidecar.body import ClientGone, Oversized, read_body
+from sidecar.asgi import Receive, Scope, Send, over_limit
 from sidecar.classify import Failure
 from sidecar.config import Config
-from sidecar.errors import send_error
-from sidecar.faults import Injector
-from sidecar.limits import over_limit
-from sidecar.llmd.answers import DECODE_NOT_READY
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import OFF, Tracing
+from sidecar.proxy.answers import send_error
+from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import uncancel
 from sidecar.proxy.forward import Forwarder
+from sidecar.proxy.inflight import InFlight
+from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
 from sidecar.proxy.judge import DecodeFacts, Judge
-from sidecar.proxy.kit import Kit
-from sidecar.proxy.refusals import Refusals
+from sidecar.proxy.kit import Kit, Routed
+from sidecar.proxy.llmd_answers import DECODE_NOT_READY
+from sidecar.proxy.refusals import SHUTTING_DOWN, Refusals
+from sidecar.proxy.trust import Trust
 from sidecar.release.pipeline import Pipeline
-from sidecar.router.legs import SHUTTING_DOWN, Router
-from sidecar.router.pool import PrefillPool
-from sidecar.tracing import OFF, Tracing
-from sidecar.trust import InFlight, Trust
 from sidecar.upstream import Client
 
 
@@ -55,7 +54,7 @@ class ProxyParts:
     inflight: InFlight
     injector: Injector
     facts: DecodeFacts
-    pool: PrefillPool | None = None  # router mode
+    routing: Callable[[Kit], Routed] | None = None  # router mode, built on the proxy's kit
     tracing: Tracing = OFF
 
 
@@ -81,7 +80,7 @@ class Proxy:
             refusals,
         )
         self.pipeline = parts.pipeline
-        self.router = Router(self.kit, parts.pool) if parts.pool is not None else None
+        self.router = parts.routing(self.kit) if parts.routing is not None else None
 
     @property
     def stopping(self) -> bool:

@@ -22,16 +22,16 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
 from sidecar.classify import Event, Failure
-from sidecar.decode_probes import says_close
-from sidecar.errors import FAILURE_STATUS, send_error
-from sidecar.headers import response_headers
-from sidecar.llmd.answers import send_plain
-from sidecar.metrics import ROUTES, Metrics, status_class
+from sidecar.decode.probes import says_close
+from sidecar.observability.metrics import ROUTES, Metrics, status_class
+from sidecar.observability.tracing import Tracing
+from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
+from sidecar.proxy.headers import response_headers
 from sidecar.proxy.judge import Judge, StreamJudge
-from sidecar.router.bodies import UsageRewriter
-from sidecar.tracing import Tracing
+from sidecar.proxy.llmd_answers import send_plain
+from sidecar.proxy.usage import UsageRewriter
 from sidecar.upstream import Client, Response, Sent, UpstreamError
 from sidecar.wire import ERROR_DECODER
 

@@ -5,7 +5,7 @@
   untouched);
 * ``prefilled``: router mode, from P's answer to the prefill leg;
 * ``oversized``: a body over ``max_body_bytes``, from the parameters a router
-  appended as the body's last member (``sidecar.body.tail_params``).
+  appended as the body's last member (``sidecar.proxy.body.tail_params``).
 
 Every one checks the parameters once (``sidecar.params.check``) and, in
 sidecar mode, the trust setting: untrusted parameters are forwarded but
@@ -22,12 +22,12 @@ from typing import Any
 import msgspec
 
 from sidecar import params as params_mod
-from sidecar.body import Oversized, tail_params
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.proxy.body import Oversized, tail_params
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.judge import SIDECAR, Policy
-from sidecar.router.bodies import UsageRewriter
-from sidecar.trust import Trust
+from sidecar.proxy.trust import Trust
+from sidecar.proxy.usage import UsageRewriter
 from sidecar.wire import VIEW_DECODER, lax_bool
 
 log = logging.getLogger("sidecar.proxy")
@@ -52,13 +52,13 @@ class Inspector:
             view = VIEW_DECODER.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             # Not a JSON object: forwarded as it is, D answers it; nothing to release.
-            self._metrics.ineligible.labels("not_json").inc()
+            self._metrics.ineligible.labels(params_mod.Ineligible.NOT_JSON).inc()
             return self.plain(ctx, stream=False)
         raw = bytes(view.kv_transfer_params)
         params = self._eligible(raw, ctx.request_id)
         if params is not None and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
-            self._metrics.ineligible.labels("untrusted").inc()
+            self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
             params = None
         return Exchange(
             ctx.request_id,
@@ -104,7 +104,7 @@ class Inspector:
         if found is not None and routed:
             found = None  # router mode drops client parameters: they could name any P's blocks
         if found is not None and raw and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
-            self._metrics.ineligible.labels("untrusted").inc()
+            self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
             found = None
         exchange = self.plain(ctx, stream=False)
         exchange.params, exchange.raw_params = found, self._raw(raw, found)

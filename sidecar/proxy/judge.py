@@ -31,16 +31,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from sidecar import retries
-from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome, classify, stream_event
+from sidecar.classify import (
+    ROUTER_RELEASES,
+    Cause,
+    Decision,
+    Event,
+    Failure,
+    FirstEvent,
+    Outcome,
+    classify,
+    stream_event,
+)
 from sidecar.config import Config
-from sidecar.errors import FAILURE_STATUS
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import Tracing
+from sidecar.proxy.answers import FAILURE_STATUS
+from sidecar.proxy.inflight import InFlight
+from sidecar.proxy.sse import FirstEventScanner
 from sidecar.release.base import ReleaseJob
 from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
 from sidecar.release.pipeline import Pipeline
-from sidecar.sse import FirstEvent, FirstEventScanner
-from sidecar.tracing import Tracing
-from sidecar.trust import InFlight
 
 if TYPE_CHECKING:
     from sidecar.proxy.context import Exchange
@@ -61,7 +71,7 @@ class DecodeFacts(Protocol):
         """D's engine could send its own release now (alive, not shutting down, a KV connector)."""
 
     def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
-        """What the request path saw of D (``sidecar.decode_state.DecodeState.observe``)."""
+        """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +215,8 @@ class Judge:
             raw_params=exchange.raw_params,
             data_parallel_rank=exchange.data_parallel_rank,
             trace_context=self._tracing.job_context() if self._tracing.enabled else None,
+            dry_run=self._config.dry_run,
+            decode_reachable=decision.cause is not Cause.UNREACHABLE,
         )
         return self._covered(job, now)
 

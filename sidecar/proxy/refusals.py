@@ -3,7 +3,7 @@
 * ``replay``: parameters already handed to a release (P may reuse the blocks:
   D reading them would decode from another request's cache), 409 (410, then
   400, when a proxy in front retries 409: ``sidecar.retries``);
-* ``inject``: an injected rejection for load tests (``sidecar.faults``);
+* ``inject``: an injected rejection for load tests (``sidecar.proxy.inject``);
 * ``refuse``: the sidecar is shutting down (503), or over its own limits;
 * ``too_large``: a body over ``max_body_bytes`` (413), released when its
   parameters can be found and trusted;
@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 
 from sidecar import retries
-from sidecar.body import ClientGone, Oversized, read_body
 from sidecar.classify import Event, Failure
 from sidecar.config import Config
-from sidecar.errors import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
-from sidecar.metrics import ROUTES, Metrics, status_class
+from sidecar.observability.metrics import ROUTES, Metrics, status_class
+from sidecar.proxy.answers import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
+from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.forward import Forwarder
 from sidecar.proxy.inspect import Inspector
@@ -32,6 +32,7 @@ from sidecar.proxy.judge import Judge
 
 log = logging.getLogger("sidecar.proxy")
 
+SHUTTING_DOWN = "the sidecar is shutting down"
 REPLAY_MESSAGE = (
     "kv_transfer_params were released to the prefill server after an earlier rejection of a "
     "request with them; run the prefill again"
@@ -86,7 +87,7 @@ class Refusals:
         return True
 
     async def inject(self, ctx: RequestContext, exchange: Exchange, status: int) -> None:
-        """Answer an injected rejection; D never sees the request (``sidecar.faults``)."""
+        """Answer an injected rejection; D never sees the request (``sidecar.proxy.inject``)."""
         self._judge.judge(exchange, Event(failure=Failure.INJECTED), status=status)
         self._metrics.injected.labels(status_class(status)).inc()
         self._forwarder.count(exchange.route, status)

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
-from sidecar.allowlist import Allowlist
 from sidecar.config import Config
+from sidecar.network.allowlist import Allowlist
+from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import Releaser
-from sidecar.tracing import OFF, Tracing
 
 DecodeVersion = Callable[[], Awaitable[str | None]]
 

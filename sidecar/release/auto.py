@@ -6,7 +6,8 @@ authenticated ``GET /kv_release/v1/health``: 200 selects the ``control`` path,
 503 (no engine) select ``nixl``; an unreachable D leaves the choice as it was.
 Per job:
 
-* ``job.cause == "unreachable"``: NIXL (the control endpoint lives in D);
+* ``job.decode_reachable`` false (the judge saw D unreachable): NIXL (the control
+  endpoint lives in D);
 * path ``control``: the ``http`` strategy. When the attempt certainly did not
   reach D's engine (connect error, 404, 401, 403) the same job goes to NIXL at
   once, and an answer saying the route is gone or refuses us switches the path
@@ -16,8 +17,8 @@ Per job:
   own notification can leave P's counter short (P counts one reader's messages per rank);
 * path ``nixl``: the ``nixl`` strategy.
 
-Both sub-strategies apply D's coverage rule (vLLM 0.21.0+ releases its own
-handler rejections). ``kvr_releases_total`` counts every job under the strategy
+The judge decides what reaches the strategy (D's own fix, vLLM 0.21.0+, is
+applied before: ``sidecar.release.coverage``). ``kvr_releases_total`` counts every job under the strategy
 label ``auto``; ``kvr_auto_releases_total{path,result}`` says which path
 served it, ``kvr_release_path{path}`` is 1 for the current choice, and the
 sub-strategies' own ``kvr_control_*`` and ``kvr_nixl_*`` series count too.
@@ -34,6 +35,7 @@ from typing import Literal, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sidecar.config import Config
+from sidecar.exceptions import Reason
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Releaser, Result, RetryableReleaseError
 from sidecar.release.http import NOT_DELIVERED, ControlUnreachable, HttpReleaser, Probe
 from sidecar.ttlmap import TTLMap
@@ -139,7 +141,7 @@ class AutoReleaser:
         return self.control.target(job)
 
     def _via_nixl(self, job: ReleaseJob) -> bool:
-        return job.key not in self._pinned and (job.cause == "unreachable" or self.path == "nixl")
+        return job.key not in self._pinned and (not job.decode_reachable or self.path == "nixl")
 
     def detail(self) -> dict[str, object]:
         """For ``/readyz``: the path in use and why."""
@@ -190,7 +192,7 @@ class AutoReleaser:
         except ControlUnreachable:
             if pinned:
                 raise  # an earlier attempt may have reached the engine: stay on this path
-            self._count("control", "unreachable")
+            self._count("control", Reason.UNREACHABLE)
             return await self._through_nixl(job)
         except PermanentReleaseError as exc:
             if exc.reason in NOT_DELIVERED and not pinned:
@@ -210,7 +212,7 @@ class AutoReleaser:
         if not self._nixl_started or not self.nixl.ready():
             self._count("nixl", Result.REFUSED.value)
             raise PermanentReleaseError(
-                "NIXL is not available and D's control endpoint cannot help", "no_path"
+                "NIXL is not available and D's control endpoint cannot help", Reason.NO_PATH
             )
         try:
             result = await self.nixl.release(job)

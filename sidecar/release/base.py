@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from sidecar.classify import Cause
-from sidecar.exceptions import SidecarError
+from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableReleaseError, Verdict
 from sidecar.params import ReleaseParams
 
 
@@ -58,7 +58,7 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     injected: bool = False
     detected_at: float
     deadline: float
-    # The request's span context (sidecar.tracing) when tracing is on: kvr.release is its child.
+    # The request's span context (sidecar.observability.tracing) when tracing is on: kvr.release is its child.
     trace_context: Any = None
     # kv_transfer_params exactly as they came (JSON): the http strategy hands D's engine every
     # field, also those a newer vLLM appends and ``KVTransferParams`` does not know.
@@ -71,6 +71,10 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     # Not sent before this time.monotonic() value: D may have notified P itself, and the
     # sidecar's notification must not land between D's readers' messages.
     not_before: float = 0.0
+    # The judge's word on the strategy's part: a dry run (every check, nothing sent), and whether
+    # D answered at all (``auto`` cannot use D's control endpoint for a D it could not reach).
+    dry_run: bool = False
+    decode_reachable: bool = True
 
     def but(self, **changes: Any) -> ReleaseJob:
         """This job with ``changes``."""
@@ -85,38 +89,6 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     def key(self) -> tuple[str, str]:
         """De-duplication key: (P engine, id P knows the request by)."""
         return (self.params.remote_engine_id, self.params.remote_request_id or self.request_id)
-
-
-class Verdict(StrEnum):
-    """What one attempt says about its target's health (``sidecar.release.targets``)."""
-
-    UP = "up"  # it reached the target: a success, or an answer the target gave
-    DOWN = "down"  # a connect-level failure: refused, unreachable, no reply in time
-    UNTOUCHED = "untouched"  # decided before any connection (allowlist, version, parameters)
-
-
-class ReleaseError(SidecarError):
-    """Base of every error a strategy raises for one job."""
-
-    reason: str = "error"  # a small enum, usable as a metric label
-    verdict: Verdict = Verdict.UP  # what the failure says about the target
-
-
-class RetryableReleaseError(ReleaseError):
-    """Worth trying again before the deadline: P unreachable, timeout, NIXL error."""
-
-    reason = "retryable"
-
-
-class PermanentReleaseError(ReleaseError):
-    """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
-
-    reason = "permanent"
-    verdict = Verdict.UNTOUCHED  # most are decided before connecting; those after say UP
-
-    def __init__(self, message: str, reason: str = "permanent") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class Releaser(Protocol):
@@ -148,3 +120,14 @@ class Releaser(Protocol):
         Returns ``Result.SENT``, ``Result.DRY_RUN`` or ``Result.OFF``. Jobs D's engine
         releases itself never reach a strategy (``ReleaseJob.covered``).
         """
+
+
+__all__ = [
+    "PermanentReleaseError",
+    "ReleaseError",
+    "ReleaseJob",
+    "Releaser",
+    "Result",
+    "RetryableReleaseError",
+    "Verdict",
+]

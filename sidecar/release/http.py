@@ -1,10 +1,10 @@
 """The ``http`` release strategy: ask D's control endpoint (``sidecar.vllm_plugin``) to release.
 
-For one job: leave D's own handler rejections to D when its release has the
-fix (``coverage``; D's version from ``--vllm-version`` or D's ``GET
-/version``), pick the id D's engine should use (P's id for the request, which
-D's NIXL connector needs before vLLM 0.13.0), and ``POST`` the job to
-``--control-url`` (default: the decode URL plus ``/kv_release/v1/release``)
+For one job (the judge has decided it is the sidecar's to send, and whether it
+is a dry run): pick the id D's engine should use (P's id for the request,
+which D's NIXL connector needs before vLLM 0.13.0; D's version from
+``--vllm-version`` or D's ``GET /version`` through D's state), and ``POST``
+the job to ``--control-url`` (default: the decode URL plus ``/kv_release/v1/release``)
 with the bearer token read once at start. D then does what vLLM's own fix
 does and its NIXL connector notifies P. Off the request path, so httpx
 (``trust_env=False``, one short timeout for every phase, a small pool).
@@ -36,9 +36,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from sidecar import __version__
 from sidecar.config import Config
+from sidecar.exceptions import Reason
 from sidecar.nixl.versions import WireProfile, engine_request_id
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
-from sidecar.release.version import DecodeRelease
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,10 @@ LOG_INTERVAL = 10.0
 NOT_DELIVERED = frozenset({"not_found", "unauthorized", "forbidden"})
 Probe = Literal["present", "absent", "unauthorized", "forbidden", "no_engine", "unreachable", "error"]
 #: ``--dry-run``: the health route's answer read as the release route's refusal reason.
-REHEARSAL_REASONS: dict[Probe, str] = {
-    "absent": "not_found",
-    "unauthorized": "unauthorized",
-    "forbidden": "forbidden",
+REHEARSAL_REASONS: dict[Probe, Reason] = {
+    "absent": Reason.NOT_FOUND,
+    "unauthorized": Reason.UNAUTHORIZED,
+    "forbidden": Reason.FORBIDDEN,
 }
 #: ``--dry-run``: seconds one health probe stands for every release.
 REHEARSAL_PROBE = 5.0
@@ -61,17 +61,17 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class ControlUnreachable(RetryableReleaseError):
     """The control endpoint could not be reached: the request was never delivered."""
 
-    reason = "unreachable"
+    reason = Reason.UNREACHABLE
     verdict = Verdict.DOWN
 
 
 class ControlFailed(RetryableReleaseError):
     """The request may have reached D's engine, but no success came back."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: Reason) -> None:
         super().__init__(message)
         self.reason = reason
-        self.verdict = Verdict.DOWN if reason == "timeout" else Verdict.UP
+        self.verdict = Verdict.DOWN if reason is Reason.TIMEOUT else Verdict.UP
 
 
 def answer_kind(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
@@ -143,7 +143,7 @@ class HttpReleaser:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._config = config
-        self._d_release = DecodeRelease(decode_version)
+        self._decode_version = decode_version
         self._transport = transport
         self.metrics = ControlMetrics(registry)
         self.release_url, self.health_url = release_url(config), health_url(config)
@@ -193,11 +193,13 @@ class HttpReleaser:
 
     async def release(self, job: ReleaseJob) -> Result:
         if job.raw_params is None:
-            raise PermanentReleaseError("the http strategy sends P's parameters as they came", "no_params")
-        text = self._config.vllm_version or await self._d_release.get()
+            raise PermanentReleaseError(
+                "the http strategy sends P's parameters as they came", Reason.NO_PARAMS
+            )
+        text = self._config.vllm_version or await self._decode_version()
         profile = WireProfile.for_version(text) if text else None
         request_id = _request_id(profile, job)
-        if self._config.dry_run:
+        if job.dry_run:
             return await self._rehearse()
         body = Outgoing(
             request_id=request_id,
@@ -217,11 +219,9 @@ class HttpReleaser:
             return Result.SENT
         message = f"control endpoint answered {status}: {_error_message(content)}"
         if error is ControlFailed:
-            raise ControlFailed(message, label)
+            raise ControlFailed(message, Reason(label))
         self._log_refusal(label, message)
-        refusal = PermanentReleaseError(message, label)
-        refusal.verdict = Verdict.UP  # the endpoint answered
-        raise refusal
+        raise PermanentReleaseError(message, Reason(label), Verdict.UP)  # the endpoint answered
 
     async def _send(self, body: Outgoing) -> tuple[int, bytes]:
         try:
@@ -244,11 +244,9 @@ class HttpReleaser:
         reason = REHEARSAL_REASONS.get(probe)
         message = f"control endpoint's health route says {probe} (dry run)"
         if reason is None:
-            raise ControlFailed(message, "server_error" if probe == "no_engine" else "transport")
+            raise ControlFailed(message, Reason.SERVER_ERROR if probe == "no_engine" else Reason.TRANSPORT)
         self._log_refusal(reason, message)
-        refusal = PermanentReleaseError(message, reason)
-        refusal.verdict = Verdict.UP
-        raise refusal
+        raise PermanentReleaseError(message, reason, Verdict.UP)
 
     async def probe(self) -> Probe:
         """Whether D serves the control endpoint to this sidecar's token (``GET .../health``)."""
@@ -283,9 +281,9 @@ class HttpReleaser:
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise ControlUnreachable(f"control endpoint unreachable: {exc!r}") from exc
         except httpx.TimeoutException as exc:
-            raise ControlFailed(f"control endpoint timed out: {exc!r}", "timeout") from exc
+            raise ControlFailed(f"control endpoint timed out: {exc!r}", Reason.TIMEOUT) from exc
         except httpx.HTTPError as exc:
-            raise ControlFailed(f"control endpoint connection failed: {exc!r}", "transport") from exc
+            raise ControlFailed(f"control endpoint connection failed: {exc!r}", Reason.TRANSPORT) from exc
         self.metrics.latency.observe(time.perf_counter() - started)
         return response.status_code, response.content
 
@@ -345,7 +343,7 @@ def _request_id(profile: WireProfile | None, job: ReleaseJob) -> str:
         raise PermanentReleaseError(
             f"P's id for this request cannot be known (route {job.route}, x-request-id "
             f"{job.x_request_id!r}, no remote_request_id)",
-            "no_request_id",
+            Reason.NO_REQUEST_ID,
         )
     return found
 

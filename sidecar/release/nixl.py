@@ -1,11 +1,12 @@
 """The ``nixl`` release strategy: free P's blocks by speaking D's part of the NIXL protocol.
 
-For one job: learn P's vLLM release (``--vllm-version``, else D's ``GET
-/version``; P and D run the same release), check ``kv_transfer_params``
-against it, leave D's own rejections to D when its release has the fix
-(``coverage``), check P's endpoint against the allowlist, handshake with every
-P worker (or reuse the cached handshake) and send each worker one
-notification (``<id>:1``; ``<id>`` for 0.9.0). Nothing is ever sent by trial:
+For one job (the judge has decided it is the sidecar's to send, and whether it
+is a dry run): learn P's vLLM release (``--vllm-version``, else D's ``GET
+/version`` through D's state; P and D run the same release), check
+``kv_transfer_params`` against it, check P's endpoint against the allowlist,
+handshake with every P worker (or reuse the cached handshake), refuse a P
+process that is not the one that held the blocks (``sidecar.nixl.lineage``)
+and send each worker one notification (``<id>:1``; ``<id>`` for 0.9.0). Nothing is ever sent by trial:
 an unknown or contradicted release is refused before any socket exists.
 Failures are typed (``sidecar.nixl``); the pipeline retries the retryable
 ones, and the ranks already notified for a job are remembered so a retry
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from sidecar.allowlist import Allowlist
 from sidecar.config import Config
+from sidecar.exceptions import Reason
+from sidecar.network.allowlist import Allowlist
 from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError, PRestarted
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
 from sidecar.nixl.lineage import Lineage
@@ -32,6 +34,7 @@ from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
 from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
+from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
     ReleaseError,
@@ -40,8 +43,6 @@ from sidecar.release.base import (
     RetryableReleaseError,
     Verdict,
 )
-from sidecar.release.version import DecodeRelease
-from sidecar.tracing import OFF, Tracing
 from sidecar.ttlmap import TTLMap
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class NixlReleaser:
     ) -> None:
         self._config = config
         self._tracing = tracing
-        self._d_release = DecodeRelease(decode_version)
+        self._decode_version = decode_version
         self.metrics = NixlMetrics(registry)
         self._check = check or TargetCheck(Allowlist(config.prefill_allow))
         self.peer = peer or NixlPeer()
@@ -156,31 +157,31 @@ class NixlReleaser:
         problem = check_params(profile, params)
         if problem:
             raise PermanentReleaseError(
-                f"kv_transfer_params do not fit vLLM {profile.text}: {problem}", "inconsistent_version"
+                f"kv_transfer_params do not fit vLLM {profile.text}: {problem}", Reason.INCONSISTENT_VERSION
             )
         unsafe = not profile.safe_unknown_id
         if unsafe and not self._config.allow_unsafe_vllm:
             raise PermanentReleaseError(
                 f"vLLM {profile.text} crashes P's engine on a notification for an id it no longer "
                 "holds; releases need --allow-unsafe-vllm",
-                "unsafe_version",
+                Reason.UNSAFE_VERSION,
             )
         request_id = engine_request_id(profile, params, job.x_request_id, job.route, job.body_request_id)
         if request_id is None:
             raise PermanentReleaseError(
                 f"P's id for this request cannot be known on vLLM {profile.text} "
                 f"(route {job.route}, x-request-id {job.request_id!r})",
-                "no_request_id",
+                Reason.NO_REQUEST_ID,
             )
         ranks = profile.ranks(params)
-        if self._config.dry_run:  # every check the live release makes before it connects to P
+        if job.dry_run:  # every check the live release makes before it connects to P
             target = await self._check.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
             self._warn_loopback(target)
             return Result.WOULD_SEND, "dry_run"
         progress = self._progress_of(engine_id, request_id)
         if unsafe and progress.attempted:
             raise PermanentReleaseError(
-                "vLLM < 0.10.1: a send was attempted once, never twice", "unsafe_retry"
+                "vLLM < 0.10.1: a send was attempted once, never twice", Reason.UNSAFE_RETRY
             )
         await self._sweep()
         endpoint = (host, port)
@@ -233,11 +234,11 @@ class NixlReleaser:
     # --- versions --------------------------------------------------------------------------
 
     async def _profile(self) -> WireProfile:
-        text = self._config.vllm_version or await self._d_release.get()
+        text = self._config.vllm_version or await self._decode_version()
         if not text:
             raise PermanentReleaseError(
                 "P's vLLM release is unknown: set --vllm-version (D's GET /version gave nothing)",
-                "unknown_version",
+                Reason.UNKNOWN_VERSION,
             )
         if text not in self._profiles:
             self._profiles[text] = WireProfile.for_version(text)
@@ -246,7 +247,7 @@ class NixlReleaser:
             raise PermanentReleaseError(
                 f"vLLM {text!r} is not a release this sidecar knows (0.9.0-0.33.0; "
                 "pre-releases only where the wire format did not change)",
-                "unknown_version",
+                Reason.UNKNOWN_VERSION,
             )
         return profile
 

@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.metrics import Metrics
+from sidecar.exceptions import Reason
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
     ReleaseJob,
@@ -39,7 +41,6 @@ from sidecar.release.base import (
 from sidecar.release.ledger import Ledger
 from sidecar.release.targets import BreakerPolicy, Grant, Target, TargetDown, Targets
 from sidecar.release.value import LEASE_SECONDS, block_seconds_saved
-from sidecar.tracing import OFF, Tracing
 
 log = logging.getLogger("sidecar.release")
 
@@ -195,7 +196,7 @@ class Pipeline:
             self._finish(live, Result.DROPPED, "sidecar stopped before the release was sent")
         except Exception as exc:  # a pipeline bug must not leave the job undecided
             log.exception("release job failed unexpectedly", extra={"request_id": live.job.request_id})
-            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
+            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
         finally:
             self._jobs.pop(seq, None)
             if not self._jobs:
@@ -225,14 +226,14 @@ class Pipeline:
         job = live.job
         try:
             grant = await target.acquire(
-                job.deadline, lambda: self._count_attempt("target_down"), job.detected_at
+                job.deadline, lambda: self._count_attempt(Reason.TARGET_DOWN), job.detected_at
             )
         except TargetDown:
             detail = "P's endpoint stayed unreachable (its breaker open) until the deadline"
-            self._finish(live, Result.FAILED, detail, reason="target_down")
+            self._finish(live, Result.FAILED, detail, reason=Reason.TARGET_DOWN)
             return True
         except TimeoutError:
-            self._finish(live, Result.FAILED, "deadline passed before an attempt", reason="deadline")
+            self._finish(live, Result.FAILED, "deadline passed before an attempt", reason=Reason.DEADLINE)
             return True
         verdict = Verdict.UNTOUCHED
         try:
@@ -272,8 +273,8 @@ class Pipeline:
             log.debug("release attempt failed", extra={"request_id": job.request_id, "error": str(exc)})
             raise _Retry(exc.verdict) from exc
         except TimeoutError:
-            self._count_attempt("deadline")
-            reason = live.reason or "deadline"
+            self._count_attempt(Reason.DEADLINE)
+            reason = live.reason or Reason.DEADLINE
             self._finish(live, Result.FAILED, "deadline passed during an attempt", reason=reason)
             return None, Verdict.DOWN if grant.probe else Verdict.UNTOUCHED
         except asyncio.CancelledError:
@@ -281,13 +282,13 @@ class Pipeline:
             if task is not None and task.cancelling():
                 raise  # this job is being dropped or the pipeline stopped
             # A cancellation that is not ours (a shared handshake another job abandoned): retry.
-            self._count_attempt("cancelled")
-            live.reason = "cancelled"
+            self._count_attempt(Reason.CANCELLED)
+            live.reason = Reason.CANCELLED
             raise _Retry(Verdict.UNTOUCHED) from None
         except Exception as exc:  # a strategy bug must not kill the job's task
             log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
-            self._count_attempt("bug")
-            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason="bug")
+            self._count_attempt(Reason.BUG)
+            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
             return None, Verdict.UNTOUCHED
 
     # --- accounting ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Router mode: the sidecar runs the prefill leg on P, then the decode leg on D.
 
 ``pool`` chooses P and runs the prefill leg's HTTP call, ``bodies`` builds both
-legs' bodies and corrects D's answer, ``legs`` (imported by the proxy) drives
+legs' bodies (``sidecar.proxy.usage`` corrects D's answer), ``legs`` (built on
+the proxy's kit by the app, ``sidecar.proxy.kit.Routed``) drives
 one request through both legs and gives the judge the router's policy:
 because the router holds P's parameters itself, it releases when the client
 leaves or the decode leg times out before headers (it closes its connection
@@ -11,8 +12,6 @@ are dropped (they could name any host).
 
 from sidecar.router.bodies import (
     PREFILL_PARAMS,
-    UsageRewriter,
-    correct_usage,
     decode_body,
     prefill_body,
     prefill_headers,
@@ -25,8 +24,6 @@ __all__ = [
     "PrefillPool",
     "PrefillResult",
     "RouterError",
-    "UsageRewriter",
-    "correct_usage",
     "decode_body",
     "parse_targets",
     "prefill_body",

@@ -20,20 +20,22 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB
 from sidecar.classify import Event, Failure
-from sidecar.errors import send_error, send_raw
-from sidecar.llmd.answers import FORBIDDEN, send_plain
+from sidecar.params import Ineligible
+from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
 from sidecar.proxy.judge import Policy
 from sidecar.proxy.kit import Kit
-from sidecar.router.bodies import UsageRewriter, decode_body, prefill_body, prefill_headers, sized
+from sidecar.proxy.llmd_answers import FORBIDDEN, send_plain
+from sidecar.proxy.refusals import SHUTTING_DOWN
+from sidecar.proxy.usage import UsageRewriter
+from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
 from sidecar.router.pool import PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
 
 log = logging.getLogger("sidecar.router")
 
-SHUTTING_DOWN = "the sidecar is shutting down"
 RETRIED = frozenset({502, 503, 504})  # P's answers a prefill leg is retried on, as llm-d retries
 
 
@@ -44,6 +46,9 @@ class Router:
         self._kit = kit
         self.pool = pool
         self.policy = Policy(router=True, decode_releases=kit.config.decode_releases)
+
+    async def close(self) -> None:
+        await self.pool.close()
 
     def routes(self, ctx: RequestContext) -> bool:
         """This request takes the router's path: a static P pool, or llm-d's prefiller header."""
@@ -59,7 +64,7 @@ class Router:
             await kit.forwarder.forward(ctx, kit.inspector.plain(ctx, stream=False), ctx.headers, body)
             return
         if request.pop("kv_transfer_params", None) is not None:
-            kit.metrics.ineligible.labels("client_params_dropped").inc()
+            kit.metrics.ineligible.labels(Ineligible.CLIENT_PARAMS_DROPPED).inc()
         n = request.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             await self._multi_choice(ctx, request)

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from sidecar.allowlist import Allowlist, split_host_port
 from sidecar.config import Config
 from sidecar.exceptions import SidecarError
+from sidecar.network.allowlist import Allowlist, split_host_port
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Upstream
 
@@ -161,7 +161,7 @@ class PrefillPool:
             header_timeout=self.config.prefill_timeout,
             read_timeout=self.config.read_timeout,
             pool_size=self.config.pool_size,
-        ).use_tls(outbound(self.config, "prefiller"))
+        ).use_tls(outbound(self.config.tls_ca_file, self.config.prefill_tls_insecure))
 
     async def client(self, url: str) -> Client:
         client = self._clients.get(url)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
-from sidecar.sim.prefill_release import VersionKey, parse_version
+from sidecar.sim.prefill.release import VersionKey, parse_version
 
 logger = logging.getLogger("sidecar.sim.dclient")
 

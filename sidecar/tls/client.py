@@ -9,18 +9,13 @@ store) unless its ``*_tls_insecure`` setting is on. TLS 1.2 is the minimum.
 from __future__ import annotations
 
 import ssl
-from typing import Literal
-
-from sidecar.config import Config
-
-Stage = Literal["decoder", "prefiller"]
 
 
-def outbound(config: Config, stage: Stage) -> ssl.SSLContext:
-    """The client context for ``stage``."""
-    context = ssl.create_default_context(cafile=config.tls_ca_file or None)
+def outbound(ca_file: str, insecure: bool) -> ssl.SSLContext:
+    """The client context for one stage: ``tls_ca_file`` (empty: the system's store), and that
+    stage's ``*_tls_insecure``."""
+    context = ssl.create_default_context(cafile=ca_file or None)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    insecure = config.decode_tls_insecure if stage == "decoder" else config.prefill_tls_insecure
     if insecure:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE

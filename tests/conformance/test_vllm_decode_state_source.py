@@ -1,4 +1,4 @@
-"""Conformance: the signals ``sidecar.decode_state`` reads of D, pinned to vLLM's code.
+"""Conformance: the signals ``sidecar.decode.state`` reads of D, pinned to vLLM's code.
 
 Whether D's engine can notify P (alive, not shutting down, a KV connector) is
 decided from ``/health``, a dead engine's answer text, ``Connection: close``
@@ -16,9 +16,9 @@ import ast
 
 import pytest
 
-from sidecar.decode_probes import NIXL_FAMILY, STATS_FAMILY
-from sidecar.decode_state import ENGINE_DEAD_MESSAGES
-from sidecar.sim import decode_engine
+from sidecar.decode.probes import NIXL_FAMILY, STATS_FAMILY
+from sidecar.decode.state import ENGINE_DEAD_MESSAGES
+from sidecar.sim.decode import engine as decode_engine
 from tests.conformance.test_vllm_coverage_source import error_mapping, mapped_type
 from tests.conformance.vllm_source import Func, Source, calls, first_line, handlers, release_source, releases
 

@@ -22,8 +22,8 @@ import msgspec
 import pytest
 
 from sidecar import cli
-from sidecar.allowlist import parse_entry
 from sidecar.config import Config, env_names
+from sidecar.network.allowlist import parse_entry
 from tests.deploy.kustomize import Resource
 from tests.deploy.manifests import (
     DOCKERFILE,

@@ -1,6 +1,6 @@
 """``python -m tests.faults.sidecar_proc --debug-port N <serve flags>``: the sidecar with a debug port.
 
-Runs exactly what ``kv-release-sidecar serve`` runs (``sidecar.serve.serve``,
+Runs exactly what ``kv-release-sidecar serve`` runs (``sidecar.server.serve.serve``,
 same flags, same logging set-up, uvloop) and, on the same event loop, a tiny
 HTTP endpoint ``GET /debug`` on 127.0.0.1:``N`` answering the number of asyncio
 tasks on the sidecar's loop (with their names) and the sizes of the internal
@@ -19,9 +19,9 @@ import sys
 from typing import Any
 
 from sidecar import config as config_mod
-from sidecar import logs
-from sidecar import serve as serve_mod
 from sidecar.app import Deps, ProxyApp, create_app
+from sidecar.observability import logs
+from sidecar.server import serve as serve_mod
 
 
 def _internals(app: ProxyApp | None) -> dict[str, int]:

@@ -28,7 +28,7 @@ import pytest
 
 from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar, until
 from tests.faults.fronts import Kind, front
 from tests.integration.conftest import Sidecar

@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends, until
 from tests.faults.conftest import scene
 from tests.servers import serve

@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, until
 from tests.faults.evidence import Bounds, ProcessView, parse_metrics, total
 from tests.faults.gate import fault_gate

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.fake_engine import NotifyEngine
 from tests.integration.test_vllm_plugin import TOKEN, vllm_like
 from tests.servers import ServerThread, free_port, serve
@@ -185,6 +185,17 @@ def test_d_down_fails_the_decode_and_version_checks(tmp_path: Path, key_file: st
     assert decode.endswith("; start D, or set decode_url to D's scheme://host:port")
     assert report.one("version").startswith("fail  version: D's vLLM release is unknown")
     assert "set vllm_version" in report.one("version")
+
+
+def test_https_against_a_plain_http_d_is_named_a_tls_mismatch(sim_d: ServerThread) -> None:
+    report = check("--decode-url", sim_d.url.replace("http://", "https://"), "--vllm-version", "0.33.0")
+    assert report.code == 1
+    decode = report.one("decode")
+    assert decode.startswith("fail  decode: D is unreachable:")
+    assert decode.endswith(
+        "; D does not complete a TLS handshake: use http:// in decode_url if D serves plain http, "
+        "or trust its certificate (tls_ca_file, decode_tls_insecure)"
+    )
 
 
 def test_engine_dead_fails_the_decode_check() -> None:

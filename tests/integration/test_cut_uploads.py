@@ -50,7 +50,7 @@ def recording_d() -> Iterator[RecordingD]:
 
 
 def test_client_leaving_mid_chunked_upload_aborts_the_request_to_d(recording_d: RecordingD) -> None:
-    with run_sidecar(recording_d.url) as sc:
+    with run_sidecar(recording_d.url, decode_health_interval=0) as sc:  # D here takes one connection
         host, port = sc.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as client:
             client.sendall(

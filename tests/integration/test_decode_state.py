@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.decode_probes import probe_kv_connector
-from sidecar.decode_state import DecodeState, DecodeView
+from sidecar.decode.probes import probe_kv_connector
+from sidecar.decode.state import DecodeState, DecodeView
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
-from sidecar.sim.decode_engine import CLIENT_MESSAGE
+from sidecar.sim.decode.engine import CLIENT_MESSAGE
 from sidecar.upstream import Upstream, UpstreamError
 from tests.integration.test_release_causes import until
 from tests.servers import ServerThread, serve

@@ -25,8 +25,8 @@ import pytest
 
 from sidecar.release.auto import AutoReleaser
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from sidecar.vllm_plugin import KVReleaseMiddleware, PluginSettings
 from tests.fake_engine import NotifyEngine, sampling_params

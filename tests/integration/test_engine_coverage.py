@@ -4,7 +4,7 @@ A real P (the prefill simulator, NIXL, TP 2, pins that never expire), a "vLLM
 D" simulator (it notifies P itself for its handler's rejections from 0.21.0,
 as vLLM's ``_with_kv_transfer_rejection_cleanup`` does, and not at all when its
 engine is dead, shutting down or without a KV connector) and a sidecar with
-the ``nixl`` strategy that reads D's state (``sidecar.decode_state``). Each
+the ``nixl`` strategy that reads D's state (``sidecar.decode.state``). Each
 case rejects one request and reads P's record: freed by a notification, each
 rank notified exactly once (by D or by the sidecar, never both), and the
 sidecar's decision.
@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.faults.cluster import until
 from tests.integration.conftest import Sidecar, run_sidecar

@@ -2,11 +2,11 @@
 
 Each hostile input gets a defined answer (docs/limits.md): slow or endless
 header blocks, idle and slow-body connections are cut by the server's own
-timers and size limit (``sidecar.limits.GuardedProtocol``), oversized bodies get
+timers and size limit (``sidecar.server.protocol.GuardedProtocol``), oversized bodies get
 vLLM's 413, unreadable JSON is forwarded for D to answer, and malformed
 parameters are never released while odd but valid ids are released intact.
 The sidecars here run the production HTTP protocol and limits
-(``sidecar.limits.server_options``), not the test harness's default h11; one
+(``sidecar.server.protocol.server_options``), not the test harness's default h11; one
 test runs the ``serve`` process itself. Raw sockets pace bytes where the test
 is about timing; everything else is polled against deadlines.
 """
@@ -31,11 +31,11 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
-from sidecar.limits import ServerLimits, server_options
 from sidecar.params import MAX_BLOCK_IDS
 from sidecar.release.dryrun import DryRunReleaser
+from sidecar.server.protocol import ServerLimits, server_options
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Sidecar
 from tests.integration.conftest import kv_params as params
 from tests.integration.test_lifecycle import sidecar_process

@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.config import ConfigError, load
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import run_sidecar
 from tests.servers import ServerThread, serve
 

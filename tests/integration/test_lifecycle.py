@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.servers import ServerThread, free_port, serve
 
 

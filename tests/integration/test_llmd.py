@@ -28,8 +28,8 @@ import pytest
 import trustme
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.fake_kube import FakeKube, inference_pool, pod
 from tests.integration.test_router import completion, stats, wait_stats

@@ -19,15 +19,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar import cli
-from sidecar import serve as serve_mod
 from sidecar.app import Deps, create_admin_app, create_app
+from sidecar.app.ranks import RankFront
 from sidecar.config import Config
-from sidecar.llmd.answers import DECODE_NOT_READY, FORBIDDEN
 from sidecar.llmd.command import load
-from sidecar.llmd.ranks import RankFront
+from sidecar.proxy.llmd_answers import DECODE_NOT_READY, FORBIDDEN
 from sidecar.release.dryrun import DryRunReleaser
+from sidecar.server import serve as serve_mod
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.servers import free_port, serve
 
 # llm-d's decode deployment's routing-sidecar args (docs/llm-d.md), TLS off to keep this short.

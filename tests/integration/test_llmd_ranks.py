@@ -18,10 +18,10 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
+from sidecar.app.ranks import RankFront
 from sidecar.config import Config
-from sidecar.llmd.ranks import RankFront
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.faults.cluster import until
 from tests.integration.conftest import kv_params
 from tests.ranked import consecutive_free_ports, ranked

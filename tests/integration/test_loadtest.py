@@ -21,8 +21,8 @@ import pytest
 
 from sidecar.cli import main
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks, engine_request_id
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks, engine_request_id
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, serve
@@ -147,8 +147,22 @@ def test_a_run_d_rejects_entirely_fails_naming_the_cause(
 
 def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["loadtest", "--prefill-url", "http://127.0.0.1:1", "--decode-url", "http://127.0.0.1:2"]
-    assert main([*argv, "--rate", "5", "--concurrency", "2"]) == 2
-    assert "exactly one of --rate and --concurrency" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as both:
+        main([*argv, "--rate", "5", "--concurrency", "2"])
+    assert both.value.code == 2
+    assert "--concurrency: not allowed with argument --rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as neither:
+        main(argv)  # the defaults alone: one of the two is required, and the message says which
+    assert neither.value.code == 2
+    assert "one of the arguments --rate --concurrency is required" in capsys.readouterr().err
+
+
+def test_help_says_rate_or_concurrency_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--help"])
+    out = capsys.readouterr().out
+    assert "(--rate RATE | --concurrency CONCURRENCY)" in out
+    assert "this or --concurrency is required" in " ".join(out.split())
 
 
 def test_waits_for_readiness_and_says_what_was_not_ready(capsys: pytest.CaptureFixture[str]) -> None:

@@ -402,22 +402,6 @@ async def test_unknown_version_sends_nothing(
     assert p.requests == 0 and all(not v for v in p.notifs.values())
 
 
-async def test_version_learnt_from_decode_and_kept_while_d_is_down(
-    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
-) -> None:
-    p = start(prefills, "0.33.0")
-    answers = ["0.33.0"]
-
-    async def version() -> str | None:
-        return answers.pop() if answers else None
-
-    releaser = await releaser_factory(config(), version)
-    assert await releaser.release(make_job(p.params("v1"), "v1")) is Result.SENT
-    releaser._version = (time.monotonic() - 3600, "0.33.0")  # stale: D is asked again, answers None
-    assert await releaser.release(make_job(p.params("v2"), "v2")) is Result.SENT
-    await p.received(b"v2:1")
-
-
 async def test_inconsistent_version_sends_nothing(
     prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
 ) -> None:

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.integration.test_pd_release_e2e import prefill, wait_stats

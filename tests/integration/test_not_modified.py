@@ -38,7 +38,7 @@ def d_answering_304() -> Iterator[str]:
 
 
 def test_304_with_a_content_length_reaches_the_client(d_answering_304: str) -> None:
-    with run_sidecar(d_answering_304) as sc:
+    with run_sidecar(d_answering_304, decode_health_interval=0) as sc:  # D here answers one request
         host, port = sc.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as client:
             for _ in range(2):  # the same connection serves the next request: it was not broken

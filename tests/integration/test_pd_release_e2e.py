@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, serve

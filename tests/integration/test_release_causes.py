@@ -22,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.integration.conftest import kv_params as params
 from tests.servers import ServerThread, free_port, serve

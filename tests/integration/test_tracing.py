@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (sidecar.tracing): spans, W3C propagation on both legs, off means untouched.
+"""OpenTelemetry tracing (sidecar.observability): spans, W3C propagation on both legs, off means untouched.
 
 Real uvicorn servers on loopback. D and P are either tiny recording ASGI apps
 (they keep every request's headers) or the simulators with real NIXL. Spans
@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
+from sidecar.observability.tracing import build
 from sidecar.release.base import ReleaseJob, Result, RetryableReleaseError
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.tracing import build
 from tests.integration.conftest import Sidecar, kv_params
 from tests.servers import ServerThread, free_port, serve
 
@@ -99,7 +99,13 @@ def traced_sidecar(
     decode_url: str, exporter: InMemorySpanExporter | None = None, releaser: Any = None, **settings: Any
 ) -> Iterator[Sidecar]:
     """``run_sidecar`` with tracing: spans to ``exporter``, or as the config says when None."""
-    settings = {"release": "dry-run", "log_level": "warning", "retried_statuses": ("none",), **settings}
+    settings = {
+        "release": "dry-run",
+        "log_level": "warning",
+        "retried_statuses": ("none",),
+        "decode_health_interval": 0,  # D's recorded requests are the traced ones, no /health polls
+        **settings,
+    }
     config = Config(decode_url=decode_url, **settings)
     dry = DryRunReleaser(keep=1000)
     injected = releaser or (dry if config.release == "dry-run" else None)
@@ -396,7 +402,8 @@ def test_tracing_off_never_imports_opentelemetry() -> None:
     script = textwrap.dedent(
         """
         import asyncio, sys
-        from sidecar import cli, serve
+        from sidecar import cli
+        from sidecar.server import serve
         from sidecar.app import create_app, create_admin_app
         from sidecar.config import Config
 
@@ -423,8 +430,8 @@ def test_tracing_off_never_imports_opentelemetry() -> None:
 @pytest.mark.nixl
 def test_nixl_release_has_a_handshake_span_under_the_release_span() -> None:
     from sidecar.sim.decode import create_decode_app
-    from sidecar.sim.decode_config import DecodeSimConfig
-    from sidecar.sim.decode_nixl import VllmDHooks
+    from sidecar.sim.decode.config import DecodeSimConfig
+    from sidecar.sim.decode.nixl import VllmDHooks
     from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 
     version = "0.33.0"

@@ -10,9 +10,10 @@ import msgspec
 import pytest
 
 from sidecar.config import Config, ConfigError
+from sidecar.proxy.inflight import InFlight
+from sidecar.proxy.trust import Trust, sign
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.trust import InFlight, Trust, sign
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import run_sidecar
 from tests.servers import ServerThread, serve
 

@@ -20,15 +20,15 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.allowlist import Allowlist
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
-from sidecar.limits import ServerLimits, server_options
+from sidecar.network.allowlist import Allowlist
+from sidecar.network.resolver import Resolver
 from sidecar.nixl.handshake import TargetCheck
 from sidecar.release.nixl import NixlReleaser
-from sidecar.resolver import Resolver
+from sidecar.server.protocol import ServerLimits, server_options
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
+from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Sidecar, kv_params
 from tests.servers import serve
 

@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sidecar.classify import Failure
-from sidecar.http1 import HIGH_WATER
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
+from sidecar.upstream.http1 import HIGH_WATER
 from tests.fakes import CountingLoop
 from tests.servers import ServerThread, free_port, serve
 
@@ -396,7 +396,7 @@ async def test_connection_closed_by_d_while_idle_is_not_handed_out() -> None:
 
 @on_both_loops
 async def test_connection_idle_beyond_the_keepalive_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("sidecar.upstream.KEEPALIVE_SECONDS", 0.0)
+    monkeypatch.setattr("sidecar.upstream.client.KEEPALIVE_SECONDS", 0.0)
     async with RawServer(answer_ok) as server:
         client = await started(server.url)
         for _ in range(2):
@@ -412,7 +412,7 @@ async def test_keepalive_age_counts_from_ds_last_byte_not_from_the_release(
     # D's keep-alive timer starts when D finished writing. A response the sidecar releases only
     # later (a slow client still reading it) must not look freshly idle: reusing a connection
     # D is closing turns a request D never got into an ambiguous RESET_AFTER_SEND.
-    monkeypatch.setattr("sidecar.upstream.KEEPALIVE_SECONDS", 0.2)
+    monkeypatch.setattr("sidecar.upstream.client.KEEPALIVE_SECONDS", 0.2)
     async with RawServer(answer_ok) as server:
         client = await started(server.url)
         answer = await client.send("GET", "/", [], None)
@@ -737,7 +737,7 @@ async def test_https_verifies_d_with_the_system_trust_store(
         untrusted = await started(url)
         with pytest.raises(UpstreamError) as caught:
             await untrusted.send("GET", "/port", [], None)
-        assert caught.value.failure is Failure.CONNECT_REFUSED
+        assert caught.value.failure is Failure.TLS_FAILED  # nothing was sent: released like refused
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read by OpenSSL when the context is built
         client = await started(url)
         ports = {await body_of(await client.send("GET", "/port", [], None)) for _ in range(3)}

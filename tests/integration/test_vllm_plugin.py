@@ -28,8 +28,8 @@ from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob, Result
 from sidecar.release.dryrun import DryRunReleaser
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from sidecar.vllm_plugin import (
     HEALTH_PATH,
@@ -263,7 +263,7 @@ def run_auto(decode_url: str, nixl: Any | None = None, **settings: Any) -> Itera
 
     async def decode_version() -> str | None:
         runtime = apps[0].runtime
-        return await runtime.decode_version() if runtime is not None else None
+        return await runtime.decode.decode_version() if runtime is not None else None
 
     auto = AutoReleaser(config, decode_version, registry, nixl=nixl)
     app = create_app(config, Deps(releaser=auto, registry=registry))

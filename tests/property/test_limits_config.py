@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config import MIN_HEADER_BYTES, Config, ConfigError, load
-from sidecar.limits import ServerLimits, server_options
+from sidecar.server.protocol import ServerLimits, server_options
 
 TIMEOUTS = ("timeout_keep_alive", "client_header_timeout", "client_body_timeout")
 

@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from sidecar.allowlist import Allowlist, is_host_name, split_host_port
+from sidecar.network.allowlist import Allowlist, is_host_name, split_host_port
 from sidecar.router import RouterError, parse_targets
 
 ALLOW = Allowlist(["*.prefill.svc.cluster.local:8000", "10.0.0.0/24", "[fd00::/64]:8100"])

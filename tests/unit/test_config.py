@@ -135,6 +135,9 @@ def test_unknown_kvr_variables_are_named_with_the_closest_setting() -> None:
         ("prefill", "http://p:8100/v1", "without a path"),
         ("control_url", "http://d:99999/kv_release/v1/release", "port '99999'"),
         ("otlp_traces_endpoint", "http://c:70000", "port '70000'"),
+        ("decode_url", "http://::1:8200", "an IPv6 address needs brackets: http://[::1]:8200"),
+        ("decode_url", "https://fe80::1", "an IPv6 address needs brackets: https://[fe80::1]"),
+        ("prefill", "http://fd00::7:8100", "needs brackets: http://[fd00::7]:8100"),
     ],
 )
 def test_urls_are_checked_for_port_and_path(field: str, url: str, reason: str) -> None:
@@ -214,3 +217,39 @@ def test_dry_run_needs_a_strategy_that_would_send(release: str) -> None:
 def test_dry_run_of_a_live_strategy_is_one_flag_or_variable(release: str) -> None:
     assert load(parse("--dry-run", "--release", release), {}).dry_run
     assert load(parse("--release", release), {"KVR_DRY_RUN": "1"}).dry_run
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 30.0),
+        ("30s", 30.0),
+        ("1.5s", 1.5),
+        ("500ms", 0.5),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        (" 5 S ", 5.0),
+    ],
+)
+def test_durations_take_a_unit(text: str, seconds: float) -> None:
+    assert load({"release_deadline": text}, {}).release_deadline == seconds
+    assert load({}, {"KVR_DRAIN_TIMEOUT": text}).drain_timeout == seconds
+    assert load({}, {}, f'handshake_timeout = "{text}"').handshake_timeout == seconds
+
+
+@pytest.mark.parametrize("text", ["30x", "abc", "s", "1 s s"])
+def test_a_duration_that_does_not_parse_says_seconds(text: str) -> None:
+    with pytest.raises(ConfigError, match="must be a number of seconds, or a duration such as 30s") as info:
+        load({}, {}, f'release_deadline = "{text}"', "sidecar.toml")
+    assert "sidecar.toml, key release_deadline" in str(info.value)
+    with pytest.raises(ConfigError, match="must be a number of seconds"):
+        load({}, {}, "release_deadline = true")
+
+
+def test_the_port_moved_onto_the_other_is_the_one_blamed() -> None:
+    with pytest.raises(ConfigError) as proxy:
+        load(parse("--port", "9100"), {})
+    assert proxy.value.field == "port" and "--port" in str(proxy.value)
+    with pytest.raises(ConfigError) as admin:
+        load(parse("--admin-port", "8000"), {})
+    assert admin.value.field == "admin_port" and "--admin-port" in str(admin.value)

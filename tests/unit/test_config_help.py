@@ -1,6 +1,6 @@
 """``--help`` explains every setting: one plain-text line with its unit, default and variable.
 
-The lines come from ``sidecar.config_help.HELP``. A field
+The lines come from ``sidecar.config.help.HELP``. A field
 added without a line there, or a number without a unit, fails here.
 """
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from sidecar import decode_probes
 from sidecar.classify import Failure
-from sidecar.decode_probes import probe_kv_connector
-from sidecar.decode_state import (
+from sidecar.decode import probes as decode_probes
+from sidecar.decode.probes import probe_kv_connector
+from sidecar.decode.state import (
     ENGINE_DEAD_MESSAGES,
     INFO_MAX_AGE,
     DecodeState,
@@ -58,6 +58,8 @@ class FakeResponse:
 
 class FakeUpstream:
     """Answers by path: (status, headers, body), an exception to raise, or a callable giving one."""
+
+    base_url = "http://d.test:8200"
 
     def __init__(self, **answers: Any) -> None:
         self.answers: dict[str, Any] = {"health": OK, "version": V033, "metrics": NIXL_METRICS, **answers}
@@ -446,8 +448,33 @@ async def test_decode_version_reads_version_once_when_the_poller_has_none() -> N
     assert upstream.calls.count("version") == 1 and state.view().version == "0.33.0"
 
 
+async def test_ds_release_once_read_is_kept_while_d_is_down() -> None:
+    """The strategies ask D's state for P's release on every job: D gone (a restart, a crash)
+    must not make them forget it, or every release would be refused ``unknown_version``."""
+    upstream = FakeUpstream()
+    state = make(upstream)
+    await state.refresh()
+    assert state.view().version == "0.33.0"
+    upstream.set(health=refused(), version=refused(), metrics=refused())
+    await state.refresh()
+    state.observe(Failure.CONNECT_REFUSED)
+    assert state.view().engine == "unknown"
+    assert await state.decode_version() == "0.33.0" and state.version() == "0.33.0"
+
+
+async def test_without_polling_nothing_is_asked_until_readiness_asks() -> None:
+    upstream = FakeUpstream()
+    state = make(upstream, interval=0)
+    await state.start()
+    assert upstream.calls == [] and state.view().engine == "unknown"
+    assert (await state.fresh()).engine == "alive"
+    calls = len(upstream.calls)
+    assert (await state.fresh(max_age=60)).engine == "alive" and len(upstream.calls) == calls  # cached
+    await state.close()
+
+
 async def test_start_waits_for_a_silent_d_no_longer_than_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar import decode_state
+    from sidecar.decode import state as decode_state
 
     async def silent() -> Answer:
         await asyncio.Event().wait()

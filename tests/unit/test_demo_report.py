@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.sim.demo_report import _why_rejections_differ, headline
+from sidecar.sim.demo.report import _why_rejections_differ, headline
 
 
 def figures(**values: Any) -> dict[str, Any]:

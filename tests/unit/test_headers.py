@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from sidecar.headers import data_parallel_rank, new_request_id, request_headers, response_headers
+from sidecar.proxy.headers import data_parallel_rank, new_request_id, request_headers, response_headers
 
 
 def test_request_strips_hop_by_hop_and_host_and_keeps_the_rest() -> None:

@@ -1,15 +1,25 @@
-"""The package's shape stays one a maintainer can hold: small modules, short functions, few parameters.
+"""The package's shape stays one a maintainer can hold: layers, small modules, short functions.
 
 Limits for ``sidecar/`` (the simulators and the load generator aside, which
 are tools rather than the service): a module is at most 400 lines, a function
 at most 60 (metric declarations aside: one collector is several lines and
 they belong together), and no function takes more than 6 parameters besides
 ``self``/``cls``. ``classify`` (the release table) is called from one module.
+
+The layers: at most 12 modules at the top of ``sidecar/``, the rest in
+packages; no import cycle between the packages and top-level modules (an
+import under ``if TYPE_CHECKING:`` is for the type checker only and does not
+count); nothing outside the tools imports the tools (``sidecar.sim``,
+``sidecar.loadtest``) or ``bench``; and importing the serving path loads
+neither them nor the libraries only tools and tests use.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -18,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sidecar"
 TOOLS = ("sim", "loadtest")
 MAX_MODULE, MAX_FUNCTION, MAX_PARAMS = 400, 60, 6
 # Functions that only declare Prometheus collectors, one after another.
-DECLARATIONS = {("metrics.py", "__init__"), ("nixl/metrics.py", "__init__")}
+DECLARATIONS = {("observability/metrics.py", "__init__"), ("nixl/metrics.py", "__init__")}
 
 
 def modules() -> list[Path]:
@@ -60,3 +70,114 @@ def test_classify_is_called_from_one_module() -> None:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "classify":
                 callers.add(name(path))
     assert callers == {"proxy/judge.py"}
+
+
+# --- layers --------------------------------------------------------------------------------------
+
+MAX_TOP_LEVEL = 12
+# What the serving path must never load: the tools, bench, and libraries only they or the
+# tests use (httpx serves ``check`` and the tests; the sidecar talks to D with its own client).
+NOT_SERVING = ("sidecar.sim", "sidecar.loadtest", "bench", "matplotlib", "aiohttp", "httpx")
+
+
+def _unit(module: str) -> str:
+    """``sidecar.a.b`` -> ``a``: the top-level package or module a module belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "sidecar" else parts[0]
+
+
+def _runtime_imports(tree: ast.AST) -> set[str]:
+    """Modules imported by ``tree`` when it runs (``if TYPE_CHECKING:`` blocks skipped)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                base = child.module
+                found.update(f"{base}.{a.name}" if base == "sidecar" else base for a in child.names)
+            elif isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Edges between the units of ``sidecar`` (a package or a top-level module)."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        source = _unit(".".join(parts)) if len(parts) > 2 or parts[-1] != "__init__" else ""
+        for module in _runtime_imports(ast.parse(path.read_text())):
+            target = _unit(module) if module.startswith("sidecar.") else ""
+            if source and target and target != source:
+                edges[source].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one unit (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(unit: str) -> None:
+        index[unit] = low[unit] = len(index)
+        stack.append(unit)
+        for target in sorted(edges.get(unit, ())):
+            if target not in index:
+                strong(target)
+                low[unit] = min(low[unit], low[target])
+            elif target in stack:
+                low[unit] = min(low[unit], index[target])
+        if low[unit] == index[unit]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == unit:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for unit in sorted(edges):
+        if unit not in index:
+            strong(unit)
+    return found
+
+
+def test_no_import_cycle_between_packages() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_control_a_cycle_is_found() -> None:
+    assert cycles({"proxy": {"router"}, "router": {"proxy", "upstream"}, "upstream": set()}) == [
+        ["proxy", "router"]
+    ]
+
+
+def test_at_most_twelve_modules_at_the_top() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+
+
+def test_nothing_but_the_tools_imports_the_tools() -> None:
+    offenders = []
+    for path in modules():
+        for module in _runtime_imports(ast.parse(path.read_text())):
+            if module.startswith(("sidecar.sim", "sidecar.loadtest", "bench")):
+                offenders.append(f"{name(path)} imports {module}")
+    assert offenders == []
+
+
+def test_the_serving_path_loads_no_tool_and_no_client_library() -> None:
+    code = (
+        "import sys, sidecar.cli, sidecar.server.serve, sidecar.app; "
+        f"print(sorted({{m for m in sys.modules if m.startswith({NOT_SERVING!r})}}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -16,8 +16,8 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
-from sidecar.limits import GuardedProtocol, ServerLimits, guarded_protocol
 from sidecar.proxy.disconnect import DisconnectWatcher
+from sidecar.server.protocol import GuardedProtocol, ServerLimits, guarded_protocol
 from tests.fakes import CountingLoop, FakeTransport
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"

@@ -19,7 +19,7 @@ import trustme
 from sidecar import cli
 from sidecar.config import Config
 from sidecar.extras import MissingExtra
-from sidecar.serve import preflight
+from sidecar.server.serve import preflight
 
 # Where a start that went further would listen: nothing here may bind a fixed port.
 PORTS = {"KVR_HOST": "127.0.0.1", "KVR_ADMIN_HOST": "127.0.0.1", "KVR_ADMIN_PORT": "0"}

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from sidecar.app.ranks import RANK, RankFront, host_port, rank_url
 from sidecar.config import Config
 from sidecar.llmd.command import load
-from sidecar.llmd.ranks import RANK, RankFront, host_port, rank_url
 
 PORT = 8000
 

@@ -12,8 +12,8 @@ from sidecar.loadtest.probes import PSnapshot, prometheus_snapshot, sidecar_coun
 from sidecar.loadtest.report import deltas, percentiles
 from sidecar.loadtest.runner import _idle
 from sidecar.loadtest.verdict import Evidence, judge, was_admitted
-from sidecar.metrics import Metrics
-from sidecar.sim.prefill_metrics import build_registry
+from sidecar.observability.metrics import Metrics
+from sidecar.sim.prefill.metrics import build_registry
 
 
 def flow(rid: str, outcome: str = "ok", status: int = 200, **extra: Any) -> FlowResult:

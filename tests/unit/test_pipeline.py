@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.params import release_params
 from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
 from sidecar.release.ledger import Ledger

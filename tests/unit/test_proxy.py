@@ -20,13 +20,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import Failure
 from sidecar.config import Config
-from sidecar.faults import Injector
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
+from sidecar.proxy.inflight import InFlight
+from sidecar.proxy.inject import Injector
+from sidecar.proxy.trust import Trust
 from sidecar.release.base import ReleaseJob, Result
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
-from sidecar.trust import InFlight, Trust
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
 
 V033 = {

@@ -98,6 +98,7 @@ def job(rid: str = "r1", cause: str = "rejected_4xx") -> ReleaseJob:
         cause=cause,
         detected_at=now,
         deadline=now + 30,
+        decode_reachable=cause != "unreachable",  # the judge's word on it
     )
 
 

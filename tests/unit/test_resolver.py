@@ -7,10 +7,10 @@ import socket
 
 import pytest
 
-from sidecar.allowlist import Allowlist
+from sidecar.network.allowlist import Allowlist
+from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.nixl.handshake import resolve_target
 from sidecar.release.base import PermanentReleaseError, Verdict
-from sidecar.resolver import ResolveFailed, Resolver, Unresolvable
 
 
 class FakeDNS:

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from sidecar import retries
+from sidecar.asgi import OVER_LIMIT
 from sidecar.config import Config, ConfigError, load
-from sidecar.limits import OVER_LIMIT
 from tests.fakes import Client, FakeResponse, FakeUpstream, refused
 from tests.unit.test_proxy import V033, Rig, completion, error, rig
 from tests.unit.test_router_legs import router

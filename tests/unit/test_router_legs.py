@@ -15,9 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy
 from sidecar.router import PREFILL_PARAMS, PrefillPool
+from sidecar.router.legs import Router
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
 from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
 
@@ -51,7 +52,7 @@ async def router(
     metrics, releaser = Metrics(CollectorRegistry()), Recorder()
     pipeline = started_pipeline(releaser, metrics, queue_size=10, workers=2)
     pool = PrefillPool(config, connect=lambda url: ps[url])  # type: ignore[arg-type,return-value]
-    parts = proxy_parts(config, d, pipeline, metrics, facts=Facts(), pool=pool)
+    parts = proxy_parts(config, d, pipeline, metrics, facts=Facts(), routing=lambda kit: Router(kit, pool))
     try:
         yield Rig(Proxy(config, parts), d, ps, releaser)
     finally:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.limits import ServerLimits
-from sidecar.serve import _Server, uvicorn_config
+from sidecar.server.protocol import ServerLimits
+from sidecar.server.serve import _Server, uvicorn_config
 
 
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -14,8 +14,8 @@ import pytest
 
 from sidecar.config import ConfigError
 from sidecar.sim.decode import DecodeSimConfig, add_arguments
-from sidecar.sim.decode_config import config_from_args
-from sidecar.sim.decode_engine import CLIENT_MESSAGE, ENGINE_DEAD_MESSAGE
+from sidecar.sim.decode.config import config_from_args
+from sidecar.sim.decode.engine import CLIENT_MESSAGE, ENGINE_DEAD_MESSAGE
 from tests.unit.test_sim_decode import (
     CHAT,
     COMPLETIONS,

@@ -17,7 +17,7 @@ import pydantic
 import pytest
 
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
-from sidecar.sim.decode_fields import CHAT, COMPLETIONS, RESPONSES, check_fields
+from sidecar.sim.decode.fields import CHAT, COMPLETIONS, RESPONSES, check_fields
 
 
 class StreamOptions(pydantic.BaseModel):

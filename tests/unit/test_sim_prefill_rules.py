@@ -15,12 +15,12 @@ import msgspec
 import pytest
 
 from sidecar.config import ConfigError
-from sidecar.sim.prefill_config import PrefillSimConfig
-from sidecar.sim.prefill_notifs import Done, Heartbeat, Malformed, expected_notifications, parse_notification
-from sidecar.sim.prefill_openai import emitted_blocks, kv_transfer_params, request_ids
-from sidecar.sim.prefill_pool import BlockPool, DuplicateRequest, PoolFull
-from sidecar.sim.prefill_release import UnsupportedVersion, release_for
-from sidecar.sim.prefill_wire import (
+from sidecar.sim.prefill.config import PrefillSimConfig
+from sidecar.sim.prefill.notifs import Done, Heartbeat, Malformed, expected_notifications, parse_notification
+from sidecar.sim.prefill.openai import emitted_blocks, kv_transfer_params, request_ids
+from sidecar.sim.prefill.pool import BlockPool, DuplicateRequest, PoolFull
+from sidecar.sim.prefill.release import UnsupportedVersion, release_for
+from sidecar.sim.prefill.wire import (
     EngineShape,
     WorkerIdentity,
     encode_handshake,

@@ -1,4 +1,4 @@
-"""Tracing settings and start-up checks (sidecar.config, sidecar.tracing)."""
+"""Tracing settings and start-up checks (sidecar.config, sidecar.observability.tracing)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from sidecar import cli, tracing
+from sidecar import cli
 from sidecar.config import Config, ConfigError, load
+from sidecar.observability import tracing
 
 OTEL_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
@@ -102,6 +103,6 @@ def test_without_an_endpoint_the_packages_are_not_needed(monkeypatch: pytest.Mon
 def test_url_full_never_carries_credentials(url: str, shown: str) -> None:
     from urllib.parse import urlsplit
 
-    from sidecar.tracing_otel import _redacted
+    from sidecar.observability.otel import _redacted
 
     assert _redacted(urlsplit(url)) == shown

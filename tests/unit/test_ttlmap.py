@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sidecar.nixl.handshake import HandshakeCache, PeerSet
+from sidecar.proxy.inflight import InFlight
 from sidecar.release.ledger import Ledger
-from sidecar.trust import InFlight
 from sidecar.ttlmap import TTLMap
 
 

@@ -1,10 +1,10 @@
-"""``sidecar.framing.encode_head``: what D receives as the request head, as a table."""
+"""``sidecar.upstream.framing.encode_head``: what D receives as the request head, as a table."""
 
 from __future__ import annotations
 
 import pytest
 
-from sidecar.framing import encode_head
+from sidecar.upstream.framing import encode_head
 
 CASES = [
     (

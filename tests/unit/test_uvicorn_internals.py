@@ -1,4 +1,4 @@
-"""The uvicorn internals ``sidecar.limits`` (and ``sidecar.serve``'s server) are built on.
+"""The uvicorn internals ``sidecar.server.protocol`` (and ``sidecar.server.serve``'s server) are built on.
 
 ``GuardedProtocol`` subclasses uvicorn's httptools protocol: it overrides
 some of its methods, calls others, reads and sets attributes of the protocol,
@@ -23,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
-from sidecar.limits import ServerLimits, guarded_protocol
+from sidecar.server.protocol import ServerLimits, guarded_protocol
 from tests.fakes import FakeTransport
 
 Protocol = httptools_impl.HttpToolsProtocol

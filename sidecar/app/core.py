@@ -1,0 +1,205 @@
+"""App factory: ``create_app(config, deps=None)`` builds the proxy ASGI app.
+
+The lifespan owns every resource and hands them to the handlers through
+``Runtime`` (``sidecar.app.runtime``); nothing is wired at import time. It
+builds, in order: the client to D, D's state (``DecodeState``, one for the
+whole process: the judge reads it, the strategies ask it for D's release,
+``/readyz`` for D's health), the release strategy and its pipeline, the proxy
+(and router mode on its kit), then the data-parallel ranks. The admin app is
+``sidecar.app.admin``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from sidecar import retries
+from sidecar.app.decode_ranks import start_ranks
+from sidecar.app.ranks import RANK, rank_url
+from sidecar.app.runtime import Deps, Runtime
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.config import Config, dump
+from sidecar.decode.state import DecodeState
+from sidecar.k8s import watched_allowlists
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import Tracing
+from sidecar.observability.tracing import build as build_tracing
+from sidecar.proxy import Proxy, ProxyParts
+from sidecar.proxy.inflight import InFlight
+from sidecar.proxy.inject import Injector
+from sidecar.proxy.kit import Kit, Routed
+from sidecar.proxy.trust import Trust
+from sidecar.release import make_releaser
+from sidecar.release.base import Releaser
+from sidecar.release.ledger import Ledger
+from sidecar.release.pipeline import Pipeline, Retry, Settings
+from sidecar.release.targets import BreakerPolicy
+from sidecar.release.value import hold_seconds
+from sidecar.router.legs import Router
+from sidecar.router.pool import PrefillPool
+from sidecar.tls.client import outbound
+from sidecar.upstream import Client, Upstream
+
+log = logging.getLogger("sidecar.app")
+
+
+class ProxyApp:
+    """The ASGI app on the proxy port: lifespan plus the catch-all proxy."""
+
+    def __init__(self, config: Config, deps: Deps | None = None) -> None:
+        self.config = config
+        self.deps = deps or Deps()
+        self.runtime: Runtime | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            assert self.runtime is not None, "lifespan did not run"
+            rank = scope.get(RANK, 0)
+            await (self.runtime.ranks[rank - 1].proxy if rank else self.runtime.proxy)(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:  # websocket: vLLM serves none on these routes
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> Runtime:
+        config, deps = self.config, self.deps
+        tracing = deps.tracing or build_tracing(config)
+        metrics = Metrics(deps.registry)
+        upstream = deps.upstream or _upstream(config)
+        await upstream.start()
+        # D's state probes on its own connection: a probe never waits behind a full request pool
+        # (a D seen as gone under load would have its own releases sent twice), and a request
+        # never reuses a probe's connection.
+        probes = None if deps.upstream is not None else _upstream(config, pool_size=1)
+        if probes is not None:
+            await probes.start()
+        decode = DecodeState(
+            probes or upstream,
+            interval=config.decode_health_interval,
+            kv_connector=config.decode_kv_connector,
+        )
+        await decode.start()
+        lists = await watched_allowlists(config)  # NIXL targets, router mode's P: static or watched
+        releaser = deps.releaser or make_releaser(
+            config, decode.decode_version, metrics.registry, tracing, lists.release
+        )
+        await releaser.start()
+        pipeline = _pipeline(config, releaser, metrics, tracing, deps.clock, _hold(config, decode))
+        pipeline.start()
+        inflight = InFlight(config.ledger_size, config.release_deadline)
+        parts = ProxyParts(
+            upstream=upstream,
+            pipeline=pipeline,
+            metrics=metrics,
+            trust=deps.trust or Trust(config),
+            inflight=inflight,
+            injector=deps.injector or Injector(config),
+            facts=decode,
+            routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill)),
+            tracing=tracing,
+        )
+        proxy = Proxy(config, parts)
+        ranks = await start_ranks(config, parts, _upstream)  # before /readyz sees any
+        self.runtime = Runtime(
+            config, metrics, upstream, decode, probes, releaser, pipeline, inflight, proxy, tracing
+        )
+        self.runtime.pool_watch, self.runtime.ranks = lists.watch, ranks
+        _started(config, releaser.frees)
+        return self.runtime
+
+    async def shutdown(self) -> None:
+        """Flush queued releases (bounded), then close every resource."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        runtime.drain()
+        for proxy in (runtime.proxy, *(r.proxy for r in runtime.ranks)):
+            proxy.stopping = True
+        runtime.pipeline.hurry()
+        flushed = await runtime.pipeline.flush(self.config.flush_timeout)
+        await runtime.pipeline.stop()
+        await runtime.releaser.close()
+        if runtime.proxy.router is not None:
+            await runtime.proxy.router.close()
+        await runtime.close()
+        await runtime.upstream.close()
+        await runtime.tracing.shutdown(self.config.flush_timeout)  # last: the release spans ended
+        log.info("sidecar stopped", extra={"releases_flushed": flushed})
+
+
+def _upstream(config: Config, rank: int = 0, pool_size: int | None = None) -> Client:
+    return Upstream(
+        rank_url(config.decode_url, rank),
+        connect_timeout=config.connect_timeout,
+        pool_timeout=config.pool_timeout,
+        header_timeout=config.header_timeout,
+        read_timeout=config.read_timeout,
+        pool_size=pool_size or config.pool_size,
+    ).use_tls(outbound(config.tls_ca_file, config.decode_tls_insecure))
+
+
+def _pipeline(
+    config: Config,
+    releaser: Releaser,
+    metrics: Metrics,
+    tracing: Tracing,
+    clock: Callable[[], float],
+    hold: Callable[[], float],
+) -> Pipeline:
+    settings = Settings(
+        queue_size=config.release_queue_size,
+        workers=config.release_workers,
+        retry=Retry(config.release_retry_initial, config.release_retry_max),
+        target_share=config.release_target_share,
+        breaker=BreakerPolicy(failures=config.release_target_failures),
+        hold=hold,
+    )
+    return Pipeline(
+        releaser, metrics, Ledger(config.ledger_size, config.ledger_ttl, clock), settings, clock, tracing
+    )
+
+
+def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
+    """The proxy-port ASGI app. Serve it with lifespan on."""
+    return ProxyApp(config, deps)
+
+
+def _routing(pool: PrefillPool | None) -> Callable[[Kit], Routed] | None:
+    """Router mode, built on each proxy's kit, when there is a P pool (or llm-d's header)."""
+    return None if pool is None else lambda kit: Router(kit, pool)
+
+
+def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:
+    """P's hold of an unreleased request's blocks, by the last known release of D (and P)."""
+    return lambda: hold_seconds(config.vllm_version or decode.view().version, config.p_hold_seconds)
+
+
+def _started(config: Config, frees: bool) -> None:
+    """The start-up lines: the effective config, and what an operator must know of it."""
+    log.info("sidecar started", extra={"config": dump(config)})
+    if frees and not config.prefill:  # in router mode a retry runs a fresh prefill
+        injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
+        retries.announce(log, config.retried_statuses, injected)
+    if config.dry_run:
+        log.warning(
+            "dry run: every release is decided and checked as --release %s would, and none is sent "
+            '(kvr_releases_total{result="would_send"})',
+            config.release,
+        )

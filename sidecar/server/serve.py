@@ -1,0 +1,305 @@
+"""``kv-release-sidecar serve``: run the proxy and admin servers until SIGTERM.
+
+Shutdown is bounded and ordered: on SIGTERM or SIGINT ``/readyz`` turns 503
+first, the proxy keeps serving for ``shutdown_delay`` (so load balancers
+notice), then stops accepting and drains in-flight requests for up to
+``drain_timeout``; the lifespan then flushes queued releases for up to
+``flush_timeout`` and the admin server stops last. Both servers enforce the
+client limits of ``sidecar.server.protocol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import uvicorn
+
+from sidecar import config as config_mod
+from sidecar import extras
+from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
+from sidecar.app.ranks import RankFront
+from sidecar.config import args as config_args
+from sidecar.exceptions import SidecarError
+from sidecar.k8s.account import check_service_account
+from sidecar.observability import logs, tracing
+from sidecar.proxy.trust import Trust
+from sidecar.server import memory
+from sidecar.server.protocol import ServerLimits, server_options
+from sidecar.tls.server import ServerTLS, TLSFileError, serving
+
+log = logging.getLogger("sidecar.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    config_args.add_arguments(parser)
+
+
+def load_config(args: argparse.Namespace) -> config_mod.Config:
+    """Flags > env > file > defaults; raises ``ConfigError``."""
+    return config_args.load(args)[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config, sources = config_args.load(args)
+    except config_mod.ConfigError as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 2
+    return start(config, sources)
+
+
+def start(config: config_mod.Config, sources: dict[str, str]) -> int:
+    """Serve ``config`` until SIGTERM (``sources``: where each setting came from, for errors)."""
+    try:
+        try:
+            trust = Trust(config)  # secrets read once, before any socket opens
+            tracing.require(config)  # the otel extra installed when tracing is configured
+        except config_mod.ConfigError as exc:
+            raise exc.at(sources.get(exc.field, exc.source)) from exc
+        if config.release in config_args.NIXL_STRATEGIES:
+            extras.require(f"--release {config.release}", ["nixl"])
+        tls = preflight(config)
+        sockets = listen(config)
+    except (config_mod.ConfigError, ListenError, TLSFileError, extras.MissingExtra) as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(config.log_level, config.log_format, config.access_log)
+    memory.release_large_buffers()
+    for warning in config_mod.unknown_env(os.environ):
+        log.warning(warning)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        pass
+    try:
+        asyncio.run(serve(config, sockets=sockets, deps=Deps(trust=trust), tls=tls))
+    except StartupFailed as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class ListenError(SidecarError):
+    """A port that cannot be listened on (in use, not permitted, no such address)."""
+
+
+def listen(config: config_mod.Config) -> dict[str, list[socket.socket]]:
+    """Bind the proxy and admin ports before anything starts, so a busy port is one clear error.
+
+    Data-parallel ranks above 0 listen on ``port + rank`` (keys ``port+1``, ...)."""
+    bound: dict[str, list[socket.socket]] = {}
+    ports = [("port", config.host, config.port, "--port")]
+    ports += [
+        (f"port+{r}", config.host, config.port + r, "--data-parallel-size")
+        for r in range(1, config.data_parallel_size)
+    ]
+    ports.append(("admin_port", config.admin_host, config.admin_port, "--admin-port"))
+    try:
+        for name, host, port, flag in ports:
+            bound[name] = _bind(host, port, flag)
+    except ListenError:
+        for sock in (s for socks in bound.values() for s in socks):
+            sock.close()
+        raise
+    return bound
+
+
+def _bind(host: str, port: int, flag: str) -> list[socket.socket]:
+    """Listening sockets for every address ``host`` resolves to, as asyncio's create_server binds."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))
+            sock.listen(BACKLOG)
+            port = sock.getsockname()[1]  # port 0: the one picked first, on every address
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ListenError(f"cannot listen on {shown} ({flag}): {exc.strerror or exc}") from exc
+    return sockets
+
+
+BACKLOG = 2048
+
+
+class StartupFailed(Exception):
+    """The app's lifespan failed to start (the reason is logged by ``sidecar.app``)."""
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself.
+
+    With ``freeze``, once started (the lifespan included) it moves every object then alive out of
+    the cyclic garbage collector's sight (``gc.freeze``): what start-up built (modules, the app,
+    its clients) lives as long as the process, and the collector's full passes no longer walk it.
+    """
+
+    startup_failed = False
+
+    def __init__(self, config: uvicorn.Config, freeze: bool = False) -> None:
+        super().__init__(config)
+        self._freeze = freeze
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
+            self.startup_failed = self.should_exit = True
+            return
+        if self._freeze and not self.should_exit:
+            gc.collect()  # start-up's garbage is freed, not frozen
+            gc.freeze()
+
+
+def uvicorn_config(
+    app: object, host: str, port: int, limits: ServerLimits, **extra: object
+) -> uvicorn.Config:
+    """One server's uvicorn settings: httptools behind ``GuardedProtocol``, no uvicorn logging."""
+    options: dict[str, object] = {
+        "host": host,
+        "port": port,
+        "loop": "none",
+        "log_config": None,
+        # True keeps uvicorn from cutting uvicorn.access off for every server in the process
+        # (Config.configure_logging); each protocol says whether it logs (ServerLimits.access_log).
+        "access_log": True,
+        "server_header": False,  # D's own Server/Date headers pass through
+        "date_header": False,
+        "proxy_headers": False,  # the sidecar never reads the client address
+        **server_options(limits),
+        **extra,
+    }
+    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+
+
+async def serve(
+    config: config_mod.Config,
+    stop: asyncio.Event | None = None,
+    sockets: dict[str, list[socket.socket]] | None = None,
+    deps: Deps | None = None,
+    tls: Serving | None = None,
+) -> None:
+    """Run both servers until ``stop`` is set or a termination signal arrives.
+
+    ``sockets`` are the listening sockets from ``listen`` (bound here when not given).
+    """
+    sockets = sockets or listen(config)
+    tls = tls or Serving()
+    app: ProxyApp = create_app(config, deps)
+    proxies = [_rank_server(app, config, rank, tls.proxy) for rank in range(config.data_parallel_size)]
+    admin_limits = ServerLimits.of(config, admin=True)
+    admin = _Server(
+        uvicorn_config(
+            create_admin_app(app), config.admin_host, config.admin_port, admin_limits, lifespan="off"
+        )
+    )
+    _serve_tls(admin.config, tls.admin)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    for name, socks in sockets.items():
+        log.info("listening", extra={"setting": name, "addresses": [_shown(s) for s in socks]})
+    keys = ["port", *(f"port+{r}" for r in range(1, config.data_parallel_size))]
+    proxy_tasks = [
+        asyncio.create_task(p.serve(sockets=sockets[k])) for p, k in zip(proxies, keys, strict=True)
+    ]
+    admin_task = asyncio.create_task(admin.serve(sockets=sockets["admin_port"]))
+    waiter = asyncio.create_task(stop.wait())
+    reloads = [asyncio.create_task(t.watch()) for t in (tls.proxy, tls.admin) if t is not None and t.cert_dir]
+    await asyncio.wait({*proxy_tasks, admin_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down: readiness off, draining")
+    if app.runtime is not None:
+        app.runtime.drain()
+    await asyncio.sleep(config.shutdown_delay)
+    for server in proxies:  # rank 0 last: its lifespan closes what the other ranks use
+        server.should_exit = True
+    await asyncio.gather(*proxy_tasks, return_exceptions=True)
+    admin.should_exit = True
+    await asyncio.gather(admin_task, *reloads, return_exceptions=True)
+    waiter.cancel()
+    for task in reloads:
+        task.cancel()
+    if proxies[0].startup_failed:
+        raise StartupFailed("start-up failed (the error is logged above)")
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The serving TLS of the proxy port(s) and of the admin port (None: plain HTTP)."""
+
+    proxy: ServerTLS | None = None
+    admin: ServerTLS | None = None
+
+
+def preflight(config: config_mod.Config) -> Serving:
+    """What start-up needs beyond the config, checked before any socket opens: the llm-d extra's
+    parts, the service account for the InferencePool watch, the certificates; raises a one-line error."""
+    if config.inference_pool:
+        extras.require_module(
+            f"the InferencePool watch (inference_pool {config.inference_pool})", "llm-d", "lightkube"
+        )
+        check_service_account(config)
+    if config.tls and not config.tls_cert_dir:
+        extras.require_module(
+            "a self-signed serving certificate (TLS without a certificate directory)", "llm-d", "cryptography"
+        )
+    version, ciphers = config.tls_min_version, config.tls_ciphers
+    return Serving(
+        serving(config.tls_cert_dir, config.tls, version, ciphers),
+        serving(config.admin_tls_cert_dir, bool(config.admin_tls_cert_dir), version, ciphers),
+    )
+
+
+def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: ServerTLS | None) -> _Server:
+    """The uvicorn server of one data-parallel rank's listener; rank 0 runs the app's lifespan."""
+    front = (
+        app if config.data_parallel_size == 1 and config.answers == "vllm" else RankFront(app, rank, config)
+    )
+    options: dict[str, object] = {"lifespan": "on" if rank == 0 else "off", "backlog": BACKLOG}
+    uv = uvicorn_config(
+        front,
+        config.host,
+        config.port + rank,
+        ServerLimits.of(config),
+        timeout_graceful_shutdown=config.drain_timeout,
+        **options,
+    )
+    _serve_tls(uv, tls)
+    return _Server(uv, freeze=rank == 0)
+
+
+def _serve_tls(uv: uvicorn.Config, tls: ServerTLS | None) -> None:
+    """Serve ``uv`` with ``tls``'s context: uvicorn builds one only from file names, so the
+    config is loaded here and its context replaced (the server then does not load it again)."""
+    if tls is not None:
+        uv.load()
+        uv.ssl = tls.context
+
+
+def _shown(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
