@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 
 from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode_config import DecodeSimConfig
-from sidecar.sim.decode_nixl import VllmDHooks
+from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.e2e.evidence import Evidence, error_shape
 from tests.e2e.scenarios import Limits, Scenario, client_body, decode_leg, headers_for, prompt

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import retries, serve
+from sidecar import retries
+from sidecar.server import serve
 from tests.e2e import setup_env
 from tests.e2e.__main__ import main as e2e_main
 from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
