@@ -43,7 +43,7 @@ import msgspec
 from bench import cstreams, profile
 from bench.load import request_body
 from bench.noise import Other, busiest, process_cpu, snapshot_of, wait_quiet
-from bench.procs import HOST, Child, CorePlan, free_port, nginx_config, wait_all_ready
+from bench.procs import FROM_CHECKOUT, HOST, Child, CorePlan, free_port, nginx_config, wait_all_ready
 from bench.run import order
 from bench.streams_report import (
     HopLoad,
@@ -128,17 +128,11 @@ def _sidecar(
     """``serve`` on ``port``; from ``checkout`` (another revision's tree) when given."""
     start = ["-m", "sidecar"]
     if checkout is not None:  # -P: not this tree's package from the working directory
-        start = ["-P", "-c", _FROM_CHECKOUT, str(checkout.resolve())]
+        start = ["-P", "-c", FROM_CHECKOUT, str(checkout.resolve())]
     argv = [sys.executable, *start, "serve", "--decode-url", decode, "--host", HOST, "--port",
             str(port), "--admin-host", HOST, "--admin-port", str(admin), "--release", "dry-run",
             "--log-level", "error", "--drain-timeout", "2", "--flush-timeout", "1", *extra]  # fmt: skip
     return name, argv, f"http://{HOST}:{admin}/readyz"
-
-
-_FROM_CHECKOUT = (
-    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'sidecar'; "
-    "runpy.run_module('sidecar', run_name='__main__')"
-)
 
 
 def _relay(name: str, port: int, target: int) -> tuple[str, list[str], str]:
