@@ -8,10 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance faults soak image clean tools
+.PHONY: help demo test lint bench conformance faults soak e2e image clean tools
 
 help:
-	@echo "make demo | test | lint | bench | conformance | faults | soak | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | faults | soak | e2e | image | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -46,7 +46,7 @@ tools:
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
-	$(UV) run --frozen --no-sync mypy --strict sidecar bench
+	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e
 
 bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench
@@ -69,6 +69,17 @@ faults: $(STAMP)
 soak: $(STAMP)
 	$(UV) run --frozen --no-sync python -m tests.faults.soak
 
+# The sidecar between two real vLLM engines (a CPU build, NIXL on loopback): README "Real vLLM, end to end".
+# The engines run from their own environment ($(E2E_VENV)); the harness and the sidecar from .venv.
+E2E_VENV := .venv-e2e
+E2E_FIND_LINKS ?=
+E2E_ARGS ?=
+e2e: $(STAMP)
+	rm -rf out/e2e/dist out/e2e/report.json && $(UV) build --quiet --wheel --out-dir out/e2e/dist
+	$(PYTHON) -m tests.e2e.setup_env --uv $(UV) --venv $(E2E_VENV) --find-links "$(E2E_FIND_LINKS)" \
+		--wheel "out/e2e/dist/kv_release_sidecar-*.whl"
+	$(UV) run --frozen --no-sync python -m tests.e2e --engine-python $(E2E_VENV)/bin/python $(E2E_ARGS)
+
 # nixl-cu12 ships x86_64 wheels only. The sidecar (default target), the loadtest Job's image, the plugin.
 image:
 	docker build --platform linux/amd64 -t kv-release-sidecar:dev .
@@ -77,4 +88,4 @@ image:
 	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev .
 
 clean:
-	rm -rf $(TOOLS) $(VENV) .pytest_cache .mypy_cache .ruff_cache out
+	rm -rf $(TOOLS) $(VENV) $(E2E_VENV) .pytest_cache .mypy_cache .ruff_cache out

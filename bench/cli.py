@@ -51,8 +51,11 @@ DEFAULT_JSON = {
 WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
     ("--clients", {"type": int, "help": "streams: concurrent clients (default 2000)"}),
     ("--rounds", {"type": int, "help": "streams: rounds of every path (default 2)"}),
-    ("--baseline", {"metavar": "DIR", "help": "streams, releases: also another checkout's sidecar"}),
-    ("--profile", {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks to DIR"}),
+    (
+        "--baseline",
+        {"metavar": "DIR", "help": "also the sidecar of another checkout (a worktree), as path baseline"},
+    ),
+    ("--profile", {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks written to DIR"}),
     ("--limit", {"type": int, "help": "streams: also a sidecar with --limit-concurrency N"}),
     ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
     ("--modes", {"help": "streams: sidecar,router (default both)"}),
@@ -115,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvr-bench-wrk-") as scratch:
             json_load = _json_load(args.wrk, args.no_wrk, settings, Path(scratch))
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                report = runner.run(run(settings, plan, args.quick, _progress, json_load, nginx))
+                baseline = Path(args.baseline) if args.baseline else None
+                report = runner.run(run(settings, plan, args.quick, _progress, json_load, nginx, baseline))
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 1

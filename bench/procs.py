@@ -49,7 +49,7 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
 
 # The measured paths: straight to D, through the sidecar, through the reference hops.
-PathName = Literal["direct", "sidecar", "relay", "nginx"]
+PathName = Literal["direct", "sidecar", "baseline", "relay", "nginx"]
 _Number = TypeVar("_Number", int, float)
 
 
@@ -188,6 +188,22 @@ def _sidecar_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "sidecar", *args]
 
 
+def _serve_args(decode_url: str, port: int, admin: int) -> list[str]:
+    """``serve`` as every measured sidecar runs: dry-run, quiet, quick to stop."""
+    return [
+        "serve", "--decode-url", decode_url, "--host", HOST, "--port", str(port),
+        "--admin-host", HOST, "--admin-port", str(admin), "--release", "dry-run",
+        "--log-level", "error", "--drain-timeout", "2", "--flush-timeout", "1",
+    ]  # fmt: skip
+
+
+#: ``python -P -c FROM_CHECKOUT DIR serve ...``: the sidecar of another checkout (a worktree).
+FROM_CHECKOUT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'sidecar'; "
+    "runpy.run_module('sidecar', run_name='__main__')"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Servers:
     """D, the sidecar and the reference hops as started (``wait_ready`` tells when all answer)."""
@@ -201,31 +217,45 @@ class Servers:
     admin_url: str
     relay_url: str
     nginx_url: str | None
+    baseline: Child | None = None  # another checkout's sidecar (``--baseline``)
+    baseline_url: str | None = None
 
     def paths(self) -> tuple[PathName, ...]:
         """The paths to measure, in their base order."""
-        return ("direct", "sidecar", "relay", "nginx") if self.nginx else ("direct", "sidecar", "relay")
+        every: tuple[PathName, ...] = ("direct", "sidecar", "baseline", "relay", "nginx")
+        return tuple(path for path in every if path == "direct" or self.proxy(path) is not None)
 
     def url(self, path: PathName) -> str:
         """The base URL the load generator sends ``path``'s requests to."""
-        urls = {"direct": self.decode_url, "sidecar": self.sidecar_url, "relay": self.relay_url}
-        url = self.nginx_url if path == "nginx" else urls[path]
+        urls = {
+            "direct": self.decode_url,
+            "sidecar": self.sidecar_url,
+            "baseline": self.baseline_url,
+            "relay": self.relay_url,
+            "nginx": self.nginx_url,
+        }
+        url = urls[path]
         if url is None:
             raise BenchError(f"no {path} server was started")
         return url
 
     def proxy(self, path: PathName) -> Child | None:
         """The process between the load generator and D on ``path`` (none on the direct path)."""
-        return {"direct": None, "sidecar": self.sidecar, "relay": self.relay, "nginx": self.nginx}[path]
+        hops = {"direct": None, "sidecar": self.sidecar, "baseline": self.baseline}
+        return {**hops, "relay": self.relay, "nginx": self.nginx}[path]
 
     def proxies(self) -> list[Child]:
         """Every process on the sidecar's core."""
-        return [child for child in (self.sidecar, self.relay, self.nginx) if child is not None]
+        hops = (self.sidecar, self.baseline, self.relay, self.nginx)
+        return [child for child in hops if child is not None]
 
 
 @contextlib.contextmanager
-def launched(plan: CorePlan, stream_events: int, nginx: str | None = None) -> Iterator[Servers]:
-    """Start D, the sidecar, the relay and (given its binary) nginx, not yet known ready; stop all on exit."""
+def launched(
+    plan: CorePlan, stream_events: int, nginx: str | None = None, baseline: Path | None = None
+) -> Iterator[Servers]:
+    """Start D, the sidecar, the relay, (given its binary) nginx and (given a checkout) another
+    revision's sidecar, not yet known ready; stop all on exit."""
     d_port, s_port, a_port, r_port, n_port = (free_port() for _ in range(5))
     decode_url, sidecar_url = f"http://{HOST}:{d_port}", f"http://{HOST}:{s_port}"
     relay_url, nginx_url = f"http://{HOST}:{r_port}", f"http://{HOST}:{n_port}"
@@ -245,28 +275,19 @@ def launched(plan: CorePlan, stream_events: int, nginx: str | None = None) -> It
             ),
             plan.load,
         )
-        sidecar = start(
-            "sidecar",
-            _sidecar_argv(
-                "serve",
-                "--decode-url", decode_url,
-                "--host", HOST,
-                "--port", str(s_port),
-                "--admin-host", HOST,
-                "--admin-port", str(a_port),
-                "--release", "dry-run",
-                "--log-level", "error",
-                "--drain-timeout", "2",
-                "--flush-timeout", "1",
-            ),
-            plan.sidecar,
-        )  # fmt: skip
+        sidecar = start("sidecar", _sidecar_argv(*_serve_args(decode_url, s_port, a_port)), plan.sidecar)
         relay = start(
             "relay",
             [sys.executable, "-m", "bench.relay", "--host", HOST, "--port", str(r_port),
              "--target", f"{HOST}:{d_port}"],
             plan.sidecar,
         )  # fmt: skip
+        before = None
+        if baseline is not None:
+            b_port, b_admin = free_port(), free_port()
+            argv = [sys.executable, "-P", "-c", FROM_CHECKOUT, str(baseline.resolve()), *_serve_args(
+                decode_url, b_port, b_admin)]  # fmt: skip
+            before = start("baseline", argv, plan.sidecar)
         proxy = None
         if nginx is not None:
             conf = nginx_config(nginx, log_dir, {n_port: f"{HOST}:{d_port}"})
@@ -281,6 +302,8 @@ def launched(plan: CorePlan, stream_events: int, nginx: str | None = None) -> It
             f"http://{HOST}:{a_port}",
             relay_url,
             nginx_url if proxy else None,
+            before,
+            f"http://{HOST}:{b_port}" if before else None,
         )
 
 
@@ -342,6 +365,8 @@ async def wait_ready(servers: Servers, deadline: float) -> None:
     ready[servers.relay] = servers.relay_url + "/health"
     if servers.nginx is not None and servers.nginx_url is not None:
         ready[servers.nginx] = servers.nginx_url + "/health"
+    if servers.baseline is not None and servers.baseline_url is not None:
+        ready[servers.baseline] = servers.baseline_url + "/health"  # D's, through it
     await wait_all_ready(ready, deadline)
 
 

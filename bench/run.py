@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -91,10 +92,11 @@ async def run(
     progress: Progress,
     json_load: JsonLoad,
     nginx: str | None = None,
+    baseline: Path | None = None,
 ) -> Report:
     """Start the servers, measure every phase on every path, and build the report."""
     started, loadavg_start = time.monotonic(), os.getloadavg()[0]
-    with launched(plan, settings.answer_tokens, nginx) as servers:
+    with launched(plan, settings.answer_tokens, nginx, baseline) as servers:
         await wait_ready(servers, started + settings.ready_timeout)
         idle = {path: hop.rss_bytes() for path in servers.paths() if (hop := servers.proxy(path)) is not None}
         pids = ", ".join(f"{child.name} pid {child.pid}" for child in (servers.decode, *servers.proxies()))

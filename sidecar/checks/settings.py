@@ -14,6 +14,7 @@ lets through. ``environment``:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import re
 
@@ -87,6 +88,8 @@ async def check_allowlist(ctx: Context) -> list[Finding]:
             continue
         if entry.name is None:
             networks.append(text)
+            if _loopback(text):
+                findings.append(warn("allowlist", f"{text} admits loopback addresses", LOOPBACK_FIX))
         else:
             findings.append(await _resolves(resolver, text, entry.name, entry.ports[0] or 1))
     if networks:
@@ -96,6 +99,22 @@ async def check_allowlist(ctx: Context) -> list[Finding]:
 
 
 _ENTRY_FORM = "write a CIDR, an IP or a host name, each with an optional :port or :lo-hi"
+LOOPBACK_FIX = (
+    "keep it only where P runs on this machine (a local trial); in a cluster list P's pod network: "
+    "a P that left VLLM_NIXL_SIDE_CHANNEL_HOST unset announces localhost, and the sidecar would "
+    "contact its own pod"
+)
+
+
+def _loopback(text: str) -> bool:
+    """Whether an address entry (an IP or a CIDR, with or without a port) admits a loopback address."""
+    address = text.rsplit(":", 1)[0] if text.count(":") == 1 or text.startswith("[") else text
+    try:
+        network = ipaddress.ip_network(address.strip("[]"), strict=False)
+    except ValueError:
+        return False
+    loopback = ipaddress.ip_network("127.0.0.0/8" if network.version == 4 else "::1/128")
+    return network.overlaps(loopback)
 
 
 async def _resolves(resolver: Resolver, text: str, name: str, port: int) -> Finding:

@@ -1,88 +1,58 @@
-"""Client limits on the sidecar's ports: uvicorn's httptools protocol plus what it lacks.
+"""Every touch point between the sidecar and uvicorn's internals, in this one module.
 
-Both servers speak HTTP/1.1 through ``GuardedProtocol``: uvicorn's httptools
-protocol plus the client limits it lacks (``docs/limits.md``). uvicorn 0.54
-with httptools has no header size limit (llhttp accumulates any header), no
-timer on a connection before its first response (a client trickling a header
-block, or one never sending, holds its connection forever; the keep-alive
-timer runs only after a response) and none on a request body; its
-``limit_concurrency`` counts idle connections and answers plain text.
+The sidecar serves HTTP/1.1 with uvicorn's httptools protocol (pinned below
+0.55) plus the client limits uvicorn 0.54 lacks (``docs/limits.md``):
 ``GuardedProtocol`` answers 431 over ``max_header_bytes``, 408 past
-``client_header_timeout`` or ``client_body_timeout`` (then closes), and
-marks a request above ``limit_concurrency`` requests in flight
-(``over_limit``): the app it serves must answer such a request with a 503
-and ``connection: close`` (``Proxy`` does, after reading an inspected body
-so that the blocks it names are released).
+``client_header_timeout`` or ``client_body_timeout``, and marks a request
+above ``limit_concurrency`` (``over_limit``: the proxy answers it 503 with
+``connection: close``, after reading an inspected body to release it).
+
+What it relies on, each checked against the installed uvicorn by
+``tests/unit/test_uvicorn_internals.py``:
+
+* private imports: ``uvicorn._types``; ``HttpToolsProtocol`` and
+  ``FlowControl``, subclassed;
+* ``HttpToolsProtocol`` methods overridden: ``connection_made``,
+  ``connection_lost``, ``data_received``, ``on_message_begin``,
+  ``on_headers_complete``, ``on_body``, ``on_message_complete``,
+  ``on_response_complete``, ``send_400_response``, ``pause_writing``,
+  ``resume_writing``; ``FlowControl.resume_reading``;
+* its attributes: ``cycle``, ``scope``, ``url``, ``headers``, ``tasks``,
+  ``pipeline``, ``app``, ``flow``, ``transport``, ``loop``; written:
+  ``access_log``, ``server_state.total_requests``;
+* ``RequestResponseCycle`` (``UvicornCycle`` reads it for the relay):
+  ``transport``, ``chunked_encoding``, ``response_started``,
+  ``response_complete``, ``disconnected``, ``flow.write_paused``,
+  ``waiting_for_100_continue``; written when a limit closes the connection:
+  ``disconnected``, ``message_event``;
+* ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``);
+  ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
-from dataclasses import dataclass
-from http import HTTPStatus
-from typing import ClassVar, Literal, cast
+import socket
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
+import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from sidecar import config as config_mod
-from sidecar.asgi import DISCONNECT_HUB, OVER_LIMIT, DisconnectHub
+from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
+from sidecar.server.limits import ServerLimits, marked_over_limit, raw_error
 from sidecar.transport.coalesce import CoalescingTransport
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.transport.timers import LazyTimer
-from sidecar.wire import error_body
+
+if TYPE_CHECKING:
+    from sidecar.tls.server import ServerTLS
 
 log = logging.getLogger("sidecar.serve")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """The limits a server enforces on its clients (``Config`` fields of the same meaning)."""
-
-    max_header_bytes: int = 64 * 1024
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    concurrency: int = 0  # requests in flight; 0 = unlimited
-    keep_alive: float = 5.0
-    access_log: bool = False  # one uvicorn.access line per request
-
-    @classmethod
-    def of(cls, config: config_mod.Config, admin: bool = False) -> ServerLimits:
-        """The proxy port's limits; the admin port has no concurrency limit (probes must answer)."""
-        return cls(
-            max_header_bytes=config.max_header_bytes,
-            header_timeout=config.client_header_timeout,
-            body_timeout=config.client_body_timeout,
-            concurrency=0 if admin else config.limit_concurrency,
-            keep_alive=config.timeout_keep_alive,
-            access_log=config.access_log and not admin,  # probes every second are no one's news
-        )
-
-
-def _raw_error(status: int, type_: str, message: str) -> bytes:
-    """A complete HTTP/1.1 error response in vLLM's shape that closes the connection."""
-    body = error_body(message, status, type_)
-    head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
-        "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n"
-        "connection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + body
-
-
-def _marked(app: ASGI3Application) -> ASGI3Application:
-    """``app``, seeing the request marked as over the limit: it answers 503 itself (``Proxy``
-    reads the body first, so P's blocks named in it are released)."""
-
-    async def marked(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-        extensions: dict[str, object] = {**cast(dict[str, object], scope.get("extensions") or {})}
-        extensions[OVER_LIMIT] = {}
-        await app(cast(Scope, {**scope, "extensions": extensions}), receive, send)
-
-    return marked
 
 
 class _ClockedFlowControl(FlowControl):
@@ -187,7 +157,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._offer_relay()
             return
         log.warning("concurrency limit reached, answering 503", extra={"limit": limit})
-        app, self.app = self.app, _marked(self.app)
+        app, self.app = self.app, marked_over_limit(self.app)
         try:
             super().on_headers_complete()
         finally:
@@ -197,7 +167,7 @@ class GuardedProtocol(HttpToolsProtocol):
         """The new request's cycle may have its body relayed from D (``sidecar.transport.relay``)."""
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade
-            self.scope[RELAY] = ClientRelay(self, cycle)  # type: ignore[literal-required]
+            self.scope[RELAY] = ClientRelay(self, UvicornCycle(cycle))  # type: ignore[literal-required]
 
     def relaying(self, relay: ClientRelay | None) -> None:
         """``relay`` now writes to this connection (None: no longer); it hears about back-pressure."""
@@ -307,7 +277,7 @@ class GuardedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if status and self._may_answer():
             log.warning("refused a client", extra={"status": status, "detail": message})
-            self.transport.write(_raw_error(status, type_, message))
+            self.transport.write(raw_error(status, type_, message))
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the application sees http.disconnect; its sends are dropped
             cycle.message_event.set()
@@ -319,6 +289,37 @@ class GuardedProtocol(HttpToolsProtocol):
             return cycle is not None and not cycle.response_started
         # A head: the cycle, if any, is the previous request's; it must be answered in full.
         return cycle is None or cycle.response_complete
+
+
+class UvicornCycle:
+    """One request's uvicorn ``RequestResponseCycle`` as the relay reads it
+    (``sidecar.transport.relay.Response``)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    @property
+    def transport(self) -> asyncio.Transport:
+        transport: asyncio.Transport = self._cycle.transport
+        return transport
+
+    def relayable(self) -> bool:
+        """A chunked body has started and not ended, and the client is still there."""
+        cycle = self._cycle
+        return bool(
+            cycle.chunked_encoding is True
+            and cycle.response_started
+            and not cycle.response_complete
+            and not cycle.disconnected
+        )
+
+    def write_paused(self) -> bool:
+        return bool(self._cycle.flow.write_paused)
+
+    def gone(self) -> bool:
+        return bool(self._cycle.disconnected)
 
 
 def guarded_protocol(limits: ServerLimits) -> type[GuardedProtocol]:
@@ -333,3 +334,61 @@ def server_options(limits: ServerLimits) -> dict[str, object]:
         "timeout_keep_alive": limits.keep_alive,
         "limit_concurrency": None,  # GuardedProtocol counts requests, not idle connections
     }
+
+
+class Server(uvicorn.Server):
+    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself.
+
+    With ``freeze``, once started (the lifespan included) it moves every object then alive out of
+    the cyclic garbage collector's sight (``gc.freeze``): what start-up built (modules, the app,
+    its clients) lives as long as the process, and the collector's full passes no longer walk it.
+    """
+
+    startup_failed = False
+
+    def __init__(self, config: uvicorn.Config, freeze: bool = False) -> None:
+        super().__init__(config)
+        self._freeze = freeze
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
+            self.startup_failed = self.should_exit = True
+            return
+        if self._freeze and not self.should_exit:
+            gc.collect()  # start-up's garbage is freed, not frozen
+            gc.freeze()
+
+
+def uvicorn_config(
+    app: object, host: str, port: int, limits: ServerLimits, **extra: object
+) -> uvicorn.Config:
+    """One server's uvicorn settings: httptools behind ``GuardedProtocol``, no uvicorn logging."""
+    options: dict[str, object] = {
+        "host": host,
+        "port": port,
+        "loop": "none",
+        "log_config": None,
+        # True keeps uvicorn from cutting uvicorn.access off for every server in the process
+        # (Config.configure_logging); each protocol says whether it logs (ServerLimits.access_log).
+        "access_log": True,
+        "server_header": False,  # D's own Server/Date headers pass through
+        "date_header": False,
+        "proxy_headers": False,  # the sidecar never reads the client address
+        **server_options(limits),
+        **extra,
+    }
+    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+
+
+def serve_tls(uv: uvicorn.Config, tls: ServerTLS | None) -> None:
+    """Serve ``uv`` with ``tls``'s context: uvicorn builds one only from file names, so the
+    config is loaded here and its context replaced (the server then does not load it again)."""
+    if tls is not None:
+        uv.load()
+        uv.ssl = tls.context

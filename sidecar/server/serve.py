@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import gc
 import logging
 import os
 import resource
 import signal
 import socket
 import sys
-from collections.abc import Generator
 from dataclasses import dataclass
-
-import uvicorn
 
 from sidecar import config as config_mod
 from sidecar import extras
@@ -35,7 +30,8 @@ from sidecar.k8s.account import check_service_account
 from sidecar.observability import logs, tracing
 from sidecar.proxy.trust import Trust
 from sidecar.server import memory
-from sidecar.server.protocol import ServerLimits, server_options
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS, TLSFileError, serving
 
 log = logging.getLogger("sidecar.serve")
@@ -172,56 +168,6 @@ class StartupFailed(Exception):
     """The app's lifespan failed to start (the reason is logged by ``sidecar.app``)."""
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself.
-
-    With ``freeze``, once started (the lifespan included) it moves every object then alive out of
-    the cyclic garbage collector's sight (``gc.freeze``): what start-up built (modules, the app,
-    its clients) lives as long as the process, and the collector's full passes no longer walk it.
-    """
-
-    startup_failed = False
-
-    def __init__(self, config: uvicorn.Config, freeze: bool = False) -> None:
-        super().__init__(config)
-        self._freeze = freeze
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets=sockets)
-        except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
-            self.startup_failed = self.should_exit = True
-            return
-        if self._freeze and not self.should_exit:
-            gc.collect()  # start-up's garbage is freed, not frozen
-            gc.freeze()
-
-
-def uvicorn_config(
-    app: object, host: str, port: int, limits: ServerLimits, **extra: object
-) -> uvicorn.Config:
-    """One server's uvicorn settings: httptools behind ``GuardedProtocol``, no uvicorn logging."""
-    options: dict[str, object] = {
-        "host": host,
-        "port": port,
-        "loop": "none",
-        "log_config": None,
-        # True keeps uvicorn from cutting uvicorn.access off for every server in the process
-        # (Config.configure_logging); each protocol says whether it logs (ServerLimits.access_log).
-        "access_log": True,
-        "server_header": False,  # D's own Server/Date headers pass through
-        "date_header": False,
-        "proxy_headers": False,  # the sidecar never reads the client address
-        **server_options(limits),
-        **extra,
-    }
-    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
-
-
 async def serve(
     config: config_mod.Config,
     stop: asyncio.Event | None = None,
@@ -238,12 +184,12 @@ async def serve(
     app: ProxyApp = create_app(config, deps)
     proxies = [_rank_server(app, config, rank, tls.proxy) for rank in range(config.data_parallel_size)]
     admin_limits = ServerLimits.of(config, admin=True)
-    admin = _Server(
+    admin = Server(
         uvicorn_config(
             create_admin_app(app), config.admin_host, config.admin_port, admin_limits, lifespan="off"
         )
     )
-    _serve_tls(admin.config, tls.admin)
+    serve_tls(admin.config, tls.admin)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -301,7 +247,7 @@ def preflight(config: config_mod.Config) -> Serving:
     )
 
 
-def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: ServerTLS | None) -> _Server:
+def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: ServerTLS | None) -> Server:
     """The uvicorn server of one data-parallel rank's listener; rank 0 runs the app's lifespan."""
     front = (
         app if config.data_parallel_size == 1 and config.answers == "vllm" else RankFront(app, rank, config)
@@ -315,16 +261,8 @@ def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: Serve
         timeout_graceful_shutdown=config.drain_timeout,
         **options,
     )
-    _serve_tls(uv, tls)
-    return _Server(uv, freeze=rank == 0)
-
-
-def _serve_tls(uv: uvicorn.Config, tls: ServerTLS | None) -> None:
-    """Serve ``uv`` with ``tls``'s context: uvicorn builds one only from file names, so the
-    config is loaded here and its context replaced (the server then does not load it again)."""
-    if tls is not None:
-        uv.load()
-        uv.ssl = tls.context
+    serve_tls(uv, tls)
+    return Server(uv, freeze=rank == 0)
 
 
 def _shown(sock: socket.socket) -> str:

@@ -24,7 +24,7 @@ started and not ended is relayed; anything else takes the pump as before.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Protocol
 
 from sidecar.transport.coalesce import CoalescingTransport
 
@@ -45,6 +45,19 @@ class Reader(Protocol):
     def resume_relay(self) -> None: ...
 
 
+class Response(Protocol):
+    """The client's response as the server protocol exposes it (``UvicornCycle``)."""
+
+    @property
+    def transport(self) -> asyncio.Transport: ...
+
+    def relayable(self) -> bool: ...
+
+    def write_paused(self) -> bool: ...
+
+    def gone(self) -> bool: ...
+
+
 class Host(Protocol):
     """The server protocol the client's connection runs on (``sidecar.server.protocol.GuardedProtocol``)."""
 
@@ -52,34 +65,29 @@ class Host(Protocol):
 
 
 class ClientRelay:
-    """One request's relay to its client (see the module docstring); ``cycle`` is uvicorn's."""
+    """One request's relay to its client (see the module docstring)."""
 
-    __slots__ = ("_cycle", "_feed", "_host", "_reader", "_transport")
+    __slots__ = ("_feed", "_host", "_reader", "_response", "_transport")
 
-    def __init__(self, host: Host, cycle: Any) -> None:
+    def __init__(self, host: Host, response: Response) -> None:
         self._host = host
-        self._cycle = cycle
+        self._response = response
         self._reader: Reader | None = None
         self._feed: Feed | None = None
-        self._transport: asyncio.Transport = cycle.transport
+        self._transport: asyncio.Transport = response.transport
 
     def open(self, reader: Reader, feed: Feed | None = None) -> bool:
         """Relay to the client from now on; False when this response cannot be relayed."""
-        cycle = self._cycle
-        if (
-            cycle.chunked_encoding is not True
-            or not cycle.response_started
-            or cycle.response_complete
-            or cycle.disconnected
-        ):
+        response = self._response
+        if not response.relayable():
             return False
         self._reader, self._feed = reader, feed
-        transport = cycle.transport
+        transport = response.transport
         if isinstance(transport, CoalescingTransport):  # past its held head: one call less a part
             transport = transport.direct() or transport
         self._transport = transport
         self._host.relaying(self)
-        if cycle.flow.write_paused:
+        if response.write_paused():
             reader.pause_relay()
         return True
 
@@ -93,7 +101,7 @@ class ClientRelay:
         feed = self._feed
         if feed is not None:
             parts = [part for part in map(feed.feed, parts) if part]
-        if not parts or self._cycle.disconnected:
+        if not parts or self._response.gone():
             return
         if len(parts) == 1:
             self._transport.write(b"%x\r\n%b\r\n" % (len(parts[0]), parts[0]))
@@ -101,7 +109,7 @@ class ClientRelay:
             self._transport.write(b"".join([b"%x\r\n%b\r\n" % (len(part), part) for part in parts]))
 
     def close(self) -> None:
-        """The relayed part is over: the rest of the response goes through uvicorn's cycle."""
+        """The relayed part is over: the rest of the response goes through the server as before."""
         if self._reader is not None:
             self._host.relaying(None)
             self._reader = None

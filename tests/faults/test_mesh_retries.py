@@ -91,6 +91,10 @@ def _send(cluster: Backends, url: str, count: int = REQUESTS) -> list[Sent]:
         flows.close()
 
 
+def _sent(sc: Sidecar) -> float:
+    return sc.sample("kvr_releases_total", strategy="nixl", result="sent")
+
+
 def _left_to_retry(sc: Sidecar) -> float:
     return sum(
         sc.sample("kvr_not_released_total", outcome="retryable", cause=cause)
@@ -125,10 +129,10 @@ def test_control_releasing_behind_a_retried_503_is_a_wrong_release(cluster: Back
     with pods as (one, two), front("nginx", [_hostport(one), _hostport(two)]) as url:
         sent = _send(cluster, url)
         assert [x.status for x in sent] == [200] * REQUESTS
+        until(lambda: _sent(one) >= 1, "pod 1's releases")  # the release goes after the answer
+        until(lambda: _unknown(cluster) - unknown >= 1, "P's unknown-id notifications")
         assert one.wait_idle()
-        released = one.sample("kvr_releases_total", strategy="nixl", result="sent")
-        assert released >= 1
-        until(lambda: _unknown(cluster) - unknown >= released, "P's unknown-id notifications")
+        until(lambda: _unknown(cluster) - unknown >= _sent(one), "one unknown id per release")
 
 
 def test_when_every_pod_refuses_nobody_releases_and_p_keeps_the_blocks(cluster: Backends) -> None:

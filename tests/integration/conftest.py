@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.server.protocol import ServerLimits, server_options
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import server_options
 from tests.servers import ServerThread, serve
 
 

@@ -128,8 +128,8 @@ def check_targets(report: dict[str, Any]) -> None:
             assert target["passed"] == {"<=": value <= limit, ">=": value >= limit, "<": value < limit}[op]
 
 
-def check_report(report: dict[str, Any], stdout: str) -> None:
-    paths = ["direct", "sidecar", "relay"] + (["nginx"] if NGINX else [])
+def check_report(report: dict[str, Any], stdout: str, baseline: bool = False) -> None:
+    paths = ["direct", "sidecar", *(["baseline"] if baseline else []), "relay", *(["nginx"] if NGINX else [])]
     assert report["paths"] == paths
     assert set(report["results"]) == set(paths)
     direct = report["results"]["direct"]
@@ -167,9 +167,10 @@ def test_quick_bench_reports_every_path_with_wrk_or_its_fallback(tmp_path: Path)
     check_report(report, stdout)
     if not WRK:
         return
-    # With wrk installed, the fallback too, on request (without wrk, the run above is the fallback).
-    report, stdout, stderr = run_quick(tmp_path, "--no-wrk")
+    # With wrk installed, the fallback too, on request (without wrk, the run above is the fallback);
+    # this run also measures a baseline sidecar started from a checkout (this one), as --baseline does.
+    report, stdout, stderr = run_quick(tmp_path, "--no-wrk", "--baseline", str(ROOT))
     assert report["json_client_is_wrk"] is False
     assert report["json_client"].startswith("the Python load generator")
     assert "--no-wrk given" in stdout and "--no-wrk given" in stderr
-    check_report(report, stdout)
+    check_report(report, stdout, baseline=True)

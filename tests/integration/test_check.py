@@ -115,6 +115,9 @@ def test_good_nixl_config_passes_with_every_line_ok_or_warn(
     assert report.one("version").startswith("ok    version: vLLM 0.33.0 (from D's GET /version) is known")
     assert report.find("allowlist") == [
         "ok    allowlist: 1 address entry parses: 127.0.0.1:5600-5663",
+        "warn  allowlist: 127.0.0.1:5600-5663 admits loopback addresses; keep it only where P runs on "
+        "this machine (a local trial); in a cluster list P's pod network: a P that left "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST unset announces localhost, and the sidecar would contact its own pod",
         "ok    allowlist: localhost:5600: localhost resolves to 127.0.0.1",
     ]
     assert report.one("trust").startswith(f"ok    trust: hmac: key read from {key_file} (")

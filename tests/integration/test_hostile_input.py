@@ -33,7 +33,8 @@ from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.params import MAX_BLOCK_IDS
 from sidecar.release.dryrun import DryRunReleaser
-from sidecar.server.protocol import ServerLimits, server_options
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import server_options
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Sidecar

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config import MIN_HEADER_BYTES, Config, ConfigError, load
-from sidecar.server.protocol import ServerLimits, server_options
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import server_options
 
 TIMEOUTS = ("timeout_keep_alive", "client_header_timeout", "client_body_timeout")
 

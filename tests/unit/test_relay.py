@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.server.protocol import UvicornCycle
 from sidecar.transport.coalesce import CoalescingTransport
 from sidecar.transport.relay import ClientRelay
 from tests.fakes import FakeTransport
@@ -62,14 +63,14 @@ def cycle(**state: Any) -> SimpleNamespace:
 )
 def test_a_response_it_cannot_frame_as_uvicorn_would_is_not_taken(state: dict[str, Any]) -> None:
     host = Host()
-    relay = ClientRelay(host, cycle(**state))
+    relay = ClientRelay(host, UvicornCycle(cycle(**state)))
     assert relay.open(Reader()) is False
     assert host.current is None
 
 
 def test_each_part_is_one_chunk_and_nothing_goes_to_a_client_that_left() -> None:
     host, reader, state = Host(), Reader(), cycle()
-    relay = ClientRelay(host, state)
+    relay = ClientRelay(host, UvicornCycle(state))
     assert relay.open(reader, Upper())
     assert host.current is relay
     relay.write(b"data: a\n\n")
@@ -83,7 +84,7 @@ def test_each_part_is_one_chunk_and_nothing_goes_to_a_client_that_left() -> None
 
 def test_back_pressure_reaches_d_and_a_full_client_at_the_start_pauses_d_at_once() -> None:
     reader = Reader()
-    relay = ClientRelay(Host(), cycle(flow=SimpleNamespace(write_paused=True)))
+    relay = ClientRelay(Host(), UvicornCycle(cycle(flow=SimpleNamespace(write_paused=True))))
     assert relay.open(reader)
     relay.resume()
     relay.pause()
@@ -97,7 +98,7 @@ async def test_a_head_still_held_back_goes_out_first_joined_with_the_first_part(
     coalescing = CoalescingTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
     coalescing.hold_next()
     coalescing.write(b"HTTP/1.1 200 OK\r\n\r\n")  # held for its body
-    relay = ClientRelay(Host(), cycle(transport=coalescing))
+    relay = ClientRelay(Host(), UvicornCycle(cycle(transport=coalescing)))
     assert relay.open(Reader())
     relay.write(b"data: a\n\n")
     relay.write(b"data: b\n\n")
@@ -106,7 +107,7 @@ async def test_a_head_still_held_back_goes_out_first_joined_with_the_first_part(
 
 def test_the_parts_of_one_read_leave_in_one_write_each_its_own_chunk() -> None:
     state = cycle()
-    relay = ClientRelay(Host(), state)
+    relay = ClientRelay(Host(), UvicornCycle(state))
     assert relay.open(Reader(), Upper())
     relay.write_all([b"data: a\n\n", b"held!", b"data: bc\n\n"])
     relay.write_all([b"held!"])  # nothing left to write: no write at all

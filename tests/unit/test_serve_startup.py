@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.server.protocol import ServerLimits
-from sidecar.server.serve import _Server, uvicorn_config
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import Server, uvicorn_config
 
 
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -32,7 +32,7 @@ def unfrozen() -> Iterator[None]:
 async def test_objects_alive_after_start_up_are_frozen(unfrozen: None, freeze: bool) -> None:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         config = uvicorn_config(_app, "127.0.0.1", 0, ServerLimits(), lifespan="on")
-        server = _Server(config, freeze=freeze)
+        server = Server(config, freeze=freeze)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         try:
             while not server.started:  # polled: start-up includes the lifespan

@@ -426,6 +426,75 @@ async def test_output_budget_errors_are_handler_400s(extra: dict[str, Any], para
 
 
 @pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"temperature": -1}, "temperature", "temperature must be non-negative, got -1.0."),
+        ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0."),
+        ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5."),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS, RESPONSES])
+async def test_sampling_parameters_out_of_range_are_handler_400s_that_notify(
+    route: str, stream: bool, extra: dict[str, Any], param: str, message: str
+) -> None:
+    # vLLM's SamplingParams checks run in the handler, before it returns a stream: JSON for streams.
+    hooks = RecordingHooks()
+    async with sim(hooks) as client:
+        response = await post(
+            client, route, body_for(route, stream=stream, kv_transfer_params=REMOTE, **extra)
+        )
+        entries = await log(client)
+    assert response.status_code == 400
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("BadRequestError", param)
+    assert error["message"].startswith(message)
+    assert entries[0]["origin"] == "handler"
+    assert hooks.calls == [("rejected", "r1", route, REMOTE, 400)]
+
+
+@pytest.mark.parametrize(("rank", "admitted"), [("0", True), ("1", False), ("5", False), ("x", True)])
+async def test_a_data_parallel_rank_out_of_range_is_a_handler_400(rank: str, admitted: bool) -> None:
+    hooks = RecordingHooks()
+    async with sim(hooks) as client:
+        body = body_for(COMPLETIONS, kv_transfer_params=REMOTE)
+        response = await post(client, COMPLETIONS, body, headers={"x-data-parallel-rank": rank})
+    if admitted:  # in range, or not an integer (vLLM ignores it)
+        assert response.status_code == 200
+        assert hooks.calls == [("admitted", "r1", COMPLETIONS, REMOTE)]
+        return
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": f"data_parallel_rank {rank} is out of range [0, 1).",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    assert hooks.calls == [("rejected", "r1", COMPLETIONS, REMOTE, 400)]
+
+
+async def test_a_data_parallel_rank_out_of_range_in_a_stream_is_200_then_an_error_event() -> None:
+    # The engine client refuses it after the handler returned the stream: D's fix does not fire.
+    hooks = RecordingHooks()
+    async with sim(hooks) as client:
+        body = body_for(COMPLETIONS, stream=True, kv_transfer_params=REMOTE)
+        response = await post(client, COMPLETIONS, body, headers={"x-data-parallel-rank": "5"})
+        entries = await log(client)
+    assert response.status_code == 200
+    chunks = data_events(response.text)
+    assert chunks[1] == "[DONE]"
+    assert json.loads(chunks[0])["error"] == {
+        "message": "data_parallel_rank 5 is out of range [0, 1).",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    assert (entries[0]["outcome"], entries[0]["origin"]) == ("stream_error", "stream")
+    assert hooks.calls == []
+
+
+@pytest.mark.parametrize(
     ("status", "type_"),
     [
         (503, "ServiceUnavailableError"),

@@ -23,7 +23,8 @@ import uvicorn
 from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
-from sidecar.server.protocol import ServerLimits, guarded_protocol
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import UvicornCycle, guarded_protocol
 from sidecar.transport.relay import ClientRelay
 from tests.fakes import FakeTransport
 
@@ -162,7 +163,7 @@ async def test_a_body_part_is_framed_by_the_cycle_as_the_relay_frames_it() -> No
     await asyncio.gather(*protocol.tasks)
     relayed = FakeTransport()
     cycle = type("Cycle", (), {"disconnected": False, "transport": relayed})()
-    ClientRelay(protocol, cycle).write(b"data: x\n\n")  # type: ignore[arg-type]
+    ClientRelay(protocol, UvicornCycle(cycle)).write(b"data: x\n\n")  # type: ignore[arg-type]
     head, part, end = transport.writes
     assert b"transfer-encoding: chunked" in head and part == relayed.writes[0] and end == b"0\r\n\r\n"
     protocol.connection_lost(None)

@@ -55,8 +55,11 @@ from sidecar.sim.decode.rules import (
     decode_view,
     handler_error_type,
     handler_rejection,
+    header_rank,
     model_check,
+    rank_error,
     read_markers,
+    sampling_checks,
     unsupported_media_type,
     validate,
 )
@@ -162,7 +165,10 @@ class DecodeSim:
         if not isinstance(parsed, Rejection) and route in config.disabled_routes:
             message = f"The model does not support {_API_NAMES[route]}"
             return Rejection(501, error_body(message, 501, "NotImplementedError"), "pre_handler")
-        return parsed
+        if isinstance(parsed, Rejection):
+            return parsed
+        rank = dict(scope["headers"]).get(b"x-data-parallel-rank")
+        return dataclasses.replace(parsed, data_parallel_rank=header_rank(rank.decode() if rank else None))
 
     def _failure(self) -> Rejection:
         """The ``fail_first`` answer for the request that just arrived."""
@@ -203,6 +209,9 @@ class DecodeSim:
         elif markers.stream_error is not None and request.stream:
             self.state.settle(entry, "stream_error", 200, "stream")
             response = self._stream_error(entry, request, markers.stream_error)
+        elif (refused := rank_error(request.data_parallel_rank)) is not None:  # streams only here
+            self.state.settle(entry, "stream_error", 200, "stream")
+            response = _sse(self._events([sse_error_event(refused, 400, "BadRequestError"), DONE_EVENT]))
         else:
             drop = markers.drop_mid_stream or (request.stream and config.drop_mid_stream)
             self.state.settle(entry, "dropped" if drop else "admitted", 200, None)
@@ -217,10 +226,13 @@ class DecodeSim:
             return failure
         if markers.reject is not None:
             return _marker_rejection("reject", markers.reject)
-        check = context_checks(request, self.config.max_model_len)
+        check = context_checks(request, self.config.max_model_len) or sampling_checks(request)
         if check is None and markers.stream_error is not None and not request.stream:
             # Without streaming, the engine's refusal surfaces inside the handler.
             return _marker_rejection("stream-error", markers.stream_error)
+        refused = rank_error(request.data_parallel_rank)
+        if check is None and refused is not None and not request.stream:
+            return handler_rejection(400, refused)
         return check
 
     async def _client_left(

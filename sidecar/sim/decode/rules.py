@@ -129,6 +129,7 @@ class ParsedRequest:
     temperature: float | None = None
     top_p: float | None = None
     route: str = "/v1/completions"
+    data_parallel_rank: int | None = None  # the X-data-parallel-rank header, when an integer
 
 
 def decode_view(body: bytes) -> BodyView | Rejection:
@@ -222,6 +223,43 @@ def context_checks(request: ParsedRequest, max_model_len: int) -> Rejection | No
         message = f"max_tokens must be at least 1, got {budget}."
         return handler_rejection(400, vllm_error_message(message, "max_tokens", budget), "max_tokens")
     return None
+
+
+def sampling_checks(request: ParsedRequest) -> Rejection | None:
+    """``SamplingParams``' own checks, run in the handler once the prompt is rendered."""
+    if request.temperature is not None and request.temperature < 0:
+        message = f"temperature must be non-negative, got {float(request.temperature)}."
+        return handler_rejection(
+            400, vllm_error_message(message, "temperature", float(request.temperature)), "temperature"
+        )
+    if request.top_p is not None and not 0 < request.top_p <= 1:
+        message = f"top_p must be in (0, 1], got {float(request.top_p)}."
+        return handler_rejection(400, vllm_error_message(message, "top_p", float(request.top_p)), "top_p")
+    return None
+
+
+#: D's data-parallel size: the simulator is one engine.
+DATA_PARALLEL_SIZE = 1
+
+
+def rank_error(rank: int | None) -> str | None:
+    """``AsyncLLM``'s refusal of an ``X-data-parallel-rank`` outside D's engines, if any.
+
+    It is raised when the request reaches the engine client: inside the handler for a
+    non-streaming request (400 ``BadRequestError``, D's fix notifies P), in-band after
+    HTTP 200 for a stream (D's fix does not fire).
+    """
+    if rank is None or 0 <= rank < DATA_PARALLEL_SIZE:
+        return None
+    return f"data_parallel_rank {rank} is out of range [0, {DATA_PARALLEL_SIZE})."
+
+
+def header_rank(value: str | None) -> int | None:
+    """The ``X-data-parallel-rank`` header as vLLM reads it (an integer, else ignored)."""
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 PromptCount = tuple[int, str] | FieldError | Rejection

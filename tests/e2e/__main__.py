@@ -1,0 +1,218 @@
+"""``python -m tests.e2e``: every scenario between real P and D, judged from P's evidence (``make e2e``).
+
+With ``--engine-python`` (the engines' environment, ``make e2e`` builds it)
+the harness makes the tiny model and starts P and D itself; with ``--p-url``
+and ``--d-url`` it runs the same scenarios against a user's own P and D
+(``--lease`` their ``kv_lease_duration``; ``--p-log`` P's log file, for P's
+log lines; ``--control-token-file`` D's plugin token, for the http mode).
+Order: the modes' scenarios (``nixl``, ``http``, ``router``), the negative
+control (releases off), then D stopped for the D-down scenarios, then the
+simulator comparison. It writes ``out/e2e/report.json``, prints the table
+and exits 0 only on a pass; it stops every process it started, also on
+failure and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from tests.e2e import cluster, simcompare
+from tests.e2e.engines import EngineFailed, Processes
+from tests.e2e.evidence import Evidence
+from tests.e2e.report import Report, Row, table
+from tests.e2e.runner import Runner
+from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect, Mode, scenarios_for
+from tests.e2e.sidecars import Peers, SidecarProcess, start_sidecar
+from tests.e2e.stalls import STALL, StallWatch
+from tests.e2e.verdict import judge, only_late
+
+MODES: tuple[Mode, ...] = ("nixl", "http", "router")
+MISSING = 3
+#: Attempts at a scenario at most: more only after a failure during a machine stall (``stalls``).
+ATTEMPTS = 3
+#: P's lease for the harness's own engines. Short enough that the negative control fails fast, long
+#: enough that a loaded 2-core machine (engines stalled for seconds) frees nothing by expiry.
+LEASE = 20
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tests.e2e", description=__doc__.split("\n")[0])
+    parser.add_argument("--engine-python", default="", help="the engines' Python (.venv-e2e/bin/python)")
+    parser.add_argument("--p-url", default="", help="your own P (then --d-url too): no engines are started")
+    parser.add_argument("--d-url", default="", help="your own D")
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=0,
+        help=f"P's kv_lease_duration, seconds (default {LEASE}; 30 for yours)",
+    )
+    parser.add_argument("--p-log", default="", help="your P's log file (its lines are evidence too)")
+    parser.add_argument(
+        "--control-token-file", default="", help="your D's kv_release plugin token (http mode)"
+    )
+    parser.add_argument("--prefill-allow", default="", help="P's side-channel hosts (default: P's host)")
+    parser.add_argument("--modes", default=",".join(MODES), help="modes to run (default nixl,http,router)")
+    parser.add_argument("--reduced", action="store_true", help="a few scenarios per mode (CI)")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    parser.add_argument("--out", default="out/e2e", help="where the report, logs and model go")
+    parser.add_argument("--engine-timeout", type=float, default=600, help="seconds for an engine to start")
+    args = parser.parse_args(argv)
+    if bool(args.p_url) != bool(args.d_url):
+        parser.error("--p-url and --d-url go together")
+    if not args.p_url and not args.engine_python:
+        parser.error("give --engine-python (the harness starts P and D) or --p-url and --d-url")
+    return args
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").unlink(missing_ok=True)  # never leave an old pass behind
+    shutil.rmtree(out / "logs", ignore_errors=True)
+    if args.engine_python and not args.p_url and not Path(args.engine_python).exists():
+        print(
+            f"make e2e: the engines' environment is missing: {args.engine_python} does not exist",
+            file=sys.stderr,
+        )
+        return MISSING
+    signal.signal(signal.SIGTERM, _interrupt)
+    report, processes, started = Report(), Processes(), time.monotonic()
+    report.info["started"] = datetime.now(UTC).isoformat(timespec="seconds")
+    try:
+        run(args, out, processes, report)
+    except (EngineFailed, RuntimeError, httpx.HTTPError, KeyboardInterrupt) as exc:
+        report.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        processes.stop_all()
+    report.info["wall_seconds"] = round(time.monotonic() - started, 1)
+    (out / "report.json").write_text(json.dumps(report.as_dict(), indent=2, default=str))
+    print(table(report), flush=True)
+    print(f"report: {out / 'report.json'} ({report.info['wall_seconds']} s)", flush=True)
+    return 0 if report.result == "pass" else 1
+
+
+def run(args: argparse.Namespace, out: Path, processes: Processes, report: Report) -> None:
+    if args.p_url:
+        engines = cluster.given_engines(
+            args.p_url, args.d_url, args.lease or 30, args.p_log, args.control_token_file
+        )
+    else:
+        engines = cluster.own_engines(
+            processes, args.engine_python, out, int(args.lease or LEASE), args.engine_timeout
+        )
+    report.info.update(engines.info)
+    try:
+        run_all(args, out, processes, report, engines)
+    finally:
+        if engines.memory is not None:
+            engines.memory.__exit__()
+            report.info["engines_peak_pss_mb"] = round(engines.memory.peak_mb)
+
+
+def run_all(
+    args: argparse.Namespace, out: Path, processes: Processes, report: Report, engines: cluster.Engines
+) -> None:
+    """The modes, the control, the simulator, then D stopped (see the module docstring)."""
+    target = engines.target
+    with httpx.Client(timeout=120, trust_env=False) as client, StallWatch() as stalls:
+        report.info.update(cluster.calibrate(target, client))
+        report.info["warm_up_seconds"] = round(cluster.warm_up(target, client), 1)
+        report.info["lease"] = target.lease
+        runner = Runner(target, client, stalls)
+        host = httpx.URL(target.p_url).host
+        allow = args.prefill_allow or host
+        peers = Peers(
+            target.d_url,
+            target.p_url,
+            allow,
+            target.lease,
+            engines.control_token_file,
+            target.limits.body_cap,
+        )
+        modes = [m for m in MODES if m in args.modes.split(",")]
+        if "http" in modes and engines.control_token_file is None:
+            modes.remove("http")
+            report.skipped.append("http: no --control-token-file for D's kv_release plugin")
+        sidecars = {
+            mode: start_sidecar(processes, mode, peers, out / "logs" / f"sidecar-{mode}.log")
+            for mode in modes
+        }
+        for mode in modes:
+            run_mode(runner, mode, sidecars[mode], report, down=False, reduced=args.reduced)
+        control = start_sidecar(processes, "off", peers, out / "logs" / "sidecar-off.log")
+        evidence = runner.run(CONTROL, "off", control)
+        report.control = Row(
+            "off", CONTROL, evidence, judge(CONTROL.expectation("off"), CONTROL.expected_status(), evidence)
+        )
+        if not args.no_sim:
+            compare(runner, report, client)
+        if engines.d is None:
+            report.skipped.append("D down: D is yours, the harness does not stop it")
+            return
+        processes.stop(engines.d)
+        target.d_up = False
+        for mode in modes:
+            run_mode(runner, mode, sidecars[mode], report, down=True, reduced=args.reduced)
+
+
+def run_mode(
+    runner: Runner, mode: Mode, sidecar: SidecarProcess, report: Report, *, down: bool, reduced: bool
+) -> None:
+    """The mode's scenarios with D up (``down`` False) or those run with D stopped."""
+    for scenario in scenarios_for(mode, reduced):
+        if scenario.d_down != down:
+            continue
+        expect, status = scenario.expectation(mode), scenario.expected_status()
+        evidence = runner.run(scenario, mode, sidecar)
+        problems, failed = judge(expect, status, evidence), list[str]()
+        while problems and len(failed) < ATTEMPTS - 1 and worth_another(expect, status, evidence, failed):
+            failed.append(
+                f"attempt {len(failed) + 1} failed (stalled {evidence.stall:.1f} s, the harness "
+                f"{evidence.harness_stall:.1f} s, load {evidence.load:.1f}): " + "; ".join(problems)
+            )
+            evidence = runner.run(scenario, mode, sidecar)
+            problems = judge(expect, status, evidence)
+        evidence.notes += failed
+        report.rows.append(Row(mode, scenario, evidence, problems))
+        print(
+            f"{mode:7} {scenario.key:30} {'pass' if not problems else 'FAIL ' + '; '.join(problems)}",
+            flush=True,
+        )
+
+
+def worth_another(expect: Expect, status: int, evidence: Evidence, failed: list[str]) -> bool:
+    """Whether a failed attempt says more about the machine than the system under test: it
+    stalled (every attempt may then be retried), or the only fault was lateness (once)."""
+    if evidence.stall >= STALL:
+        return True
+    return not failed and only_late(expect, status, evidence)
+
+
+def compare(runner: Runner, report: Report, client: httpx.Client) -> None:
+    """The simulator beside real vLLM, for each scenario D answered in the nixl mode."""
+    real = {row.scenario.key: row.evidence for row in report.rows if row.mode == "nixl"}
+    version = str(report.info.get("vllm_version") or "0.33.0")
+    with simcompare.simulators(version, runner.target.model, runner.target.max_model_len) as sims:
+        for scenario in SIDECAR_SCENARIOS:
+            if scenario.key in real and simcompare.comparable(scenario):
+                found = simcompare.compare(sims, scenario, real[scenario.key], client, runner.target.limits)
+                report.comparisons.append(found)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

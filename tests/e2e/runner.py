@@ -1,0 +1,238 @@
+"""Running one scenario against real P and D through a sidecar, and collecting P's evidence.
+
+Scenarios run one at a time, so every rise of P's counters and every line P
+logs in a scenario's window belong to it. Each starts with P holding no
+block, and ends only when P holds none again (freed, or after P's lease),
+once the sidecar has decided the request and P has taken one more engine
+step, so a late notification is processed and counted before P's counters
+are read.
+
+P gets light traffic for the whole scenario (``tests.e2e.traffic``), as a P
+in service has: vLLM moves NIXL notifications only when an engine steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tests.e2e import answers
+from tests.e2e.engines import Child
+from tests.e2e.evidence import Evidence, PLog, PView, d_reads, delta, error_shape, sidecar_results, totals
+from tests.e2e.scenarios import (
+    Expect,
+    Limits,
+    Mode,
+    Scenario,
+    base_body,
+    client_body,
+    decode_leg,
+    headers_for,
+    pin_body,
+    prompt,
+)
+from tests.e2e.sidecars import SidecarProcess
+from tests.e2e.stalls import StallWatch
+from tests.e2e.traffic import Traffic
+
+DECIDED = ("kvr_releases_total", "kvr_not_released_total", "kvr_ineligible_total")
+SHORT_PROMPT_WORDS = 12
+
+
+class LogSource:
+    """P's log, when the harness can read it (its own engines, or ``--p-log``)."""
+
+    def __init__(self, size: Callable[[], int], since: Callable[[int], str]) -> None:
+        self.size, self.since = size, since
+
+    @classmethod
+    def of(cls, child: Child) -> LogSource:
+        return cls(child.log_size, child.log_since)
+
+
+@dataclass
+class Target:
+    """The P and D the scenarios run against."""
+
+    p_url: str
+    d_url: str
+    model: str
+    lease: float
+    p_log: LogSource | None
+    long_prompt_words: int = 100
+    max_model_len: int = 256
+    d_up: bool = True
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_model_len)
+
+
+@dataclass
+class Before:
+    p: PView
+    d_reads: float
+    sidecar: dict[str, float]
+    decided: float
+    p_log: int
+
+
+class Runner:
+    """Runs scenarios with one HTTP client; see the module docstring."""
+
+    def __init__(self, target: Target, client: httpx.Client, stalls: StallWatch | None = None) -> None:
+        self.target = target
+        self.client = client
+        self.stalls = stalls or StallWatch()
+
+    def p_view(self) -> PView:
+        started = time.monotonic()
+        text = self.client.get(self.target.p_url + "/metrics").text
+        self.stalls.note(time.monotonic() - started)
+        return PView.parse(text)
+
+    def wait_p_idle(self, since: float, ev: Evidence) -> None:
+        """Poll P until it holds no block; ``ev.freed_after`` counts from ``since``."""
+        deadline = since + self.target.lease + 6.0
+        while time.monotonic() < deadline:
+            if self.p_view().usage == 0.0:
+                ev.freed_after = time.monotonic() - since
+                return
+            time.sleep(0.05)
+
+    def step_engines(self) -> None:
+        """A one-token request to P and to D (when up): each engine steps and moves its NIXL queues."""
+        body = {"model": self.target.model, "prompt": "ka", "max_tokens": 1}
+        for url in (self.target.p_url, self.target.d_url) if self.target.d_up else (self.target.p_url,):
+            self.client.post(url + "/v1/completions", json=body).raise_for_status()
+
+    def before(self, sidecar: SidecarProcess) -> Before:
+        if self.p_view().usage != 0.0:
+            idle = Evidence()
+            self.wait_p_idle(time.monotonic(), idle)
+            if idle.freed_after is None:
+                raise RuntimeError("P still holds blocks from before this scenario")
+        metrics = sidecar.metrics(self.client)
+        return Before(
+            self.p_view(),
+            self._d_reads(),
+            sidecar_results(metrics),
+            _decided(metrics),
+            self.target.p_log.size() if self.target.p_log else 0,
+        )
+
+    def _d_reads(self) -> float:
+        if not self.target.d_up:
+            return 0.0
+        return d_reads(self.client.get(self.target.d_url + "/metrics").text)
+
+    def run(self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess) -> Evidence:
+        """One scenario, start to end (see the module docstring)."""
+        before = self.before(sidecar)
+        self.stalls.reset()
+        ev = Evidence(lease=self.target.lease)
+        with Traffic(self.target.p_url, self.target.model):
+            self._run(scenario, mode, sidecar, before, ev)
+        ev.stall = round(self.stalls.worst, 2)
+        ev.harness_stall = round(self.stalls.worst_gap, 2)
+        ev.load = round(os.getloadavg()[0], 1)
+        return ev
+
+    def _run(
+        self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess, before: Before, ev: Evidence
+    ) -> None:
+        text = self.text(scenario, mode)
+        body = client_body(scenario, self.target.model, text, self.target.limits)
+        if mode == "router":
+            started = time.monotonic()
+            content = json.dumps(body).encode()
+        else:
+            params, started = self.pin(scenario, text, ev)
+            content = decode_leg(body, params)
+        self.send(sidecar.url + scenario.route, content, scenario, ev)
+        if mode == "router":  # the router ran the prefill leg before the decode leg
+            ev.pinned = self.p_view().prefills > before.p.prefills
+        self.wait_p_idle(started, ev)
+        if ev.pinned:
+            self.settle(sidecar, before)
+        self.after(sidecar, before, ev)
+        if scenario.expectation(mode) is Expect.D_READS and ev.status == 200:
+            self.compare(scenario, body, ev)
+
+    def text(self, scenario: Scenario, mode: Mode) -> str:
+        words = self.target.long_prompt_words if scenario.long_prompt else SHORT_PROMPT_WORDS
+        return prompt(f"{mode}:{scenario.key}", words)
+
+    def pin(self, scenario: Scenario, text: str, ev: Evidence) -> tuple[dict[str, Any], float]:
+        """The prefill leg on P; P's parameters and when P answered."""
+        response = self.client.post(
+            self.target.p_url + scenario.route,
+            content=pin_body(scenario, self.target.model, text),
+            headers={"content-type": "application/json"},
+        )
+        response.raise_for_status()
+        params = response.json().get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise RuntimeError(f"P answered no kv_transfer_params: {response.text[:300]}")
+        ev.pinned = any(params.get("remote_block_ids") or ())  # P says it holds these blocks for D
+        return params, time.monotonic()
+
+    def send(self, url: str, content: bytes, scenario: Scenario, ev: Evidence) -> None:
+        headers = headers_for(scenario, f"e2e-{scenario.key}-{time.time_ns()}")
+        with self.client.stream("POST", url, content=content, headers=headers) as response:
+            raw = response.read()
+        ev.status = response.status_code
+        ev.body = raw.decode(errors="replace")
+        shape = error_shape(raw)
+        ev.error_type, ev.error_param = shape.type, shape.param
+        ev.stream_error = shape.code if shape.in_stream else None
+        ev.answered_by = "sidecar" if b"decode server" in raw or b"kv-release-sidecar" in raw else "D"
+        if ev.status == 200:
+            ev.output = answers.text_of(scenario.route, raw)
+
+    def settle(self, sidecar: SidecarProcess, before: Before) -> None:
+        """Wait until the sidecar has decided the request, then make P take one more step."""
+        deadline = time.monotonic() + self.target.lease
+        while time.monotonic() < deadline and _decided(sidecar.metrics(self.client)) <= before.decided:
+            time.sleep(0.05)
+        self.step_engines()
+
+    def after(self, sidecar: SidecarProcess, before: Before, ev: Evidence) -> None:
+        p = self.p_view()
+        ev.expired = round(p.expired - before.p.expired)
+        ev.after_expiry = round(p.after_expiry - before.p.after_expiry)
+        ev.failed_notifications = round(p.failed_notifications - before.p.failed_notifications)
+        ev.failed_transfers = round(p.failed_transfers - before.p.failed_transfers)
+        ev.d_reads = round(self._d_reads() - before.d_reads)
+        ev.sidecar = delta(sidecar_results(sidecar.metrics(self.client)), before.sidecar)
+        if self.target.p_log is not None:
+            ev.p_log = PLog.parse(self.target.p_log.since(before.p_log))
+        else:
+            ev.notes.append("P's log not available: judged from P's /metrics only")
+
+    def compare(self, scenario: Scenario, body: dict[str, Any], ev: Evidence) -> None:
+        """The same request, served by D alone: the P/D answer must be the same, token for token."""
+        reference = base_body(scenario.route, self.target.model, _prompt_of(body))
+        if scenario.stream:
+            reference["stream"] = True
+        response = self.client.post(self.target.d_url + scenario.route, json=reference)
+        response.raise_for_status()
+        ev.reference = answers.text_of(scenario.route, response.content)
+        ev.same_output = bool(ev.output) and ev.output == ev.reference
+
+
+def _decided(metrics: str) -> float:
+    summed = totals(metrics)
+    return sum(summed.get(name, 0.0) for name in DECIDED)
+
+
+def _prompt_of(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return str(body["messages"][0]["content"])
+    return str(body.get("prompt", body.get("input", "")))

@@ -1,0 +1,196 @@
+"""``make e2e``'s set-up, without vLLM: what is missing is said in one line, and no run is faked.
+
+The engines' environment refuses to start without the CPU torch wheel (never a
+CUDA build from the index), the harness refuses to run without the engines'
+environment and leaves no report behind, the engines get the flags vLLM's CPU
+build needs, and the project's own environment never loads torch or vLLM for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar import retries
+from sidecar.server import serve
+from tests.e2e import setup_env
+from tests.e2e.__main__ import main as e2e_main
+from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
+from tests.e2e.scenarios import (
+    REDUCED,
+    ROUTER_SCENARIOS,
+    SIDECAR_SCENARIOS,
+    Expect,
+    Limits,
+    client_body,
+    decode_leg,
+    pin_body,
+    scenarios_for,
+)
+from tests.e2e.sidecars import Peers, sidecar_command
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
+WHEEL = f"torch-2.13.0+cpu-{TAG}-{TAG}-manylinux_2_28_x86_64.whl"
+
+
+def test_a_missing_cpu_torch_wheel_is_one_line_and_exit_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    venv = tmp_path / "venv"
+    code = setup_env.main(
+        ["--uv", "/nonexistent/uv", "--venv", str(venv), "--wheel", "x.whl", "--find-links", str(tmp_path)]
+    )
+    err = capsys.readouterr().err
+    assert code == setup_env.MISSING == 3
+    assert err.count("\n") == 1
+    assert err.startswith(
+        "make e2e: torch==2.13.0+cpu for Python 3.11 is missing: no torch-2.13.0+cpu-cp311-"
+    )
+    assert str(tmp_path) in err
+    assert not venv.exists()  # nothing was built, nothing was downloaded
+
+
+def test_the_cpu_wheel_is_found_where_pip_finds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / WHEEL).write_bytes(b"")
+    assert setup_env.torch_wheel(["/nonexistent", str(tmp_path)]) == str(tmp_path / WHEEL)
+    monkeypatch.setenv("PIP_FIND_LINKS", f"/a {tmp_path}")
+    assert setup_env.find_links("") == ["/a", str(tmp_path)]
+    assert setup_env.find_links("/given") == ["/given"]
+
+
+def test_an_environment_is_ready_only_with_today_pins(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    assert not setup_env.ready(tmp_path)
+    (tmp_path / setup_env.STAMP).write_text('{"torch": "torch==2.12.0+cpu"}')
+    assert not setup_env.ready(tmp_path)
+    (tmp_path / setup_env.STAMP).write_text(json.dumps(setup_env.PINS))
+    assert setup_env.ready(tmp_path)
+
+
+def test_the_harness_without_the_engines_environment_says_so_and_writes_no_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "e2e"
+    out.mkdir()
+    (out / "report.json").write_text('{"result": "pass"}')  # an old run's
+    code = e2e_main(["--engine-python", str(tmp_path / "none" / "python"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert err.count("\n") == 1 and "the engines' environment is missing" in err
+    assert not (out / "report.json").exists()
+
+
+def spec(role: str, token: Path | None = None, cpus: str = "") -> EngineSpec:
+    return EngineSpec(role, "/e2e/bin/python", Path("/m"), 8301, 5701, 20, Path("/l"), token, cpus)
+
+
+def test_engines_run_the_api_server_module_with_the_cpu_build_settings() -> None:
+    command = engine_command(spec("P"))
+    assert command[:3] == ["/e2e/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(command)
+    for flag in (
+        "--max-model-len 256",
+        "--max-num-seqs 4",
+        "--enforce-eager",
+        "--num-gpu-blocks-override 64",
+    ):
+        assert flag in joined
+    kv = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
+    assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 20}
+
+
+def test_only_d_loads_the_plugin_by_its_entry_point(tmp_path: Path) -> None:
+    base = {"PATH": "/bin", "VLLM_PLUGINS": "other", "KVR_CONTROL_TOKEN": "leak", "VIRTUAL_ENV": "/x"}
+    p_env = engine_env(spec("P", cpus="0"), base)
+    d_env = engine_env(spec("D", tmp_path / "token", "1"), base)
+    assert "VLLM_PLUGINS" not in p_env and "KVR_CONTROL_TOKEN" not in p_env and "VIRTUAL_ENV" not in p_env
+    assert d_env["VLLM_PLUGINS"] == "kv_release"
+    assert d_env["KVR_CONTROL_TOKEN_FILE"] == str(tmp_path / "token")
+    assert "KVR_CONTROL_TOKEN" not in d_env
+    assert (p_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    for env in (p_env, d_env):
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5701"
+
+
+@pytest.mark.parametrize(
+    ("count", "cores"), [(1, ("", "")), (2, ("0", "1")), (8, ("0-3", "4-7")), (3, ("0", "1-2"))]
+)
+def test_split_cores(count: int, cores: tuple[str, str]) -> None:
+    assert split_cores(count) == cores
+
+
+def test_scenario_bodies_carry_the_fault_to_d_only() -> None:
+    scenario = next(s for s in SIDECAR_SCENARIOS if s.key == "pre-validation")
+    pin = json.loads(pin_body(scenario, "m", "ka lo"))
+    assert pin["max_tokens"] == 1 and pin["stream"] is False
+    assert pin["kv_transfer_params"]["do_remote_decode"] is True
+    leg = decode_leg(client_body(scenario, "m", "ka lo", Limits()), {"remote_request_id": "r"})
+    assert leg.endswith(b'"kv_transfer_params": {"remote_request_id": "r"}}')  # last, as routers append
+    assert b'"max_tokens": "abc"' in leg
+    cap = next(s for s in SIDECAR_SCENARIOS if s.oversize)
+    assert len(json.dumps(client_body(cap, "m", "ka", Limits()))) > Limits().body_cap
+
+
+@pytest.mark.parametrize("max_model_len", [256, 32768])
+def test_faults_over_the_context_are_sized_from_d(max_model_len: int) -> None:
+    limits = Limits(max_model_len)
+    by_key = {s.key: s for s in SIDECAR_SCENARIOS}
+    prompt = client_body(by_key["handler-too-long"], "m", "ka", limits)["prompt"]
+    assert len(prompt.split()) > max_model_len  # every word is a token at least
+    assert client_body(by_key["handler-max-tokens"], "m", "ka", limits)["max_tokens"] == max_model_len + 1
+    assert len(json.dumps(client_body(by_key["handler-too-long"], "m", "ka", limits))) < limits.body_cap
+
+
+def test_every_mode_has_its_cases_and_a_short_set() -> None:
+    for mode in ("nixl", "http", "router"):
+        full, reduced = scenarios_for(mode), scenarios_for(mode, reduced=True)  # type: ignore[arg-type]
+        assert len({s.key for s in full}) == len(full)
+        assert {s.group for s in full} >= {"admitted", "before D's handler", "D's handler", "D down"}
+        assert 0 < len(reduced) < len(full) and {s.key for s in reduced} <= REDUCED
+        assert full[-1].d_down  # D-down scenarios last: D stays stopped after them
+    down = next(s for s in SIDECAR_SCENARIOS if s.d_down)
+    assert (down.expectation("nixl"), down.expectation("http")) == (Expect.SIDECAR_FREES, Expect.LEASE)
+    assert all(not s.headers and s.content_type == "application/json" for s in ROUTER_SCENARIOS)
+
+
+def test_the_serving_path_never_imports_the_harness() -> None:
+    for path in (ROOT / "sidecar").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(name == "tests" or name.startswith("tests.") for name in names), path
+
+
+def test_the_harness_loads_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys, tests.e2e.__main__, tests.e2e.cluster, tests.e2e.simcompare; "
+        "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("mode", ["nixl", "http", "router", "off"])
+def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Path) -> None:
+    peers = Peers("http://127.0.0.1:8302", "http://127.0.0.1:8301", "127.0.0.1", 20.0, tmp_path / "token")
+    (tmp_path / "token").write_text("t")
+    command = sidecar_command(mode, peers, 8000, 9100, sys.executable)  # type: ignore[arg-type]
+    assert command[1:4] == ["-m", "sidecar", "serve"]
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.load_config(parser.parse_args(command[4:]))
+    assert retries.parse(config.retried_statuses) == frozenset()  # D down's 503 may be released
+    assert config.release == ("nixl" if mode == "router" else mode)
+    assert config.release_deadline == 10.0 and config.p_hold_seconds == 20.0
+    assert config.prefill == (("http://127.0.0.1:8301",) if mode == "router" else ())
