@@ -55,7 +55,10 @@ WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
         "--baseline",
         {"metavar": "DIR", "help": "also the sidecar of another checkout (a worktree), as path baseline"},
     ),
-    ("--profile", {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks written to DIR"}),
+    (
+        "--profile",
+        {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks written to DIR"},
+    ),
     ("--limit", {"type": int, "help": "streams: also a sidecar with --limit-concurrency N"}),
     ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
     ("--modes", {"help": "streams: sidecar,router (default both)"}),
