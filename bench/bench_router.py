@@ -373,9 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cores(plan: CorePlan) -> str:
-    if not plan.pinned:
-        return f"not pinned: only CPUs {sorted(plan.load)} available"
-    return f"load generator + P + D on CPU {sorted(plan.load)}, both sidecars on CPU {sorted(plan.sidecar)}"
+    return plan.describe("load generator + P + D", "both sidecars")
 
 
 def _progress(line: str) -> None:

@@ -412,6 +412,10 @@ def _line(phase: str, figures: LoadFigures, storm: _Storm | None) -> str:
     return text
 
 
+def _cores(plan: CorePlan) -> str:
+    return plan.describe("load generators + P + D")
+
+
 async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Progress) -> StormReport:
     started, loadavg_start = time.monotonic(), os.getloadavg()[0]
     with (
@@ -458,10 +462,6 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
             disturbed=disturbed,
         ),
     )
-
-
-def _cores(plan: CorePlan) -> str:
-    return plan.describe().replace("load generator + D", "load generators + P + D")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -354,11 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cores(plan: CorePlan) -> str:
-    if not plan.pinned:
-        return f"not pinned: only CPUs {sorted(plan.load)} available"
-    return (
-        f"load generator + D + sink on CPU {sorted(plan.load)}, both sidecars on CPU {sorted(plan.sidecar)}"
-    )
+    return plan.describe("load generator + D + sink", "both sidecars")
 
 
 def _progress(line: str) -> None:

@@ -43,7 +43,16 @@ import msgspec
 from bench import cstreams, profile
 from bench.load import request_body
 from bench.noise import Other, busiest, process_cpu, snapshot_of, wait_quiet
-from bench.procs import FROM_CHECKOUT, HOST, Child, CorePlan, free_port, nginx_config, wait_all_ready
+from bench.procs import (
+    HOST,
+    Child,
+    CorePlan,
+    free_port,
+    nginx_config,
+    serve_args,
+    sidecar_argv,
+    wait_all_ready,
+)
 from bench.run import order
 from bench.streams_report import (
     HopLoad,
@@ -126,12 +135,7 @@ def _sidecar(
     name: str, decode: str, port: int, admin: int, *extra: str, checkout: Path | None = None
 ) -> tuple[str, list[str], str]:
     """``serve`` on ``port``; from ``checkout`` (another revision's tree) when given."""
-    start = ["-m", "sidecar"]
-    if checkout is not None:  # -P: not this tree's package from the working directory
-        start = ["-P", "-c", FROM_CHECKOUT, str(checkout.resolve())]
-    argv = [sys.executable, *start, "serve", "--decode-url", decode, "--host", HOST, "--port",
-            str(port), "--admin-host", HOST, "--admin-port", str(admin), "--release", "dry-run",
-            "--log-level", "error", "--drain-timeout", "2", "--flush-timeout", "1", *extra]  # fmt: skip
+    argv = sidecar_argv(*serve_args(decode, port, admin), *extra, checkout=checkout)
     return name, argv, f"http://{HOST}:{admin}/readyz"
 
 
