@@ -43,7 +43,8 @@ import aiohttp
 import msgspec
 import uvloop
 
-from bench.procs import HOST, BenchError, Child, CorePlan, check, free_port, plan_cores, wait_all_ready
+from bench.load import Sample, check
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores, wait_all_ready
 from bench.stats import ms, percentile
 from sidecar.router import decode_body, prefill_body
 
@@ -55,7 +56,6 @@ ROUTE = "/v1/completions"
 MODEL = "sim-model"  # sim-decode's default served model
 DEFAULT_JSON = Path("out/bench-router.json")
 _JSON_HEADERS = {"content-type": "application/json"}
-_MAX_ERRORS_KEPT = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,20 +136,6 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
         yield servers, ready
 
 
-@dataclass(slots=True)
-class Sample:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    errors: int = 0
-    first_errors: list[str] = field(default_factory=list)
-    bounded: bool = False
-
-    def error(self, text: str) -> None:
-        self.errors += 1
-        if len(self.first_errors) < _MAX_ERRORS_KEPT:
-            self.first_errors.append(text)
-
-
 class Client:
     """``connections`` closed-loop workers over one pooled session, for one path."""
 
@@ -182,7 +168,7 @@ class Client:
                 began = time.perf_counter()
                 problem = await self._one()
                 if problem:
-                    sample.error(problem)
+                    sample.fail(problem)
                 else:
                     sample.latencies.append(time.perf_counter() - began)
 

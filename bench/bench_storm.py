@@ -60,21 +60,10 @@ import aiohttp
 import msgspec
 import uvloop
 
-from bench.procs import BenchError, CorePlan, plan_cores
+from bench.noise import Other, Snapshot, snapshot_of
+from bench.procs import BenchError, CorePlan, cpu_seconds, plan_cores
 from bench.stats import ms, percentile
-from bench.storm_load import (
-    CpuReading,
-    NormalLoad,
-    Samples,
-    Scrape,
-    StormWorker,
-    Timed,
-    cpu_reading,
-    delta,
-    other_cpu,
-    quantile,
-    sample,
-)
+from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, delta, quantile, sample
 from bench.storm_procs import MODEL, StormServers, launched, wait_ready
 from bench.storm_report import (
     DISTURBED_SHARE,
@@ -164,6 +153,14 @@ class _Storm:
 
 
 @dataclass(frozen=True, slots=True)
+class _Cpu:
+    """Both cores' busy time beside the benchmark's own (``noise.Snapshot``), and the sidecar's CPU."""
+
+    cores: Snapshot
+    sidecar: float  # the sidecar's own CPU seconds, wherever it ran
+
+
+@dataclass(frozen=True, slots=True)
 class _Releases:
     figures: ReleaseFigures
     counts: Counts
@@ -246,11 +243,13 @@ class _Bench:
         after = self._cpu()
         self._check(timed, "baseline")
         self.other["baseline"] = _other(before, after)
-        figures = self._load_figures([s for _, s in timed.samples], after.at - before.at, (before, after))
+        figures = self._load_figures(
+            [s for _, s in timed.samples], after.cores.at - before.cores.at, (before, after)
+        )
         self.progress(_line("baseline", figures, None))
         return figures
 
-    async def _storm(self) -> tuple[_Storm, Timed, tuple[CpuReading, CpuReading], _Releases]:
+    async def _storm(self) -> tuple[_Storm, Timed, tuple[_Cpu, _Cpu], _Releases]:
         """The release storm beside the other requests, then its drain."""
         stats_before, metrics_before = await self.scrape.prefill_stats(), await self.scrape.metrics()
         stop = asyncio.Event()
@@ -275,7 +274,7 @@ class _Bench:
         )
         return storm, timed, (cpu_before, cpu_after), releases
 
-    async def _control(self, seconds: float) -> tuple[_Storm, Timed, tuple[CpuReading, CpuReading]]:
+    async def _control(self, seconds: float) -> tuple[_Storm, Timed, tuple[_Cpu, _Cpu]]:
         """The same storm without parameters, for ``seconds``: rejections, nothing to release."""
         metrics_before = await self.scrape.metrics()
         stop = asyncio.Event()
@@ -361,15 +360,13 @@ class _Bench:
         )
         return _Releases(figures, counts)
 
-    def _cpu(self) -> CpuReading:
+    def _cpu(self) -> _Cpu:
         s = self.servers
-        return cpu_reading(
-            self.plan.load, self.plan.sidecar, [self.worker.pid, s.prefill.pid, s.decode.pid], s.sidecar.pid
-        )
+        load = sum(cpu_seconds(pid) for pid in (self.worker.pid, s.prefill.pid, s.decode.pid))
+        sidecar = cpu_seconds(s.sidecar.pid)
+        return _Cpu(snapshot_of(self.plan, time.process_time() + load, sidecar), sidecar)
 
-    def _load_figures(
-        self, latencies: list[float], seconds: float, cpu: tuple[CpuReading, CpuReading]
-    ) -> LoadFigures:
+    def _load_figures(self, latencies: list[float], seconds: float, cpu: tuple[_Cpu, _Cpu]) -> LoadFigures:
         if not latencies:
             raise BenchError("no other request completed inside the phase")
         before, after = cpu
@@ -378,7 +375,7 @@ class _Bench:
             rps=len(latencies) / seconds,
             p50_ms=ms(percentile(latencies, 50)),
             p99_ms=ms(percentile(latencies, 99)),
-            sidecar_cpu_cores=(after.sidecar_process - before.sidecar_process) / (after.at - before.at),
+            sidecar_cpu_cores=(after.sidecar - before.sidecar) / (after.cores.at - before.cores.at),
         )
 
     def _check(self, timed: Timed, what: str) -> None:
@@ -396,8 +393,10 @@ def _jobs(before: Samples, after: Samples) -> float:
     return sum(delta(before, after, _RELEASES, strategy="nixl", result=r) for r in _RESULTS)
 
 
-def _other(before: CpuReading, after: CpuReading) -> PhaseCpu:
-    load, sidecar = other_cpu(before, after)
+def _other(before: _Cpu, after: _Cpu) -> PhaseCpu:
+    other = Other()
+    other.add(before.cores, after.cores)
+    load, sidecar = other.shares()
     return PhaseCpu(load_core=load, sidecar_core=sidecar)
 
 

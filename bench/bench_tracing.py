@@ -40,8 +40,8 @@ from typing import Any, Literal
 import aiohttp
 import uvloop
 
-from bench.load import LoadClient, Sample
-from bench.procs import HOST, BenchError, Child, CorePlan, check, free_port, plan_cores, wait_all_ready
+from bench.load import LoadClient, Sample, check
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores, wait_all_ready
 from bench.stats import ms, percentile
 
 PathName = Literal["direct", "off", "on"]

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from bench.load import Kind, LoadClient, Sample
+from bench.load import Kind, LoadClient, Sample, check
 from bench.noise import Other, Snapshot, snapshot
-from bench.procs import Child, CorePlan, PathName, Servers, check
+from bench.procs import Child, CorePlan, PathName, Servers
 from bench.report import MB, JsonFigures, ProxyCost, SseFigures
 from bench.saturation import PhaseLoad, phase_load
 from bench.settings import Settings

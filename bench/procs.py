@@ -30,10 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal, Protocol, TypeVar
+from typing import IO, Literal, TypeVar
 
 import aiohttp
 
@@ -372,26 +372,6 @@ async def wait_all_ready(ready: Mapping[Child, str], deadline: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
         for child, url in ready.items():
             await _poll(session, child, url, deadline)
-
-
-class Measured(Protocol):
-    """What ``check`` reads of a phase's sample (``bench.load.Sample`` and the router bench's)."""
-
-    latencies: list[float]
-    errors: int
-    first_errors: list[str]
-
-
-def check(sample: Measured, children: Iterable[Child], what: str) -> None:
-    """Wrong answers break a benchmark: raise saying ``what`` failed, with the servers' last log lines."""
-    if sample.errors:
-        problem = f"{sample.errors} failed request(s); first: {sample.first_errors}"
-    elif not sample.latencies:
-        problem = "no request completed"
-    else:
-        return
-    logs = "\n".join(f"--- {c.name} log:\n{c.log_tail()}" for c in children)
-    raise BenchError(f"{what}: {problem}\n{logs}")
 
 
 async def _poll(session: aiohttp.ClientSession, child: Child, url: str, deadline: float) -> None:
