@@ -62,22 +62,19 @@ import uvloop
 
 from bench.noise import Other, Snapshot, snapshot_of
 from bench.procs import BenchError, CorePlan, cpu_seconds, plan_cores
+from bench.report import environment, other_cpu, write_json
 from bench.stats import ms, percentile
 from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, delta, quantile, sample
 from bench.storm_procs import MODEL, StormServers, launched, wait_ready
 from bench.storm_report import (
-    DISTURBED_SHARE,
     Counts,
-    Environment,
     Figures,
     LoadFigures,
-    PhaseCpu,
     ReleaseFigures,
     StormRate,
     StormReport,
     ratios,
     render,
-    write_json,
 )
 
 DEFAULT_JSON = Path("out/bench-storm.json")
@@ -181,7 +178,7 @@ class _Bench:
     ) -> None:
         self.settings, self.plan, self.servers = settings, plan, servers
         self.normal, self.worker, self.scrape, self.progress = normal, worker, scrape, progress
-        self.other: dict[str, PhaseCpu] = {}
+        self.other: dict[str, Other] = {}  # other processes' CPU, by phase
 
     async def run(self) -> tuple[Figures, Counts]:
         rate = await self._warm_up()
@@ -393,11 +390,10 @@ def _jobs(before: Samples, after: Samples) -> float:
     return sum(delta(before, after, _RELEASES, strategy="nixl", result=r) for r in _RESULTS)
 
 
-def _other(before: _Cpu, after: _Cpu) -> PhaseCpu:
+def _other(before: _Cpu, after: _Cpu) -> Other:
     other = Other()
     other.add(before.cores, after.cores)
-    load, sidecar = other.shares()
-    return PhaseCpu(load_core=load, sidecar_core=sidecar)
+    return other
 
 
 def _line(phase: str, figures: LoadFigures, storm: _Storm | None) -> str:
@@ -446,7 +442,7 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
             )
             figures, counts = await bench.run()
         progress("stopping the servers")
-    disturbed = any(max(cpu.load_core, cpu.sidecar_core) > DISTURBED_SHARE for cpu in bench.other.values())
+    other = {phase: other_cpu(cpu) for phase, cpu in bench.other.items()}
     return StormReport(
         quick=quick,
         cores=_cores(plan),
@@ -454,12 +450,7 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
         seconds=time.monotonic() - started,
         figures=figures,
         counts=counts,
-        environment=Environment(
-            loadavg_start=loadavg_start,
-            loadavg_end=os.getloadavg()[0],
-            other_cpu=bench.other,
-            disturbed=disturbed,
-        ),
+        environment=environment((loadavg_start, os.getloadavg()[0]), other),
     )
 
 

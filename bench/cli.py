@@ -28,7 +28,6 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
 import uvloop
 
 from bench.load import request_body
@@ -154,8 +153,7 @@ def _workload(args: argparse.Namespace, nginx: str | None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    write_json(report, args.json)
     print(text)
     print(f"raw figures: {args.json}")
     return 0

@@ -48,6 +48,7 @@ from bench.measure import rss_peak
 from bench.noise import Other, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
 from bench.profile import Profile
+from bench.report import RunReport
 from bench.stats import ms, percentile
 from bench.storm_load import Samples, Scrape, delta, quantile, sample
 from bench.storm_procs import MODEL, Hop, StormServers, launched, wait_ready
@@ -131,11 +132,7 @@ class Step(msgspec.Struct, kw_only=True):
     profile: Profile | None = None  # where the sidecar's CPU went (``--profile``, main step)
 
 
-class ReleasesReport(msgspec.Struct, kw_only=True):
-    quick: bool
-    cores: str
-    settings: dict[str, object]
-    seconds: float
+class ReleasesReport(RunReport, kw_only=True):
     prepared: int
     prepare_seconds: float
     loadavg_start: str
@@ -144,7 +141,7 @@ class ReleasesReport(msgspec.Struct, kw_only=True):
     main: int  # index of the main step
     stopped_keeping_up: float | None  # the first offered rate it did not keep up with, if any
     baseline: str = ""  # the other checkout, when one ran
-    baseline_steps: list[Step] = []  # its steps, as ``steps``
+    baseline_steps: list[Step] = msgspec.field(default_factory=list)  # its steps, as ``steps``
     baseline_stopped_keeping_up: float | None = None
 
 

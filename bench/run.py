@@ -27,12 +27,12 @@ from bench.measure import JsonLoad, Measured, Measurer, Phase, PhaseName, Pooled
 from bench.noise import Other
 from bench.procs import BenchError, CorePlan, PathName, Servers, launched, wait_ready
 from bench.report import (
-    OtherCpu,
     PathFigures,
     PathReport,
     Report,
     client_saturated,
     environment,
+    other_cpu,
     path_report,
     targets,
 )
@@ -126,7 +126,7 @@ async def run(
         client_saturated=client_saturated(reports),
         environment=environment(
             (loadavg_start, os.getloadavg()[0]),
-            {path: _other_cpu(other) for path, other in results.other.items()},
+            {path: other_cpu(other) for path, other in results.other.items()},
         ),
         stopped_early=results.stopped_early,
     )
@@ -168,11 +168,6 @@ def _figures(pooled: dict[PhaseName, Pooled]) -> PathFigures:
     return PathFigures(
         json_c1=pooled["json_c1"].json(), json_c32=pooled["json_c32"].json(), sse=pooled["sse"].sse()
     )
-
-
-def _other_cpu(other: Other) -> OtherCpu:
-    load, sidecar = other.shares()
-    return OtherCpu(load_core=load, sidecar_core=sidecar)
 
 
 def _line(phase: Phase, round_: int, path: PathName, measured: Measured) -> str:

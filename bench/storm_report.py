@@ -7,12 +7,9 @@ backlog at the end of the storm, blocks left stranded on P).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 
-# Other processes taking more than this share of one of the benchmark's cores disturb it.
-DISTURBED_SHARE = 0.1
+from bench.report import Environment, RunReport
 
 
 class LoadFigures(msgspec.Struct, kw_only=True):
@@ -80,25 +77,7 @@ class Counts(msgspec.Struct, kw_only=True):
     unused_params: int  # prepared parameters the storm had no time to send (pinned on P, never rejected)
 
 
-class PhaseCpu(msgspec.Struct, kw_only=True):
-    """Cores' worth of CPU other processes took on the load core and the sidecar core."""
-
-    load_core: float
-    sidecar_core: float
-
-
-class Environment(msgspec.Struct, kw_only=True):
-    loadavg_start: float
-    loadavg_end: float
-    other_cpu: dict[str, PhaseCpu]
-    disturbed: bool
-
-
-class StormReport(msgspec.Struct, kw_only=True):
-    quick: bool
-    cores: str
-    settings: dict[str, object]
-    seconds: float
+class StormReport(RunReport, kw_only=True):
     figures: Figures
     counts: Counts
     environment: Environment
@@ -164,8 +143,3 @@ def render(report: StormReport) -> str:
     if env.disturbed:
         lines.append("WARNING: other processes were busy on the benchmark's cores; the figures are disturbed")
     return "\n".join(lines)
-
-
-def write_json(report: StormReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
