@@ -45,6 +45,7 @@ import uvloop
 
 from bench.load import Sample, check
 from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores, wait_all_ready
+from bench.settings import CountedSettings
 from bench.stats import ms, percentile
 from sidecar.router import decode_body, prefill_body
 
@@ -58,21 +59,14 @@ DEFAULT_JSON = Path("out/bench-router.json")
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Load per phase and the bounds that keep the run short."""
-
-    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
-    warmup: int  # requests per connection before each measured phase
-    rounds: int
-    total_bound: float  # seconds for the measured phases and shutdown, after start-up (ready_timeout)
-    ready_timeout: float
-    request_timeout: float = 10.0
-    shutdown_reserve: float = 3.0  # kept back from the measured phases for stopping the children
-
-
-FULL = Settings(requests={1: 2500, 8: 5000}, warmup=20, rounds=2, total_bound=38.0, ready_timeout=30.0)
-QUICK = Settings(requests={1: 300, 8: 600}, warmup=5, rounds=1, total_bound=8.5, ready_timeout=30.0)
+FULL = CountedSettings(
+    requests={1: 2500, 8: 5000}, warmup=20, rounds=2, total_bound=38.0, ready_timeout=30.0,
+    request_timeout=10.0, shutdown_reserve=3.0,
+)  # fmt: skip
+QUICK = CountedSettings(
+    requests={1: 300, 8: 600}, warmup=5, rounds=1, total_bound=8.5, ready_timeout=30.0,
+    request_timeout=10.0, shutdown_reserve=3.0,
+)  # fmt: skip
 
 
 def request(index: int) -> dict[str, Any]:
@@ -222,7 +216,7 @@ class Pooled:
         }
 
 
-async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]:
+async def run(settings: CountedSettings, plan: CorePlan, quick: bool) -> dict[str, Any]:
     started = time.monotonic()
     pooled = {(c, path): Pooled() for c in settings.requests for path in PATHS}
     stopped_early: list[str] = []
@@ -282,7 +276,7 @@ async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]
 
 
 async def _measure(
-    servers: Servers, settings: Settings, path: PathName, connections: int, count: int, bound: float
+    servers: Servers, settings: CountedSettings, path: PathName, connections: int, count: int, bound: float
 ) -> Sample:
     client = Client(servers, path, connections, settings.request_timeout)
     try:

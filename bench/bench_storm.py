@@ -63,6 +63,7 @@ import uvloop
 from bench.noise import Other, Snapshot, snapshot_of
 from bench.procs import BenchError, CorePlan, cpu_seconds, plan_cores
 from bench.report import environment, other_cpu, write_json
+from bench.settings import STORM_FULL, STORM_QUICK, StormSettings
 from bench.stats import ms, percentile
 from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, delta, quantile, sample
 from bench.storm_procs import MODEL, StormServers, launched, wait_ready
@@ -82,54 +83,6 @@ Progress = Callable[[str], None]
 _RESULTS = ("sent", "dropped", "failed", "refused", "duplicate", "covered_by_engine", "dry_run", "off")
 _RELEASES = "kvr_releases_total"
 _LATENCY = "kvr_release_latency_seconds"
-
-
-class StormSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The storm benchmark's knobs, with a full and a quick preset."""
-
-    normal_connections: int = 8
-    storm_connections: int = 32
-    # Seconds of each measured phase (baseline, storm at most, storm without releases).
-    phase_seconds: float
-    # The other requests, unmeasured, before anything else.
-    warmup_seconds: float
-    # Rejections of the warm-up storm (released and drained before anything is measured).
-    warmup_storm: int
-    # Parameters prepared for the storm: the warm-up storm's rate x phase_seconds x this, at most max_params.
-    params_margin: float = 1.6
-    max_params: int
-    # Longest time spent preparing them (a busy machine prepares slowly; the storm then ends early).
-    prepare_bound: float
-    # Longest wait for the release backlog after the storm.
-    drain_timeout: float
-    # The sidecar's release pipeline (its defaults).
-    release_queue_size: int = 4096
-    release_workers: int = 4
-    ready_timeout: float = 30.0
-    request_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in msgspec.structs.asdict(self):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"invalid {name} = {getattr(self, name)!r}: must be positive")
-
-
-FULL = StormSettings(
-    phase_seconds=8.0,
-    warmup_seconds=1.0,
-    warmup_storm=1000,
-    max_params=60_000,
-    prepare_bound=6.0,
-    drain_timeout=10.0,
-)
-QUICK = StormSettings(
-    phase_seconds=1.2,
-    warmup_seconds=0.5,
-    warmup_storm=300,
-    max_params=8_000,
-    prepare_bound=2.0,
-    drain_timeout=5.0,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--release-workers",
         type=int,
         default=None,
-        help=f"the sidecar's --release-workers (default {FULL.release_workers}, the sidecar's own default)",
+        help=f"the sidecar's --release-workers (default {STORM_FULL.release_workers}, "
+        "the sidecar's own default)",
     )
     return parser
 
@@ -472,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
+    settings = STORM_QUICK if args.quick else STORM_FULL
     if args.release_workers is not None:
         if args.release_workers < 1:
             parser.error("--release-workers must be at least 1")

@@ -42,6 +42,7 @@ import uvloop
 
 from bench.load import LoadClient, Sample, check
 from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores, wait_all_ready
+from bench.settings import CountedSettings
 from bench.stats import ms, percentile
 
 PathName = Literal["direct", "off", "on"]
@@ -50,19 +51,14 @@ DEFAULT_JSON = Path("out/bench-tracing.json")
 SPANS_PER_REQUEST = 2  # kvr.proxy and kvr.decode (D answers 200: no release)
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
-    warmup: int  # requests per connection before each measured phase
-    rounds: int
-    total_bound: float  # the measured phases and shutdown, after start-up (ready_timeout)
-    ready_timeout: float
-    request_timeout: float = 30.0
-    shutdown_reserve: float = 1.5
-
-
-FULL = Settings(requests={1: 2000, 32: 8000}, warmup=20, rounds=2, total_bound=75.0, ready_timeout=30.0)
-QUICK = Settings(requests={1: 200, 32: 600}, warmup=5, rounds=1, total_bound=14.0, ready_timeout=30.0)
+FULL = CountedSettings(
+    requests={1: 2000, 32: 8000}, warmup=20, rounds=2, total_bound=75.0, ready_timeout=30.0,
+    request_timeout=30.0, shutdown_reserve=1.5,
+)  # fmt: skip
+QUICK = CountedSettings(
+    requests={1: 200, 32: 600}, warmup=5, rounds=1, total_bound=14.0, ready_timeout=30.0,
+    request_timeout=30.0, shutdown_reserve=1.5,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +121,7 @@ class Pooled:
         return figures
 
 
-async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]:
+async def run(settings: CountedSettings, plan: CorePlan, quick: bool) -> dict[str, Any]:
     started = time.monotonic()
     pooled = {(c, path): Pooled() for c in settings.requests for path in PATHS}
     stopped_early: list[str] = []
@@ -186,7 +182,7 @@ async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]
 
 
 async def _measure(
-    servers: Servers, settings: Settings, path: PathName, connections: int, count: int, bound: float
+    servers: Servers, settings: CountedSettings, path: PathName, connections: int, count: int, bound: float
 ) -> tuple[Sample, float]:
     sidecar = servers.sidecars.get(path)
     async with LoadClient(servers.urls[path], connections, settings.request_timeout) as client:
