@@ -58,11 +58,11 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import uvloop
 
+from bench.cli import run_and_report
 from bench.noise import Other, Snapshot, snapshot_of
-from bench.procs import BenchError, CorePlan, cpu_seconds, plan_cores
-from bench.report import environment, other_cpu, write_json
+from bench.procs import BenchError, CorePlan, cpu_seconds
+from bench.report import environment, other_cpu
 from bench.settings import STORM_FULL, STORM_QUICK, StormSettings
 from bench.stats import ms, percentile
 from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, delta, quantile, sample
@@ -431,20 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.release_workers < 1:
             parser.error("--release-workers must be at least 1")
         settings = msgspec.structs.replace(settings, release_workers=args.release_workers)
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generators share P's and D's core; children inherit it
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(run(settings, plan, args.quick, _progress))
-    except BenchError as exc:
-        print(f"bench_storm: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    write_json(report, args.json)
-    print(render(report))
-    print(f"raw figures: {args.json}")
-    return 0
+    return run_and_report(
+        "bench_storm", lambda plan: run(settings, plan, args.quick, _progress), render, args.json
+    )
 
 
 _STARTED = time.monotonic()

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -38,10 +37,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
-import uvloop
 
+from bench.cli import progress, run_and_report
 from bench.load import LoadClient, Sample, check
-from bench.procs import HOST, BenchError, Child, CorePlan, free_port, plan_cores, wait_all_ready
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, wait_all_ready
 from bench.settings import CountedSettings
 from bench.stats import ms, percentile
 
@@ -129,7 +128,7 @@ async def run(settings: CountedSettings, plan: CorePlan, quick: bool) -> dict[st
         # Start-up has its own bound; the measured phases keep their whole budget after it.
         await wait_all_ready(ready, started + settings.ready_timeout)
         end = time.monotonic() + settings.total_bound - settings.shutdown_reserve
-        _progress(f"ready after {time.monotonic() - started:.1f} s; {_cores(plan)}")
+        progress(f"ready after {time.monotonic() - started:.1f} s; {_cores(plan)}")
         left = len(settings.requests) * settings.rounds * len(PATHS)
         for connections, count in settings.requests.items():
             for round_ in range(settings.rounds):
@@ -147,7 +146,7 @@ async def run(settings: CountedSettings, plan: CorePlan, quick: bool) -> dict[st
                     if sample.bounded:
                         stopped_early.append(f"c{connections} {path} round {round_ + 1}")
                     done = len(sample.latencies)
-                    _progress(
+                    progress(
                         f"c{connections:<2} round {round_ + 1} {path:<6} {done:>6} in {sample.wall:5.2f} s"
                         f"  {done / sample.wall:7.0f}/s  p50 {ms(percentile(sample.latencies, 50)):6.2f} ms"
                     )
@@ -332,29 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sink is not None:
         return sink(args.sink)
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generator shares D's and the sink's core
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(run(QUICK if args.quick else FULL, plan, args.quick))
-    except BenchError as exc:
-        print(f"bench_tracing: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(render(report))
-    print(f"raw figures: {args.json}")
-    return 0
+    settings = QUICK if args.quick else FULL
+    return run_and_report("bench_tracing", lambda plan: run(settings, plan, args.quick), render, args.json)
 
 
 def _cores(plan: CorePlan) -> str:
     return plan.describe("load generator + D + sink", "both sidecars")
-
-
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

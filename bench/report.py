@@ -10,9 +10,10 @@ and against nginx, from the same run. ``bench.render`` prints it as a table.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -239,7 +240,11 @@ def client_saturated(results: dict[str, PathReport]) -> list[str]:
     ]
 
 
-def write_json(report: msgspec.Struct, path: Path) -> None:
-    """A report's raw figures, indented, into ``path`` (its directory made if need be)."""
+def write_json(report: msgspec.Struct | dict[str, Any], path: Path) -> None:
+    """A report's raw figures, indented, into ``path`` (its directory made if need be); a report of
+    plain dicts (the router and tracing benches') as the ``json`` module writes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    if isinstance(report, dict):
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    else:
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
