@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -42,7 +40,7 @@ import msgspec
 
 from bench.cli import progress, run_and_report
 from bench.load import Sample, check
-from bench.procs import HOST, BenchError, Child, CorePlan, free_port, wait_all_ready
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, sidecar_argv, starting, wait_all_ready
 from bench.settings import CountedSettings
 from bench.stats import ms, percentile
 from sidecar.router import decode_body, prefill_body
@@ -118,12 +116,8 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
             f"http://{HOST}:{sa}/readyz",
         ),
     ]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-router-") as logs, contextlib.ExitStack() as stack:
-        ready: dict[Child, str] = {}
-        for name, args, cpus, url in specs:
-            child = Child(name, [sys.executable, "-m", "sidecar", *args], cpus, Path(logs))
-            stack.callback(child.stop)
-            ready[child] = url
+    with starting("kvr-bench-router-") as (_, start):
+        ready = {start(name, sidecar_argv(*args), cpus): url for name, args, cpus, url in specs}
         servers = Servers(p_url, d_url, f"http://{HOST}:{r}", f"http://{HOST}:{s}", tuple(ready))
         yield servers, ready
 

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import sys
-import tempfile
 import time
 import timeit
 from collections.abc import Iterator, Sequence
@@ -40,7 +39,7 @@ import aiohttp
 
 from bench.cli import progress, run_and_report
 from bench.load import LoadClient, Sample, check
-from bench.procs import HOST, BenchError, Child, CorePlan, free_port, wait_all_ready
+from bench.procs import HOST, BenchError, Child, CorePlan, free_port, sidecar_argv, starting, wait_all_ready
 from bench.settings import CountedSettings
 from bench.stats import ms, percentile
 
@@ -76,22 +75,18 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
     common = ["serve", "--host", HOST, "--admin-host", HOST, "--decode-url", d_url, "--log-level", "error"]
     common += ["--release", "dry-run", "--drain-timeout", "1", "--flush-timeout", "1"]
     specs: list[tuple[str, list[str], frozenset[int], str]] = [
-        ("sim-decode", [sys.executable, "-m", "sidecar", "sim-decode", "--host", HOST, "--port", str(d)],
-         plan.load, d_url + "/health"),
+        ("sim-decode", sidecar_argv("sim-decode", "--host", HOST, "--port", str(d)), plan.load,
+         d_url + "/health"),
         ("otlp-sink", [sys.executable, "-m", "bench.bench_tracing", "--sink", str(sink)], plan.load,
          sink_url + "/stats"),
-        ("sidecar-off", [sys.executable, "-m", "sidecar", *common, "--port", str(off),
-                         "--admin-port", str(off_admin)], plan.sidecar, f"http://{HOST}:{off_admin}/readyz"),
-        ("sidecar-on", [sys.executable, "-m", "sidecar", *common, "--port", str(on),
-                        "--admin-port", str(on_admin), "--otlp-traces-endpoint", sink_url],
+        ("sidecar-off", sidecar_argv(*common, "--port", str(off), "--admin-port", str(off_admin)),
+         plan.sidecar, f"http://{HOST}:{off_admin}/readyz"),
+        ("sidecar-on", sidecar_argv(*common, "--port", str(on), "--admin-port", str(on_admin),
+                                    "--otlp-traces-endpoint", sink_url),
          plan.sidecar, f"http://{HOST}:{on_admin}/readyz"),
     ]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-tracing-") as logs, contextlib.ExitStack() as stack:
-        ready: dict[Child, str] = {}
-        for name, argv, cpus, url in specs:
-            child = Child(name, argv, cpus, Path(logs))
-            stack.callback(child.stop)
-            ready[child] = url
+    with starting("kvr-bench-tracing-") as (_, start):
+        ready = {start(name, argv, cpus): url for name, argv, cpus, url in specs}
         children = tuple(ready)
         urls: dict[PathName, str] = {
             "direct": d_url,

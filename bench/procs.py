@@ -248,6 +248,24 @@ class Servers:
         return [child for child in hops if child is not None]
 
 
+Start = Callable[[str, list[str], frozenset[int]], Child]
+
+
+@contextlib.contextmanager
+def starting(prefix: str) -> Iterator[tuple[Path, Start]]:
+    """A temporary log directory, and ``start(name, argv, cpus)``, which starts a ``Child`` logging
+    into it; on exit every child stops (last started first), then the directory goes."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as logs, contextlib.ExitStack() as running:
+        log_dir = Path(logs)
+
+        def start(name: str, argv: list[str], cpus: frozenset[int]) -> Child:
+            child = Child(name, argv, cpus, log_dir)
+            running.callback(child.stop)
+            return child
+
+        yield log_dir, start
+
+
 @contextlib.contextmanager
 def launched(
     plan: CorePlan, stream_events: int, nginx: str | None = None, baseline: Path | None = None
@@ -257,15 +275,7 @@ def launched(
     d_port, s_port, a_port, r_port, n_port = (free_port() for _ in range(5))
     decode_url, sidecar_url = f"http://{HOST}:{d_port}", f"http://{HOST}:{s_port}"
     relay_url, nginx_url = f"http://{HOST}:{r_port}", f"http://{HOST}:{n_port}"
-    # Exits in reverse: every child stops (last started first) before its log directory goes.
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-") as logs, contextlib.ExitStack() as running:
-        log_dir = Path(logs)
-
-        def start(name: str, argv: list[str], cpus: frozenset[int]) -> Child:
-            child = Child(name, argv, cpus, log_dir)
-            running.callback(child.stop)
-            return child
-
+    with starting("kvr-bench-") as (log_dir, start):
         decode = start(
             "sim-decode",
             sidecar_argv(

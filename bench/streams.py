@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from bench.procs import (
     nginx_config,
     serve_args,
     sidecar_argv,
+    starting,
     wait_all_ready,
 )
 from bench.run import order
@@ -171,21 +171,18 @@ def launched(
         checkout = Path(settings.baseline)
         hop.append(_sidecar("baseline", d_url, base, free_port(), checkout=checkout))
         hop.append(_sidecar("baseline-router", d_url, base_router, free_port(), *router, checkout=checkout))
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-streams-") as logs, contextlib.ExitStack() as stack:
-        log_dir = Path(logs)
+    with starting("kvr-bench-streams-") as (log_dir, start):
         ready: dict[Child, str] = {}
         started: dict[str, Child] = {}
         for specs, cpus in ((load, plan.load), (hop, plan.sidecar)):
             for name, argv, url in specs:
-                child = Child(name, argv, cpus, log_dir)
-                stack.callback(child.stop)
+                child = start(name, argv, cpus)
                 ready[child], started[name] = url, child
         if nginx is not None:
             listeners = {nd: f"{HOST}:{d}", np_: f"{HOST}:{p}"}
             conns = 4 * settings.clients + 256  # each stream: the client's and D's (router: and P's)
             conf = nginx_config(nginx, log_dir, listeners, connections=conns, keepalive=settings.clients)
-            child = Child("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar, log_dir)
-            stack.callback(child.stop)
+            child = start("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar)
             ready[child], started["nginx"] = f"http://{HOST}:{nd}/health", child
         relays = (started["relay-decode"], started["relay-prefill"])
         hops: dict[tuple[Mode, str], Hop] = {
