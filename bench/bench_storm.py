@@ -59,7 +59,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.cli import run_and_report
+from bench.cli import bench_parser, run_and_report
 from bench.noise import Other, Snapshot, snapshot_of
 from bench.procs import BenchError, CorePlan, cpu_seconds
 from bench.report import environment, other_cpu
@@ -408,10 +408,8 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_storm", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
-    parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, help=f"where the raw figures go (default {DEFAULT_JSON})"
+    parser = bench_parser(
+        "bench.bench_storm", __doc__, DEFAULT_JSON, "a smoke run of a few seconds", "where the raw figures go"
     )
     parser.add_argument(
         "--release-workers",

@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bench_parser(module: str, doc: str, json: Path, quick: str, json_help: str) -> argparse.ArgumentParser:
+    """The flags of ``python -m <module>`` that every bench module has: ``--quick`` (``quick`` says
+    how long that is) and ``--json PATH`` (default ``json``)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", type=Path, default=json, help=f"{json_help} (default {json})")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

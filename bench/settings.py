@@ -105,7 +105,7 @@ STORM_QUICK = StormSettings(
 )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CountedSettings:
     """Load per phase, as a count of requests, and the bounds that keep the run short."""
 
@@ -113,6 +113,6 @@ class CountedSettings:
     warmup: int  # requests per connection before each measured phase
     rounds: int
     total_bound: float  # seconds for the measured phases and shutdown, after start-up (ready_timeout)
-    ready_timeout: float
+    ready_timeout: float = 30.0
     request_timeout: float
     shutdown_reserve: float  # kept back from the measured phases for stopping the children
