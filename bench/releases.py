@@ -48,16 +48,13 @@ from bench.measure import rss_peak
 from bench.noise import Other, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
 from bench.profile import Profile
-from bench.report import RunReport
+from bench.report import MB, RunReport
 from bench.stats import ms, percentile
-from bench.storm_load import Samples, Scrape, delta, quantile, sample
+from bench.storm_load import Samples, Scrape, release_latency_ms, released, sample
 from bench.storm_procs import MODEL, Hop, StormServers, launched, wait_ready
 
 _PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
-_RELEASES = "kvr_releases_total"
-_LATENCY = "kvr_release_latency_seconds"
 LATE = 0.1  # P's freed p99 (s) past which a step did not keep up
-MB = 1e6
 
 
 class ReleasesSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -343,10 +340,10 @@ def _step(
         freed_p50_ms=ms(percentile(lat, 50)),
         freed_p99_ms=freed_p99,
         freed_max_ms=ms(max(lat)),
-        sidecar_sent=int(delta(m0, m1, _RELEASES, strategy="nixl", result="sent")),
-        sidecar_latency_p50_ms=ms(quantile(m0, m1, _LATENCY, 0.5, strategy="nixl")),
-        sidecar_latency_p99_ms=ms(quantile(m0, m1, _LATENCY, 0.99, strategy="nixl")),
-        sidecar_other={r: int(delta(m0, m1, _RELEASES, strategy="nixl", result=r)) for r in results},
+        sidecar_sent=released(m0, m1, "sent"),
+        sidecar_latency_p50_ms=release_latency_ms(m0, m1, 0.5),
+        sidecar_latency_p99_ms=release_latency_ms(m0, m1, 0.99),
+        sidecar_other={r: released(m0, m1, r) for r in results},
         backlog_end=int(sample(m1, "kvr_release_queue_depth")),
         sidecar_cores=cpu[0] / wall,
         sidecar_rss_peak_mb=peak / MB,

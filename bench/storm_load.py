@@ -6,7 +6,9 @@ sidecar over a fixed number of closed-loop keep-alive connections, in this
 process, until told to stop; every answer must be a 200. ``StormWorker``
 drives the storm generator (``bench.storm_worker``), a child process of its
 own on the load core. ``Scrape`` reads the sidecar's ``/metrics`` and P's
-``/stats``; ``quantile`` estimates a percentile from a Prometheus histogram.
+``/stats``; ``quantile`` estimates a percentile from a Prometheus histogram,
+``released`` and ``release_latency_ms`` read the sidecar's release metrics
+between two scrapes (also for ``bench.releases``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load import HEADERS, ROUTE, Connections, Failures
 from bench.procs import BenchError, child_setup
+from bench.stats import ms
 
 
 @dataclass(slots=True)
@@ -224,3 +227,24 @@ def quantile(before: Samples, after: Samples, name: str, q: float, **labels: str
             return low + (bound - low) * share
         low, below = bound, cumulative
     return low
+
+
+# The sidecar's release counter and latency histogram, and every result the counter has.
+RELEASES = "kvr_releases_total"
+LATENCY = "kvr_release_latency_seconds"
+RESULTS = ("sent", "dropped", "failed", "refused", "duplicate", "covered_by_engine", "dry_run", "off")
+
+
+def released(before: Samples, after: Samples, result: str) -> int:
+    """NIXL release jobs with ``result`` the sidecar finished between two scrapes."""
+    return int(delta(before, after, RELEASES, strategy="nixl", result=result))
+
+
+def release_jobs(before: Samples, after: Samples) -> int:
+    """NIXL release jobs the sidecar finished between two scrapes, whatever their result."""
+    return sum(released(before, after, result) for result in RESULTS)
+
+
+def release_latency_ms(before: Samples, after: Samples, q: float) -> float:
+    """The ``q`` (0-1) quantile of the sidecar's NIXL release latency between two scrapes, in ms."""
+    return ms(quantile(before, after, LATENCY, q, strategy="nixl"))
