@@ -45,7 +45,7 @@ import msgspec
 
 from bench import profile
 from bench.measure import rss_peak
-from bench.noise import Other, snapshot_of, wait_quiet
+from bench.noise import Other, loadavg, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
 from bench.profile import Profile
 from bench.report import MB, RunReport
@@ -375,7 +375,7 @@ async def run(
     settings: ReleasesSettings, plan: CorePlan, progress: Callable[[str], None], quick: bool
 ) -> ReleasesReport:
     started = time.monotonic()
-    loadavg_start = _loadavg()
+    loadavg_start = loadavg()
     plan_steps = [*settings.before, (settings.rate, settings.seconds), *settings.after]
     counts = [round(rate * seconds) for rate, seconds in plan_steps]
     baseline = Path(settings.baseline) if settings.baseline else None
@@ -407,7 +407,7 @@ async def run(
         prepared=(len(bodies) - settings.warmup * len(hops)) // len(hops),
         prepare_seconds=prepared,
         loadavg_start=loadavg_start,
-        loadavg_end=_loadavg(),
+        loadavg_end=loadavg(),
         steps=steps["sidecar"],
         main=main,
         stopped_keeping_up=_stopped(steps["sidecar"]),
@@ -492,11 +492,6 @@ async def _quiet(servers: StormServers, plan: CorePlan, settings: ReleasesSettin
     children = servers.children
     own = lambda: time.process_time() + sum(c.cpu_seconds() for c in children)  # noqa: E731
     return await wait_quiet(plan, own, settings.quiet, settings.quiet_wait)
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as file:
-        return file.read().strip()
 
 
 def _line(s: Step) -> str:
