@@ -30,6 +30,7 @@ from bench.procs import HOST, STOP_TIMEOUT, Child, CorePlan, free_port, sidecar_
 
 VLLM_VERSION = "0.33.0"
 MODEL = "sim-prefill"  # P's default model name; D serves the same
+PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
 PREFILL_BLOCKS = 200_000
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 64

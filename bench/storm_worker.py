@@ -37,8 +37,7 @@ import msgspec
 import uvloop
 
 from bench.load import HEADERS, Failures, client_session
-
-_PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
+from bench.storm_procs import PROMPT
 
 
 class Command(msgspec.Struct, forbid_unknown_fields=True):
@@ -80,7 +79,7 @@ class Worker:
         self._session: aiohttp.ClientSession | None = None
 
     def _decode_body(self, params: dict[str, Any] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self._model, "prompt": _PROMPT, "max_tokens": "x"}
+        body: dict[str, Any] = {"model": self._model, "prompt": PROMPT, "max_tokens": "x"}
         if params is not None:
             body["kv_transfer_params"] = params
         return body
@@ -133,7 +132,7 @@ class Worker:
         assert self._session is not None
         body = {
             "model": self._model,
-            "prompt": _PROMPT,
+            "prompt": PROMPT,
             "max_tokens": 1,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
         }
