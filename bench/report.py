@@ -131,7 +131,7 @@ class Target(msgspec.Struct, kw_only=True):
 
 
 class RunReport(msgspec.Struct, kw_only=True):
-    """What every workload's report but the paths one begins with."""
+    """The fields the storm, streams and releases reports begin with (the paths report orders its own)."""
 
     quick: bool  # a smoke run
     cores: str  # which CPUs the load side and the sidecars got (``CorePlan.describe``)
