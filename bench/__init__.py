@@ -30,16 +30,22 @@ Two more workloads share its parts: ``--workload streams`` (``streams``,
 ``streams_report``; thousands of concurrent SSE streams in sidecar and router
 mode, driven by the C load generator and fake D of ``streams.c`` through
 ``cstreams``, with ``fast_servers`` as the fake P) and ``--workload releases``
-(``releases``; a steady rate of rejected requests, P's own record of when it
-got its blocks back, with ``fast_servers`` as the rejecting D and
-``storm_procs``' servers).
+(``releases``, ``releases_load``, ``releases_report``; a steady rate of
+rejected requests, P's own record of when it got its blocks back, with
+``fast_servers`` as the rejecting D and ``storm_procs``' servers).
 
 Modules: ``settings`` (the knobs, full and quick), ``procs`` (processes,
 pinning, readiness, ``/proc`` readings), ``relay`` (the reference relay),
 ``load`` (the Python load generator), ``wrk`` (wrk, its script and its
-output), ``measure`` (one phase on one path, pooled over rounds),
-``saturation`` (who filled a core), ``noise`` (other processes' CPU on our
-cores), ``stats`` (percentiles), ``report`` (figures, ratios, costs,
-targets, JSON), ``render`` (the table), ``run`` (the sequence of rounds and
-phases), ``cli`` (flags, exit codes).
+output), ``measure`` (one phase on one path, pooled over rounds; peak
+readings), ``saturation`` (who filled a core), ``noise`` (other processes'
+CPU on our cores), ``stats`` (percentiles), ``report`` (figures, ratios,
+costs, targets, JSON), ``render`` (the tables), ``run`` (the sequence of
+rounds and phases), ``cli`` (flags, exit codes, every bench's main).
+
+The benches run as modules of their own are built from the same parts:
+``bench_storm`` (a rejection storm beside other requests; its servers in
+``storm_procs``, its load in ``storm_load`` and ``storm_worker``, its figures
+in ``storm_report``), ``bench_router`` and ``bench_tracing`` (phases of a
+count of requests, ``run.counted_rounds``).
 """

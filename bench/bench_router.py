@@ -25,54 +25,41 @@ would not start or answered wrongly); 130 on Ctrl-C.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
-import os
-import sys
-import tempfile
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
 import msgspec
-import uvloop
 
-from bench.procs import HOST, BenchError, Child, CorePlan, check, free_port, plan_cores, wait_all_ready
-from bench.stats import ms, percentile
+from bench.cli import bench_parser, progress, run_and_report
+from bench.load import HEADERS, Sample
+from bench.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
+from bench.render import render_counted
+from bench.run import CountedPhase, counted_rounds
+from bench.settings import CountedSettings
 from sidecar.router import decode_body, prefill_body
 
 PathName = Literal["router", "sidecar_only"]
 PATHS: tuple[PathName, PathName] = ("router", "sidecar_only")
-_ORDERS: tuple[tuple[PathName, PathName], ...] = (PATHS, (PATHS[1], PATHS[0]))
 VERSION = "0.33.0"
 ROUTE = "/v1/completions"
 MODEL = "sim-model"  # sim-decode's default served model
 DEFAULT_JSON = Path("out/bench-router.json")
-_JSON_HEADERS = {"content-type": "application/json"}
-_MAX_ERRORS_KEPT = 5
+LAYOUT = ("load generator + P + D", "both sidecars")  # on the load core, and on the other
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Load per phase and the bounds that keep the run short."""
-
-    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
-    warmup: int  # requests per connection before each measured phase
-    rounds: int
-    total_bound: float  # seconds for the measured phases and shutdown, after start-up (ready_timeout)
-    ready_timeout: float
-    request_timeout: float = 10.0
-    shutdown_reserve: float = 3.0  # kept back from the measured phases for stopping the children
-
-
-FULL = Settings(requests={1: 2500, 8: 5000}, warmup=20, rounds=2, total_bound=38.0, ready_timeout=30.0)
-QUICK = Settings(requests={1: 300, 8: 600}, warmup=5, rounds=1, total_bound=8.5, ready_timeout=30.0)
+FULL = CountedSettings(
+    requests={1: 2500, 8: 5000}, warmup=20, rounds=2, total_bound=38.0,
+    request_timeout=10.0, shutdown_reserve=3.0,
+)  # fmt: skip
+QUICK = dataclasses.replace(FULL, requests={1: 300, 8: 600}, warmup=5, rounds=1, total_bound=8.5)
 
 
 def request(index: int) -> dict[str, Any]:
@@ -126,28 +113,10 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
             f"http://{HOST}:{sa}/readyz",
         ),
     ]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-router-") as logs, contextlib.ExitStack() as stack:
-        ready: dict[Child, str] = {}
-        for name, args, cpus, url in specs:
-            child = Child(name, [sys.executable, "-m", "sidecar", *args], cpus, Path(logs))
-            stack.callback(child.stop)
-            ready[child] = url
+    with starting("kvr-bench-router-") as (_, start):
+        ready = {start(name, sidecar_argv(*args), cpus): url for name, args, cpus, url in specs}
         servers = Servers(p_url, d_url, f"http://{HOST}:{r}", f"http://{HOST}:{s}", tuple(ready))
         yield servers, ready
-
-
-@dataclass(slots=True)
-class Sample:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    errors: int = 0
-    first_errors: list[str] = field(default_factory=list)
-    bounded: bool = False
-
-    def error(self, text: str) -> None:
-        self.errors += 1
-        if len(self.first_errors) < _MAX_ERRORS_KEPT:
-            self.first_errors.append(text)
 
 
 class Client:
@@ -182,7 +151,7 @@ class Client:
                 began = time.perf_counter()
                 problem = await self._one()
                 if problem:
-                    sample.error(problem)
+                    sample.fail(problem)
                 else:
                     sample.latencies.append(time.perf_counter() - began)
 
@@ -194,7 +163,7 @@ class Client:
         """One request on this path; an error description, or None when it was answered right."""
         self._counter += 1
         body = request(self._counter)
-        headers = {**_JSON_HEADERS, "x-request-id": f"bench-{uuid.uuid4().hex}"}
+        headers = {**HEADERS, "x-request-id": f"bench-{uuid.uuid4().hex}"}
         try:
             if self.path == "router":
                 return await self._post(self.servers.router_url, msgspec.json.encode(body), headers)
@@ -220,93 +189,50 @@ class Client:
         return None
 
 
-@dataclass(slots=True)
-class Pooled:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-
-    def figures(self) -> dict[str, float]:
-        if not self.latencies or self.wall <= 0:
-            raise BenchError("a phase completed no request")
-        return {
-            "requests": len(self.latencies),
-            "rps": len(self.latencies) / self.wall,
-            "p50_ms": ms(percentile(self.latencies, 50)),
-            "p99_ms": ms(percentile(self.latencies, 99)),
-        }
-
-
-async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]:
+async def run(settings: CountedSettings, plan: CorePlan, quick: bool) -> dict[str, Any]:
     started = time.monotonic()
-    pooled = {(c, path): Pooled() for c in settings.requests for path in PATHS}
-    stopped_early: list[str] = []
     with launched(plan) as (servers, ready):
-        # Start-up (four processes, NIXL agents) has its own bound: a loaded machine may take
-        # seconds, and the measured phases keep their whole budget after it.
-        await wait_all_ready(ready, started + settings.ready_timeout)
-        end = time.monotonic() + settings.total_bound - settings.shutdown_reserve
-        _progress(f"ready after {time.monotonic() - started:.1f} s; {_cores(plan)}")
-        left = len(settings.requests) * settings.rounds * len(PATHS)
-        for connections, count in settings.requests.items():
-            for round_ in range(settings.rounds):
-                for path in _ORDERS[round_ % 2]:
-                    bound = (end - time.monotonic()) / left
-                    left -= 1
-                    if bound <= 0.2:
-                        raise BenchError("no time left for the measured phases (start-up too slow)")
-                    sample = await _measure(servers, settings, path, connections, count, bound)
-                    pooled[connections, path].latencies += sample.latencies
-                    pooled[connections, path].wall += sample.wall
-                    if sample.bounded:
-                        stopped_early.append(f"c{connections} {path} round {round_ + 1}")
-                    done = len(sample.latencies)
-                    _progress(
-                        f"c{connections:<2} round {round_ + 1} {path:<12} {done:>6} in {sample.wall:5.2f} s"
-                        f"  {done / sample.wall:7.0f}/s  p50 {ms(percentile(sample.latencies, 50)):6.2f} ms"
-                    )
-        p_stats = await _p_stats(
-            servers.prefill_url, min(end + settings.shutdown_reserve / 2, time.monotonic() + 1)
+
+        async def measure(path: PathName, phase: CountedPhase) -> tuple[Sample, float]:
+            client = Client(servers, path, phase.connections, settings.request_timeout)
+            try:
+                return await phase.warm_then_measure(client.run, servers.children, path)
+            finally:
+                await client.close()
+
+        # Start-up (four processes, NIXL agents) has its own bound: a loaded machine may take seconds.
+        counted = await counted_rounds(
+            settings, PATHS, measure, progress, ready=ready, started=started, cores=plan.describe(*LAYOUT)
         )
-    figures = {path: {f"c{c}": pooled[c, path].figures() for c in settings.requests} for path in PATHS}
+        p_stats = await _p_stats(
+            servers.prefill_url, min(counted.end + settings.shutdown_reserve / 2, time.monotonic() + 1)
+        )
+    figures = {path: counted.figures(path) for path in PATHS}
     ratios = {
-        f"c{c}": {
-            name: figures["router"][f"c{c}"][name] / figures["sidecar_only"][f"c{c}"][name]
+        c: {
+            name: figures["router"][c][name] / figures["sidecar_only"][c][name]
             for name in ("rps", "p50_ms", "p99_ms")
         }
-        for c in settings.requests
+        for c in figures["router"]
     }
     added = {
-        f"c{c}": {
-            name: figures["router"][f"c{c}"][name] - figures["sidecar_only"][f"c{c}"][name]
+        c: {
+            name: figures["router"][c][name] - figures["sidecar_only"][c][name]
             for name in ("p50_ms", "p99_ms")
         }
-        for c in settings.requests
+        for c in figures["router"]
     }
     return {
         "quick": quick,
-        "cores": _cores(plan),
+        "cores": plan.describe(*LAYOUT),
         "seconds": time.monotonic() - started,
         "router": figures["router"],
         "sidecar_only": figures["sidecar_only"],
         "ratios": ratios,  # router / sidecar-only
         "added_ms": added,  # router - sidecar-only (may be negative: noise, or one client hop fewer)
         "prefill": p_stats,
-        "stopped_early": stopped_early,
+        "stopped_early": counted.stopped_early,
     }
-
-
-async def _measure(
-    servers: Servers, settings: Settings, path: PathName, connections: int, count: int, bound: float
-) -> Sample:
-    client = Client(servers, path, connections, settings.request_timeout)
-    try:
-        warm = await client.run(settings.warmup * connections, min(bound / 4, 2.0))
-        check(warm, servers.children, f"{path} at {connections} connection(s), warm-up")
-        sample = await client.run(count, bound - warm.wall)
-    finally:
-        await client.close()
-    check(sample, servers.children, f"{path} at {connections} connection(s), measured phase")
-    return sample
 
 
 async def _p_stats(url: str, deadline: float) -> dict[str, Any]:
@@ -322,64 +248,30 @@ async def _p_stats(url: str, deadline: float) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [
-        f"router mode vs sidecar-only ({'quick' if report['quick'] else 'full'} run, "
-        f"{report['seconds']:.1f} s; {report['cores']})",
-        f"{'':<4} {'path':<13} {'requests':>8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}",
-    ]
-    for conns in report["ratios"]:
-        for path in PATHS:
-            f = report[path][conns]
-            row = f"{f['rps']:>9.0f} {f['p50_ms']:>8.2f} {f['p99_ms']:>8.2f}"
-            lines.append(f"{conns:<4} {path:<13} {f['requests']:>8} {row}")
+    def summary(conns: str) -> str:
         r, a = report["ratios"][conns], report["added_ms"][conns]
         row = f"{r['rps']:>8.2f}x {r['p50_ms']:>7.2f}x {r['p99_ms']:>7.2f}x"
-        lines.append(
+        return (
             f"{conns:<4} {'router/only':<13} {'':>8} {row}"
             f"   added p50 {a['p50_ms']:+.2f} ms, p99 {a['p99_ms']:+.2f} ms"
         )
+
     p = report["prefill"]
-    lines.append(
+    prefill = (
         f"P: {p['freed_by_notification']} freed by D's notification, {p['pinned_requests']} still pinned, "
         f"{p['notifs_unknown']} unknown notifications"
     )
-    if report["stopped_early"]:
-        lines.append("stopped early by the time bound: " + ", ".join(report["stopped_early"]))
-    return "\n".join(lines)
+    p99 = (f"{'p99 ms':>8}", lambda f: f"{f['p99_ms']:>8.2f}")
+    return render_counted(report, "router mode vs sidecar-only", PATHS, p99, summary, [prefill])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_router", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run bounded to 10 s")
-    parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, help=f"raw figures (default {DEFAULT_JSON})"
+    parser = bench_parser(
+        "bench.bench_router", __doc__, DEFAULT_JSON, "a smoke run bounded to 10 s", "raw figures"
     )
     args = parser.parse_args(argv)
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generator shares P's and D's core
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(run(QUICK if args.quick else FULL, plan, args.quick))
-    except BenchError as exc:
-        print(f"bench_router: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(render(report))
-    print(f"raw figures: {args.json}")
-    return 0
-
-
-def _cores(plan: CorePlan) -> str:
-    if not plan.pinned:
-        return f"not pinned: only CPUs {sorted(plan.load)} available"
-    return f"load generator + P + D on CPU {sorted(plan.load)}, both sidecars on CPU {sorted(plan.sidecar)}"
-
-
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    settings = QUICK if args.quick else FULL
+    return run_and_report("bench_router", lambda plan: run(settings, plan, args.quick), render, args.json)
 
 
 if __name__ == "__main__":

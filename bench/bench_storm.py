@@ -58,115 +58,38 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import uvloop
 
-from bench.procs import BenchError, CorePlan, plan_cores
-from bench.stats import ms, percentile
-from bench.storm_load import (
-    CpuReading,
-    NormalLoad,
-    Samples,
-    Scrape,
-    StormWorker,
-    Timed,
-    cpu_reading,
-    delta,
-    other_cpu,
-    quantile,
-    sample,
-)
+from bench.cli import bench_parser, run_and_report
+from bench.noise import Other, Snapshot, snapshot_of
+from bench.procs import BenchError, CorePlan, cpu_seconds
+from bench.report import environment, other_cpu
+from bench.settings import STORM_FULL, STORM_QUICK, StormSettings
+from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, release_jobs, released
 from bench.storm_procs import MODEL, StormServers, launched, wait_ready
 from bench.storm_report import (
-    DISTURBED_SHARE,
     Counts,
-    Environment,
     Figures,
     LoadFigures,
-    PhaseCpu,
     ReleaseFigures,
-    StormRate,
+    Storm,
     StormReport,
+    line,
+    load_figures,
     ratios,
+    release_figures,
     render,
-    write_json,
 )
 
 DEFAULT_JSON = Path("out/bench-storm.json")
 Progress = Callable[[str], None]
-_RESULTS = ("sent", "dropped", "failed", "refused", "duplicate", "covered_by_engine", "dry_run", "off")
-_RELEASES = "kvr_releases_total"
-_LATENCY = "kvr_release_latency_seconds"
-
-
-class StormSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The storm benchmark's knobs, with a full and a quick preset."""
-
-    normal_connections: int = 8
-    storm_connections: int = 32
-    # Seconds of each measured phase (baseline, storm at most, storm without releases).
-    phase_seconds: float
-    # The other requests, unmeasured, before anything else.
-    warmup_seconds: float
-    # Rejections of the warm-up storm (released and drained before anything is measured).
-    warmup_storm: int
-    # Parameters prepared for the storm: the warm-up storm's rate x phase_seconds x this, at most max_params.
-    params_margin: float = 1.6
-    max_params: int
-    # Longest time spent preparing them (a busy machine prepares slowly; the storm then ends early).
-    prepare_bound: float
-    # Longest wait for the release backlog after the storm.
-    drain_timeout: float
-    # The sidecar's release pipeline (its defaults).
-    release_queue_size: int = 4096
-    release_workers: int = 4
-    ready_timeout: float = 30.0
-    request_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in msgspec.structs.asdict(self):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"invalid {name} = {getattr(self, name)!r}: must be positive")
-
-
-FULL = StormSettings(
-    phase_seconds=8.0,
-    warmup_seconds=1.0,
-    warmup_storm=1000,
-    max_params=60_000,
-    prepare_bound=6.0,
-    drain_timeout=10.0,
-)
-QUICK = StormSettings(
-    phase_seconds=1.2,
-    warmup_seconds=0.5,
-    warmup_storm=300,
-    max_params=8_000,
-    prepare_bound=2.0,
-    drain_timeout=5.0,
-)
 
 
 @dataclass(frozen=True, slots=True)
-class _Storm:
-    """One storm as the generator saw it."""
+class _Cpu:
+    """Both cores' busy time beside the benchmark's own (``noise.Snapshot``), and the sidecar's CPU."""
 
-    started: float
-    ended: float
-    rejections: int
-    unused: int
-
-    @property
-    def seconds(self) -> float:
-        return self.ended - self.started
-
-    def rate(self) -> StormRate:
-        return StormRate(requests=self.rejections, seconds=self.seconds, rps=self.rejections / self.seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class _Releases:
-    figures: ReleaseFigures
-    counts: Counts
+    cores: Snapshot
+    sidecar: float  # the sidecar's own CPU seconds, wherever it ran
 
 
 class _Bench:
@@ -184,7 +107,7 @@ class _Bench:
     ) -> None:
         self.settings, self.plan, self.servers = settings, plan, servers
         self.normal, self.worker, self.scrape, self.progress = normal, worker, scrape, progress
-        self.other: dict[str, PhaseCpu] = {}
+        self.other: dict[str, Other] = {}  # other processes' CPU, by phase
 
     async def run(self) -> tuple[Figures, Counts]:
         rate = await self._warm_up()
@@ -194,14 +117,14 @@ class _Bench:
         )
         await self._prepare(max(wanted, self.settings.warmup_storm), self.settings.prepare_bound)
         baseline = await self._baseline()
-        storm, timed, cpu, releases = await self._storm()
+        storm, timed, cpu, (releases, counts) = await self._storm()
         storm_figures = self._load_figures(timed.within(storm.started, storm.ended), storm.seconds, cpu)
-        self.progress(_line("storm", storm_figures, storm))
+        self.progress(line("storm", storm_figures, storm))
         control, c_timed, c_cpu = await self._control(storm.seconds)
         control_figures = self._load_figures(
             c_timed.within(control.started, control.ended), control.seconds, c_cpu
         )
-        self.progress(_line("storm w/o releases", control_figures, control))
+        self.progress(line("storm w/o releases", control_figures, control))
         figures = Figures(
             baseline=baseline,
             storm=storm_figures,
@@ -209,9 +132,9 @@ class _Bench:
             ratios=ratios(baseline, storm_figures, control_figures),
             storm_rate=storm.rate(),
             no_release_storm_rate=control.rate(),
-            releases=releases.figures,
+            releases=releases,
         )
-        return figures, releases.counts
+        return figures, counts
 
     # -- phases ------------------------------------------------------------------
 
@@ -246,11 +169,13 @@ class _Bench:
         after = self._cpu()
         self._check(timed, "baseline")
         self.other["baseline"] = _other(before, after)
-        figures = self._load_figures([s for _, s in timed.samples], after.at - before.at, (before, after))
-        self.progress(_line("baseline", figures, None))
+        figures = self._load_figures(
+            [s for _, s in timed.samples], after.cores.at - before.cores.at, (before, after)
+        )
+        self.progress(line("baseline", figures, None))
         return figures
 
-    async def _storm(self) -> tuple[_Storm, Timed, tuple[CpuReading, CpuReading], _Releases]:
+    async def _storm(self) -> tuple[Storm, Timed, tuple[_Cpu, _Cpu], tuple[ReleaseFigures, Counts]]:
         """The release storm beside the other requests, then its drain."""
         stats_before, metrics_before = await self.scrape.prefill_stats(), await self.scrape.metrics()
         stop = asyncio.Event()
@@ -275,7 +200,7 @@ class _Bench:
         )
         return storm, timed, (cpu_before, cpu_after), releases
 
-    async def _control(self, seconds: float) -> tuple[_Storm, Timed, tuple[CpuReading, CpuReading]]:
+    async def _control(self, seconds: float) -> tuple[Storm, Timed, tuple[_Cpu, _Cpu]]:
         """The same storm without parameters, for ``seconds``: rejections, nothing to release."""
         metrics_before = await self.scrape.metrics()
         stop = asyncio.Event()
@@ -289,13 +214,13 @@ class _Bench:
             timed = await normal
         self._check(timed, "storm without releases")
         self.other["storm_no_release"] = _other(cpu_before, cpu_after)
-        if jobs := _jobs(metrics_before, await self.scrape.metrics()):
+        if jobs := release_jobs(metrics_before, await self.scrape.metrics()):
             raise BenchError(f"the storm without kv_transfer_params made {jobs:.0f} release job(s)")
         return storm, timed, (cpu_before, cpu_after)
 
     # -- pieces ------------------------------------------------------------------
 
-    async def _run_storm(self, *, release: bool, count: int = 0, bound: float | None = None) -> _Storm:
+    async def _run_storm(self, *, release: bool, count: int = 0, bound: float | None = None) -> Storm:
         seconds = self.settings.phase_seconds if bound is None else bound
         await self.worker.send({"cmd": "storm", "release": release, "count": count, "bound": seconds})
         await self.worker.receive(within=30.0)  # "started"
@@ -306,7 +231,7 @@ class _Bench:
                 f"storm: answers {statuses}, {done['errors']} failed; expected only 400s; "
                 f"first: {done['first_errors']}\n{self.servers.logs()}"
             )
-        return _Storm(done["started"], done["ended"], statuses["400"], done["unused"])
+        return Storm(done["started"], done["ended"], statuses["400"], done["unused"])
 
     async def _drain(self, stats_before: dict[str, Any], metrics_before: Samples, rejections: int) -> float:
         """Seconds until the sidecar finished a job for every rejection and P confirmed every one
@@ -315,8 +240,8 @@ class _Bench:
         while True:
             stats, metrics = await self.scrape.prefill_stats(), await self.scrape.metrics()
             freed = stats["freed_by_notification"] - stats_before["freed_by_notification"]
-            sent = delta(metrics_before, metrics, _RELEASES, strategy="nixl", result="sent")
-            jobs = _jobs(metrics_before, metrics)
+            sent = released(metrics_before, metrics, "sent")
+            jobs = release_jobs(metrics_before, metrics)
             elapsed = time.monotonic() - started
             if (jobs >= rejections and freed >= sent) or elapsed > self.settings.drain_timeout:
                 return elapsed
@@ -324,61 +249,25 @@ class _Bench:
 
     def _releases(
         self,
-        storm: _Storm,
+        storm: Storm,
         drain_seconds: float,
         stats: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
         metrics: tuple[Samples, Samples, Samples],
-    ) -> _Releases:
-        (p0, p_end, p_after), (m0, m_end, m_after) = stats, metrics
-        confirmed = p_end["freed_by_notification"] - p0["freed_by_notification"]
-        if confirmed <= 0:
+    ) -> tuple[ReleaseFigures, Counts]:
+        if stats[1]["freed_by_notification"] <= stats[0]["freed_by_notification"]:
             raise BenchError(f"no release reached P during the storm\n{self.servers.logs()}")
-        total = p_after["freed_by_notification"] - p0["freed_by_notification"]
-        sent = int(delta(m0, m_end, _RELEASES, strategy="nixl", result="sent"))
-        results = {r: int(delta(m0, m_after, _RELEASES, strategy="nixl", result=r)) for r in _RESULTS}
-        latency = {q: ms(quantile(m0, m_after, _LATENCY, q, strategy="nixl")) for q in (0.5, 0.99)}
-        figures = ReleaseFigures(
-            p_confirmed=confirmed,
-            p_confirmed_per_s=confirmed / storm.seconds,
-            sidecar_sent=sent,
-            sidecar_sent_per_s=sent / storm.seconds,
-            p_confirmed_total=total,
-            latency_p50_ms=latency[0.5],
-            latency_p99_ms=latency[0.99],
-        )
-        counts = Counts(
-            dropped=results["dropped"],
-            failed=results["failed"],
-            refused=results["refused"],
-            other_results=sum(
-                n for r, n in results.items() if r not in {"sent", "dropped", "failed", "refused"}
-            ),
-            backlog_at_storm_end=int(sample(m_end, "kvr_release_queue_depth")),
-            drain_seconds=drain_seconds,
-            unconfirmed_after_drain=storm.rejections - total,
-            stranded_on_p=p_after["pinned_requests"] - storm.unused,
-            unused_params=storm.unused,
-        )
-        return _Releases(figures, counts)
+        return release_figures(storm, drain_seconds, stats, metrics)
 
-    def _cpu(self) -> CpuReading:
+    def _cpu(self) -> _Cpu:
         s = self.servers
-        return cpu_reading(
-            self.plan.load, self.plan.sidecar, [self.worker.pid, s.prefill.pid, s.decode.pid], s.sidecar.pid
-        )
+        load = sum(cpu_seconds(pid) for pid in (self.worker.pid, s.prefill.pid, s.decode.pid))
+        sidecar = cpu_seconds(s.sidecar.pid)
+        return _Cpu(snapshot_of(self.plan, time.process_time() + load, sidecar), sidecar)
 
-    def _load_figures(
-        self, latencies: list[float], seconds: float, cpu: tuple[CpuReading, CpuReading]
-    ) -> LoadFigures:
-        if not latencies:
-            raise BenchError("no other request completed inside the phase")
+    def _load_figures(self, latencies: list[float], seconds: float, cpu: tuple[_Cpu, _Cpu]) -> LoadFigures:
         before, after = cpu
-        return LoadFigures(
-            requests=len(latencies),
-            rps=len(latencies) / seconds,
-            p50_ms=ms(percentile(latencies, 50)),
-            p99_ms=ms(percentile(latencies, 99)),
-            sidecar_cpu_cores=(after.sidecar_process - before.sidecar_process) / (after.at - before.at),
+        return load_figures(
+            latencies, seconds, (after.sidecar - before.sidecar) / (after.cores.at - before.cores.at)
         )
 
     def _check(self, timed: Timed, what: str) -> None:
@@ -391,25 +280,14 @@ class _Bench:
             raise BenchError(f"{what}: no other request completed\n{self.servers.logs()}")
 
 
-def _jobs(before: Samples, after: Samples) -> float:
-    """Release jobs the sidecar finished between two scrapes, whatever their result."""
-    return sum(delta(before, after, _RELEASES, strategy="nixl", result=r) for r in _RESULTS)
+def _other(before: _Cpu, after: _Cpu) -> Other:
+    other = Other()
+    other.add(before.cores, after.cores)
+    return other
 
 
-def _other(before: CpuReading, after: CpuReading) -> PhaseCpu:
-    load, sidecar = other_cpu(before, after)
-    return PhaseCpu(load_core=load, sidecar_core=sidecar)
-
-
-def _line(phase: str, figures: LoadFigures, storm: _Storm | None) -> str:
-    text = (
-        f"{phase:<20} other requests {figures.requests:>6}  {figures.rps:7.0f}/s"
-        f"  p50 {figures.p50_ms:6.2f} ms  p99 {figures.p99_ms:7.2f} ms"
-        f"  sidecar CPU {figures.sidecar_cpu_cores:.2f}"
-    )
-    if storm is not None:
-        text += f"; storm {storm.rejections} rejections in {storm.seconds:.1f} s"
-    return text
+def _cores(plan: CorePlan) -> str:
+    return plan.describe("load generators + P + D")
 
 
 async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Progress) -> StormReport:
@@ -443,7 +321,7 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
             )
             figures, counts = await bench.run()
         progress("stopping the servers")
-    disturbed = any(max(cpu.load_core, cpu.sidecar_core) > DISTURBED_SHARE for cpu in bench.other.values())
+    other = {phase: other_cpu(cpu) for phase, cpu in bench.other.items()}
     return StormReport(
         quick=quick,
         cores=_cores(plan),
@@ -451,30 +329,20 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
         seconds=time.monotonic() - started,
         figures=figures,
         counts=counts,
-        environment=Environment(
-            loadavg_start=loadavg_start,
-            loadavg_end=os.getloadavg()[0],
-            other_cpu=bench.other,
-            disturbed=disturbed,
-        ),
+        environment=environment((loadavg_start, os.getloadavg()[0]), other),
     )
 
 
-def _cores(plan: CorePlan) -> str:
-    return plan.describe().replace("load generator + D", "load generators + P + D")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_storm", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
-    parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, help=f"where the raw figures go (default {DEFAULT_JSON})"
+    parser = bench_parser(
+        "bench.bench_storm", __doc__, DEFAULT_JSON, "a smoke run of a few seconds", "where the raw figures go"
     )
     parser.add_argument(
         "--release-workers",
         type=int,
         default=None,
-        help=f"the sidecar's --release-workers (default {FULL.release_workers}, the sidecar's own default)",
+        help=f"the sidecar's --release-workers (default {STORM_FULL.release_workers}, "
+        "the sidecar's own default)",
     )
     return parser
 
@@ -482,25 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
+    settings = STORM_QUICK if args.quick else STORM_FULL
     if args.release_workers is not None:
         if args.release_workers < 1:
             parser.error("--release-workers must be at least 1")
         settings = msgspec.structs.replace(settings, release_workers=args.release_workers)
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generators share P's and D's core; children inherit it
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(run(settings, plan, args.quick, _progress))
-    except BenchError as exc:
-        print(f"bench_storm: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    write_json(report, args.json)
-    print(render(report))
-    print(f"raw figures: {args.json}")
-    return 0
+    return run_and_report(
+        "bench_storm", lambda plan: run(settings, plan, args.quick, _progress), render, args.json
+    )
 
 
 _STARTED = time.monotonic()

@@ -26,43 +26,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
-import os
 import sys
-import tempfile
 import time
 import timeit
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
-import uvloop
 
+from bench.cli import bench_parser, progress, run_and_report
 from bench.load import LoadClient, Sample
-from bench.procs import HOST, BenchError, Child, CorePlan, check, free_port, plan_cores, wait_all_ready
-from bench.stats import ms, percentile
+from bench.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
+from bench.render import render_counted
+from bench.run import CountedPhase, counted_rounds
+from bench.settings import CountedSettings
 
 PathName = Literal["direct", "off", "on"]
 PATHS: tuple[PathName, ...] = ("direct", "off", "on")
 DEFAULT_JSON = Path("out/bench-tracing.json")
+LAYOUT = ("load generator + D + sink", "both sidecars")  # on the load core, and on the other
 SPANS_PER_REQUEST = 2  # kvr.proxy and kvr.decode (D answers 200: no release)
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
-    warmup: int  # requests per connection before each measured phase
-    rounds: int
-    total_bound: float  # the measured phases and shutdown, after start-up (ready_timeout)
-    ready_timeout: float
-    request_timeout: float = 30.0
-    shutdown_reserve: float = 1.5
-
-
-FULL = Settings(requests={1: 2000, 32: 8000}, warmup=20, rounds=2, total_bound=75.0, ready_timeout=30.0)
-QUICK = Settings(requests={1: 200, 32: 600}, warmup=5, rounds=1, total_bound=14.0, ready_timeout=30.0)
+FULL = CountedSettings(
+    requests={1: 2000, 32: 8000}, warmup=20, rounds=2, total_bound=75.0,
+    request_timeout=30.0, shutdown_reserve=1.5,
+)  # fmt: skip
+QUICK = dataclasses.replace(FULL, requests={1: 200, 32: 600}, warmup=5, rounds=1, total_bound=14.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,22 +76,18 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
     common = ["serve", "--host", HOST, "--admin-host", HOST, "--decode-url", d_url, "--log-level", "error"]
     common += ["--release", "dry-run", "--drain-timeout", "1", "--flush-timeout", "1"]
     specs: list[tuple[str, list[str], frozenset[int], str]] = [
-        ("sim-decode", [sys.executable, "-m", "sidecar", "sim-decode", "--host", HOST, "--port", str(d)],
-         plan.load, d_url + "/health"),
+        ("sim-decode", sidecar_argv("sim-decode", "--host", HOST, "--port", str(d)), plan.load,
+         d_url + "/health"),
         ("otlp-sink", [sys.executable, "-m", "bench.bench_tracing", "--sink", str(sink)], plan.load,
          sink_url + "/stats"),
-        ("sidecar-off", [sys.executable, "-m", "sidecar", *common, "--port", str(off),
-                         "--admin-port", str(off_admin)], plan.sidecar, f"http://{HOST}:{off_admin}/readyz"),
-        ("sidecar-on", [sys.executable, "-m", "sidecar", *common, "--port", str(on),
-                        "--admin-port", str(on_admin), "--otlp-traces-endpoint", sink_url],
+        ("sidecar-off", sidecar_argv(*common, "--port", str(off), "--admin-port", str(off_admin)),
+         plan.sidecar, f"http://{HOST}:{off_admin}/readyz"),
+        ("sidecar-on", sidecar_argv(*common, "--port", str(on), "--admin-port", str(on_admin),
+                                    "--otlp-traces-endpoint", sink_url),
          plan.sidecar, f"http://{HOST}:{on_admin}/readyz"),
     ]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-tracing-") as logs, contextlib.ExitStack() as stack:
-        ready: dict[Child, str] = {}
-        for name, argv, cpus, url in specs:
-            child = Child(name, argv, cpus, Path(logs))
-            stack.callback(child.stop)
-            ready[child] = url
+    with starting("kvr-bench-tracing-") as (_, start):
+        ready = {start(name, argv, cpus): url for name, argv, cpus, url in specs}
         children = tuple(ready)
         urls: dict[PathName, str] = {
             "direct": d_url,
@@ -106,66 +97,29 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
         yield Servers(urls, sink_url, {"off": children[2], "on": children[3]}, children), ready
 
 
-@dataclass(slots=True)
-class Pooled:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    cpu: float = 0.0
-
-    def figures(self) -> dict[str, float]:
-        if not self.latencies or self.wall <= 0:
-            raise BenchError("a phase completed no request")
-        figures = {
-            "requests": len(self.latencies),
-            "rps": len(self.latencies) / self.wall,
-            "p50_ms": ms(percentile(self.latencies, 50)),
-        }
-        if self.cpu:
-            figures["cpu_s_per_1k"] = self.cpu / len(self.latencies) * 1000
-        return figures
-
-
-async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]:
+async def run(settings: CountedSettings, plan: CorePlan, quick: bool) -> dict[str, Any]:
     started = time.monotonic()
-    pooled = {(c, path): Pooled() for c in settings.requests for path in PATHS}
-    stopped_early: list[str] = []
     with launched(plan) as (servers, ready):
-        # Start-up has its own bound; the measured phases keep their whole budget after it.
-        await wait_all_ready(ready, started + settings.ready_timeout)
-        end = time.monotonic() + settings.total_bound - settings.shutdown_reserve
-        _progress(f"ready after {time.monotonic() - started:.1f} s; {_cores(plan)}")
-        left = len(settings.requests) * settings.rounds * len(PATHS)
-        for connections, count in settings.requests.items():
-            for round_ in range(settings.rounds):
-                shift = round_ % len(PATHS)
-                for path in PATHS[shift:] + PATHS[:shift]:
-                    bound = (end - time.monotonic()) / left
-                    left -= 1
-                    if bound <= 0.2:
-                        raise BenchError("no time left for the measured phases (start-up too slow)")
-                    sample, cpu = await _measure(servers, settings, path, connections, count, bound)
-                    entry = pooled[connections, path]
-                    entry.latencies += sample.latencies
-                    entry.wall += sample.wall
-                    entry.cpu += cpu
-                    if sample.bounded:
-                        stopped_early.append(f"c{connections} {path} round {round_ + 1}")
-                    done = len(sample.latencies)
-                    _progress(
-                        f"c{connections:<2} round {round_ + 1} {path:<6} {done:>6} in {sample.wall:5.2f} s"
-                        f"  {done / sample.wall:7.0f}/s  p50 {ms(percentile(sample.latencies, 50)):6.2f} ms"
-                    )
-        sent_on = sum(len(pooled[c, "on"].latencies) for c in settings.requests)
+
+        async def measure(path: PathName, phase: CountedPhase) -> tuple[Sample, float]:
+            async with LoadClient(servers.urls[path], phase.connections, settings.request_timeout) as client:
+                send = functools.partial(client.run, "json")
+                return await phase.warm_then_measure(send, servers.children, path, servers.sidecars.get(path))
+
+        counted = await counted_rounds(
+            settings, PATHS, measure, progress, ready=ready, started=started, cores=plan.describe(*LAYOUT)
+        )
+        sent_on = counted.completed("on")
         # SIGTERM: the sidecar's shutdown flushes what its batch processor still holds.
         await asyncio.to_thread(servers.sidecars["on"].stop)
         sink = await _sink_stats(servers, time.monotonic() + 1.0, sent_on * SPANS_PER_REQUEST)
     figures: dict[str, dict[str, dict[str, float]]] = {
-        path: {f"c{c}": pooled[c, path].figures() for c in settings.requests} for path in PATHS
+        path: counted.figures(path, p99=False) for path in PATHS
     }
     ratios: dict[str, dict[str, float]] = {}
-    for c in settings.requests:
-        f = {path: figures[path][f"c{c}"] for path in PATHS}
-        ratios[f"c{c}"] = {
+    for c in figures["direct"]:
+        f = {path: figures[path][c] for path in PATHS}
+        ratios[c] = {
             "off_rps_vs_direct": f["off"]["rps"] / f["direct"]["rps"],
             "on_rps_vs_direct": f["on"]["rps"] / f["direct"]["rps"],
             "on_rps_vs_off": f["on"]["rps"] / f["off"]["rps"],
@@ -175,28 +129,14 @@ async def run(settings: Settings, plan: CorePlan, quick: bool) -> dict[str, Any]
     off_cpu_ns = figures["off"]["c32"]["cpu_s_per_1k"] * 1e6  # ns of sidecar CPU per request
     return {
         "quick": quick,
-        "cores": _cores(plan),
+        "cores": plan.describe(*LAYOUT),
         "seconds": time.monotonic() - started,
         **figures,
         "ratios": ratios,
         "sink": {**sink, "requests_traced": sent_on, "expected_spans_at_least": sent_on * SPANS_PER_REQUEST},
         "disabled_hooks": {"ns_per_request": hook_ns, "share_of_off_cpu": hook_ns / off_cpu_ns},
-        "stopped_early": stopped_early,
+        "stopped_early": counted.stopped_early,
     }
-
-
-async def _measure(
-    servers: Servers, settings: Settings, path: PathName, connections: int, count: int, bound: float
-) -> tuple[Sample, float]:
-    sidecar = servers.sidecars.get(path)
-    async with LoadClient(servers.urls[path], connections, settings.request_timeout) as client:
-        warm = await client.run("json", settings.warmup * connections, min(bound / 4, 2.0))
-        check(warm, servers.children, f"{path} at {connections} connection(s), warm-up")
-        cpu = sidecar.cpu_seconds() if sidecar else 0.0
-        sample = await client.run("json", count, bound - warm.wall)
-        cpu = sidecar.cpu_seconds() - cpu if sidecar else 0.0
-    check(sample, servers.children, f"{path} at {connections} connection(s), measured phase")
-    return sample, cpu
 
 
 async def _sink_stats(servers: Servers, deadline: float, expected: int) -> dict[str, int]:
@@ -252,36 +192,23 @@ def disabled_hook_ns(loops: int = 200_000) -> float:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [
-        f"tracing cost ({'quick' if report['quick'] else 'full'} run, {report['seconds']:.1f} s; "
-        f"{report['cores']})",
-        f"{'':<4} {'path':<7} {'requests':>8} {'req/s':>9} {'p50 ms':>8} {'CPU s/1k':>9}",
-    ]
-    for conns in report["ratios"]:
-        for path in PATHS:
-            f = report[path][conns]
-            cpu = f"{f['cpu_s_per_1k']:>9.3f}" if "cpu_s_per_1k" in f else f"{'-':>9}"
-            lines.append(
-                f"{conns:<4} {path:<7} {f['requests']:>8} {f['rps']:>9.0f} {f['p50_ms']:>8.2f} {cpu}"
-            )
+    def summary(conns: str) -> str:
         r = report["ratios"][conns]
-        lines.append(
+        return (
             f"{conns:<4} req/s off/direct {r['off_rps_vs_direct']:.2f}x, "
             f"on/direct {r['on_rps_vs_direct']:.2f}x, on/off {r['on_rps_vs_off']:.2f}x; "
             f"CPU per request on/off {r['on_cpu_vs_off']:.2f}x"
         )
+
     s, h = report["sink"], report["disabled_hooks"]
-    lines.append(
+    tail = [
         f"sink: {s['spans']} spans in {s['requests']} exports for {s['requests_traced']} traced requests "
-        f"(expected at least {s['expected_spans_at_least']})"
-    )
-    lines.append(
+        f"(expected at least {s['expected_spans_at_least']})",
         f"tracing off, guards left on the request path: {h['ns_per_request']:.0f} ns per request "
-        f"({h['share_of_off_cpu'] * 100:.3f}% of the off sidecar's CPU per request at c32)"
-    )
-    if report["stopped_early"]:
-        lines.append("stopped early by the time bound: " + ", ".join(report["stopped_early"]))
-    return "\n".join(lines)
+        f"({h['share_of_off_cpu'] * 100:.3f}% of the off sidecar's CPU per request at c32)",
+    ]
+    cpu = (f"{'CPU s/1k':>9}", lambda f: f"{f['cpu_s_per_1k']:>9.3f}" if "cpu_s_per_1k" in f else f"{'-':>9}")
+    return render_counted(report, "tracing cost", PATHS, cpu, summary, tail)
 
 
 # --- the OTLP/HTTP sink (a child process) ------------------------------------------------------
@@ -327,42 +254,15 @@ def sink(port: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_tracing", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run bounded to 15 s")
-    parser.add_argument(
-        "--json", type=Path, default=DEFAULT_JSON, help=f"raw figures (default {DEFAULT_JSON})"
+    parser = bench_parser(
+        "bench.bench_tracing", __doc__, DEFAULT_JSON, "a smoke run bounded to 15 s", "raw figures"
     )
     parser.add_argument("--sink", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     if args.sink is not None:
         return sink(args.sink)
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generator shares D's and the sink's core
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(run(QUICK if args.quick else FULL, plan, args.quick))
-    except BenchError as exc:
-        print(f"bench_tracing: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(render(report))
-    print(f"raw figures: {args.json}")
-    return 0
-
-
-def _cores(plan: CorePlan) -> str:
-    if not plan.pinned:
-        return f"not pinned: only CPUs {sorted(plan.load)} available"
-    return (
-        f"load generator + D + sink on CPU {sorted(plan.load)}, both sidecars on CPU {sorted(plan.sidecar)}"
-    )
-
-
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    settings = QUICK if args.quick else FULL
+    return run_and_report("bench_tracing", lambda plan: run(settings, plan, args.quick), render, args.json)
 
 
 if __name__ == "__main__":

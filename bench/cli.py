@@ -25,17 +25,18 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 import uvloop
 
 from bench.load import request_body
 from bench.measure import JsonLoad, PythonJson
-from bench.procs import BenchError, plan_cores
+from bench.procs import BenchError, CorePlan, plan_cores
 from bench.render import render
-from bench.report import write_json
+from bench.report import Report, write_json
 from bench.run import run
 from bench.settings import FULL, QUICK, Settings
 from bench.wrk import find_wrk
@@ -46,6 +47,7 @@ DEFAULT_JSON = {
     "releases": Path("out/bench-releases.json"),
 }
 
+_Report = TypeVar("_Report", bound=msgspec.Struct | dict[str, Any])
 
 # The streams and releases workloads' own flags (``bench.streams.settings``, ``bench.releases.settings``).
 WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
@@ -55,7 +57,10 @@ WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
         "--baseline",
         {"metavar": "DIR", "help": "also the sidecar of another checkout (a worktree), as path baseline"},
     ),
-    ("--profile", {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks written to DIR"}),
+    (
+        "--profile",
+        {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks written to DIR"},
+    ),
     ("--limit", {"type": int, "help": "streams: also a sidecar with --limit-concurrency N"}),
     ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
     ("--modes", {"help": "streams: sidecar,router (default both)"}),
@@ -95,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bench_parser(module: str, doc: str, json: Path, quick: str, json_help: str) -> argparse.ArgumentParser:
+    """The flags of ``python -m <module>`` that every bench module has: ``--quick`` (``quick`` says
+    how long that is) and ``--json PATH`` (default ``json``)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", type=Path, default=json, help=f"{json_help} (default {json})")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -109,52 +123,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.wrk and shutil.which(args.wrk) is None:
         parser.error(f"--wrk {args.wrk}: not an executable")
     if nginx is None:
-        _progress(
+        progress(
             "nginx: no nginx binary on PATH, skipping the nginx reference path (--nginx PATH to give one)"
         )
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load generators share D's core; D and wrk inherit it
-    try:
+    baseline = Path(args.baseline) if args.baseline else None
+
+    async def paths(plan: CorePlan) -> Report:
         with tempfile.TemporaryDirectory(prefix="kvr-bench-wrk-") as scratch:
             json_load = _json_load(args.wrk, args.no_wrk, settings, Path(scratch))
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                baseline = Path(args.baseline) if args.baseline else None
-                report = runner.run(run(settings, plan, args.quick, _progress, json_load, nginx, baseline))
-    except BenchError as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    write_json(report, args.json)
-    print(render(report))
-    print(f"raw figures: {args.json}")
-    return 0
+            return await run(settings, plan, args.quick, progress, json_load, nginx, baseline)
+
+    return run_and_report("bench", paths, render, args.json)
 
 
 def _workload(args: argparse.Namespace, nginx: str | None) -> int:
     """The streams or releases workload: run it, print its table, write its JSON."""
     from bench import releases, streams  # each imports what only it needs
 
+    if args.workload == "streams":
+        return run_and_report(
+            "bench",
+            lambda plan: streams.run(streams.settings(args), plan, nginx, progress, args.quick),
+            streams.render,
+            args.json,
+        )
+    return run_and_report(
+        "bench",
+        lambda plan: releases.run(releases.settings(args), plan, progress, args.quick),
+        releases.render,
+        args.json,
+    )
+
+
+def run_and_report(
+    prog: str,
+    work: Callable[[CorePlan], Coroutine[Any, Any, _Report]],
+    render: Callable[[_Report], str],
+    json_path: Path,
+) -> int:
+    """Every bench's main after its flags: pin this process to the load core (the children it starts
+    pick their own; wrk inherits it), run ``work`` on uvloop, write its report to ``json_path`` and
+    print its table. Exit code 0 when the run completed, 1 when the benchmark itself broke (said on
+    stderr after ``prog``), 130 on Ctrl-C."""
     plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)  # the load side's core; the children pick their own
+    os.sched_setaffinity(0, plan.load)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report: streams.StreamsReport | releases.ReleasesReport
-            if args.workload == "streams":
-                report = runner.run(streams.run(streams.settings(args), plan, nginx, _progress, args.quick))
-                text = streams.render(report)
-            else:
-                report = runner.run(releases.run(releases.settings(args), plan, _progress, args.quick))
-                text = releases.render(report)
+            report = runner.run(work(plan))
     except BenchError as exc:
-        print(f"bench: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
-    print(text)
-    print(f"raw figures: {args.json}")
+    write_json(report, json_path)
+    print(render(report))
+    print(f"raw figures: {json_path}")
     return 0
 
 
@@ -168,5 +191,6 @@ def _json_load(given: str | None, refused: bool, settings: Settings, scratch: Pa
     return PythonJson(settings.answer_tokens, f"{why}; it may saturate its core before a hop does")
 
 
-def _progress(line: str) -> None:
+def progress(line: str) -> None:
+    """A progress line, on stderr."""
     print(line, file=sys.stderr, flush=True)

@@ -16,20 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from bench.load import Kind, LoadClient, Sample
+from bench.load import Kind, LoadClient, Sample, check
 from bench.noise import Other, Snapshot, snapshot
-from bench.procs import Child, CorePlan, PathName, Servers, check
+from bench.procs import Child, CorePlan, PathName, Servers
 from bench.report import MB, JsonFigures, ProxyCost, SseFigures
 from bench.saturation import PhaseLoad, phase_load
 from bench.settings import Settings
 from bench.stats import ms, percentile
 
 PhaseName = Literal["json_c1", "json_c32", "sse"]
-RSS_INTERVAL = 0.1  # seconds between two readings of the hop's RSS during a measured phase
+SAMPLE_INTERVAL = 0.1  # seconds between two readings of the hop's RSS (and open files) during a phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,19 +194,29 @@ def _cpu(proxy: Child | None) -> float:
     return proxy.cpu_seconds() if proxy is not None else 0.0
 
 
-@contextlib.asynccontextmanager
-async def rss_peak(proxy: Child | None) -> AsyncIterator[list[int]]:
+def rss_peak(proxy: Child | None) -> contextlib.AbstractAsyncContextManager[list[int]]:
     """The highest RSS of ``proxy`` read while the block runs (in a one-item list), 0 without a hop."""
-    peak = [0]
-    if proxy is None:
-        yield peak
-        return
+    return peaks([] if proxy is None else [proxy], Child.rss_bytes)
+
+
+@contextlib.asynccontextmanager
+async def peaks(children: Sequence[Child], *reads: Callable[[Child], int]) -> AsyncIterator[list[int]]:
+    """The highest sum over ``children`` of each of ``reads`` (RSS, open files), one item each: read
+    every ``SAMPLE_INTERVAL`` seconds while the block runs and once more at its end; 0 without children."""
+    peak = [0] * len(reads)
+
+    def take() -> None:
+        for i, read in enumerate(reads):
+            peak[i] = max(peak[i], sum(read(child) for child in children))
 
     async def sample() -> None:
         while True:
-            peak[0] = max(peak[0], proxy.rss_bytes())
-            await asyncio.sleep(RSS_INTERVAL)
+            take()
+            await asyncio.sleep(SAMPLE_INTERVAL)
 
+    if not children:
+        yield peak
+        return
     task = asyncio.create_task(sample())
     try:
         yield peak
@@ -214,4 +224,4 @@ async def rss_peak(proxy: Child | None) -> AsyncIterator[list[int]]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        peak[0] = max(peak[0], proxy.rss_bytes())
+        take()

@@ -60,6 +60,11 @@ def snapshot_of(plan: CorePlan, ours_load: float, ours_sidecar: float) -> Snapsh
     return Snapshot(time.monotonic(), load, sidecar, ours_load, ours_sidecar)
 
 
+def loadavg() -> str:
+    """``/proc/loadavg`` as it reads: the 1, 5 and 15 minute load averages, runnable/all tasks, last pid."""
+    return Path("/proc/loadavg").read_text().strip()
+
+
 def process_cpu() -> dict[int, tuple[str, float]]:
     """Every process's name and CPU seconds (user + system) so far, from ``/proc/<pid>/stat``."""
     found: dict[int, tuple[str, float]] = {}

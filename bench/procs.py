@@ -30,10 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal, Protocol, TypeVar
+from typing import IO, Literal, TypeVar
 
 import aiohttp
 
@@ -68,10 +68,11 @@ class CorePlan:
     def pinned(self) -> bool:
         return not self.load & self.sidecar
 
-    def describe(self) -> str:
+    def describe(self, load: str = "load generator + D", sidecar: str = "sidecar") -> str:
+        """Which CPUs ``load`` (what runs on the load core) and ``sidecar`` (on the other) got."""
         if not self.pinned:
             return f"not pinned: only CPUs {sorted(self.load)} available"
-        return f"load generator + D on CPU {sorted(self.load)}, sidecar on CPU {sorted(self.sidecar)}"
+        return f"{load} on CPU {sorted(self.load)}, {sidecar} on CPU {sorted(self.sidecar)}"
 
 
 def plan_cores() -> CorePlan:
@@ -111,7 +112,7 @@ class Child:
     def cpu_seconds(self) -> float:
         """utime + stime of the whole process (all threads) and of its live descendants (nginx's
         worker), from ``/proc/<pid>/stat``."""
-        return _cpu_seconds(self.pid) + sum(_gone_is_0(_cpu_seconds, pid) for pid in _descendants(self.pid))
+        return cpu_seconds(self.pid) + sum(_gone_is_0(cpu_seconds, pid) for pid in _descendants(self.pid))
 
     def rss_bytes(self) -> int:
         """VmRSS from ``/proc/<pid>/status``, with that of its live descendants added."""
@@ -138,7 +139,8 @@ class Child:
         self._log.close()
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one whole process (all its threads), from ``/proc/<pid>/stat``."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
@@ -184,24 +186,20 @@ def child_setup(cpus: frozenset[int]) -> Callable[[], None]:
     return setup
 
 
-def _sidecar_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sidecar", *args]
+def sidecar_argv(*args: str, checkout: Path | None = None) -> list[str]:
+    """``python -m sidecar ARGS``, or the same of another checkout (``-P``: not this tree's package)."""
+    if checkout is None:
+        return [sys.executable, "-m", "sidecar", *args]
+    return [sys.executable, "-P", "-c", FROM_CHECKOUT, str(checkout.resolve()), *args]
 
 
-def _serve_args(decode_url: str, port: int, admin: int) -> list[str]:
+def serve_args(decode_url: str, port: int, admin: int) -> list[str]:
     """``serve`` as every measured sidecar runs: dry-run, quiet, quick to stop."""
     return [
         "serve", "--decode-url", decode_url, "--host", HOST, "--port", str(port),
         "--admin-host", HOST, "--admin-port", str(admin), "--release", "dry-run",
         "--log-level", "error", "--drain-timeout", "2", "--flush-timeout", "1",
     ]  # fmt: skip
-
-
-#: ``python -P -c FROM_CHECKOUT DIR serve ...``: the sidecar of another checkout (a worktree).
-FROM_CHECKOUT = (
-    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'sidecar'; "
-    "runpy.run_module('sidecar', run_name='__main__')"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +248,24 @@ class Servers:
         return [child for child in hops if child is not None]
 
 
+Start = Callable[[str, list[str], frozenset[int]], Child]
+
+
+@contextlib.contextmanager
+def starting(prefix: str) -> Iterator[tuple[Path, Start]]:
+    """A temporary log directory, and ``start(name, argv, cpus)``, which starts a ``Child`` logging
+    into it; on exit every child stops (last started first), then the directory goes."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as logs, contextlib.ExitStack() as running:
+        log_dir = Path(logs)
+
+        def start(name: str, argv: list[str], cpus: frozenset[int]) -> Child:
+            child = Child(name, argv, cpus, log_dir)
+            running.callback(child.stop)
+            return child
+
+        yield log_dir, start
+
+
 @contextlib.contextmanager
 def launched(
     plan: CorePlan, stream_events: int, nginx: str | None = None, baseline: Path | None = None
@@ -259,23 +275,15 @@ def launched(
     d_port, s_port, a_port, r_port, n_port = (free_port() for _ in range(5))
     decode_url, sidecar_url = f"http://{HOST}:{d_port}", f"http://{HOST}:{s_port}"
     relay_url, nginx_url = f"http://{HOST}:{r_port}", f"http://{HOST}:{n_port}"
-    # Exits in reverse: every child stops (last started first) before its log directory goes.
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-") as logs, contextlib.ExitStack() as running:
-        log_dir = Path(logs)
-
-        def start(name: str, argv: list[str], cpus: frozenset[int]) -> Child:
-            child = Child(name, argv, cpus, log_dir)
-            running.callback(child.stop)
-            return child
-
+    with starting("kvr-bench-") as (log_dir, start):
         decode = start(
             "sim-decode",
-            _sidecar_argv(
+            sidecar_argv(
                 "sim-decode", "--host", HOST, "--port", str(d_port), "--stream-events", str(stream_events)
             ),
             plan.load,
         )
-        sidecar = start("sidecar", _sidecar_argv(*_serve_args(decode_url, s_port, a_port)), plan.sidecar)
+        sidecar = start("sidecar", sidecar_argv(*serve_args(decode_url, s_port, a_port)), plan.sidecar)
         relay = start(
             "relay",
             [sys.executable, "-m", "bench.relay", "--host", HOST, "--port", str(r_port),
@@ -285,8 +293,7 @@ def launched(
         before = None
         if baseline is not None:
             b_port, b_admin = free_port(), free_port()
-            argv = [sys.executable, "-P", "-c", FROM_CHECKOUT, str(baseline.resolve()), *_serve_args(
-                decode_url, b_port, b_admin)]  # fmt: skip
+            argv = sidecar_argv(*serve_args(decode_url, b_port, b_admin), checkout=baseline)
             before = start("baseline", argv, plan.sidecar)
         proxy = None
         if nginx is not None:
@@ -375,26 +382,6 @@ async def wait_all_ready(ready: Mapping[Child, str], deadline: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
         for child, url in ready.items():
             await _poll(session, child, url, deadline)
-
-
-class Measured(Protocol):
-    """What ``check`` reads of a phase's sample (``bench.load.Sample`` and the router bench's)."""
-
-    latencies: list[float]
-    errors: int
-    first_errors: list[str]
-
-
-def check(sample: Measured, children: Iterable[Child], what: str) -> None:
-    """Wrong answers break a benchmark: raise saying ``what`` failed, with the servers' last log lines."""
-    if sample.errors:
-        problem = f"{sample.errors} failed request(s); first: {sample.first_errors}"
-    elif not sample.latencies:
-        problem = "no request completed"
-    else:
-        return
-    logs = "\n".join(f"--- {c.name} log:\n{c.log_tail()}" for c in children)
-    raise BenchError(f"{what}: {problem}\n{logs}")
 
 
 async def _poll(session: aiohttp.ClientSession, child: Child, url: str, deadline: float) -> None:

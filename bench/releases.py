@@ -28,6 +28,9 @@ one (same P, D and core) and every step is run on both, one after the other,
 their order swapped from step to step; each waits for the other's release
 backlog to drain first. With ``--profile DIR`` py-spy samples each sidecar
 during the main step.
+
+The load side is ``bench.releases_load``; the steps' figures and the table,
+``bench.releases_report``.
 """
 
 from __future__ import annotations
@@ -37,26 +40,24 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import aiohttp
-import httptools
 import msgspec
 
 from bench import profile
 from bench.measure import rss_peak
-from bench.noise import Other, snapshot_of, wait_quiet
+from bench.noise import Other, loadavg, snapshot_of, wait_quiet
 from bench.procs import BenchError, CorePlan
-from bench.profile import Profile
+from bench.releases_load import OpenLoop, prepare
+from bench.releases_report import ReleasesReport, Step, line, render
+from bench.report import MB
 from bench.stats import ms, percentile
-from bench.storm_load import Samples, Scrape, delta, quantile, sample
-from bench.storm_procs import MODEL, Hop, StormServers, launched, wait_ready
+from bench.storm_load import Samples, Scrape, release_latency_ms, released, sample
+from bench.storm_procs import Hop, StormServers, launched, wait_ready
 
-_PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
-_RELEASES = "kvr_releases_total"
-_LATENCY = "kvr_release_latency_seconds"
+__all__ = ["ReleasesReport", "ReleasesSettings", "render", "run", "settings"]
+
 LATE = 0.1  # P's freed p99 (s) past which a step did not keep up
-MB = 1e6
 
 
 class ReleasesSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,194 +97,6 @@ def settings(args: argparse.Namespace) -> ReleasesSettings:
         "baseline": args.baseline, "profile": args.profile,
     }  # fmt: skip
     return msgspec.structs.replace(base, **{k: v for k, v in given.items() if v is not None})
-
-
-class Step(msgspec.Struct, kw_only=True):
-    """One rate, held for a while: what the sidecar and P made of it."""
-
-    rate: float  # offered, requests/s
-    seconds: float
-    sent: int
-    answered: int  # 400s the client had back
-    send_late_p99_ms: float  # how far behind schedule the load generator sent (its own health)
-    answer_p50_ms: float  # the sidecar's answer, from the scheduled send
-    answer_p99_ms: float
-    freed: int  # of this step's requests, freed by P within ``settle`` of the step's end
-    freed_p50_ms: float  # from the client having D's answer to P having freed the blocks
-    freed_p99_ms: float
-    freed_max_ms: float
-    sidecar_sent: int  # releases the sidecar counted as sent
-    # The sidecar's own part: from D's answer reaching it to the release sent (its histogram).
-    sidecar_latency_p50_ms: float
-    sidecar_latency_p99_ms: float
-    sidecar_other: dict[str, int]  # its other release results (dropped, failed, ...)
-    backlog_end: int  # release jobs queued as the step ended
-    sidecar_cores: float
-    sidecar_rss_peak_mb: float
-    load_cores: float  # this process (the load generator), P and D together
-    other_load_core: float
-    other_hop_core: float
-    kept_up: bool
-    waited_s: float = 0.0  # waited for a quiet spell before the step
-    others_before: float = 0.0  # other processes' cores' worth in the second before it began
-    hop: str = "sidecar"  # which sidecar: this tree's, or "baseline" (``--baseline``)
-    drained_s: float = 0.0  # waited for the sidecars' earlier release backlog to drain
-    profile: Profile | None = None  # where the sidecar's CPU went (``--profile``, main step)
-
-
-class ReleasesReport(msgspec.Struct, kw_only=True):
-    quick: bool
-    cores: str
-    settings: dict[str, object]
-    seconds: float
-    prepared: int
-    prepare_seconds: float
-    loadavg_start: str
-    loadavg_end: str
-    steps: list[Step]
-    main: int  # index of the main step
-    stopped_keeping_up: float | None  # the first offered rate it did not keep up with, if any
-    baseline: str = ""  # the other checkout, when one ran
-    baseline_steps: list[Step] = []  # its steps, as ``steps``
-    baseline_stopped_keeping_up: float | None = None
-
-
-class _Conn(asyncio.Protocol):
-    """A keep-alive client connection; one request at a time, its answer to a callback."""
-
-    def __init__(self, done: Callable[[_Conn, int, bytes], None]) -> None:
-        self._done = done
-        self._parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self._body: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self._parser.feed_data(data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self._done(self, 0, b"connection closed")  # a request on it, if any, failed
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        body, self._body = b"".join(self._body), []
-        self._done(self, self._parser.get_status_code(), body)
-
-    def send(self, route: str, body: bytes, headers: str = "") -> None:
-        assert self.transport is not None
-        head = f"POST {route} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n{headers}"
-        self.transport.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
-
-
-async def _connect(url: str, done: Callable[[_Conn, int, bytes], None]) -> _Conn:
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    _, conn = await asyncio.get_running_loop().create_connection(lambda: _Conn(done), host, int(port))
-    return conn
-
-
-async def prepare(prefill_url: str, count: int, connections: int) -> list[tuple[str, bytes]]:
-    """``count`` prefill legs on P: (P's request id, a decode body D refuses carrying P's params)."""
-    made: list[tuple[str, bytes]] = []
-    left = [count]
-    finished = asyncio.get_running_loop().create_future()
-    body = msgspec.json.encode(
-        {"model": MODEL, "prompt": _PROMPT, "max_tokens": 1,
-         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
-    )  # fmt: skip
-
-    def answered(conn: _Conn, status: int, data: bytes) -> None:
-        params = msgspec.json.decode(data).get("kv_transfer_params") if status == 200 else None
-        if not isinstance(params, dict):
-            if not finished.done():
-                finished.set_exception(BenchError(f"P answered {status}: {data[:200]!r}"))
-            return
-        decode = {"model": MODEL, "prompt": _PROMPT, "max_tokens": "x", "kv_transfer_params": params}
-        made.append((str(params["remote_request_id"]), msgspec.json.encode(decode)))
-        if len(made) == count and not finished.done():
-            finished.set_result(None)
-        elif left[0] > 0:
-            left[0] -= 1
-            conn.send("/v1/completions", body)
-
-    conns = [await _connect(prefill_url, answered) for _ in range(min(connections, count))]
-    for conn in conns:
-        left[0] -= 1
-        conn.send("/v1/completions", body)
-    try:
-        await finished
-    finally:
-        for conn in conns:
-            if conn.transport is not None:
-                conn.transport.close()
-    return made
-
-
-class OpenLoop:
-    """Sends prepared requests at a fixed rate over keep-alive connections (more when all are busy)."""
-
-    def __init__(self, url: str) -> None:
-        self._url = url
-        self._idle: list[_Conn] = []
-        self._all: list[_Conn] = []
-        self.answered: dict[str, float] = {}  # P's request id -> when the client had the answer
-        self.late: list[float] = []  # seconds each request went out behind its schedule
-        self.answer: list[float] = []  # seconds from its schedule to its answer
-        self.errors: list[str] = []
-        self._pending: dict[_Conn, tuple[str, float]] = {}
-
-    def _done(self, conn: _Conn, status: int, body: bytes) -> None:
-        now = time.monotonic()
-        pending = self._pending.pop(conn, None)
-        if pending is None:  # an idle connection closed (the sidecar's keep-alive ran out)
-            return
-        rid, scheduled = pending
-        if status == 400:
-            self.answered[rid] = now
-            self.answer.append(now - scheduled)
-        elif len(self.errors) < 5:
-            self.errors.append(f"{status}: {body[:200]!r}")
-        if conn.transport is not None:
-            self._idle.append(conn)
-
-    async def run(self, bodies: list[tuple[str, bytes]], rate: float) -> float:
-        """Send every body, ``1 / rate`` apart; returns when the last answer is in (or 10 s later)."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for index, (rid, body) in enumerate(bodies):
-            due = start + index / rate
-            if due > loop.time():
-                await asyncio.sleep(due - loop.time())
-            conn = await self._conn()
-            self.late.append(loop.time() - due)
-            self._pending[conn] = (rid, time.monotonic() - (loop.time() - due))
-            conn.send("/v1/completions", body)
-        deadline = loop.time() + 10
-        while self._pending and loop.time() < deadline:  # noqa: ASYNC110 - answers come by callback
-            await asyncio.sleep(0.01)  # poll for the last answers
-        return loop.time() - start
-
-    async def _conn(self) -> _Conn:
-        """The most recently used idle connection still open, or a new one."""
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing():
-                return conn
-        return await self._new()
-
-    async def _new(self) -> _Conn:
-        conn = await _connect(self._url, self._done)
-        self._all.append(conn)
-        return conn
-
-    def close(self) -> None:
-        for conn in self._all:
-            if conn.transport is not None:
-                conn.transport.close()
 
 
 async def step(
@@ -346,10 +159,10 @@ def _step(
         freed_p50_ms=ms(percentile(lat, 50)),
         freed_p99_ms=freed_p99,
         freed_max_ms=ms(max(lat)),
-        sidecar_sent=int(delta(m0, m1, _RELEASES, strategy="nixl", result="sent")),
-        sidecar_latency_p50_ms=ms(quantile(m0, m1, _LATENCY, 0.5, strategy="nixl")),
-        sidecar_latency_p99_ms=ms(quantile(m0, m1, _LATENCY, 0.99, strategy="nixl")),
-        sidecar_other={r: int(delta(m0, m1, _RELEASES, strategy="nixl", result=r)) for r in results},
+        sidecar_sent=released(m0, m1, "sent"),
+        sidecar_latency_p50_ms=release_latency_ms(m0, m1, 0.5),
+        sidecar_latency_p99_ms=release_latency_ms(m0, m1, 0.99),
+        sidecar_other={r: released(m0, m1, r) for r in results},
         backlog_end=int(sample(m1, "kvr_release_queue_depth")),
         sidecar_cores=cpu[0] / wall,
         sidecar_rss_peak_mb=peak / MB,
@@ -381,7 +194,7 @@ async def run(
     settings: ReleasesSettings, plan: CorePlan, progress: Callable[[str], None], quick: bool
 ) -> ReleasesReport:
     started = time.monotonic()
-    loadavg_start = _loadavg()
+    loadavg_start = loadavg()
     plan_steps = [*settings.before, (settings.rate, settings.seconds), *settings.after]
     counts = [round(rate * seconds) for rate, seconds in plan_steps]
     baseline = Path(settings.baseline) if settings.baseline else None
@@ -402,7 +215,7 @@ async def run(
             runner = _Runner(servers, plan, settings, scrapes, bodies, progress)
             for hop in hops:
                 warm = await runner.next(hop, 50.0, settings.warmup)
-                progress(f"warm-up, {hop.name}: " + _line(warm))
+                progress(f"warm-up, {hop.name}: " + line(warm))
             steps = await runner.climb(plan_steps, counts)
     main = len(settings.before)
     return ReleasesReport(
@@ -413,7 +226,7 @@ async def run(
         prepared=(len(bodies) - settings.warmup * len(hops)) // len(hops),
         prepare_seconds=prepared,
         loadavg_start=loadavg_start,
-        loadavg_end=_loadavg(),
+        loadavg_end=loadavg(),
         steps=steps["sidecar"],
         main=main,
         stopped_keeping_up=_stopped(steps["sidecar"]),
@@ -472,7 +285,7 @@ class _Runner:
                     continue
                 result = await self.next(hop, rate, count, main=index == main)
                 steps[hop.name].append(result)
-                self.progress(f"{hop.name}: " + _line(result))
+                self.progress(f"{hop.name}: " + line(result))
                 if index > main and not result.kept_up:
                     stopped.add(hop.name)
             if len(stopped) == len(hops):
@@ -498,67 +311,3 @@ async def _quiet(servers: StormServers, plan: CorePlan, settings: ReleasesSettin
     children = servers.children
     own = lambda: time.process_time() + sum(c.cpu_seconds() for c in children)  # noqa: E731
     return await wait_quiet(plan, own, settings.quiet, settings.quiet_wait)
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as file:
-        return file.read().strip()
-
-
-def _line(s: Step) -> str:
-    return (
-        f"{s.rate:>6.0f}/s for {s.seconds:4.1f} s: {s.answered}/{s.sent} answered, P freed {s.freed} "
-        f"(p50 {s.freed_p50_ms:.1f} ms, p99 {s.freed_p99_ms:.1f} ms), sidecar sent {s.sidecar_sent} "
-        f"(its part p50 {s.sidecar_latency_p50_ms:.1f} ms, p99 {s.sidecar_latency_p99_ms:.1f} ms), "
-        f"backlog {s.backlog_end}, sidecar {s.sidecar_cores:.2f} cores, {s.sidecar_rss_peak_mb:.0f} MB, "
-        f"load side {s.load_cores:.2f}, others {s.other_load_core:.2f}/{s.other_hop_core:.2f} (waited "
-        f"{s.waited_s:.0f} s for {s.others_before:.2f})"
-        f"{'' if s.kept_up else '  NOT KEPT UP'}"
-    )
-
-
-def render(report: ReleasesReport) -> str:
-    lines = [
-        f"release throughput ({'quick' if report.quick else 'full'} run, {report.seconds:.0f} s; "
-        f"{report.cores})",
-        f"P: sim-prefill TP {report.settings['tp']}, {report.prepared} requests prefilled beforehand (per "
-        f"sidecar) in {report.prepare_seconds:.0f} s; loadavg {report.loadavg_start} -> {report.loadavg_end}",
-    ]
-    runs = [("sidecar", report.steps, report.stopped_keeping_up)]
-    if report.baseline:
-        stop = report.baseline_stopped_keeping_up
-        runs.append((f"baseline ({report.baseline})", report.baseline_steps, stop))
-    for name, steps, stop in runs:
-        lines += ["", name + ":", *_table(steps, report.main)]
-        lines.append("stopped keeping up at: " + (f"{stop:.0f}/s" if stop else "every rate tried kept up"))
-    for name, steps, _ in runs:
-        for s in steps:
-            if s.profile is not None:
-                lines += profile.render(f"{name}, {s.rate:.0f}/s", s.profile, top=15)
-    return "\n".join(lines)
-
-
-def _table(steps: list[Step], main_index: int) -> list[str]:
-    lines = [
-        f"{'rate/s':>7} {'secs':>5} {'answered':>9} {'P freed':>8} {'freed p50':>9} {'p99':>7} {'max':>7} "
-        f"{'sent':>7} {'its p50':>7} {'p99':>6} {'backlog':>7} {'CPU':>5} {'RSS MB':>6} {'load':>5} "
-        f"{'others':>9} {'late p99':>8} {'drop':>6}",
-    ]
-    for index, s in enumerate(steps):
-        mark = " <- main" if index == main_index else "" if s.kept_up else " <- not kept up"
-        lines.append(
-            f"{s.rate:>7.0f} {s.seconds:>5.1f} {s.answered:>9} {s.freed:>8} {s.freed_p50_ms:>9.1f} "
-            f"{s.freed_p99_ms:>7.1f} {s.freed_max_ms:>7.1f} {s.sidecar_sent:>7} "
-            f"{s.sidecar_latency_p50_ms:>7.1f} {s.sidecar_latency_p99_ms:>6.1f} {s.backlog_end:>7} "
-            f"{s.sidecar_cores:>5.2f} {s.sidecar_rss_peak_mb:>6.0f} {s.load_cores:>5.2f} "
-            f"{s.other_load_core:>4.2f}/{s.other_hop_core:.2f} {s.send_late_p99_ms:>8.1f} "
-            f"{s.sidecar_other.get('dropped', 0):>6}{mark}"
-        )
-    main = steps[main_index] if len(steps) > main_index else None
-    if main is not None:
-        verdict = "PASS" if main.kept_up and main.freed_p99_ms <= 20 else "MISS"
-        lines.append(
-            f"target: {main.rate:.0f}/s sustained with P freed p99 <= 20 ms: {main.freed}/{main.sent} freed, "
-            f"p99 {main.freed_p99_ms:.1f} ms  {verdict}"
-        )
-    return lines

@@ -10,12 +10,14 @@ and against nginx, from the same run. ``bench.render`` prints it as a table.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
+from bench.noise import Other
 from bench.saturation import PhaseLoad
 
 # Other processes taking more than this share of one of the benchmark's cores disturb it.
@@ -86,10 +88,16 @@ class PathReport(msgspec.Struct, kw_only=True):
 
 
 class OtherCpu(msgspec.Struct, kw_only=True):
-    """Cores' worth of CPU that other processes took during one path's measured phases."""
+    """Cores' worth of CPU that other processes took on the load core and the sidecar core during
+    one path's measured phases (or one phase of the storm bench)."""
 
     load_core: float
     sidecar_core: float
+
+
+def other_cpu(other: Other) -> OtherCpu:
+    load, sidecar = other.shares()
+    return OtherCpu(load_core=load, sidecar_core=sidecar)
 
 
 class Environment(msgspec.Struct, kw_only=True):
@@ -97,7 +105,7 @@ class Environment(msgspec.Struct, kw_only=True):
 
     loadavg_start: float
     loadavg_end: float
-    other_cpu: dict[str, OtherCpu]  # by path
+    other_cpu: dict[str, OtherCpu]  # by path (by phase in the storm bench)
     disturbed: bool
 
 
@@ -120,6 +128,15 @@ class Target(msgspec.Struct, kw_only=True):
     limit: float | None
     unit: str
     passed: bool | None
+
+
+class RunReport(msgspec.Struct, kw_only=True):
+    """The fields the storm, streams and releases reports begin with (the paths report orders its own)."""
+
+    quick: bool  # a smoke run
+    cores: str  # which CPUs the load side and the sidecars got (``CorePlan.describe``)
+    settings: dict[str, object]
+    seconds: float  # the whole run, start-up and shutdown included
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -223,6 +240,11 @@ def client_saturated(results: dict[str, PathReport]) -> list[str]:
     ]
 
 
-def write_json(report: Report, path: Path) -> None:
+def write_json(report: msgspec.Struct | dict[str, Any], path: Path) -> None:
+    """A report's raw figures, indented, into ``path`` (its directory made if need be); a report of
+    plain dicts (the router and tracing benches') as the ``json`` module writes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    if isinstance(report, dict):
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    else:
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")

@@ -1,22 +1,40 @@
-"""The benchmark's knobs: one frozen struct, with a full and a quick preset.
+"""The benchmarks' knobs: a frozen struct per bench, each with a full and a quick preset.
 
-The JSON phases run for a fixed time per path (split evenly over the rounds;
-wrk takes whole seconds, so a round's share is rounded up to one); the SSE
-phase sends a fixed number of streams per path, split the same way, with a
-time bound that stops it early when the servers are slow or stall. On a
-quiet 2-core machine the full preset takes about a minute per path (four
-with nginx); the quick one, the smoke run of the test suite, a few seconds
-per path.
+``Settings`` is ``python -m bench``'s (the paths workload). The JSON phases
+run for a fixed time per path (split evenly over the rounds; wrk takes whole
+seconds, so a round's share is rounded up to one); the SSE phase sends a
+fixed number of streams per path, split the same way, with a time bound that
+stops it early when the servers are slow or stall. On a quiet 2-core machine
+the full preset takes about a minute per path (four with nginx); the quick
+one, the smoke run of the test suite, a few seconds per path.
+
+``StormSettings`` is ``bench.bench_storm``'s; ``CountedSettings``, a fixed
+count of requests per phase, that of ``bench.bench_router`` and
+``bench.bench_tracing`` (their presets are in their modules).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import msgspec
 
 
-class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What every bench that starts servers has; all its knobs must be positive."""
+
+    # Seconds for every server to answer ready, and for one request to be answered.
+    ready_timeout: float = 30.0
+    request_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in msgspec.structs.asdict(self):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"invalid {name} = {getattr(self, name)!r}: must be positive")
+
+
+class Settings(_Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How much load each phase sends, and the bounds that keep the run short."""
 
     # Seconds of non-streaming JSON requests per path, at 1 and at 32 connections, over all rounds.
@@ -41,33 +59,60 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     phase_bound: float = 15.0
     warmup_bound: float = 5.0
     run_budget: float = 40.0
-    request_timeout: float = 30.0
-    ready_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in msgspec.structs.asdict(self):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"invalid {name} = {getattr(self, name)!r}: must be positive")
 
     def rounds_for(self, paths: int) -> int:
         """``rounds``, rounded up to a multiple of ``paths`` (one round stays one)."""
         return 1 if self.rounds == 1 else math.ceil(self.rounds / paths) * paths
 
 
-FULL = Settings(
-    json_c1_seconds=8.0,
-    json_c32_seconds=24.0,
-    sse_streams=6000,
-    warmup_requests=100,
-    rounds=6,
-)
-
+FULL = Settings(json_c1_seconds=8.0, json_c32_seconds=24.0, sse_streams=6000, warmup_requests=100, rounds=6)
 QUICK = Settings(
-    json_c1_seconds=0.5,
-    json_c32_seconds=1.0,
-    sse_streams=100,
-    warmup_requests=50,
-    rounds=1,
-    phase_bound=10.0,
-    run_budget=15.0,
-)
+    json_c1_seconds=0.5, json_c32_seconds=1.0, sse_streams=100, warmup_requests=50, rounds=1,
+    phase_bound=10.0, run_budget=15.0,
+)  # fmt: skip
+
+
+class StormSettings(_Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The rejection-storm bench's knobs."""
+
+    normal_connections: int = 8
+    storm_connections: int = 32
+    # Seconds of each measured phase (baseline, storm at most, storm without releases).
+    phase_seconds: float
+    # The other requests, unmeasured, before anything else.
+    warmup_seconds: float
+    # Rejections of the warm-up storm (released and drained before anything is measured).
+    warmup_storm: int
+    # Parameters prepared for the storm: the warm-up storm's rate x phase_seconds x this, at most max_params.
+    params_margin: float = 1.6
+    max_params: int
+    # Longest time spent preparing them (a busy machine prepares slowly; the storm then ends early).
+    prepare_bound: float
+    # Longest wait for the release backlog after the storm.
+    drain_timeout: float
+    # The sidecar's release pipeline (its defaults).
+    release_queue_size: int = 4096
+    release_workers: int = 4
+
+
+STORM_FULL = StormSettings(
+    phase_seconds=8.0, warmup_seconds=1.0, warmup_storm=1000, max_params=60_000, prepare_bound=6.0,
+    drain_timeout=10.0,
+)  # fmt: skip
+STORM_QUICK = StormSettings(
+    phase_seconds=1.2, warmup_seconds=0.5, warmup_storm=300, max_params=8_000, prepare_bound=2.0,
+    drain_timeout=5.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CountedSettings:
+    """Load per phase, as a count of requests, and the bounds that keep the run short."""
+
+    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
+    warmup: int  # requests per connection before each measured phase
+    rounds: int
+    total_bound: float  # seconds for the measured phases and shutdown, after start-up (ready_timeout)
+    ready_timeout: float = 30.0
+    request_timeout: float
+    shutdown_reserve: float  # kept back from the measured phases for stopping the children

@@ -6,16 +6,16 @@ sidecar over a fixed number of closed-loop keep-alive connections, in this
 process, until told to stop; every answer must be a 200. ``StormWorker``
 drives the storm generator (``bench.storm_worker``), a child process of its
 own on the load core. ``Scrape`` reads the sidecar's ``/metrics`` and P's
-``/stats``; ``quantile`` estimates a percentile from a Prometheus histogram.
+``/stats``; ``quantile`` estimates a percentile from a Prometheus histogram,
+``released`` and ``release_latency_ms`` read the sidecar's release metrics
+between two scrapes (also for ``bench.releases``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -28,51 +28,28 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.noise import core_busy
-from bench.procs import BenchError
-
-ROUTE = "/v1/chat/completions"
-_HEADERS = {"content-type": "application/json"}
-_MAX_ERRORS_KEPT = 5
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-_PR_SET_PDEATHSIG = 1
-
-
-def _session(connections: int, timeout: float) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections),
-        timeout=aiohttp.ClientTimeout(total=timeout),
-        auto_decompress=False,
-        trust_env=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
+from bench.load import HEADERS, ROUTE, Connections, Failures
+from bench.procs import BenchError, child_setup
+from bench.stats import ms
 
 
 @dataclass(slots=True)
-class Timed:
-    """The other requests of one phase: (start, seconds) of every answered one."""
+class Timed(Failures):
+    """The other requests of one phase: (start, seconds) of every answered one, and what failed."""
 
     samples: list[tuple[float, float]] = field(default_factory=list)
-    errors: int = 0
-    first_errors: list[str] = field(default_factory=list)
-
-    def fail(self, detail: str) -> None:
-        self.errors += 1
-        if len(self.first_errors) < _MAX_ERRORS_KEPT:
-            self.first_errors.append(detail)
 
     def within(self, start: float, end: float) -> list[float]:
         """Latencies of the requests sent inside ``[start, end]`` (however long they took)."""
         return [seconds for at, seconds in self.samples if start <= at <= end]
 
 
-class NormalLoad:
+class NormalLoad(Connections):
     """``connections`` closed loops of admitted JSON requests through the sidecar."""
 
     def __init__(self, sidecar_url: str, model: str, connections: int, request_timeout: float) -> None:
+        super().__init__(connections, request_timeout)
         self._url = sidecar_url + ROUTE
-        self._connections = connections
-        self._timeout = request_timeout
         self._body = msgspec.json.encode(
             {
                 "model": model,
@@ -80,17 +57,6 @@ class NormalLoad:
                 "max_tokens": 16,
             }
         )
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> NormalLoad:
-        self._session = _session(self._connections, self._timeout)
-        return self
-
-    async def __aexit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._session is not None:
-            await self._session.close()
 
     async def run(self, stop: asyncio.Event) -> Timed:
         """Send over every connection until ``stop`` is set (each loop finishes its request)."""
@@ -104,11 +70,10 @@ class NormalLoad:
         return await self.run(stop)
 
     async def _loop(self, stop: asyncio.Event, timed: Timed) -> None:
-        assert self._session is not None
         while not stop.is_set():
             started = time.monotonic()
             try:
-                async with self._session.post(self._url, data=self._body, headers=_HEADERS) as response:
+                async with self.session.post(self._url, data=self._body, headers=HEADERS) as response:
                     body = await response.read()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 timed.fail(repr(exc))
@@ -154,7 +119,8 @@ class StormWorker:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
-                preexec_fn=_die_with_parent,
+                # On this process's CPUs (the load core), dying with it.
+                preexec_fn=child_setup(frozenset(os.sched_getaffinity(0))),
                 start_new_session=True,  # its own scheduling group, like the servers
             )
         return self
@@ -195,17 +161,6 @@ class StormWorker:
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process, from ``/proc/<pid>/stat``."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -274,36 +229,22 @@ def quantile(before: Samples, after: Samples, name: str, q: float, **labels: str
     return low
 
 
-@dataclass(frozen=True, slots=True)
-class CpuReading:
-    """Busy seconds of both benchmark cores, and what of it was the benchmark's own processes."""
-
-    at: float
-    load_busy: float
-    sidecar_busy: float
-    load_ours: float
-    sidecar_ours: float
-    sidecar_process: float  # the sidecar's own CPU seconds, wherever it ran
+# The sidecar's release counter and latency histogram, and every result the counter has.
+RELEASES = "kvr_releases_total"
+LATENCY = "kvr_release_latency_seconds"
+RESULTS = ("sent", "dropped", "failed", "refused", "duplicate", "covered_by_engine", "dry_run", "off")
 
 
-def cpu_reading(
-    load_cpus: frozenset[int], sidecar_cpus: frozenset[int], load_pids: list[int], sidecar_pid: int
-) -> CpuReading:
-    busy = core_busy()
-    ours_load = time.process_time() + sum(cpu_seconds(pid) for pid in load_pids)
-    ours_sidecar = cpu_seconds(sidecar_pid)
-    load = sum(busy.get(cpu, 0.0) for cpu in load_cpus)
-    if load_cpus & sidecar_cpus:  # not pinned: count everything on the load side
-        return CpuReading(time.monotonic(), load, 0.0, ours_load + ours_sidecar, 0.0, ours_sidecar)
-    sidecar = sum(busy.get(cpu, 0.0) for cpu in sidecar_cpus)
-    return CpuReading(time.monotonic(), load, sidecar, ours_load, ours_sidecar, ours_sidecar)
+def released(before: Samples, after: Samples, result: str) -> int:
+    """NIXL release jobs with ``result`` the sidecar finished between two scrapes."""
+    return int(delta(before, after, RELEASES, strategy="nixl", result=result))
 
 
-def other_cpu(before: CpuReading, after: CpuReading) -> tuple[float, float]:
-    """Cores' worth of other processes' CPU on the load core and on the sidecar core."""
-    wall = after.at - before.at
-    if wall <= 0:
-        return 0.0, 0.0
-    load = (after.load_busy - before.load_busy) - (after.load_ours - before.load_ours)
-    sidecar = (after.sidecar_busy - before.sidecar_busy) - (after.sidecar_ours - before.sidecar_ours)
-    return max(0.0, load) / wall, max(0.0, sidecar) / wall
+def release_jobs(before: Samples, after: Samples) -> int:
+    """NIXL release jobs the sidecar finished between two scrapes, whatever their result."""
+    return sum(released(before, after, result) for result in RESULTS)
+
+
+def release_latency_ms(before: Samples, after: Samples, q: float) -> float:
+    """The ``q`` (0-1) quantile of the sidecar's NIXL release latency between two scrapes, in ms."""
+    return ms(quantile(before, after, LATENCY, q, strategy="nixl"))

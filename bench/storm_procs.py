@@ -16,7 +16,6 @@ one) and serves P's model name. The sidecar runs ``--release nixl`` for
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import signal
 import subprocess
@@ -27,12 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
-from bench.procs import FROM_CHECKOUT, HOST, STOP_TIMEOUT, BenchError, Child, CorePlan, free_port
+from bench.procs import HOST, STOP_TIMEOUT, Child, CorePlan, free_port, sidecar_argv, wait_all_ready
 
 VLLM_VERSION = "0.33.0"
 MODEL = "sim-prefill"  # P's default model name; D serves the same
+PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
 PREFILL_BLOCKS = 200_000
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 64
@@ -71,17 +69,10 @@ class StormServers:
         return "\n".join(f"--- {child.name} log:\n{child.log_tail()}" for child in self.children)
 
 
-def _argv(*args: str, checkout: Path | None = None) -> list[str]:
-    if checkout is None:
-        return [sys.executable, "-m", "sidecar", *args]
-    # -P: not this tree's package from the working directory, but the checkout's.
-    return [sys.executable, "-P", "-c", FROM_CHECKOUT, str(checkout.resolve()), *args]
-
-
-def _sidecar_argv(
+def _serve_argv(
     decode_url: str, port: int, admin_port: int, queue_size: int, workers: int, checkout: Path | None = None
 ) -> list[str]:
-    return _argv(
+    return sidecar_argv(
         "serve",
         "--decode-url", decode_url,
         "--host", HOST,
@@ -122,7 +113,7 @@ def launched(
     with tempfile.TemporaryDirectory(prefix="kvr-bench-storm-") as logs:
         log_dir = Path(logs)
         try:
-            started.append(Child("sim-prefill", _argv(
+            started.append(Child("sim-prefill", sidecar_argv(
                 "sim-prefill",
                 "--host", HOST,
                 "--port", str(p_port),
@@ -134,7 +125,7 @@ def launched(
                 "--side-channel-port", "0",
                 "--log-level", "warning",
             ), plan.load, log_dir))  # fmt: skip
-            d_argv = _argv(
+            d_argv = sidecar_argv(
                 "sim-decode",
                 "--host", HOST,
                 "--port", str(d_port),
@@ -147,12 +138,12 @@ def launched(
                 d_argv += ["--port", str(d_port)]
             started.append(Child("fake-decode" if fast_decode else "sim-decode", d_argv, plan.load, log_dir))
             queue, workers = release_queue_size, release_workers
-            argv = _sidecar_argv(urls[1], s_port, a_port, queue, workers)
+            argv = _serve_argv(urls[1], s_port, a_port, queue, workers)
             started.append(Child("sidecar", argv, plan.sidecar, log_dir))
             others: list[Hop] = []
             if baseline is not None:
                 b_port, b_admin = free_port(), free_port()
-                argv = _sidecar_argv(urls[1], b_port, b_admin, queue, workers, baseline)
+                argv = _serve_argv(urls[1], b_port, b_admin, queue, workers, baseline)
                 child = Child("baseline", argv, plan.sidecar, log_dir)
                 started.append(child)
                 others.append(Hop("baseline", child, f"http://{HOST}:{b_port}", f"http://{HOST}:{b_admin}"))
@@ -178,22 +169,6 @@ def _stop(children: list[Child]) -> None:
 
 
 async def wait_ready(servers: StormServers, deadline: float) -> None:
-    """Poll P's and D's ``/health``, then the sidecar's ``/readyz``, until 200 or ``deadline``."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-        await _poll(session, servers.prefill, servers.prefill_url + "/health", deadline)
-        await _poll(session, servers.decode, servers.decode_url + "/health", deadline)
-        for hop in servers.hops:
-            await _poll(session, hop.child, hop.admin_url + "/readyz", deadline)
-
-
-async def _poll(session: aiohttp.ClientSession, child: Child, url: str, deadline: float) -> None:
-    while True:
-        if child.process.poll() is not None:
-            raise BenchError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(url) as response:
-                if response.status == 200:
-                    return
-        if time.monotonic() > deadline:
-            raise BenchError(f"{child.name} not ready at {url} before the deadline:\n{child.log_tail()}")
-        await asyncio.sleep(0.05)  # poll interval, not a readiness guess
+    """Poll P's and D's ``/health``, then each sidecar's ``/readyz``, until 200 or ``deadline``."""
+    ready = {servers.prefill: servers.prefill_url + "/health", servers.decode: servers.decode_url + "/health"}
+    await wait_all_ready(ready | {hop.child: hop.admin_url + "/readyz" for hop in servers.hops}, deadline)

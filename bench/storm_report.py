@@ -7,12 +7,15 @@ backlog at the end of the storm, blocks left stranded on P).
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
-# Other processes taking more than this share of one of the benchmark's cores disturb it.
-DISTURBED_SHARE = 0.1
+from bench.procs import BenchError
+from bench.report import Environment, RunReport
+from bench.stats import ms, percentile
+from bench.storm_load import RESULTS, Samples, release_latency_ms, released, sample
 
 
 class LoadFigures(msgspec.Struct, kw_only=True):
@@ -80,28 +83,88 @@ class Counts(msgspec.Struct, kw_only=True):
     unused_params: int  # prepared parameters the storm had no time to send (pinned on P, never rejected)
 
 
-class PhaseCpu(msgspec.Struct, kw_only=True):
-    """Cores' worth of CPU other processes took on the load core and the sidecar core."""
-
-    load_core: float
-    sidecar_core: float
-
-
-class Environment(msgspec.Struct, kw_only=True):
-    loadavg_start: float
-    loadavg_end: float
-    other_cpu: dict[str, PhaseCpu]
-    disturbed: bool
-
-
-class StormReport(msgspec.Struct, kw_only=True):
-    quick: bool
-    cores: str
-    settings: dict[str, object]
-    seconds: float
+class StormReport(RunReport, kw_only=True):
     figures: Figures
     counts: Counts
     environment: Environment
+
+
+@dataclass(frozen=True, slots=True)
+class Storm:
+    """One storm as the generator saw it."""
+
+    started: float
+    ended: float
+    rejections: int
+    unused: int
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    def rate(self) -> StormRate:
+        return StormRate(requests=self.rejections, seconds=self.seconds, rps=self.rejections / self.seconds)
+
+
+def load_figures(latencies: list[float], seconds: float, sidecar_cores: float) -> LoadFigures:
+    """The other requests' figures: ``latencies`` of those sent within ``seconds``."""
+    if not latencies:
+        raise BenchError("no other request completed inside the phase")
+    return LoadFigures(
+        requests=len(latencies),
+        rps=len(latencies) / seconds,
+        p50_ms=ms(percentile(latencies, 50)),
+        p99_ms=ms(percentile(latencies, 99)),
+        sidecar_cpu_cores=sidecar_cores,
+    )
+
+
+def release_figures(
+    storm: Storm,
+    drain_seconds: float,
+    stats: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+    metrics: tuple[Samples, Samples, Samples],
+) -> tuple[ReleaseFigures, Counts]:
+    """The storm's releases from P's ``/stats`` and the sidecar's ``/metrics``, each read before the
+    storm, at its end and after the drain."""
+    (p0, p_end, p_after), (m0, m_end, m_after) = stats, metrics
+    confirmed = p_end["freed_by_notification"] - p0["freed_by_notification"]
+    total = p_after["freed_by_notification"] - p0["freed_by_notification"]
+    sent = released(m0, m_end, "sent")
+    figures = ReleaseFigures(
+        p_confirmed=confirmed,
+        p_confirmed_per_s=confirmed / storm.seconds,
+        sidecar_sent=sent,
+        sidecar_sent_per_s=sent / storm.seconds,
+        p_confirmed_total=total,
+        latency_p50_ms=release_latency_ms(m0, m_after, 0.5),
+        latency_p99_ms=release_latency_ms(m0, m_after, 0.99),
+    )
+    others = [result for result in RESULTS if result not in {"sent", "dropped", "failed", "refused"}]
+    counts = Counts(
+        dropped=released(m0, m_after, "dropped"),
+        failed=released(m0, m_after, "failed"),
+        refused=released(m0, m_after, "refused"),
+        other_results=sum(released(m0, m_after, result) for result in others),
+        backlog_at_storm_end=int(sample(m_end, "kvr_release_queue_depth")),
+        drain_seconds=drain_seconds,
+        unconfirmed_after_drain=storm.rejections - total,
+        stranded_on_p=p_after["pinned_requests"] - storm.unused,
+        unused_params=storm.unused,
+    )
+    return figures, counts
+
+
+def line(phase: str, figures: LoadFigures, storm: Storm | None) -> str:
+    """The progress line of one phase."""
+    text = (
+        f"{phase:<20} other requests {figures.requests:>6}  {figures.rps:7.0f}/s"
+        f"  p50 {figures.p50_ms:6.2f} ms  p99 {figures.p99_ms:7.2f} ms"
+        f"  sidecar CPU {figures.sidecar_cpu_cores:.2f}"
+    )
+    if storm is not None:
+        text += f"; storm {storm.rejections} rejections in {storm.seconds:.1f} s"
+    return text
 
 
 def ratios(baseline: LoadFigures, storm: LoadFigures, no_release: LoadFigures) -> dict[str, float]:
@@ -164,8 +227,3 @@ def render(report: StormReport) -> str:
     if env.disturbed:
         lines.append("WARNING: other processes were busy on the benchmark's cores; the figures are disturbed")
     return "\n".join(lines)
-
-
-def write_json(report: StormReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")

@@ -36,9 +36,8 @@ import aiohttp
 import msgspec
 import uvloop
 
-_HEADERS = {"content-type": "application/json"}
-_MAX_ERRORS_KEPT = 5
-_PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
+from bench.load import HEADERS, Failures, client_session
+from bench.storm_procs import PROMPT
 
 
 class Command(msgspec.Struct, forbid_unknown_fields=True):
@@ -57,8 +56,7 @@ class _Storm:
         self.remaining = count if release else -1
         self.deadline = time.monotonic() + bound
         self.statuses: Counter[int] = Counter()
-        self.errors: list[str] = []
-        self.error_count = 0
+        self.failures = Failures()
 
     def take(self) -> bool:
         if self.remaining == 0:
@@ -68,11 +66,6 @@ class _Storm:
         if self.remaining > 0:
             self.remaining -= 1
         return True
-
-    def fail(self, detail: str) -> None:
-        self.error_count += 1
-        if len(self.errors) < _MAX_ERRORS_KEPT:
-            self.errors.append(detail)
 
 
 class Worker:
@@ -86,20 +79,13 @@ class Worker:
         self._session: aiohttp.ClientSession | None = None
 
     def _decode_body(self, params: dict[str, Any] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self._model, "prompt": _PROMPT, "max_tokens": "x"}
+        body: dict[str, Any] = {"model": self._model, "prompt": PROMPT, "max_tokens": "x"}
         if params is not None:
             body["kv_transfer_params"] = params
         return body
 
     async def serve(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections)
-        async with aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=30.0),
-            auto_decompress=False,
-            trust_env=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-        ) as self._session:
+        async with client_session(self._connections, 30.0) as self._session:
             loop = asyncio.get_running_loop()
             while True:
                 line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -120,11 +106,9 @@ class Worker:
         deadline = started + bound
         next_index = len(self._bodies)
         ids = iter(range(next_index, next_index + count))
-        errors: list[str] = []
-        error_count = 0
+        failed = Failures()
 
         async def leg() -> None:
-            nonlocal error_count
             for index in ids:
                 if time.monotonic() > deadline:
                     return
@@ -132,9 +116,7 @@ class Worker:
                 try:
                     params = await self._prefill(request_id)
                 except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                    error_count += 1
-                    if len(errors) < _MAX_ERRORS_KEPT:
-                        errors.append(repr(exc))
+                    failed.fail(repr(exc))
                     continue
                 self._bodies.append((request_id, msgspec.json.encode(self._decode_body(params))))
 
@@ -142,19 +124,19 @@ class Worker:
         return {
             "prepared": len(self._bodies) - next_index,
             "seconds": time.monotonic() - started,
-            "errors": error_count,
-            "first_errors": errors,
+            "errors": failed.errors,
+            "first_errors": failed.first_errors,
         }
 
     async def _prefill(self, request_id: str) -> dict[str, Any]:
         assert self._session is not None
         body = {
             "model": self._model,
-            "prompt": _PROMPT,
+            "prompt": PROMPT,
             "max_tokens": 1,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
         }
-        headers = {**_HEADERS, "x-request-id": request_id}
+        headers = {**HEADERS, "x-request-id": request_id}
         async with self._session.post(
             self._prefill_url, data=msgspec.json.encode(body), headers=headers
         ) as r:
@@ -180,10 +162,10 @@ class Worker:
             "event": "done",
             "started": started,
             "ended": ended,
-            "requests": sum(storm.statuses.values()) + storm.error_count,
+            "requests": sum(storm.statuses.values()) + storm.failures.errors,
             "statuses": {str(status): n for status, n in sorted(storm.statuses.items())},
-            "errors": storm.error_count,
-            "first_errors": storm.errors,
+            "errors": storm.failures.errors,
+            "first_errors": storm.failures.first_errors,
             "unused": max(0, storm.remaining) + len(self._bodies),  # prepared parameters never sent
         }
 
@@ -196,13 +178,13 @@ class Worker:
             else:
                 request_id, body = f"control-{worker}-{sent}", self._control
             sent += 1
-            headers = {**_HEADERS, "x-request-id": request_id}
+            headers = {**HEADERS, "x-request-id": request_id}
             try:
                 async with self._session.post(self._sidecar_url, data=body, headers=headers) as response:
                     await response.read()
                 storm.statuses[response.status] += 1
             except (aiohttp.ClientError, TimeoutError) as exc:
-                storm.fail(repr(exc))
+                storm.failures.fail(repr(exc))
 
 
 def _emit(message: dict[str, Any]) -> None:

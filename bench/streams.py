@@ -32,9 +32,8 @@ import asyncio
 import contextlib
 import os
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +41,20 @@ import msgspec
 
 from bench import cstreams, profile
 from bench.load import request_body
-from bench.noise import Other, busiest, process_cpu, snapshot_of, wait_quiet
-from bench.procs import FROM_CHECKOUT, HOST, Child, CorePlan, free_port, nginx_config, wait_all_ready
+from bench.measure import peaks
+from bench.noise import Other, busiest, loadavg, process_cpu, snapshot_of, wait_quiet
+from bench.procs import (
+    HOST,
+    Child,
+    CorePlan,
+    free_port,
+    nginx_config,
+    serve_args,
+    sidecar_argv,
+    starting,
+    wait_all_ready,
+)
+from bench.report import MB
 from bench.run import order
 from bench.streams_report import (
     HopLoad,
@@ -58,9 +69,6 @@ from bench.streams_report import (
 )
 
 __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
-
-MB = 1e6
-SAMPLE_INTERVAL = 0.1  # seconds between two readings of the hop's RSS and open files
 
 
 # In their base order; "baseline" is the sidecar of another checkout (``--baseline``), "limited"
@@ -126,12 +134,7 @@ def _sidecar(
     name: str, decode: str, port: int, admin: int, *extra: str, checkout: Path | None = None
 ) -> tuple[str, list[str], str]:
     """``serve`` on ``port``; from ``checkout`` (another revision's tree) when given."""
-    start = ["-m", "sidecar"]
-    if checkout is not None:  # -P: not this tree's package from the working directory
-        start = ["-P", "-c", FROM_CHECKOUT, str(checkout.resolve())]
-    argv = [sys.executable, *start, "serve", "--decode-url", decode, "--host", HOST, "--port",
-            str(port), "--admin-host", HOST, "--admin-port", str(admin), "--release", "dry-run",
-            "--log-level", "error", "--drain-timeout", "2", "--flush-timeout", "1", *extra]  # fmt: skip
+    argv = sidecar_argv(*serve_args(decode, port, admin), *extra, checkout=checkout)
     return name, argv, f"http://{HOST}:{admin}/readyz"
 
 
@@ -167,21 +170,18 @@ def launched(
         checkout = Path(settings.baseline)
         hop.append(_sidecar("baseline", d_url, base, free_port(), checkout=checkout))
         hop.append(_sidecar("baseline-router", d_url, base_router, free_port(), *router, checkout=checkout))
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-streams-") as logs, contextlib.ExitStack() as stack:
-        log_dir = Path(logs)
+    with starting("kvr-bench-streams-") as (log_dir, start):
         ready: dict[Child, str] = {}
         started: dict[str, Child] = {}
         for specs, cpus in ((load, plan.load), (hop, plan.sidecar)):
             for name, argv, url in specs:
-                child = Child(name, argv, cpus, log_dir)
-                stack.callback(child.stop)
+                child = start(name, argv, cpus)
                 ready[child], started[name] = url, child
         if nginx is not None:
             listeners = {nd: f"{HOST}:{d}", np_: f"{HOST}:{p}"}
             conns = 4 * settings.clients + 256  # each stream: the client's and D's (router: and P's)
             conf = nginx_config(nginx, log_dir, listeners, connections=conns, keepalive=settings.clients)
-            child = Child("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar, log_dir)
-            stack.callback(child.stop)
+            child = start("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar)
             ready[child], started["nginx"] = f"http://{HOST}:{nd}/health", child
         relays = (started["relay-decode"], started["relay-prefill"])
         hops: dict[tuple[Mode, str], Hop] = {
@@ -218,36 +218,10 @@ def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
     return stream, prefill
 
 
-@contextlib.asynccontextmanager
-async def peaks(children: Sequence[Child]) -> AsyncIterator[list[int]]:
-    """The highest RSS (bytes) and open files of ``children`` together, read while the block runs."""
-    peak = [0, 0]
-
-    def read() -> None:
-        rss = sum(child.rss_bytes() for child in children)
-        fds = sum(_open_files(child.pid) for child in children)
-        peak[0], peak[1] = max(peak[0], rss), max(peak[1], fds)
-
-    async def sample() -> None:
-        while True:
-            read()
-            await asyncio.sleep(SAMPLE_INTERVAL)
-
-    task = asyncio.create_task(sample()) if children else None
-    try:
-        yield peak
-    finally:
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            read()
-
-
-def _open_files(pid: int) -> int:
-    """Open file descriptors of ``pid`` and its children (nginx's worker)."""
+def _open_files(child: Child) -> int:
+    """Open file descriptors of ``child`` and its children (nginx's worker)."""
     total = 0
-    for proc in (pid, *_children(pid)):
+    for proc in (child.pid, *_children(child.pid)):
         with contextlib.suppress(OSError):
             total += len(os.listdir(f"/proc/{proc}/fd"))
     return total
@@ -304,7 +278,7 @@ class Measurer:
         load, hops = self._servers.load_children(), hop.children
         cpu_load, cpu_hop = _cpu(load), _cpu(hops)
         before = snapshot_of(self._plan, time.process_time() + cpu_load, _cpu(self._servers.hop_children()))
-        async with peaks(hops) as peak:
+        async with peaks(hops, Child.rss_bytes, _open_files) as peak:
             sample = await cstreams.run_client(self._binary, self._plan.load, phase)
         cpu_load, cpu_hop = _cpu(load) - cpu_load, _cpu(hops) - cpu_hop
         after = snapshot_of(
@@ -335,11 +309,6 @@ def _cpu(children: Sequence[Child]) -> float:
     return sum(child.cpu_seconds() for child in children)
 
 
-def _loadavg() -> str:
-    with open("/proc/loadavg") as file:
-        return file.read().strip()
-
-
 async def _busiest(exclude: set[int]) -> list[tuple[str, float]]:
     before = process_cpu()
     await asyncio.sleep(1.0)  # the span the reading covers
@@ -352,7 +321,7 @@ async def run(
     started = time.monotonic()
     binary = cstreams.build()
     ours = {os.getpid()}
-    machine_start = (_loadavg(), await _busiest(ours))
+    machine_start = (loadavg(), await _busiest(ours))
     runs: list[RoundMode] = []
     with launched(plan, settings, binary, nginx) as (servers, ready):
         await wait_all_ready(ready, started + settings.ready_timeout)
@@ -363,7 +332,7 @@ async def run(
             for mode in settings.modes:
                 paths = [p for p in PATHS if (mode, p) in servers.hops and p in ("direct", *settings.paths)]
                 runs.append(await _round(measurer, mode, order(paths, round_), round_ + 1, progress))
-        machine_end = (_loadavg(), await _busiest(ours | children))
+        machine_end = (loadavg(), await _busiest(ours | children))
     skipped = [] if nginx else ["nginx: no nginx binary on PATH (--nginx PATH to give one)"]
     return StreamsReport(
         quick=quick,

@@ -16,6 +16,7 @@ import msgspec
 from bench import profile
 from bench.cstreams import StreamsSample
 from bench.profile import Profile
+from bench.report import RunReport
 
 Mode = Literal["sidecar", "router"]
 
@@ -79,11 +80,7 @@ class Machine(msgspec.Struct, kw_only=True):
     busiest_end: list[tuple[str, float]]
 
 
-class StreamsReport(msgspec.Struct, kw_only=True):
-    quick: bool
-    cores: str
-    settings: dict[str, object]
-    seconds: float
+class StreamsReport(RunReport, kw_only=True):
     machine: Machine
     runs: list[RoundMode]
     skipped: list[str]  # paths not measured, and why

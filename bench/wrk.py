@@ -17,7 +17,7 @@ the histogram printing after the run is not counted.
 
 wrk counts any answer over 399 as a status error, and connection, read,
 write and timeout failures as errors of their own; each is a failed request
-of the sample, so ``procs.check`` stops the benchmark on it. wrk takes whole
+of the sample, so ``load.check`` stops the benchmark on it. wrk takes whole
 seconds, so a phase's time is rounded up to one.
 """
 
