@@ -7,7 +7,6 @@ children on the request path are resolved once and cached.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -21,6 +20,23 @@ ROUTES = {
     "/v1/responses": "responses",
 }
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Children(Generic[_M]):
+    """``metric.labels(*values)``, resolved once per set of values (small enumerations only):
+    prometheus_client checks and converts the values on every ``labels`` call."""
+
+    __slots__ = ("_found", "_metric")
+
+    def __init__(self, metric: _M) -> None:
+        self._metric = metric
+        self._found: dict[tuple[str, ...], _M] = {}
+
+    def __call__(self, *values: str) -> _M:
+        found = self._found.get(values)
+        if found is None:
+            found = self._found[values] = self._metric.labels(*values)
+        return found
 
 
 class Metrics:
@@ -130,32 +146,10 @@ class Metrics:
             "a KV connector); 0: the sidecar releases them too. Set while releases are sent.",
             registry=r,
         )
-
-    @cache  # noqa: B019 - one Metrics per process; bounded by the label enumerations
-    def request_counter(self, route: str, status_class: str) -> Counter:
-        return self.requests.labels(route, status_class)
-
-    @cache  # noqa: B019
-    def latency_for(self, route: str) -> Histogram:
-        return self.upstream_latency.labels(route)
+        # The children the request path updates (route, status class; route), resolved once.
+        self.request_counter = Children(self.requests)
+        self.latency_for = Children(self.upstream_latency)
 
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "error"
-
-
-class Children(Generic[_M]):
-    """``metric.labels(*values)``, resolved once per set of values (small enumerations only):
-    prometheus_client checks and converts the values on every ``labels`` call."""
-
-    __slots__ = ("_found", "_metric")
-
-    def __init__(self, metric: _M) -> None:
-        self._metric = metric
-        self._found: dict[tuple[str, ...], _M] = {}
-
-    def __call__(self, *values: str) -> _M:
-        found = self._found.get(values)
-        if found is None:
-            found = self._found[values] = self._metric.labels(*values)
-        return found

@@ -240,38 +240,14 @@ SIDECAR_SCENARIOS: tuple[Scenario, ...] = (
     ),
 )
 
+_BY_KEY = {s.key: s for s in SIDECAR_SCENARIOS}
+#: Router mode: the sidecar's scenarios that apply to it, then its own, D down last.
 ROUTER_SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("admit", "completion", ADMITTED, COMPLETIONS, Expect.D_READS, long_prompt=True),
-    Scenario("admit-chat", "chat completion", ADMITTED, CHAT, Expect.D_READS, long_prompt=True),
-    Scenario(
-        "admit-stream",
-        "completion, stream",
-        ADMITTED,
-        COMPLETIONS,
-        Expect.D_READS,
-        stream=True,
-        long_prompt=True,
+    *(
+        _BY_KEY[key]
+        for key in ("admit", "admit-chat", "admit-stream", "pre-validation", "pre-validation-stream")
     ),
-    Scenario(
-        "pre-validation", "max_tokens 'abc'", PRE, COMPLETIONS, Expect.SIDECAR_FREES, {"max_tokens": "abc"}
-    ),
-    Scenario(
-        "pre-validation-stream",
-        "max_tokens 'abc', stream",
-        PRE,
-        COMPLETIONS,
-        Expect.SIDECAR_FREES,
-        {"max_tokens": "abc"},
-        stream=True,
-    ),
-    Scenario(
-        "handler-max-tokens",
-        "max_tokens over max_model_len",
-        HANDLER,
-        COMPLETIONS,
-        Expect.D_FREES,
-        {"max_tokens": _TOO_MANY},
-    ),
+    _BY_KEY["handler-max-tokens"],
     Scenario(
         "handler-max-tokens-stream",
         "max_tokens over max_model_len, stream",
@@ -282,11 +258,11 @@ ROUTER_SCENARIOS: tuple[Scenario, ...] = (
         stream=True,
     ),
     Scenario("cap", "body over the router's cap (413)", CAP, COMPLETIONS, Expect.NOT_PINNED, oversize=True),
-    Scenario("down", "D stopped", DOWN, COMPLETIONS, Expect.SIDECAR_FREES, d_down=True),
+    _BY_KEY["down"],
 )
 
 #: The negative control: the sidecar with releases off, on a rejection only the sidecar can free.
-CONTROL = next(s for s in SIDECAR_SCENARIOS if s.key == "pre-validation")
+CONTROL = _BY_KEY["pre-validation"]
 #: A few scenarios per mode for a short run (``--reduced``).
 REDUCED = frozenset({"admit", "pre-validation", "handler-temperature", "handler-max-tokens", "down"})
 
