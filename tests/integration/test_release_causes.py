@@ -247,9 +247,12 @@ def test_client_gone_before_forward_releases() -> None:
         while not gate.is_set():
             hold.settimeout(0.05)
             try:
-                conns.append(hold.accept()[0])
+                conn = hold.accept()[0]
             except OSError:
                 continue
+            conn.settimeout(5)
+            conn.recv(1)  # busy-1 reached D (D may read it): from now on it must not be released
+            conns.append(conn)
         for conn in conns:
             conn.close()
 
