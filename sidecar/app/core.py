@@ -22,7 +22,7 @@ from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import watched_allowlists
-from sidecar.observability.metrics import Metrics
+from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
@@ -82,6 +82,7 @@ class ProxyApp:
         config, deps = self.config, self.deps
         tracing = deps.tracing or build_tracing(config)
         metrics = Metrics(deps.registry)
+        releases_enabled(metrics, config.release, config.releases_off_for)
         upstream = deps.upstream or _upstream(config)
         await upstream.start()
         # D's state probes on its own connection: a probe never waits behind a full request pool

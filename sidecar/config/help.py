@@ -55,6 +55,11 @@ HELP: dict[str, tuple[str, str]] = {
         "P endpoints releases may reach: CIDR, IP or name, :port or :lo-hi; none if empty",
         "comma-separated list",
     ),
+    "prefill_allow_default": (
+        "with prefill_allow empty and no inference_pool: none (no P) or routable (any P address but "
+        "loopback, link-local, cloud metadata, unspecified, multicast)",
+        "",
+    ),
     "handshake_timeout": ("one side-channel handshake with P (nixl)", "seconds"),
     "handshake_cache_size": ("P engines whose handshake is kept (nixl)", "engines"),
     "handshake_cache_ttl": ("how long a P engine's handshake is kept (nixl)", "seconds"),
@@ -142,5 +147,13 @@ HELP: dict[str, tuple[str, str]] = {
     "kube_service_account": ("where the pod's service-account token and CA are mounted", "path"),
     "prefill_max_retries": ("retries of a prefill leg answered 502, 503 or 504, on the same P", "retries"),
     "prefill_retry_backoff": ("wait between two prefill leg attempts", "seconds"),
+    "prefill_leg": (
+        "router mode's leg to a header-named P: nixlv2, skip (D alone prefills) or refuse (501)",
+        "",
+    ),
+    "releases_off_for": (
+        "why releases are off: kv_connector, ec_connector or moriio (set by pd-sidecar; needs release off)",
+        "",
+    ),
     "answers": ("the sidecar's own error answers: vllm or llm-d (llm-d's routing sidecar's)", ""),
 }

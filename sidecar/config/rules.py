@@ -16,6 +16,8 @@ from sidecar.config import INSPECTED_ROUTES, MIN_HEADER_BYTES, ConfigError
 if TYPE_CHECKING:
     from sidecar.config import Config
 
+# The InferencePool API groups the watch reads, and the version of each (llm-d's allowlist.go).
+POOL_VERSIONS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8s.io": "v1alpha2"}
 POSITIVE = (
     "max_body_bytes",
     "connect_timeout",
@@ -208,8 +210,12 @@ def _serving(config: Config) -> None:
         raise ConfigError("data_parallel_size", config.data_parallel_size, reason)
     if config.inference_pool and not _pool_name(config.inference_pool):
         raise ConfigError("inference_pool", config.inference_pool, "must be namespace/name")
-    if config.pool_group != "inference.networking.k8s.io":
-        raise ConfigError("pool_group", config.pool_group, "only inference.networking.k8s.io (v1) is watched")
+    if config.pool_group not in POOL_VERSIONS:
+        reason = "must be inference.networking.k8s.io (v1) or inference.networking.x-k8s.io (v1alpha2)"
+        raise ConfigError("pool_group", config.pool_group, reason)
+    if config.releases_off_for and config.release != "off":
+        reason = f"releases are off for this P/D protocol: release must be off, not {config.release}"
+        raise ConfigError("releases_off_for", config.releases_off_for, reason)
     reason = allow_pattern_error(f"0.0.0.0/0:{config.pool_side_channel_ports}")
     if reason or "-" not in config.pool_side_channel_ports:
         raise ConfigError(

@@ -32,6 +32,9 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 KvConnectorSetting = Literal["auto", "yes", "no"]
 TlsVersion = Literal["1.2", "1.3"]
 AnswerStyle = Literal["vllm", "llm-d"]
+AllowDefault = Literal["none", "routable"]
+PrefillLeg = Literal["nixlv2", "skip", "refuse"]
+OffReason = Literal["", "kv_connector", "ec_connector", "moriio"]
 
 ENV_PREFIX = "KVR_"
 INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -79,6 +82,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     flush_timeout: float = 5.0
     vllm_version: str = ""
     prefill_allow: tuple[str, ...] = ()
+    # What an empty prefill_allow admits without an inference_pool: nothing, or any address a P pod
+    # can have (not loopback, link-local, cloud metadata, unspecified, multicast): pd-sidecar's default.
+    prefill_allow_default: AllowDefault = "none"
     handshake_timeout: float = 2.0
     handshake_cache_size: int = 256
     handshake_cache_ttl: float = 3600.0
@@ -160,6 +166,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Router mode: a prefill leg answered 502, 503 or 504 (or unreachable) is retried on the same P.
     prefill_max_retries: int = 0
     prefill_retry_backoff: float = 0.2
+    # Router mode's leg to a header-named P: nixlv2 (vLLM's NIXL protocol), skip (D alone prefills:
+    # llm-d's P/D protocol in use is not run here), refuse (501 to a request naming a P).
+    prefill_leg: PrefillLeg = "nixlv2"
+    # Why pd-sidecar turned releases off (kvr_releases_enabled's reason): a protocol it cannot release for.
+    releases_off_for: OffReason = ""
     # The sidecar's own answers where llm-d's routing sidecar answers differently (docs/llm-d.md).
     answers: AnswerStyle = "vllm"
 

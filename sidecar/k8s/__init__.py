@@ -7,6 +7,9 @@ allowlists current (``members``): router mode's P, each pod's IP on the pool's
 target ports, which ``x-prefiller-host-port`` is checked against (403
 otherwise); and the release pipeline's, each pod's IP on P's side-channel
 ports (``pool_side_channel_ports``). Both also hold ``prefill_allow``'s entries.
+Without a pool, ``prefill_allow`` is the one static list; when it is empty too,
+``prefill_allow_default = "routable"`` admits any address a P pod can have
+(``sidecar.network.routable``), llm-d's own default made safer.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from dataclasses import dataclass
 from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, PoolWatch
 from sidecar.network.allowlist import Allowlist
+from sidecar.network.routable import RoutableAllowlist
 
 # Start-up waits this long for the first list of the pool and its pods; /readyz says when it came.
 FIRST_SYNC_SECONDS = 10.0
 
-__all__ = ["Allowlists", "LiveAllowlist", "PoolWatch", "watched_allowlists"]
+__all__ = ["Allowlists", "LiveAllowlist", "PoolWatch", "static_allowlist", "watched_allowlists"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +37,17 @@ class Allowlists:
 async def watched_allowlists(config: Config) -> Allowlists:
     """Static lists (one object for both), or live ones kept by a started ``PoolWatch``."""
     if not config.inference_pool:
-        static = Allowlist(config.prefill_allow)
+        static = static_allowlist(config)
         return Allowlists(static, static)
     from sidecar.k8s.watch import start_pool_watch  # needs the llm-d extra (lightkube)
 
     prefill, release = LiveAllowlist(config.prefill_allow), LiveAllowlist(config.prefill_allow)
     watch = await start_pool_watch(config, prefill, release, FIRST_SYNC_SECONDS)
     return Allowlists(prefill, release, watch)
+
+
+def static_allowlist(config: Config) -> Allowlist:
+    """``prefill_allow``; when it is empty, what ``prefill_allow_default`` admits."""
+    if not config.prefill_allow and config.prefill_allow_default == "routable":
+        return RoutableAllowlist()
+    return Allowlist(config.prefill_allow)

@@ -37,10 +37,18 @@ class Members:
     pods: dict[str, tuple[str, ...]] = field(default_factory=dict)  # pod name -> its IPs
 
     def apply_pool(self, pool: dict[str, Any] | None) -> bool:
-        """Take the pool's spec (None: deleted); True when the pod selector changed."""
+        """Take the pool's spec (None: deleted); True when the pod selector changed.
+
+        v1 (``inference.networking.k8s.io``): ``selector.matchLabels`` and ``targetPorts``;
+        v1alpha2 (``inference.networking.x-k8s.io``): a flat ``selector`` and ``targetPortNumber``."""
         spec = (pool or {}).get("spec") or {}
-        selector = dict((spec.get("selector") or {}).get("matchLabels") or {})
-        ports = tuple(int(p["number"]) for p in spec.get("targetPorts") or () if _port(p))
+        labels = spec.get("selector") or {}
+        flat = {k: v for k, v in labels.items() if isinstance(v, str)}
+        selector = dict(labels.get("matchLabels") or {}) if "matchLabels" in labels else flat
+        numbers = [p for p in spec.get("targetPorts") or () if _port(p)]
+        if "targetPortNumber" in spec and _port({"number": spec["targetPortNumber"]}):
+            numbers.append({"number": spec["targetPortNumber"]})
+        ports = tuple(int(p["number"]) for p in numbers)
         changed = selector != self.selector or (pool is None) == self.exists
         self.exists, self.selector, self.ports = pool is not None, selector, ports
         return changed

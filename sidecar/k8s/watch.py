@@ -26,13 +26,17 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Pod
 
 from sidecar.config import Config
+from sidecar.config.rules import POOL_VERSIONS
 from sidecar.k8s.members import LiveAllowlist, Members
 
 log = logging.getLogger("sidecar.k8s")
 
-InferencePool = create_namespaced_resource(
-    "inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"
-)
+
+def pool_resource(group: str) -> Any:
+    """The InferencePool resource of ``group``: v1, or v1alpha2 for the older x-k8s.io group."""
+    return create_namespaced_resource(group, POOL_VERSIONS[group], "InferencePool", "inferencepools")
+
+
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 5.0
 WATCH_SECONDS = 300  # the server ends a watch after this; it is resumed at once
 
@@ -45,6 +49,7 @@ class Watch:
     ) -> None:
         self._client = client
         self._namespace, self._name = config.inference_pool.split("/")
+        self._pool = pool_resource(config.pool_group)
         self._side_channel = config.pool_side_channel_ports
         self._lists = prefill, release
         self.members = Members()
@@ -90,13 +95,13 @@ class Watch:
 
     async def _pool_round(self) -> None:
         fields: dict[str, Any] = {"metadata.name": self._name}
-        listing = self._client.list(InferencePool, namespace=self._namespace, fields=fields)
+        listing = self._client.list(self._pool, namespace=self._namespace, fields=fields)
         pools = [_plain(pool) async for pool in listing]
         self._pool_changed(pools[0] if pools else None)
         self._pool_synced = True
         self._updated()
         events = self._client.watch(
-            InferencePool,
+            self._pool,
             namespace=self._namespace,
             fields=fields,
             resource_version=listing.resourceVersion,

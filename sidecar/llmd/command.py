@@ -6,12 +6,15 @@ enough. Sources, highest first: llm-d's flags, its ``--configuration`` YAML,
 the variables llm-d reads (``INFERENCE_POOL``, ``ENABLE_PREFILLER_SAMPLING``,
 ``POD_IP``), then this project's ``KVR_*`` variables and ``--config`` TOML file (for
 settings llm-d has no flag for), then llm-d's defaults (``PD_DEFAULTS``):
-router mode on llm-d's header, NIXL releases, TLS with a self-signed
-certificate, llm-d's answers. One ``Config`` underneath, as for ``serve``.
+router mode on llm-d's header (any P address but loopback, link-local,
+metadata, unspecified and multicast without an allowlist), NIXL releases, TLS
+with a self-signed certificate, llm-d's answers and inbound timeouts (idle
+keep-alive 300 s, headers 30 s). One ``Config`` underneath, as for ``serve``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tomllib
@@ -22,7 +25,10 @@ from typing import Any
 from sidecar import config as config_mod
 from sidecar import extras
 from sidecar.config import ConfigError, did_you_mean
-from sidecar.llmd.flags import MAPPING, MORIIO_PREFIX, as_list, refuse, settings
+from sidecar.llmd.flags import as_list, refuse, settings
+from sidecar.llmd.table import FLAGS, MAPPING, MORIIO_PREFIX
+
+log = logging.getLogger("sidecar.llmd")
 
 # llm-d's defaults as settings; KVR_* variables and the TOML file may change them.
 PD_DEFAULTS: dict[str, Any] = {
@@ -32,14 +38,16 @@ PD_DEFAULTS: dict[str, Any] = {
     "answers": "llm-d",
     "prefill_policy": "first",
     "pool_size": 1024,
+    # llm-d connects to any P without --enable-ssrf-protection; this admits any address a P can have.
+    "prefill_allow_default": "routable",
+    # llm-d's inbound server (pkg/sidecar/proxy/proxy_helpers.go): IdleTimeout 300 s, ReadHeaderTimeout 30 s.
+    "timeout_keep_alive": 300.0,
+    "client_header_timeout": 30.0,
 }
-YAML_KEYS = (
-    frozenset(MAPPING)
-    - {"configuration", "configuration-file"}
-    - {k for k in MAPPING if k.startswith("zap-")}
-)
+_NOT_YAML = ("configuration", "configuration-file", "kubeconfig")
+YAML_KEYS = frozenset(k for k in FLAGS if k not in _NOT_YAML and not k.startswith(("zap-", MORIIO_PREFIX)))
 # Flags serve does not have: their presence marks an llm-d command line.
-LLMD_ONLY = frozenset(MAPPING) - {"port", "tracing"}
+LLMD_ONLY = frozenset(FLAGS) - {"port", "tracing"}
 USAGE = "usage: kv-release-sidecar pd-sidecar [llm-d routing-sidecar flags] [--config FILE] (docs/llm-d.md)"
 
 
@@ -50,19 +58,23 @@ def recognises(argv: Sequence[str]) -> bool:
 
 
 def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
-    """llm-d's flags as given (name -> raw value, lists joined), and ``--config``'s file if any."""
+    """llm-d's flags as given (name -> raw value, lists joined), and ``--config``'s file if any.
+
+    Arguments that are not flags are ignored, as pflag leaves them to a program that reads none
+    (an empty one is what a manifest's template renders for a flag it leaves out)."""
     given: dict[str, Any] = {}
     toml: str | None = None
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].lstrip("-").partition("=")
-        if not argv[i].startswith("-") or not name:
-            raise ConfigError("argument", argv[i], "llm-d's sidecar takes flags only")
-        kind = MAPPING[name][0] if name in MAPPING else "str"
-        if name.startswith(MORIIO_PREFIX):
-            raise refuse(name, value, "MoRI-IO (WRITE mode, Wide-EP) is not supported by this sidecar")
-        if name not in MAPPING and name != "config":
-            raise refuse(name, argv[i], "unknown flag" + did_you_mean(name, sorted(MAPPING)))
+        if not argv[i].startswith("-") or argv[i] == "-":
+            i += 1
+            continue
+        if not name:
+            raise ConfigError("argument", argv[i], "not a flag")
+        kind = FLAGS[name].kind if name in FLAGS else "str"
+        if name not in FLAGS and name != "config":
+            raise refuse(name, argv[i], "unknown flag" + did_you_mean(name, sorted(FLAGS)))
         if not eq and kind != "bool":
             if i + 1 >= len(argv):
                 raise refuse(name, "", "needs a value")
@@ -103,10 +115,13 @@ def with_yaml(given: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in loaded.items()}, **given}
 
 
-def load(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[config_mod.Config, dict[str, str]]:
-    """The one ``Config`` of an llm-d command line (see the module docstring); raises ``ConfigError``."""
+def load(
+    argv: Sequence[str], environ: Mapping[str, str], notes: list[str] | None = None
+) -> tuple[config_mod.Config, dict[str, str]]:
+    """The one ``Config`` of an llm-d command line (see the module docstring); raises ``ConfigError``.
+    What runs differently from llm-d's sidecar is added to ``notes``."""
     given, toml_path = parse(argv)
-    values = settings(with_yaml(given), environ)
+    values = settings(with_yaml(given), environ, notes)
     toml_path = toml_path or environ.get("KVR_CONFIG")
     text = None
     if toml_path:
@@ -130,16 +145,21 @@ def _toml_keys(text: str | None) -> list[str]:
 def main(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
-        for name, (_, effect) in MAPPING.items():
-            print(f"  --{name}: {effect}")
+        for name, flag in MAPPING.items():
+            print(f"  --{name} (llm-d {flag.since}): {flag.effect}")
         return 0
+    from sidecar.observability import logs
     from sidecar.server import serve
 
+    notes: list[str] = []
     try:
-        config, sources = load(argv, os.environ)
+        config, sources = load(argv, os.environ, notes)
     except (ConfigError, extras.MissingExtra) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
+    logs.setup(config.log_level, config.log_format, config.access_log)
+    for note in notes:
+        log.warning(note)
     return serve.start(config, sources)
 
 

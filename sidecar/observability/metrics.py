@@ -134,6 +134,20 @@ class Metrics:
         self.leg_failures = Counter(
             "kvr_leg_failures", "Router mode: failed legs, by leg and cause.", ["leg", "cause"], registry=r
         )
+        self.prefill_refused = Counter(
+            "kvr_prefill_refused",
+            "Router mode: x-prefiller-host-port targets refused (403), by reason: not_allowed (outside "
+            "the allowlist) or an address no P can have (loopback, link_local, metadata, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.releases_enabled = Gauge(
+            "kvr_releases_enabled",
+            "1 while a release strategy runs; 0 when releases are off, and why: setting (release = off), "
+            "kv_connector, ec_connector or moriio (a P/D protocol this sidecar does not release for).",
+            ["reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kvr_release_queue_depth", "Release jobs waiting.", registry=r)
         self.ledger_size = Gauge(
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r
@@ -149,6 +163,12 @@ class Metrics:
         # The children the request path updates (route, status class; route), resolved once.
         self.request_counter = Children(self.requests)
         self.latency_for = Children(self.upstream_latency)
+
+
+def releases_enabled(metrics: Metrics, release: str, off_for: str) -> None:
+    """``kvr_releases_enabled``: 1 with reason ``on``, or 0 with why releases are off."""
+    on = release != "off"
+    metrics.releases_enabled.labels("on" if on else off_for or "setting").set(1 if on else 0)
 
 
 def status_class(status: int) -> str:

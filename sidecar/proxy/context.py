@@ -44,7 +44,7 @@ class RequestContext:
     headers: list[tuple[str, str]]  # for D: hop-by-hop headers gone, x-request-id present
     request_id: str
     generated: bool  # the sidecar made the id up: no other server knows it
-    marks: dict[bytes, bytes]  # the request headers the proxy reads (first of each)
+    marks: dict[bytes, bytes]  # the request headers the proxy reads (first of each; P's: all, joined)
     has_body: bool
     dp_rank: int | None
     started: float = field(default_factory=time.monotonic)
@@ -58,7 +58,9 @@ class RequestContext:
         marks: dict[bytes, bytes] = {}
         framing: tuple[bytes, bytes] | None = None
         for name, value in raw:
-            if name in _READ:
+            if name == PREFILLER_HEADER and name in marks:  # every line counts, as in llm-d
+                marks[name] += b"," + bytes(value)
+            elif name in _READ:
                 marks.setdefault(name, bytes(value))
             elif framing is None and name in _FRAMING:
                 framing = (name, value)

@@ -51,11 +51,19 @@ class Router:
         await self.pool.close()
 
     def routes(self, ctx: RequestContext) -> bool:
-        """This request takes the router's path: a static P pool, or llm-d's prefiller header."""
-        return bool(self.pool.static) or ctx.prefiller is not None
+        """This request takes the router's path: a static P pool, or llm-d's prefiller header
+        (unless ``prefill_leg = skip``: D alone serves it)."""
+        named = ctx.prefiller is not None and self._kit.config.prefill_leg != "skip"
+        return bool(self.pool.static) or named
 
     async def route(self, ctx: RequestContext, body: bytes) -> None:
         kit = self._kit
+        if kit.config.prefill_leg == "refuse" and ctx.prefiller is not None:
+            assert ctx.route is not None
+            kit.forwarder.count(ctx.route, 501)
+            message = "x-prefiller-host-port: the P/D protocol set by --kv-connector is not implemented here"
+            await send_error(ctx.send, 501, message, ctx.request_id, "x-prefiller-host-port")
+            return
         try:
             request = msgspec.json.decode(body)
         except (msgspec.DecodeError, RecursionError):
@@ -70,10 +78,12 @@ class Router:
             await self._multi_choice(ctx, request)
             return
         try:
-            candidates = self.pool.candidates(ctx.prefiller)
+            candidates = await self.pool.candidates(ctx.prefiller)
         except RouterError as exc:
             assert ctx.route is not None
             kit.forwarder.count(ctx.route, exc.status)
+            if exc.refused:
+                kit.metrics.prefill_refused.labels(exc.refused).inc()
             if exc.status == 403 and kit.config.answers == "llm-d":
                 await send_plain(ctx.send, 403, FORBIDDEN, ctx.request_id)
                 return

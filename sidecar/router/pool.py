@@ -2,9 +2,14 @@
 
 Enabled by a static P pool (``--prefill URL[,URL...]``) and/or per request by
 llm-d's ``x-prefiller-host-port`` header (one or more ``host:port``, each
-checked against ``--prefill-allow``; ``parse_targets``). ``PrefillPool``
-picks a P (least outstanding legs, or round robin), skips a failing one for
-``prefill_backoff``, and keeps one pooled client per P.
+checked against ``--prefill-allow``; ``parse_targets``). As llm-d reads it,
+every line of the header counts, each a comma list, and an ``http://`` prefix
+is dropped. A host name the allowlist admits only by address (CIDR entries, or
+``prefill_allow_default = "routable"``) is resolved and checked address by
+address, and the leg goes to the checked address (to the name with
+``prefill_tls``, whose certificate names it). ``PrefillPool`` picks a P (least
+outstanding legs, or round robin), skips a failing one for ``prefill_backoff``,
+and keeps one pooled client per P.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import msgspec
 
 from sidecar.config import Config
 from sidecar.exceptions import SidecarError
-from sidecar.network.allowlist import Allowlist, split_host_port
+from sidecar.network.allowlist import Allowlist, ip_or_none, split_host_port
+from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
+from sidecar.network.routable import RoutableAllowlist
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Upstream
 
@@ -42,10 +49,16 @@ class RouterError(SidecarError):
     """
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, body: bytes | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        body: bytes | None = None,
+        refused: str = "",
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.body = status, param, body
+        self.refused = refused  # a 403's reason: not_allowed, or routable.REFUSALS' (a metric label)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,27 +70,49 @@ class PrefillResult:
     cached_tokens: int  # P's own prefix-cache hits, reported to the client
 
 
-def parse_targets(value: bytes, allowlist: Allowlist, scheme: str = "http", pick: str = "") -> list[str]:
-    """``x-prefiller-host-port`` to P URLs; raises RouterError(400) on a bad entry, 403 outside
-    the allowlist. ``pick`` (``first`` or ``random``) keeps one entry before checking, as llm-d."""
-    urls = []
+def split_targets(value: bytes, pick: str = "") -> list[tuple[str, int]]:
+    """``x-prefiller-host-port``'s (host, port) entries; raises RouterError(400) on a bad one.
+    ``pick`` (``first`` or ``random``) keeps one entry before checking, as llm-d."""
     items = value.decode("latin-1").split(",")
     if pick:
         items = [items[0] if pick == "first" else random.choice(items)]
+    targets = []
     for item in items:
-        text = item.strip()
+        text = item.strip().removeprefix("http://")  # llm-d drops it (an older header form)
         target = split_host_port(text)
         if target is None:
             raise RouterError(
                 400, f"x-prefiller-host-port: {text!r} is not host:port", "x-prefiller-host-port"
             )
-        host, port = target
-        if not allowlist.allows(host, port):
-            raise RouterError(403, f"x-prefiller-host-port: {text!r} is not in the prefill allowlist")
-        urls.append(f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}")
-    if not urls:
+        targets.append(target)
+    if not targets:
         raise RouterError(400, "x-prefiller-host-port is empty", "x-prefiller-host-port")
+    return targets
+
+
+def parse_targets(value: bytes, allowlist: Allowlist, scheme: str = "http", pick: str = "") -> list[str]:
+    """``x-prefiller-host-port`` to P URLs without name resolution; raises RouterError(400) on a
+    bad entry, 403 outside the allowlist (a name must match a name entry)."""
+    urls = []
+    for host, port in split_targets(value, pick):
+        if not allowlist.allows(host, port):
+            raise _refused(allowlist, host, port)
+        urls.append(_url(scheme, host, port))
     return urls
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _refused(allowlist: Allowlist, host: str, port: int, address: str = "") -> RouterError:
+    why = allowlist.why_not(address or host) if isinstance(allowlist, RoutableAllowlist) else None
+    shown = f"{host}:{port}" + (f" ({address})" if address else "")
+    if why is not None:
+        message = f"x-prefiller-host-port: {shown} is a {why} address: no P is there"
+        return RouterError(403, message, refused=why)
+    message = f"x-prefiller-host-port: {shown} is not in the prefill allowlist"
+    return RouterError(403, message, refused="not_allowed")
 
 
 class PrefillPool:
@@ -89,10 +124,12 @@ class PrefillPool:
         clock: Callable[[], float] = time.monotonic,
         allowlist: Allowlist | None = None,
         connect: Callable[[str], Client] | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.config = config
         self.static = list(config.prefill)
         self.allowlist = allowlist if allowlist is not None else Allowlist(config.prefill_allow)
+        self.resolver = resolver or Resolver()
         self._clock = clock
         self._outstanding: dict[str, int] = {}
         self._unhealthy_until: dict[str, float] = {}
@@ -108,20 +145,25 @@ class PrefillPool:
         unlisted = not config.prefill and not config.prefill_allow and not config.inference_pool
         if unlisted and config.answers != "llm-d":
             return None
-        if unlisted:
+        if unlisted and isinstance(allowlist, RoutableAllowlist):
+            log.warning(
+                "no prefill allowlist: x-prefiller-host-port may name any P address but loopback, "
+                "link-local, cloud metadata, unspecified and multicast ones (llm-d connects to any); "
+                "set --enable-ssrf-protection with --inference-pool to admit only the pool's pods"
+            )
+        elif unlisted:
             log.warning(
                 "no prefill allowlist: every x-prefiller-host-port is refused (403); set "
                 "--enable-ssrf-protection with --inference-pool, or prefill_allow"
             )
         return cls(config, allowlist=allowlist)
 
-    def candidates(self, header: bytes | None) -> list[str]:
+    async def candidates(self, header: bytes | None) -> list[str]:
         """The P URLs for one request, best first, healthy before backed-off ones."""
         policy = self.config.prefill_policy
         if header is not None:
-            scheme = "https" if self.config.prefill_tls else "http"
             pick = policy if policy in ("first", "random") else ""
-            urls = parse_targets(header, self.allowlist, scheme, pick)
+            urls = [await self._checked(host, port) for host, port in split_targets(header, pick)]
         else:
             urls = list(self.static)
         if header is not None and policy in ("first", "random"):
@@ -136,6 +178,27 @@ class PrefillPool:
             # A stable sort of the rotated list: ties (an idle pool) take turns.
             healthy.sort(key=lambda u: self._outstanding.get(u, 0))
         return healthy
+
+    async def _checked(self, host: str, port: int) -> str:
+        """The URL of a header-named P the allowlist admits; raises RouterError (403, or 502/503
+        for a name that does not resolve)."""
+        tls = self.config.prefill_tls
+        scheme = "https" if tls else "http"
+        allowlist = self.allowlist
+        if allowlist.allows(host, port):
+            return _url(scheme, host, port)
+        if ip_or_none(host) is not None or not allowlist.may_admit_address(port):
+            raise _refused(allowlist, host, port)
+        try:
+            addresses = await self.resolver.resolve(host, port)
+        except Unresolvable as exc:
+            raise RouterError(502, f"x-prefiller-host-port: {exc}") from exc
+        except ResolveFailed as exc:
+            raise RouterError(503, f"x-prefiller-host-port: {exc}") from exc
+        for address in addresses:
+            if not allowlist.allows(address, port):
+                raise _refused(allowlist, host, port, address)
+        return _url(scheme, host if tls else addresses[0], port)
 
     @contextmanager
     def leg(self, url: str) -> Iterator[None]:

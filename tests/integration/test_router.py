@@ -316,16 +316,17 @@ def test_client_leaving_after_p_answered_is_left_to_d() -> None:
         assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == 1
 
 
-def test_an_idle_pool_takes_turns() -> None:
+async def test_an_idle_pool_takes_turns() -> None:
     from sidecar.config import Config
     from sidecar.router import PrefillPool
 
     pool = PrefillPool(Config(prefill=("http://a:1", "http://b:1", "http://c:1")))
-    firsts = [pool.candidates(None)[0] for _ in range(6)]
+    firsts = [(await pool.candidates(None))[0] for _ in range(6)]
     assert firsts == ["http://a:1", "http://b:1", "http://c:1"] * 2
     with pool.leg("http://b:1"):  # busy P goes last
         assert pool.outstanding("http://b:1") == 1
-        assert all(pool.candidates(None)[-1] == "http://b:1" for _ in range(3))
+        for _ in range(3):
+            assert (await pool.candidates(None))[-1] == "http://b:1"
     assert pool.outstanding("http://b:1") == 0
 
 
