@@ -76,9 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         llmd = _llm_d_argv(argv)
         if llmd is not None:  # llm-d's flags are pflag's, parsed by the command itself
-            from sidecar.llmd.command import main as pd_sidecar
+            from sidecar.llmd import command as pd_sidecar
 
-            return pd_sidecar(llmd)
+            return pd_sidecar.check(llmd) if argv[0] == "check" else pd_sidecar.main(llmd)
         args = build_parser(selected).parse_args(argv)
         module = importlib.import_module(args._module)
         code: int = module.run(args)
@@ -95,11 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _llm_d_argv(argv: list[str]) -> list[str] | None:
-    """The flags of ``pd-sidecar``, or of ``serve`` given llm-d's flags (the image's entry point
-    is ``serve``: an llm-d decode pod's args then run ``pd-sidecar``); None for any other command."""
+    """The flags of ``pd-sidecar``, or of ``serve`` or ``check`` given llm-d's flags (the image's
+    entry point is ``serve``: an llm-d decode pod's args then run ``pd-sidecar``); None otherwise."""
     if argv and argv[0] == "pd-sidecar":
         return argv[1:]
-    if argv and argv[0] == "serve":
+    if argv and argv[0] in ("serve", "check"):
         from sidecar.llmd.command import recognises
 
         return argv[1:] if recognises(argv[1:]) else None

@@ -70,6 +70,12 @@ async def check_retries(ctx: Context) -> list[Finding]:
 async def check_allowlist(ctx: Context) -> list[Finding]:
     """Every entry parses, each host name resolves; empty with nixl or auto releases nothing."""
     entries = ctx.config.prefill_allow
+    if ctx.config.inference_pool:
+        shown = f"InferencePool {ctx.config.inference_pool}"
+        detail = f"the pods of {shown} (watched), and prefill_allow's {len(entries)} entries"
+        return [ok("allowlist", detail)]
+    if not entries and ctx.config.prefill_allow_default == "routable":
+        return [warn("allowlist", OPEN_DETAIL, OPEN_FIX)]
     if not entries:
         if ctx.strategy in NIXL_STRATEGIES:
             detail = f"prefill_allow is empty: nothing will be released ({ctx.strategy} may contact no P)"
@@ -98,6 +104,15 @@ async def check_allowlist(ctx: Context) -> list[Finding]:
     return findings
 
 
+OPEN_DETAIL = (
+    "no allowlist: x-prefiller-host-port and releases may reach any address a P can have (all but "
+    "loopback, link-local, cloud metadata, unspecified, multicast), as llm-d's sidecar does "
+    "without SSRF protection"
+)
+OPEN_FIX = (
+    "run with --enable-ssrf-protection and --inference-pool (or INFERENCE_POOL) to admit only the pool's "
+    "pods (RBAC: deploy/llm-d/rbac.yaml), or set prefill_allow to P's pod network"
+)
 _ENTRY_FORM = "write a CIDR, an IP or a host name, each with an optional :port or :lo-hi"
 LOOPBACK_FIX = (
     "keep it only where P runs on this machine (a local trial); in a cluster list P's pod network: "

@@ -163,6 +163,24 @@ def main(argv: Sequence[str]) -> int:
     return serve.start(config, sources)
 
 
+def check(argv: Sequence[str]) -> int:
+    """``kv-release-sidecar check`` with llm-d's flags: the checks of ``check`` on their config."""
+    import asyncio
+
+    from sidecar.checks.command import run_checks
+    from sidecar.observability import logs
+
+    try:
+        config, sources = load(argv, os.environ)
+    except (ConfigError, extras.MissingExtra) as exc:
+        print(f"kv-release-sidecar: {exc}", file=sys.stderr)
+        return 2
+    logs.setup("error", config.log_format)
+    findings = asyncio.run(run_checks(config, sources))
+    print("\n".join(finding.line() for finding in findings))
+    return 1 if any(finding.status == "fail" for finding in findings) else 0
+
+
 def add_arguments(parser: object) -> None:
     """Listed by ``kv-release-sidecar --help``; the flags are read by ``main`` (pflag's forms)."""
 

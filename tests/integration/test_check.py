@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from starlette.applications import Starlette
@@ -441,3 +442,13 @@ def test_the_kv_connector_is_read_from_ds_metrics(
     line = report.one("kv-connector")
     assert line.startswith(status) and says in line, line
     assert report.code == 0  # a warning, not a failure: releases still work, D's own fix does not
+
+
+def test_llm_d_s_own_args_are_checked_and_the_open_default_is_named(sim_d: ServerThread) -> None:
+    """``check`` with the guides' args: no allowlist is a warning that recommends SSRF protection."""
+    port = urlsplit(sim_d.url).port
+    args = ("--port=8000", "--kv-connector=nixlv2", "--zap-log-level=1", "--secure-proxy=false")
+    report = check(*args, f"--model-server-port={port}", env={"KVR_VLLM_VERSION": "0.33.0"})
+    line = report.one("allowlist")
+    assert line.startswith("warn  allowlist: no allowlist:") and "--enable-ssrf-protection" in line
+    assert "loopback" in line and "metadata" in line
