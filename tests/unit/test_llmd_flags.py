@@ -268,3 +268,21 @@ def test_the_docs_table_names_pd_sidecar_s_flags_with_their_tag() -> None:
     assert {f: MAPPING[f].since for f in tagged} == tagged
     mentioned = set(re.findall(r"`--([a-z0-9-]+)`", text))
     assert set(EXTRA) <= mentioned and not set(EXTRA) & set(tagged)
+
+
+def test_llm_d_s_inbound_timeouts_reach_every_rank_s_server() -> None:
+    """Idle keep-alive 300 s and a 30 s header deadline (llm-d's http.Server) on each listener;
+    ``serve`` keeps vLLM's 5 s and 10 s (tests/integration/test_hostile_input.py closes an idle
+    connection on a real socket with a short value)."""
+    from sidecar.app.core import ProxyApp
+    from sidecar.config import Config
+    from sidecar.server.serve import _rank_server
+
+    config, _ = load(["--port=8000", "--data-parallel-size=2", "--secure-proxy=false"], {})
+    for rank in (0, 1):
+        server = _rank_server(ProxyApp(config), config, rank, None)
+        protocol = server.config.http
+        assert server.config.timeout_keep_alive == 300.0
+        limits = protocol.limits  # type: ignore[union-attr]
+        assert (limits.keep_alive, limits.header_timeout) == (300.0, 30.0)
+    assert (Config().timeout_keep_alive, Config().client_header_timeout) == (5.0, 10.0)
