@@ -8,7 +8,10 @@ tenant. With ``--trust token`` a release needs the router's shared token in
 ``x-kvr-params-signature``: hex HMAC-SHA256, keyed with the shared key, over
 ``x-request-id``, a newline and the exact bytes of the ``kv_transfer_params``
 value in the body. Router mode signs what it forwards. Untrusted parameters
-are forwarded unchanged but never released (counted as ``untrusted``).
+are forwarded unchanged but never released (counted as ``untrusted``), and so
+are a client's own parameters while no allowlist vets the P they name
+(``prefill_allow_default = "routable"`` with neither ``prefill_allow`` nor
+``inference_pool``: pd-sidecar's default; the router's own legs still release).
 Independently of the mode, ``sidecar.proxy.inflight`` vetoes releasing
 parameters D may still be reading.
 """
@@ -45,6 +48,10 @@ class Trust:
 
     def __init__(self, config: Config) -> None:
         self.mode = config.trust
+        # Without an allowlist (pd-sidecar's routable default) nothing vets the P a client's own
+        # parameters name: only the parameters P returned to the router's own leg are released.
+        listed = bool(config.prefill_allow or config.inference_pool)
+        self.open = config.prefill_allow_default == "routable" and not listed
         self.token = _secret(config.trust_token, config.trust_token_file, "trust_token")
         self.key = _secret(config.trust_key, config.trust_key_file, "trust_key")
         if self.mode == "token" and not self.token:
@@ -55,6 +62,8 @@ class Trust:
     def trusted(self, headers: Mapping[bytes, bytes], request_id: str, raw_params: bytes) -> bool:
         """Whether these parameters may trigger a release; ``headers`` maps the request's
         (lower-case) header names to their first value."""
+        if self.open:
+            return False
         if self.mode == "any":
             return True
         given = headers.get(TOKEN_HEADER if self.mode == "token" else SIGNATURE_HEADER)

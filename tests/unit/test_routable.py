@@ -197,3 +197,21 @@ def test_every_line_of_the_header_is_read_as_llm_d_reads_it() -> None:
     ctx = RequestContext.of(scope, None, None)  # type: ignore[arg-type]
     assert ctx.prefiller == b"http://10.0.0.7:8000,10.0.0.8:8000"
     assert parse_targets(ctx.prefiller, OPEN) == ["http://10.0.0.7:8000", "http://10.0.0.8:8000"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "trusted"),
+    [
+        ({"prefill_allow_default": "routable"}, False),
+        ({"prefill_allow_default": "routable", "prefill_allow": ("10.0.0.0/8",)}, True),
+        ({"prefill_allow_default": "routable", "inference_pool": "ns/pool"}, True),
+        ({}, True),
+    ],
+)
+def test_a_client_s_own_parameters_are_not_released_while_nothing_vets_their_p(
+    settings: dict[str, object], trusted: bool
+) -> None:
+    from sidecar.proxy.trust import Trust
+
+    config = Config(**settings)  # type: ignore[arg-type]
+    assert Trust(config).trusted({}, "r-1", b'{"remote_host":"10.9.9.9"}') is trusted
