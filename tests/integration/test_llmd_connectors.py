@@ -87,3 +87,11 @@ def test_moriio_and_an_encoder_stage_keep_the_nixlv2_legs_with_releases_off() ->
             assert answer.status_code == 200 and counting.legs == 1
             metrics = httpx.get(admin + "/metrics").text
             assert f'kvr_releases_enabled{{reason="{reason}"}} 0.0' in metrics
+
+
+def test_an_empty_prefiller_header_names_no_p_as_in_llm_d() -> None:
+    with pd_sidecar() as (url, _admin, d, _p, counting):
+        header = {"x-prefiller-host-port": "", "x-request-id": "empty"}
+        answer = httpx.post(url + "/v1/completions", json=completion(5), headers=header, timeout=20)
+        assert answer.status_code == 200 and counting.legs == 0
+        assert [entry["request_id"] for entry in httpx.get(d.url + "/sim/log").json()] == ["empty"]
