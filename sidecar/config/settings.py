@@ -34,7 +34,13 @@ TlsVersion = Literal["1.2", "1.3"]
 AnswerStyle = Literal["vllm", "llm-d"]
 
 ENV_PREFIX = "KVR_"
-INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+INSPECTED_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/inference/v1/generate",
+)
 # A request line and a few ordinary headers; below this every request would be refused.
 MIN_HEADER_BYTES = 1024
 
