@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 POSITIVE = (
     "max_body_bytes",
+    "prefill_answer_limit",
     "connect_timeout",
     "pool_timeout",
     "header_timeout",

@@ -110,6 +110,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"
     prefill_timeout: float = 300.0
+    # The largest answer P may give the prefill leg: 128k prompt tokens with prompt_logprobs at
+    # vLLM's default max_logprobs (20) take about 230 MB of JSON (docs/limits.md).
+    prefill_answer_limit: int = 256 * 1024 * 1024
     prefill_backoff: float = 5.0
     decode_only_fallback: bool = False
     # Router mode: decode_url is a kv-release-sidecar in front of D (trust = "hmac" there, this

@@ -30,7 +30,7 @@ from sidecar.proxy.llmd_answers import FORBIDDEN, send_plain
 from sidecar.proxy.refusals import SHUTTING_DOWN
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
-from sidecar.router.pool import PrefillPool, PrefillResult, RouterError
+from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
 
@@ -159,7 +159,7 @@ class Router:
             try:
                 return await self._attempts(url, route, body, p_headers)
             except RouterError as exc:
-                if exc.status < 500 or llmd:
+                if exc.status < 500 or llmd or isinstance(exc, AnswerTooLarge):
                     raise  # P's own answer, passed to the client as it is
                 last = exc
             except UpstreamError as exc:
@@ -184,7 +184,7 @@ class Router:
             except RouterError as exc:
                 if exc.status >= 500:
                     kit.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
-                if exc.status not in RETRIED or attempt == retries:
+                if exc.status not in RETRIED or attempt == retries or isinstance(exc, AnswerTooLarge):
                     raise
             except UpstreamError as exc:
                 kit.metrics.leg_failures.labels("prefill", exc.failure.value).inc()

@@ -30,7 +30,6 @@ from sidecar.upstream import Client, Upstream
 log = logging.getLogger("sidecar.router")
 
 MAX_DYNAMIC_PREFILLERS = 64
-PREFILL_BODY_LIMIT = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 
 
@@ -46,6 +45,12 @@ class RouterError(SidecarError):
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.body = status, param, body
+
+
+class AnswerTooLarge(RouterError):
+    """P answered more than ``prefill_answer_limit``: another P (or a retry) would answer the
+    same, so it is neither retried nor held against P. P keeps that request's blocks until its
+    lease: the parameters are at the end of an answer that was not read whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +190,18 @@ class PrefillPool:
         self, url: str, route: str, body: bytes, headers: list[tuple[str, str]]
     ) -> PrefillResult:
         """Run the prefill leg on ``url``; raises UpstreamError or RouterError."""
+        limit = self.config.prefill_answer_limit
         with self.leg(url):
             client = await self.client(url)
             async with await client.send("POST", route, headers, body) as response:
-                answer = await response.read(PREFILL_BODY_LIMIT)
+                answer = await response.read(limit + 1)  # one byte more tells "over" from "exactly"
                 status = response.status
+        if len(answer) > limit:
+            message = (
+                f"prefill server {url} answered more than prefill_answer_limit ({limit} bytes); "
+                "raise prefill_answer_limit (prompt_logprobs on a long prompt make P's answer large)"
+            )
+            raise AnswerTooLarge(502, message)
         if status != 200:
             message = f"prefill server answered {status}"
             raise RouterError(status, message, body=answer)
