@@ -103,7 +103,7 @@ class Router:
     ) -> None:
         kit = self._kit
         rewriter = UsageRewriter(prefilled.cached_tokens, lax_bool(request.get("stream")) is True)
-        exchange = kit.inspector.prefilled(ctx, prefilled.params, rewriter, self.policy)
+        exchange = kit.inspector.prefilled(ctx, prefilled.params, rewriter, self.policy, prefilled.answered)
         if kit.refusals.stopping:
             watcher.stop()
             await kit.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
@@ -140,7 +140,8 @@ class Router:
         await asyncio.wait({task})
         if task.cancelled() or task.exception() is not None:
             return None
-        exchange = self._kit.inspector.prefilled(ctx, task.result().params, None, self.policy)
+        result = task.result()
+        exchange = self._kit.inspector.prefilled(ctx, result.params, None, self.policy, result.answered)
         self._kit.judge.judge(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._kit.forwarder.count(exchange.route, -1)
         return None

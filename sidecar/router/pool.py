@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -60,6 +60,8 @@ class PrefillResult:
     url: str
     params: dict[str, Any] | None  # P's kv_transfer_params
     cached_tokens: int  # P's own prefix-cache hits, reported to the client
+    # When P's answer arrived (time.monotonic()): P's lease on the blocks began just before.
+    answered: float = field(default_factory=time.monotonic)
 
 
 def parse_targets(value: bytes, allowlist: Allowlist, scheme: str = "http", pick: str = "") -> list[str]:
