@@ -22,8 +22,13 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
     ),
     (
         "/v1/chat/completions",
-        {"messages": MESSAGES, "max_completion_tokens": 20, "min_tokens": 5, "stream": True,
-         "stream_options": {"include_usage": True}},
+        {
+            "messages": MESSAGES,
+            "max_completion_tokens": 20,
+            "min_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
         {"max_tokens": 1, "max_completion_tokens": 1, "min_tokens": 1, "stream": False},
         ("stream_options",),
     ),
