@@ -5,8 +5,9 @@ request, with the router's ``Policy``: the judge then releases what the router
 aborted itself (header timeout, client gone) and, with ``decode_releases``,
 leaves D's answers to the decode sidecar. A failing P leg is tried once on
 another P; with none left the answer is 503, or with
-``decode_only_fallback`` D prefills itself (also the only path for ``n > 1``,
-which would strand the sibling choices' blocks on P).
+``decode_only_fallback`` D prefills itself (also the only path for ``n > 1``:
+vLLM's D reads P's blocks once per choice, and P frees them after the first
+choice's notifications while the others may still read; docs/llm-d.md).
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ class Router:
         await send_error(ctx.send, exc.status, str(exc), ctx.request_id)
 
     async def _multi_choice(self, ctx: RequestContext, request: dict[str, Any]) -> None:
-        """``n > 1``: P would strand the sibling choices' blocks, so never on the P/D path."""
+        """``n > 1``: never on the P/D path (D reads P's blocks once per choice, docs/llm-d.md)."""
         if self._kit.config.decode_only_fallback:
             await self._decode_only(ctx, request)
             return
