@@ -133,3 +133,22 @@ def test_sidecar_mode_releases_the_clients_parameters_on_both_routes(route: str)
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
         assert stats(p)["notifs_unknown"] == 0
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/messages", messages("hello there")),
+        ("/inference/v1/generate", generate(12, min_tokens=6)),
+        ("/v1/chat/completions", chat("hello there", max_tokens=20, min_tokens=10)),
+    ],
+)
+def test_llmds_prefiller_header_takes_every_route_to_p(route: str, body: dict[str, Any]) -> None:
+    with pd(static=False, answers="llm-d") as ([p], d, sc):
+        header = {"x-prefiller-host-port": p.url.removeprefix("http://")}
+        response = httpx.post(sc.url + route, json=body, headers=header)
+        assert response.status_code == 200, response.text
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]
+        [entry] = httpx.get(d.url + "/sim/log").json()
+        assert entry["admitted"] and entry["kv_transfer_params"]["do_remote_prefill"] is True
