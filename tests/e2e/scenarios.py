@@ -334,8 +334,8 @@ def base_body(route: str, model: str, text: str) -> dict[str, Any]:
 
 def token_ids(text: str) -> list[int]:
     """Token ids for the token-in route: one per word, the same for the same word, within the
-    vocabulary of any model the e2e run serves (ids 1000 to 30999)."""
-    return [1000 + int.from_bytes(word.encode()[:8].ljust(8, b"\0"), "big") % 30000 for word in text.split()]
+    e2e model's vocabulary (1,024 tokens, ``make_model.VOCAB``): ids 10 to 1009."""
+    return [10 + int.from_bytes(word.encode()[:8].ljust(8, b"\0"), "big") % 1000 for word in text.split()]
 
 
 def pin_body(scenario: Scenario, model: str, text: str) -> bytes:
