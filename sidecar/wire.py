@@ -90,6 +90,21 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
+class AnthropicError(msgspec.Struct):
+    """The error of vLLM's ``AnthropicErrorResponse`` (``/v1/messages``): its type is vLLM's
+    own before 0.33.0 (``BadRequestError``...), Anthropic's name for the status from 0.33.0."""
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(msgspec.Struct, tag_field="type", tag="error"):
+    """``{"type": "error", "error": {"type", "message"}}``: how ``/v1/messages`` answers its
+    handler's errors (no ``code``; the status is the HTTP status)."""
+
+    error: AnthropicError
+
+
 _TRUE_TEXT = frozenset({"1", "t", "y", "on", "yes", "true"})
 _FALSE_TEXT = frozenset({"0", "f", "n", "no", "off", "false"})
 
@@ -114,6 +129,7 @@ def lax_bool(value: Any) -> bool | None:
 VIEW_DECODER = msgspec.json.Decoder(RequestView)
 PARAMS_VIEW_DECODER = msgspec.json.Decoder(ParamsView)
 ERROR_DECODER = msgspec.json.Decoder(ErrorResponse)
+ANTHROPIC_ERROR_DECODER = msgspec.json.Decoder(AnthropicErrorResponse)
 ENCODER = msgspec.json.Encoder()
 
 

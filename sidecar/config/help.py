@@ -88,6 +88,10 @@ HELP: dict[str, tuple[str, str]] = {
         "",
     ),
     "prefill_timeout": ("router mode: the prefill leg on P, to its answer", "seconds"),
+    "prefill_answer_limit": (
+        "router mode: largest answer P may give the prefill leg (prompt_logprobs grow it); above: 502",
+        "bytes",
+    ),
     "prefill_backoff": ("router mode: a failing P is skipped this long", "seconds"),
     "decode_only_fallback": ("router mode: with no P left (or n > 1), D prefills itself", ""),
     "decode_releases": ("router mode: decode-url is a sidecar (trust hmac) releasing D's answers", ""),

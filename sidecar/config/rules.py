@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 POOL_VERSIONS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8s.io": "v1alpha2"}
 POSITIVE = (
     "max_body_bytes",
+    "prefill_answer_limit",
     "connect_timeout",
     "pool_timeout",
     "header_timeout",

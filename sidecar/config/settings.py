@@ -37,7 +37,13 @@ PrefillLeg = Literal["nixlv2", "skip", "refuse"]
 OffReason = Literal["", "kv_connector", "ec_connector", "moriio"]
 
 ENV_PREFIX = "KVR_"
-INSPECTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+INSPECTED_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/inference/v1/generate",
+)
 # A request line and a few ordinary headers; below this every request would be refused.
 MIN_HEADER_BYTES = 1024
 
@@ -110,6 +116,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"
     prefill_timeout: float = 300.0
+    # The largest answer P may give the prefill leg: 128k prompt tokens with prompt_logprobs at
+    # vLLM's default max_logprobs (20) take about 230 MB of JSON (docs/limits.md).
+    prefill_answer_limit: int = 256 * 1024 * 1024
     prefill_backoff: float = 5.0
     decode_only_fallback: bool = False
     # Router mode: decode_url is a kv-release-sidecar in front of D (trust = "hmac" there, this

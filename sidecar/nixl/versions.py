@@ -217,7 +217,7 @@ def engine_request_id(
         return body_request_id or None
     if not x_request_id:
         return None
-    if route == "/v1/chat/completions":
+    if route in ("/v1/chat/completions", "/v1/messages"):  # /v1/messages runs the chat handler
         return f"chatcmpl-{x_request_id}"
     if route == "/v1/completions":
         return f"cmpl-{x_request_id}-0"

@@ -18,6 +18,8 @@ ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/inference/v1/generate": "generate",
 }
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -33,7 +33,7 @@ from sidecar.proxy.llmd_answers import send_plain
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.upstream import Client, Response, Sent, UpstreamError
-from sidecar.wire import ERROR_DECODER
+from sidecar.wire import ANTHROPIC_ERROR_DECODER, ERROR_DECODER
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -285,9 +285,12 @@ def _encoded(head: Head) -> bool:
 
 
 def _error(body: bytes) -> tuple[str | None, str | None]:
-    """The ``error.type`` and ``error.message`` of vLLM's error body, when it is one."""
-    try:
-        error = ERROR_DECODER.decode(body).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, None
-    return error.type, error.message
+    """The ``error.type`` and ``error.message`` of vLLM's error body (OpenAI's shape, or
+    Anthropic's on ``/v1/messages``), when it is one."""
+    for decoder in (ERROR_DECODER, ANTHROPIC_ERROR_DECODER):
+        try:
+            error = decoder.decode(body).error
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        return error.type, error.message
+    return None, None

@@ -79,8 +79,10 @@ class Inspector:
         params: dict[str, Any] | None,
         rewriter: UsageRewriter | None,
         policy: Policy,
+        prefilled_at: float | None = None,
     ) -> Exchange:
-        """Router mode: P's own parameters (never the client's), for the decode leg."""
+        """Router mode: P's own parameters (never the client's), for the decode leg; ``prefilled_at``
+        is when P answered (the judge skips a release P's lease has made pointless)."""
         assert ctx.route is not None
         raw = msgspec.json.encode(params) if params else None
         found = params_mod.check(raw).params if raw else None
@@ -94,6 +96,7 @@ class Inspector:
             raw_params=self._raw(raw, found),
             data_parallel_rank=ctx.dp_rank,
             rewriter=rewriter,
+            prefilled_at=prefilled_at,
         )
 
     def oversized(self, ctx: RequestContext, body: Oversized, routed: bool) -> Exchange:

@@ -13,6 +13,10 @@ in this order, each step counted:
    pod's D reads the blocks (``sidecar.retries``);
 5. the in-flight veto: parameters another request forwarded to D, which D
    may be reading, are never released;
+   in router mode, a release that would reach P after its lease (counted
+   from P's answer, ``sidecar.release.value.release_by``) is skipped
+   (``kvr_not_released_total{cause="lease_expired"}``): P has freed the
+   blocks itself and would only log an error for an unknown request;
 6. D's own fix (``sidecar.release.coverage``): a rejection D's engine
    releases itself goes to the pipeline as ``covered`` (recorded, never
    sent), unless D cannot notify now; one D may or may not have released is
@@ -51,12 +55,15 @@ from sidecar.proxy.sse import FirstEventScanner
 from sidecar.release.base import ReleaseJob
 from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
 from sidecar.release.pipeline import Pipeline
+from sidecar.release.value import lease_seconds, release_by
 
 if TYPE_CHECKING:
     from sidecar.proxy.context import Exchange
 
 log = logging.getLogger("sidecar.proxy")
 
+#: ``kvr_not_released_total{cause}`` of a router-mode release P's lease made pointless.
+LEASE_EXPIRED = "lease_expired"
 #: ``kvr_not_released_total{outcome}`` of a rejection left to a retry on another decode pod.
 RETRYABLE = "retryable"
 
@@ -176,6 +183,14 @@ class Judge:
             self._metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
             self._traced(decision, "not_released")
             return decision
+        lease_end = self._lease_end(exchange)
+        if lease_end is not None and time.monotonic() >= lease_end:
+            self._metrics.not_released.labels(Outcome.NO_RELEASE.value, LEASE_EXPIRED).inc()
+            log.info(
+                "P's lease on the blocks has passed; not released", extra={"request_id": exchange.request_id}
+            )
+            self._traced(decision, LEASE_EXPIRED)
+            return decision
         if self._inflight.may_be_read(key):
             # Another request with these parameters is at D or was admitted: D may be reading them.
             self._metrics.not_released.labels(Outcome.NO_RELEASE.value, "params_in_use").inc()
@@ -190,7 +205,10 @@ class Judge:
             # later request with these parameters must not be released meanwhile.
             self._inflight.admitted(key)
         self._metrics.rejections.labels(decision.cause.value).inc()
-        queued = self._pipeline.submit(self._job(exchange, decision, event, error_type, status))
+        job = self._job(exchange, decision, event, error_type, status)
+        if lease_end is not None and lease_end < job.deadline:
+            job = job.but(deadline=lease_end)  # not retried past the lease either
+        queued = self._pipeline.submit(job)
         exchange.spent = self.frees and exchange.policy.spends
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
@@ -234,6 +252,13 @@ class Judge:
             # the sidecar's goes after D's would have gone.
             return job.but(not_before=now + self._config.may_cover_delay)
         return job
+
+    def _lease_end(self, exchange: Exchange) -> float | None:
+        """Router mode: when a release would reach P past its lease; None without a lease."""
+        if exchange.prefilled_at is None:
+            return None
+        lease = lease_seconds(self._config.vllm_version or self._facts.version(), self._config.p_hold_seconds)
+        return None if lease is None else release_by(exchange.prefilled_at, lease)
 
     def _traced(self, decision: Decision, release: str) -> None:
         if self._tracing.enabled:

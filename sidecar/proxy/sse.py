@@ -8,6 +8,11 @@ apart by their exact message). The scanner sees
 each chunk as it is forwarded, keeps at most ``LIMIT`` bytes until the first
 event ends, and then stops looking.
 
+On ``/v1/messages`` vLLM sends an error as Anthropic's ``error`` event,
+``{"type": "error", "error": {"type", "message"}}`` without a code: a 4xx
+is told by Anthropic's type names (0.33.0), anything else counts as no
+code at all (never released).
+
 A ``/v1/responses`` stream opens with ``response.created`` and
 ``response.in_progress`` before D's engine has the request (vLLM yields both
 before the engine generator runs, ``responses/serving.py``
@@ -100,10 +105,37 @@ def parse_event(event: bytes) -> FirstEvent:
         return FirstEvent(None, None)
     error = payload.get("error")
     if isinstance(error, dict):
+        if payload.get("type") == "error" and "code" not in error:
+            return _from_anthropic(error)
         return _from_error(error)
     if payload.get("object") == "error":
         return _from_error(payload)
     return FirstEvent(None, None)
+
+
+#: The ``error.type`` names vLLM 0.33.0 gives a 4xx on ``/v1/messages`` (``translate_error_type``).
+ANTHROPIC_CLIENT_ERRORS = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+    }
+)
+
+
+def _from_anthropic(error: dict[str, object]) -> FirstEvent:
+    """A ``/v1/messages`` stream's error event (no code): one of Anthropic's 4xx names counts as
+    a 4xx; any other type (``api_error``, ``overloaded_error``, or vLLM's own names before
+    0.33.0, which do not say the status) has no code, so it is never released."""
+    type_, message = error.get("type"), error.get("message")
+    return FirstEvent(
+        400 if type_ in ANTHROPIC_CLIENT_ERRORS else None,
+        type_ if isinstance(type_, str) else None,
+        message if isinstance(message, str) else None,
+    )
 
 
 def _from_error(error: dict[str, object]) -> FirstEvent:

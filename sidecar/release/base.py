@@ -49,7 +49,7 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     # 0.13.0 P's id cannot be derived from it (a notification for a made-up id would be
     # "unrecognized" at best, and crash 0.9.x-0.10.0 engines).
     request_id_generated: bool = False
-    route: str  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
+    route: str  # one of the inspected routes (sidecar.config.INSPECTED_ROUTES)
     body_request_id: str | None = None  # the body's request_id (pre-0.13.0 /v1/responses id)
     params: ReleaseParams
     cause: Cause

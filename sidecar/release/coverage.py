@@ -50,6 +50,21 @@ pinned row by row in ``tests/conformance/test_vllm_coverage_source.py``:
   client sees 503 ``"ServiceUnavailableError"``, or as a stream the first
   event (cause ``stream_engine_paused``).
 
+``/v1/messages`` is not wrapped itself, but its handler (``AnthropicServingMessages.
+create_messages``, a subclass of the chat server in 0.20.0-0.33.0) converts the request and
+then awaits the wrapped ``create_chat_completion``: an error of the chat handler is notified
+by D, one of the conversion before it is not, and both reach the client the same way, in
+Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, ``api_router.py``
+``translate_error_response``) with vLLM's type before 0.33.0 (an exception: 500
+``"internal_error"``) and Anthropic's name for the status from 0.33.0
+(``translate_error_type``). Before 0.33.0 only an exception can come from the conversion, so
+vLLM's other types there prove a notification; they are counted as "may be" all the same
+(the release waits ``may_cover_delay`` and is sent: never stranded, never between D's
+readers' messages). Every such answer may be covered
+(``MESSAGES_ROWS``). The route's body validation answers before the handler, in OpenAI's
+shape typed with the HTTP phrase: not covered. ``/inference/v1/generate``
+(``ServingTokens.serve_tokens``) is not wrapped: never covered.
+
 Answers that also come from where D cannot notify are not covered: 500
 ``"InternalServerError"`` is a dead engine's answer (the notify then fails)
 and vLLM's catch-all exception handler's for any exception outside the
@@ -82,9 +97,11 @@ from sidecar.release.base import ReleaseJob
 Version = tuple[int, int, int]
 
 FIX_SINCE: Version = (0, 21, 0)
-#: The routes whose handlers the fix wraps (not /v1/messages, not the token-in/out route).
+#: The routes whose handlers the fix wraps (not the token-in/out route; /v1/messages calls the
+#: wrapped chat handler after its own conversion: ``MESSAGES_ROWS``).
 WRAPPED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 RESPONSES = frozenset({"/v1/responses"})
+MESSAGES = frozenset({"/v1/messages"})
 #: ``sidecar.classify.Cause`` values for "D answered with an error status".
 D_ANSWERED = frozenset({Cause.REJECTED_4XX, Cause.REJECTED_5XX})
 #: Causes for which the sidecar closed a connection on which D had the whole request and had
@@ -113,10 +130,43 @@ COVERED: tuple[Row, ...] = (
     Row((0, 21, 0), 404, "invalid_request_error", RESPONSES),
     Row((0, 33, 0), 503, "ServiceUnavailableError", None),  # the paused engine core re-adds it
 )
+#: ``/v1/messages``' handler errors: the chat handler's (notified) or the conversion's (not).
+MESSAGES_ROWS: tuple[Row, ...] = tuple(
+    Row(since, status, kind, MESSAGES)
+    for since, pairs in (
+        # vLLM's own types, in Anthropic's envelope (0.21.0-0.32.x)
+        (
+            (0, 21, 0),
+            (
+                (400, "BadRequestError"),
+                (404, "NotFoundError"),
+                (422, "UnprocessableEntityError"),
+                (500, "InternalServerError"),
+                (501, "NotImplementedError"),
+                (503, "Service Unavailable"),
+                (500, "internal_error"),  # an exception, of the conversion or through the wrapper
+            ),
+        ),
+        # Anthropic's names for the status (0.33.0 ``translate_error_type``)
+        (
+            (0, 33, 0),
+            (
+                (400, "invalid_request_error"),
+                (404, "not_found_error"),
+                (422, "invalid_request_error"),
+                (500, "api_error"),
+                (501, "api_error"),
+                (503, "overloaded_error"),
+            ),
+        ),
+    )
+    for status, kind in pairs
+)
 #: Answers D gives both where it notifies (a wrapped handler, engine alive) and where it cannot.
 MAY_BE_COVERED: tuple[Row, ...] = (
     Row((0, 21, 0), 500, "InternalServerError"),
     Row((0, 21, 0), 501, "NotImplementedError"),
+    *MESSAGES_ROWS,
 )
 
 
@@ -150,7 +200,10 @@ def engine_may_cover(version: Version, job: ReleaseJob) -> bool:
     tell. A release then must not reach P between D's readers' messages (send it after them)."""
     if version < FIX_SINCE or job.injected:
         return False
-    return _answered(MAY_BE_COVERED, version, job, job.route.split("?", 1)[0])
+    route = job.route.split("?", 1)[0]
+    if job.cause in ABORTED_BY_SIDECAR and route in MESSAGES:
+        return True  # the abort cancelled the conversion (not notified) or the chat handler (notified)
+    return _answered(MAY_BE_COVERED, version, job, route)
 
 
 def _answered(rows: tuple[Row, ...], version: Version, job: ReleaseJob, route: str) -> bool:

@@ -356,7 +356,7 @@ def _derived_id(job: ReleaseJob) -> str | None:
     x_request_id = job.x_request_id
     if not x_request_id:
         return None
-    if job.route == "/v1/chat/completions":
+    if job.route in ("/v1/chat/completions", "/v1/messages"):  # /v1/messages runs the chat handler
         return f"chatcmpl-{x_request_id}"
     if job.route == "/v1/completions":
         return f"cmpl-{x_request_id}-0"

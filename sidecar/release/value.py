@@ -36,6 +36,28 @@ def hold_seconds(version_text: str | None, configured: float = 0.0) -> float:
     return ABORT_TIMEOUT_SECONDS
 
 
+#: The part of P's lease a router-mode release must leave: it is counted from when P's answer
+#: arrived, a little after P stamped the lease, and the release still has to travel. A release
+#: that arrives after the lease only makes P log an error (and kills a 0.10.0 engine); one
+#: skipped within the margin leaves the blocks pinned for at most the margin.
+LEASE_MARGIN_SHARE = 0.1
+LEASE_MARGIN_MAX = 5.0
+
+
+def lease_seconds(version_text: str | None, configured: float = 0.0) -> float | None:
+    """How long after its answer P frees an unreleased request by itself, or None when it never
+    does (0.9.x); ``configured`` (> 0) wins. An unknown release counts as the shortest lease."""
+    parsed = parse_version(version_text) if version_text and configured <= 0 else None
+    if parsed is not None and parsed.release < (0, 10, 0):
+        return None
+    return hold_seconds(version_text, configured)
+
+
+def release_by(answered: float, lease: float) -> float:
+    """The ``time.monotonic()`` after which a release would reach P past its lease (margin kept)."""
+    return answered + lease - min(LEASE_MARGIN_MAX, lease * LEASE_MARGIN_SHARE)
+
+
 def block_seconds_saved(blocks: int, hold: float, took: float) -> float:
     """``blocks`` x (P's hold - the time the release took), never negative."""
     return blocks * max(0.0, hold - took)

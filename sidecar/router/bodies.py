@@ -1,16 +1,17 @@
 """Router mode's bodies: the prefill leg's, the decode leg's, and D's answer corrected on the way out.
 
-The prefill leg is vLLM's reference P/D proxy's: the same body with
-``stream: false``, the output budget set to 1 (``max_tokens``;
-``max_completion_tokens`` for chat; ``max_output_tokens`` for responses),
-``stream_options`` removed and ``kv_transfer_params`` asking P to keep the
-blocks for a remote decode. The decode leg is the original body plus the
+The prefill leg is llm-d's pd-sidecar's (and vLLM's reference P/D proxy's):
+the same body with ``stream: false``, ``stream_options`` removed, every
+output-budget field of the route capped to one token (``CAPS``) and
+``kv_transfer_params`` asking P to keep the blocks for a remote decode. The
+decode leg is the original body, every field as the client sent it, plus the
 ``kv_transfer_params`` P returned. ``UsageRewriter`` reports P's cached
 tokens in D's answer (D got the whole prompt from P).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,19 +30,65 @@ PREFILL_PARAMS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """The output-budget fields one route's prefill leg caps to 1.
+
+    ``always`` is set whether the client sent it or not (P computes one token,
+    whatever the client asked); ``present`` is capped only when the client
+    sent it (a lower bound such as ``min_tokens`` over the cap would make P
+    refuse the request). ``nested`` names the object they live in
+    (``sampling_params`` on ``/inference/v1/generate``), created if absent.
+    """
+
+    always: tuple[str, ...]
+    present: tuple[str, ...] = ()
+    nested: str | None = None
+
+
+_CHAT = Caps(always=("max_tokens",), present=("max_completion_tokens", "min_tokens"))
+
+#: Per route, as llm-d-router's pd-sidecar caps them (main, ``pkg/sidecar/proxy/proxy.go``
+#: ``tokenLimitFieldsForAPIType``; ``min_tokens`` since after v0.9.0): the chat fields on chat,
+#: completions and messages, ``max_output_tokens`` on responses, and ``max_tokens`` and
+#: ``min_tokens`` inside ``sampling_params`` on vLLM's token-in generate route.
+CAPS: dict[str, Caps] = {
+    "/v1/chat/completions": _CHAT,
+    "/v1/completions": _CHAT,
+    "/v1/messages": _CHAT,
+    "/v1/responses": Caps(always=("max_output_tokens",)),
+    "/inference/v1/generate": Caps(always=("max_tokens",), present=("min_tokens",), nested="sampling_params"),
+}
+
+
 def prefill_body(request: dict[str, Any], route: str) -> bytes:
     """The prefill leg's body: same prompt, no stream, an output budget of one token."""
     body = dict(request)
     body["stream"] = False
     body.pop("stream_options", None)
-    if route == "/v1/responses":
-        body["max_output_tokens"] = 1
-    else:
-        body["max_tokens"] = 1
-        if route == "/v1/chat/completions" and "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
+    caps = CAPS.get(route, _CHAT)
+    target = _capped_object(body, caps.nested)
+    if target is not None:
+        for name in caps.always:
+            target[name] = 1
+        for name in caps.present:
+            if name in target:
+                target[name] = 1
     body["kv_transfer_params"] = dict(PREFILL_PARAMS)
     return _ENCODER.encode(body)
+
+
+def _capped_object(body: dict[str, Any], nested: str | None) -> dict[str, Any] | None:
+    """Where the caps go: the body, or a copy of its ``nested`` object put in its place (created
+    when absent); None when that member is not an object (P refuses it as D would)."""
+    if nested is None:
+        return body
+    inner = body.get(nested)
+    if inner is not None and not isinstance(inner, dict):
+        return None
+    copied = dict(inner or {})
+    body[nested] = copied
+    return copied
 
 
 def decode_body(request: dict[str, Any], params: dict[str, Any] | None) -> bytes:

@@ -5,8 +5,9 @@ request, with the router's ``Policy``: the judge then releases what the router
 aborted itself (header timeout, client gone) and, with ``decode_releases``,
 leaves D's answers to the decode sidecar. A failing P leg is tried once on
 another P; with none left the answer is 503, or with
-``decode_only_fallback`` D prefills itself (also the only path for ``n > 1``,
-which would strand the sibling choices' blocks on P).
+``decode_only_fallback`` D prefills itself (also the only path for ``n > 1``:
+vLLM's D reads P's blocks once per choice, and P frees them after the first
+choice's notifications while the others may still read; docs/llm-d.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from sidecar.proxy.llmd_answers import FORBIDDEN, send_plain
 from sidecar.proxy.refusals import SHUTTING_DOWN
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
-from sidecar.router.pool import PrefillPool, PrefillResult, RouterError
+from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
 
@@ -113,7 +114,7 @@ class Router:
     ) -> None:
         kit = self._kit
         rewriter = UsageRewriter(prefilled.cached_tokens, lax_bool(request.get("stream")) is True)
-        exchange = kit.inspector.prefilled(ctx, prefilled.params, rewriter, self.policy)
+        exchange = kit.inspector.prefilled(ctx, prefilled.params, rewriter, self.policy, prefilled.answered)
         if kit.refusals.stopping:
             watcher.stop()
             await kit.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
@@ -150,7 +151,8 @@ class Router:
         await asyncio.wait({task})
         if task.cancelled() or task.exception() is not None:
             return None
-        exchange = self._kit.inspector.prefilled(ctx, task.result().params, None, self.policy)
+        result = task.result()
+        exchange = self._kit.inspector.prefilled(ctx, result.params, None, self.policy, result.answered)
         self._kit.judge.judge(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._kit.forwarder.count(exchange.route, -1)
         return None
@@ -169,7 +171,7 @@ class Router:
             try:
                 return await self._attempts(url, route, body, p_headers)
             except RouterError as exc:
-                if exc.status < 500 or llmd:
+                if exc.status < 500 or llmd or isinstance(exc, AnswerTooLarge):
                     raise  # P's own answer, passed to the client as it is
                 last = exc
             except UpstreamError as exc:
@@ -194,7 +196,7 @@ class Router:
             except RouterError as exc:
                 if exc.status >= 500:
                     kit.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
-                if exc.status not in RETRIED or attempt == retries:
+                if exc.status not in RETRIED or attempt == retries or isinstance(exc, AnswerTooLarge):
                     raise
             except UpstreamError as exc:
                 kit.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
@@ -228,7 +230,7 @@ class Router:
         await send_error(ctx.send, exc.status, str(exc), ctx.request_id)
 
     async def _multi_choice(self, ctx: RequestContext, request: dict[str, Any]) -> None:
-        """``n > 1``: P would strand the sibling choices' blocks, so never on the P/D path."""
+        """``n > 1``: never on the P/D path (D reads P's blocks once per choice, docs/llm-d.md)."""
         if self._kit.config.decode_only_fallback:
             await self._decode_only(ctx, request)
             return

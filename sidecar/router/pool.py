@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -37,7 +37,6 @@ from sidecar.upstream import Client, Upstream
 log = logging.getLogger("sidecar.router")
 
 MAX_DYNAMIC_PREFILLERS = 64
-PREFILL_BODY_LIMIT = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 
 
@@ -61,6 +60,12 @@ class RouterError(SidecarError):
         self.refused = refused  # a 403's reason: not_allowed, or routable.REFUSALS' (a metric label)
 
 
+class AnswerTooLarge(RouterError):
+    """P answered more than ``prefill_answer_limit``: another P (or a retry) would answer the
+    same, so it is neither retried nor held against P. P keeps that request's blocks until its
+    lease: the parameters are at the end of an answer that was not read whole."""
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """P's answer to the prefill leg."""
@@ -68,6 +73,8 @@ class PrefillResult:
     url: str
     params: dict[str, Any] | None  # P's kv_transfer_params
     cached_tokens: int  # P's own prefix-cache hits, reported to the client
+    # When P's answer arrived (time.monotonic()): P's lease on the blocks began just before.
+    answered: float = field(default_factory=time.monotonic)
 
 
 def split_targets(value: bytes, pick: str = "") -> list[tuple[str, int]]:
@@ -248,11 +255,18 @@ class PrefillPool:
         self, url: str, route: str, body: bytes, headers: list[tuple[str, str]]
     ) -> PrefillResult:
         """Run the prefill leg on ``url``; raises UpstreamError or RouterError."""
+        limit = self.config.prefill_answer_limit
         with self.leg(url):
             client = await self.client(url)
             async with await client.send("POST", route, headers, body) as response:
-                answer = await response.read(PREFILL_BODY_LIMIT)
+                answer = await response.read(limit + 1)  # one byte more tells "over" from "exactly"
                 status = response.status
+        if len(answer) > limit:
+            message = (
+                f"prefill server {url} answered more than prefill_answer_limit ({limit} bytes); "
+                "raise prefill_answer_limit (prompt_logprobs on a long prompt make P's answer large)"
+            )
+            raise AnswerTooLarge(502, message)
         if status != 200:
             message = f"prefill server answered {status}"
             raise RouterError(status, message, body=answer)

@@ -252,6 +252,35 @@ def not_implemented(version: Version, src: Source) -> None:
         assert first_line(router, "NotImplementedError") < first_line(router, router.name)
 
 
+def messages_handler(version: Version, src: Source) -> None:
+    """``/v1/messages`` converts the request, then awaits the wrapped chat handler (an error of
+    either reaches the client in Anthropic's envelope): its handler errors may be notified."""
+    cls = src.class_of("AnthropicServingMessages", "anthropic/serving.py")
+    assert "OpenAIServingChat" in {ast.unparse(base) for base in cls.bases}
+    create = src.find("create_messages", "anthropic/serving.py")
+    convert = min(
+        first_line(create, n) for n in ("to_chat_completion_request", "_convert_anthropic_to_openai_request")
+    )
+    assert convert < first_line(create, "create_chat_completion")
+    assert not src.has("create_chat_completion", "anthropic/serving.py")  # the chat server's, wrapped
+    build = ast.unparse(src.find("_build_base_request", "anthropic/serving.py"))
+    assert "kv_transfer_params=anthropic_request.kv_transfer_params" in build
+    route = ast.unparse(src.find("create_messages", "anthropic/api_router.py"))
+    assert "translate_error_response(generator)" in route  # the chat handler's ErrorResponse
+    # An exception (the conversion's, or one through the wrapper): 500 "internal_error" in some
+    # releases (0.25.x), typed as create_error_response types it in others.
+    caught = ("translate_error_response(create_error_response(e))", "type='internal_error'")
+    assert any(text in route for text in caught)
+    translated = ast.unparse(src.find("translate_error_response", "anthropic/api_router.py"))
+    typed = "translate_error_type(response.error.code)" in translated
+    assert typed == (version >= (0, 33, 0)), "Anthropic's type names from 0.33.0, vLLM's before"
+
+
+def no_anthropic_type_names(version: Version, src: Source) -> None:
+    assert not src.has("translate_error_type", "anthropic/protocol.py")
+
+
+MESSAGES = frozenset({"/v1/messages"})
 Evidence = tuple[Callable[[Version, Source], None], Callable[[Version, Source], None] | None]
 EVIDENCE: dict[tuple[int, str, frozenset[str] | None], Evidence] = {
     (400, "BadRequestError", WRAPPED_ROUTES): (bad_request, None),
@@ -269,6 +298,14 @@ EVIDENCE: dict[tuple[int, str, frozenset[str] | None], Evidence] = {
     (503, "ServiceUnavailableError", None): (paused_engine, no_paused_engine),
     (500, "InternalServerError", WRAPPED_ROUTES): (internal_error, None),
     (501, "NotImplementedError", WRAPPED_ROUTES): (not_implemented, None),
+    **{
+        (row.status, row.error_type, MESSAGES): (
+            messages_handler,
+            no_anthropic_type_names if row.since >= (0, 33, 0) else None,
+        )
+        for row in MAY_BE_COVERED
+        if row.routes == MESSAGES
+    },
 }
 ROWS = [*COVERED, *MAY_BE_COVERED]
 

@@ -38,6 +38,8 @@ def _piece(route: str, payload: Any) -> tuple[str, list[int]]:
         return "", []
     if route.endswith("/responses"):
         return _responses_text(payload), []
+    if route.endswith("/messages"):
+        return _messages_text(payload), []
     text, ids = "", list[int]()
     for choice in payload.get("choices") or []:
         message = choice.get("message") or choice.get("delta") or {}
@@ -57,6 +59,18 @@ def _responses_text(payload: dict[str, Any]) -> str:
             if content.get("type") == "output_text":
                 text += content.get("text") or ""
     return text
+
+
+def _messages_text(payload: dict[str, Any]) -> str:
+    """Anthropic's shape: a message's text blocks, or a stream's text deltas."""
+    delta = payload.get("delta")
+    if isinstance(delta, dict) and delta.get("type") == "text_delta":
+        return str(delta.get("text") or "")
+    if payload.get("type") != "message":
+        return ""
+    return "".join(
+        str(block.get("text") or "") for block in payload.get("content") or [] if block.get("type") == "text"
+    )
 
 
 def _joined(parts: list[tuple[str, list[int]]]) -> str:

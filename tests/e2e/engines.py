@@ -41,6 +41,8 @@ ENGINE_FLAGS = (
     "float32",
     # Every answer computed in full: D's own answer is then a true reference for the P/D one.
     "--no-enable-prefix-caching",
+    # vLLM's token-in route (/inference/v1/generate), which llm-d disaggregates too.
+    "--enable-scale-out",
 )
 
 

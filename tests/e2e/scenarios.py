@@ -28,6 +28,7 @@ from sidecar.router.bodies import prefill_body
 
 Mode = Literal["nixl", "http", "router", "off"]
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+MESSAGES, GENERATE = "/v1/messages", "/inference/v1/generate"
 OUTPUT_TOKENS = 8
 WORDS = (
     *("ka", "lo", "mi", "ne", "ru", "ta", "po", "si", "de", "fu"),
@@ -234,6 +235,23 @@ SIDECAR_SCENARIOS: tuple[Scenario, ...] = (
         {"temperature": -1},
         stream=True,
     ),
+    Scenario("admit-messages", "messages (Anthropic)", ADMITTED, MESSAGES, Expect.D_READS, long_prompt=True),
+    Scenario(
+        "pre-messages-validation",
+        "messages, max_tokens 'abc'",
+        PRE,
+        MESSAGES,
+        Expect.SIDECAR_FREES,
+        {"max_tokens": "abc"},
+    ),
+    Scenario(
+        "pre-generate-validation",
+        "token-in generate, stream 'abc' (no cleanup on that route in D)",
+        PRE,
+        GENERATE,
+        Expect.SIDECAR_FREES,
+        {"stream": "abc"},
+    ),
     Scenario("down", "D stopped", DOWN, COMPLETIONS, Expect.SIDECAR_FREES, d_down=True),
     Scenario(
         "down-stream", "D stopped, stream", DOWN, COMPLETIONS, Expect.SIDECAR_FREES, stream=True, d_down=True
@@ -258,6 +276,7 @@ ROUTER_SCENARIOS: tuple[Scenario, ...] = (
         stream=True,
     ),
     Scenario("cap", "body over the router's cap (413)", CAP, COMPLETIONS, Expect.NOT_PINNED, oversize=True),
+    *(_BY_KEY[key] for key in ("admit-messages", "pre-messages-validation", "pre-generate-validation")),
     _BY_KEY["down"],
 )
 
@@ -293,6 +312,16 @@ def base_body(route: str, model: str, text: str) -> dict[str, Any]:
         }
     if route == RESPONSES:
         return {"model": model, "input": text, "max_output_tokens": OUTPUT_TOKENS, "temperature": 0}
+    if route == MESSAGES:
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": OUTPUT_TOKENS,
+            "temperature": 0,
+        }
+    if route == GENERATE:
+        sampling = {"max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}
+        return {"model": model, "token_ids": token_ids(text), "sampling_params": sampling}
     return {
         "model": model,
         "prompt": text,
@@ -301,6 +330,12 @@ def base_body(route: str, model: str, text: str) -> dict[str, Any]:
         "ignore_eos": True,
         "return_token_ids": True,  # vLLM's own field: the answer lists the token ids
     }
+
+
+def token_ids(text: str) -> list[int]:
+    """Token ids for the token-in route: one per word, the same for the same word, within the
+    e2e model's vocabulary (1,024 tokens, ``make_model.VOCAB``): ids 10 to 1009."""
+    return [10 + int.from_bytes(word.encode()[:8].ljust(8, b"\0"), "big") % 1000 for word in text.split()]
 
 
 def pin_body(scenario: Scenario, model: str, text: str) -> bytes:

@@ -12,6 +12,7 @@ from sidecar.release.base import ReleaseJob
 from sidecar.release.coverage import engine_covers, engine_may_cover
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+MSG, GEN = "/v1/messages", "/inference/v1/generate"
 
 
 def job(
@@ -84,13 +85,13 @@ TABLE = [
     (V033, job(400, "invalid_request_error"), False, "the chat handler never answers that type"),
     (V033, job(404, "invalid_request_error", route=CMPL), False, "nor the completions handler"),
     (V033, job(404, "invalid_request_error", route="/v1/responses/r1"), False, "retrieve: another route"),
-    (V033, job(400, "invalid_request_error", route="/v1/messages"), False, "Anthropic's type, not wrapped"),
+    (V033, job(400, "invalid_request_error", route=MSG), False, "messages: chat handler or conversion"),
     (V033, job(503, "invalid_request_error", route=RESP), False, "a status vLLM does not pair with it"),
     (V033, job(200, "InternalServerError", cause="stream_engine_paused"), True, "paused stream: the core"),
     (V031, job(200, "InternalServerError", cause="stream_engine_paused"), False, "no pause rejection"),
     (V033, job(200, "Service Unavailable", cause="stream_admission_overflow"), False, "never reached D"),
     (V033, job(429, "BadRequestError"), False, "a status vLLM does not pair with that type"),
-    (V033, job(400, "BadRequestError", route="/v1/messages"), False, "Anthropic adapter not wrapped"),
+    (V033, job(400, "BadRequestError", route=MSG), False, "messages: may be covered, never is"),
     (V033, job(400, "BadRequestError", route="/inference/v1/generate"), False, "token route not wrapped"),
     (V033, job(400, "BadRequestError", cause="stream_admission_error"), False, "after HTTP 200"),
     (V033, job(None, None, cause="unreachable"), False, "D unreachable"),
@@ -102,7 +103,8 @@ TABLE = [
     (V021, job(None, None, cause="header_timeout"), True, "the sidecar's abort cancels D's handler"),
     (V033, job(None, None, cause="client_gone_after_forward", route=RESP), True, "cancelled handler"),
     ((0, 20, 2), job(None, None, cause="header_timeout"), False, "no cleanup of a cancelled handler"),
-    (V033, job(None, None, cause="header_timeout", route="/v1/messages"), False, "no wrapper there"),
+    (V033, job(None, None, cause="header_timeout", route="/v1/messages"), False, "messages: may be, not is"),
+    (V033, job(None, None, cause="header_timeout", route=GEN), False, "token route not wrapped"),
     (V033, job(None, None, cause="reset_after_send"), False, "D's connection broke: no proof it ran"),
     (V033, job(None, None, cause="gateway_error"), False, "a layer in between answered"),
 ]
@@ -119,7 +121,18 @@ MAY = [
     (V033, job(500, "InternalServerError", route=RESP), True, "the same on every wrapped route"),
     (V033, job(501, "NotImplementedError"), True, "a handler's NotImplementedError, or the router's"),
     ((0, 20, 2), job(500, "InternalServerError"), False, "no fix before 0.21.0: D never notifies"),
-    (V033, job(500, "InternalServerError", route="/v1/messages"), False, "no wrapper there"),
+    # /v1/messages converts, then awaits the wrapped chat handler (anthropic/serving.py
+    # create_messages -> create_chat_completion): its handler errors may have been notified.
+    (V029, job(500, "InternalServerError", route=MSG), True, "messages: chat handler or conversion"),
+    (V029, job(400, "BadRequestError", route=MSG), True, "messages, vLLM's type in Anthropic's envelope"),
+    (V033, job(400, "invalid_request_error", route=MSG), True, "messages, 0.33.0's Anthropic type"),
+    (V033, job(503, "overloaded_error", route=MSG), True, "messages: admission or the paused engine"),
+    (V031, job(400, "invalid_request_error", route=MSG), False, "messages: no Anthropic type names yet"),
+    ((0, 20, 2), job(400, "BadRequestError", route=MSG), False, "messages: no fix before 0.21.0"),
+    (V033, job(400, "Bad Request", route=MSG), False, "messages: validation, before the handler"),
+    (V033, job(None, None, cause="header_timeout", route=MSG), True, "messages: abort of either part"),
+    (V033, job(400, "BadRequestError", route=GEN), False, "the token route is not wrapped"),
+    (V033, job(None, None, cause="header_timeout", route=GEN), False, "token route: abort not notified"),
     (V033, job(500, None), False, "not vLLM's error body"),
     (V033, job(400, "BadRequestError"), False, "covered outright"),
     (V033, job(400, "Bad Request"), False, "before the handler: D never notifies"),

@@ -185,6 +185,8 @@ def test_pre_release_accepts_both_ends_of_its_range() -> None:
         ("0.12.0", "/v1/chat/completions", "abc", "chatcmpl-abc"),
         ("0.11.0", "/v1/completions", "abc", "cmpl-abc-0"),
         ("0.9.2", "/v1/chat/completions", "abc", "chatcmpl-abc"),
+        ("0.12.0", "/v1/messages", "abc", "chatcmpl-abc"),  # the chat handler's id
+        ("0.12.0", "/inference/v1/generate", "abc", None),  # not known before remote_request_id
         ("0.11.0", "/v1/responses", "abc", None),  # the body's request_id, not X-Request-Id
         ("0.11.0", "/v1/chat/completions", "", None),  # no header: vLLM drew a random id
     ],

@@ -239,6 +239,7 @@ async def test_transport_errors(
         ("0.11.0", job("/v1/chat/completions", params=params(remote_request_id=None)), "chatcmpl-r1"),
         ("0.11.0", job("/v1/responses", params=params(remote_request_id=None), body_request_id="b"), "b"),
         (None, job("/v1/chat/completions", params=params(remote_request_id=None)), "chatcmpl-r1"),
+        ("0.11.0", job("/v1/messages", params=params(remote_request_id=None)), "chatcmpl-r1"),
     ],
 )
 async def test_request_id_per_release(d_version: str | None, the_job: ReleaseJob, sent_id: str) -> None:

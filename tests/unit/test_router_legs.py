@@ -126,3 +126,36 @@ async def test_n_above_one_never_takes_the_pd_path(fallback: bool, status: int, 
         assert r.ps[P1].requests == r.ps[P2].requests == []
         if to_d:
             assert "kv_transfer_params" not in r.d.requests[0].json()
+
+
+def large(request: FakeRequest) -> FakeResponse:
+    """P's answer with prompt_logprobs on a long prompt: about 3 MB of JSON before its parameters."""
+    logprobs = [{"151643": {"logprob": -1.5, "rank": 1, "decoded_token": "tok"}}] * 50_000
+    usage = {"prompt_tokens": 50_000, "prompt_tokens_details": {"cached_tokens": 0}}
+    payload = {"choices": [], "usage": usage, "prompt_logprobs": logprobs, "kv_transfer_params": V033}
+    return FakeResponse.json(200, payload)
+
+
+async def test_a_p_answer_over_one_mib_is_read_whole_under_the_default_limit() -> None:
+    assert len(large(FakeRequest("POST", "/", [], b"")).body[0]) > 2 * 1024 * 1024
+    async with router(FakeUpstream(ok), p1=large, p2=large) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 200
+        assert r.d.requests[0].json()["kv_transfer_params"] == V033
+
+
+async def test_a_p_answer_over_the_limit_is_a_502_naming_the_setting_tried_once() -> None:
+    async with router(
+        FakeUpstream(ok), p1=large, p2=large, prefill_max_retries=2, prefill_answer_limit=1 << 20
+    ) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 502
+        assert (
+            "prefill_answer_limit (1048576 bytes)"
+            in msgspec.json.decode(client.response_body)["error"]["message"]
+        )
+        assert len(r.ps[P1].requests) + len(r.ps[P2].requests) == 1  # neither retried nor sent elsewhere
+        assert r.d.requests == []
+        later = await r.call(Client(body=completion()))  # no P was put in backoff for it
+        assert later.status == 502
+        assert len(r.ps[P1].requests) == len(r.ps[P2].requests) == 1

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -37,6 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from sidecar.config import ConfigError
+from sidecar.sim.decode import anthropic
 from sidecar.sim.decode.bodies import DONE_EVENT, Answers, reply_for, sse_error_event
 from sidecar.sim.decode.config import (
     COMPLETION_ROUTES,
@@ -96,6 +98,8 @@ _API_NAMES = {
     "/v1/chat/completions": "Chat Completions API",
     "/v1/completions": "Completions API",
     "/v1/responses": "Responses API",
+    "/v1/messages": "Messages API",
+    "/inference/v1/generate": "generate tokens API",
 }
 # vLLM 0.29.0+ admission control (QueueOverflowError): a GracefulHTTPError, type is the phrase.
 _QUEUE_FULL = Rejection(
@@ -262,9 +266,12 @@ class DecodeSim:
         self, entry: LogEntry, rejection: Rejection, params: dict[str, Any] | None, send: Send
     ) -> None:
         self.state.settle(entry, "rejected", rejection.status, rejection.origin)
+        body = rejection.body
         if rejection.origin == "handler":
             await self._notify_rejected(entry, params, rejection.status)
-        await send_json(send, rejection.status, rejection.body)
+            if entry.route == anthropic.ROUTE:  # the handler's errors in Anthropic's envelope
+                body = anthropic.error_body(_message_of(body), rejection.status)
+        await send_json(send, rejection.status, body)
 
     async def _notify_rejected(self, entry: LogEntry, params: dict[str, Any] | None, status: int) -> None:
         if params is None or not do_remote_prefill(params) or not self.engine.notifies:
@@ -291,6 +298,8 @@ class DecodeSim:
             return _sse(self._events(events, drop_at=2))
         message = f"sim-decode: the engine refused the request ([[stream-error:{status}]])"
         error = sse_error_event(message, status, handler_error_type(status))
+        if entry.route == anthropic.ROUTE:
+            return _sse(self._events([anthropic.error_event(message, status)]))
         return _sse(self._events([error, DONE_EVENT]))
 
     def _answer(self, entry: LogEntry, request: ParsedRequest, drop: bool, aborted: bool = False) -> Response:
@@ -320,6 +329,12 @@ class DecodeSim:
             yield event
         if drop_at is not None:
             raise SimulatedDrop(f"sim-decode: connection cut after {drop_at} event(s)")
+
+
+def _message_of(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body."""
+    error = msgspec.json.decode(body).get("error") or {}
+    return str(error.get("message", ""))
 
 
 def _marker_rejection(kind: str, status: int) -> Rejection:

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from sidecar.sim.decode import responses
+from sidecar.sim.decode import anthropic, generate, responses
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.responses import Reply
 from sidecar.sim.decode.rules import ParsedRequest
@@ -89,6 +89,10 @@ class Answers:
     def full(self, reply: Reply) -> bytes:
         """The non-streaming JSON answer of ``reply.route``."""
         text = "".join(self.tokens[: reply.tokens])
+        if reply.route == anthropic.ROUTE:
+            return anthropic.full(reply, self.model, text)
+        if reply.route == generate.ROUTE:
+            return generate.full(reply, self.model, self.details)
         if reply.route == "/v1/responses":
             return _ENCODER.encode(responses.response(reply, self.model, text))
         if reply.route == "/v1/chat/completions":
@@ -125,6 +129,10 @@ class Answers:
         """Every SSE event of a streamed answer, in order, ``[DONE]`` included."""
         if reply.route == "/v1/responses":
             return responses.stream(reply, self.model, self.tokens[: reply.tokens])
+        if reply.route == anthropic.ROUTE:
+            return anthropic.stream(reply, self.model, self.tokens[: reply.tokens])
+        if reply.route == generate.ROUTE:
+            return generate.stream(reply, self.model, self.details)
         chat = reply.route == "/v1/chat/completions"
         head = b"".join(
             (

@@ -24,7 +24,13 @@ EngineMode = Literal["alive", "dead", "shutting_down"]
 DEFAULT_MODEL = "sim-model"
 
 #: The completion routes vLLM wraps with its rejection cleanup (0.21.0+).
-COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+COMPLETION_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/inference/v1/generate",
+)
 
 
 class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -21,6 +21,7 @@ from sidecar.wire import lax_bool
 Kind = Literal["prompt", "str", "bool", "int", "float", "dict", "stream_options"]
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+MESSAGES, GENERATE = "/v1/messages", "/inference/v1/generate"
 #: Per route, the fields read, in the order vLLM 0.33.0's request model declares them.
 ROUTE_FIELDS: dict[str, tuple[tuple[str, Kind], ...]] = {
     CHAT: (
@@ -51,6 +52,23 @@ ROUTE_FIELDS: dict[str, tuple[tuple[str, Kind], ...]] = {
         ("stream", "bool"),
         ("temperature", "float"),
         ("top_p", "float"),
+        ("kv_transfer_params", "dict"),
+    ),
+    MESSAGES: (  # AnthropicMessagesRequest
+        ("model", "str"),
+        ("messages", "prompt"),
+        ("max_tokens", "int"),
+        ("stream", "bool"),
+        ("temperature", "float"),
+        ("top_p", "float"),
+        ("kv_transfer_params", "dict"),
+    ),
+    GENERATE: (  # GenerateRequest
+        ("token_ids", "prompt"),
+        ("sampling_params", "dict"),
+        ("model", "str"),
+        ("stream", "bool"),
+        ("stream_options", "stream_options"),
         ("kv_transfer_params", "dict"),
     ),
 }

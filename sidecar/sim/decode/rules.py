@@ -66,6 +66,8 @@ class BodyView(msgspec.Struct):
     messages: Any = msgspec.UNSET
     prompt: Any = msgspec.UNSET
     input: Any = msgspec.UNSET
+    token_ids: Any = msgspec.UNSET  # /inference/v1/generate
+    sampling_params: Any = None  # /inference/v1/generate
     stream: Any = None
     max_tokens: Any = None
     max_completion_tokens: Any = None
@@ -266,8 +268,10 @@ PromptCount = tuple[int, str] | FieldError | Rejection
 
 
 def _count_prompt(route: str, view: BodyView) -> PromptCount:
-    if route == "/v1/chat/completions":
+    if route in ("/v1/chat/completions", "/v1/messages"):
         return _count_messages(view.messages)
+    if route == "/inference/v1/generate":
+        return _count_token_ids(view.token_ids)
     if route == "/v1/completions":
         return _count_completion_prompt(view.prompt)
     return _count_responses_input(view.input)
@@ -287,6 +291,14 @@ def _count_messages(messages: Any) -> PromptCount:
         texts.append(_content_text(message.get("content")))
     text = "\n".join(texts)
     return len(text.split()), text
+
+
+def _count_token_ids(value: Any) -> PromptCount:
+    if value is msgspec.UNSET:
+        return FieldError("missing", "body.token_ids", "Field required", None)
+    if not isinstance(value, list) or not value or not all(_is_token_ids(t) for t in value):
+        return FieldError("list_type", "body.token_ids", "Input should be a valid list", value)
+    return len(value), ""
 
 
 def _count_completion_prompt(prompt: Any) -> PromptCount:
@@ -341,6 +353,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # CompletionRequest.max_tokens's default
 def _max_tokens(route: str, values: dict[str, Any]) -> tuple[int | None, str]:
     if route == "/v1/responses":
         return values.get("max_output_tokens"), "max_output_tokens"
+    if route == "/inference/v1/generate":
+        sampling = values.get("sampling_params") or {}
+        asked = sampling.get("max_tokens")
+        return (asked if isinstance(asked, int) else None), "max_tokens"
     if route == "/v1/chat/completions" and values.get("max_completion_tokens") is not None:
         return values["max_completion_tokens"], "max_completion_tokens"
     if route == "/v1/completions":

@@ -2,7 +2,8 @@
 
 ``create_prefill_app(config)`` builds a Starlette app whose lifespan starts a
 ``PrefillSim`` (one NIXL agent per worker, the side-channel listener(s) and
-the block pool) and stops it cleanly. Routes: the OpenAI completion routes
+the block pool) and stops it cleanly. Routes: the OpenAI completion routes, ``/v1/messages`` and
+``/inference/v1/generate``
 (a P/D prefill leg pins blocks until D's notifications or the lease free
 them; a pool that cannot fit the prompt answers 503), ``/health``,
 ``/version``, ``/v1/models``, ``/metrics``, ``/stats``, and the test controls
@@ -33,6 +34,7 @@ from sidecar.sim.prefill.metrics import build_registry
 from sidecar.sim.prefill.openai import (
     REQUEST_DECODER,
     BadRequest,
+    check_sampling,
     completion_body,
     count_tokens,
     error_body,
@@ -58,8 +60,10 @@ def _sim(request: Request) -> PrefillSim:
     return sim
 
 
-def _error(request: Request, message: str, type_: str, status: int) -> Response:
-    body = error_body(_sim(request).release, message, type_, status)
+def _error(
+    request: Request, message: str, type_: str, status: int, route: CompletionRoute = "chat"
+) -> Response:
+    body = error_body(_sim(request).release, message, type_, status, route)
     return Response(body, status, media_type=_JSON)
 
 
@@ -69,15 +73,19 @@ async def _complete(request: Request, route: CompletionRoute) -> Response:
         body = REQUEST_DECODER.decode(await request.body())
         tokens = count_tokens(route, body)
     except (msgspec.DecodeError, BadRequest) as exc:
-        return _error(request, str(exc), "BadRequestError", 400)
+        return _error(request, str(exc), "BadRequestError", 400)  # the request model's check
+    try:
+        check_sampling(route, body)
+    except BadRequest as exc:  # SamplingParams, in the handler
+        return _error(request, str(exc), "BadRequestError", 400, route)
     remote_decode = wants_remote_decode(body)
     try:
         outcome = sim.prefill(route, tokens, remote_decode, request.headers.get("x-request-id"))
     except PoolFull as exc:
         message = f"Not enough KV cache blocks for the request: {exc}"
-        return _error(request, message, "ServiceUnavailableError", 503)
+        return _error(request, message, "ServiceUnavailableError", 503, route)
     except DuplicateRequest as exc:
-        return _error(request, f"Request id {exc} already running.", "BadRequestError", 400)
+        return _error(request, f"Request id {exc} already running.", "BadRequestError", 400, route)
     if sim.config.latency:
         await asyncio.sleep(sim.config.latency)  # the blocks stay pinned while P "computes"
     model = body.model if isinstance(body.model, str) else sim.config.model
@@ -99,6 +107,16 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     return await _complete(request, "chat")
+
+
+async def messages(request: Request) -> Response:
+    """``POST /v1/messages`` (Anthropic's Messages API, vLLM's chat handler underneath)."""
+    return await _complete(request, "messages")
+
+
+async def generate(request: Request) -> Response:
+    """``POST /inference/v1/generate`` (vLLM's token-in generate route)."""
+    return await _complete(request, "generate")
 
 
 async def health(request: Request) -> Response:
@@ -172,6 +190,8 @@ def create_prefill_app(config: PrefillSimConfig) -> Starlette:
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/inference/v1/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
