@@ -88,8 +88,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     flush_timeout: float = 5.0
     vllm_version: str = ""
     prefill_allow: tuple[str, ...] = ()
-    # What an empty prefill_allow admits without an inference_pool: nothing, or any address a P pod
-    # can have (not loopback, link-local, cloud metadata, unspecified, multicast): pd-sidecar's default.
+    # An empty prefill_allow without inference_pool admits nothing, or any P pod address (docs/security.md).
     prefill_allow_default: AllowDefault = "none"
     handshake_timeout: float = 2.0
     handshake_cache_size: int = 256
@@ -116,8 +115,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"
     prefill_timeout: float = 300.0
-    # The largest answer P may give the prefill leg: 128k prompt tokens with prompt_logprobs at
-    # vLLM's default max_logprobs (20) take about 230 MB of JSON (docs/limits.md).
+    # The largest answer P may give the prefill leg (128k prompt tokens of prompt_logprobs: docs/limits.md).
     prefill_answer_limit: int = 256 * 1024 * 1024
     prefill_backoff: float = 5.0
     decode_only_fallback: bool = False
@@ -175,8 +173,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Router mode: a prefill leg answered 502, 503 or 504 (or unreachable) is retried on the same P.
     prefill_max_retries: int = 0
     prefill_retry_backoff: float = 0.2
-    # Router mode's leg to a header-named P: nixlv2 (vLLM's NIXL protocol), skip (D alone prefills:
-    # llm-d's P/D protocol in use is not run here), refuse (501 to a request naming a P).
+    # Router mode's leg to a header-named P: nixlv2, skip (D alone prefills), refuse (501): docs/llm-d.md.
     prefill_leg: PrefillLeg = "nixlv2"
     # Why pd-sidecar turned releases off (kvr_releases_enabled's reason): a protocol it cannot release for.
     releases_off_for: OffReason = ""
