@@ -111,7 +111,7 @@ OPEN_DETAIL = (
 )
 OPEN_FIX = (
     "run with --enable-ssrf-protection and --inference-pool (or INFERENCE_POOL) to admit only the pool's "
-    "pods (RBAC: deploy/llm-d/rbac.yaml), or set prefill_allow to P's pod network"
+    "pods (RBAC: deploy/llm-d/ssrf-protection/), or set prefill_allow to P's pod network"
 )
 _ENTRY_FORM = "write a CIDR, an IP or a host name, each with an optional :port or :lo-hi"
 LOOPBACK_FIX = (
