@@ -48,7 +48,7 @@ async def check_release(ctx: Context) -> list[Finding]:
     if module is None:
         return [ok("release", f"{what}; NIXL is importable")]
     detail = f"{what}, but the nixl extra is not installed (no module {module})"
-    return [fail("release", detail, extras.HINTS["nixl"] + ", or use --release http or dry-run")]
+    return [fail("release", detail, extras.hint("nixl") + ", or use --release http or dry-run")]
 
 
 async def check_retries(ctx: Context) -> list[Finding]:
