@@ -59,7 +59,8 @@ async def running() -> AsyncIterator[Running]:
     prefill, release = LiveAllowlist(()), LiveAllowlist(())
     watch = Watch(AsyncClient(config=kube, trust_env=False), config, prefill, release)
     try:
-        await watch.start(5.0)
+        watch.start()
+        await watch.first_list(5.0)
         assert watch.synced
         yield Running(fake, watch, prefill, release)
     finally:
