@@ -1,7 +1,8 @@
 """A fake Kubernetes API server: the list and watch JSON the real API serves, for two resources.
 
 Serves ``GET /api/v1/namespaces/{ns}/pods`` and
-``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools``: a
+``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools`` (or the
+older ``inference.networking.x-k8s.io/v1alpha2`` group, ``pool_api``): a
 list (``{"kind": "PodList", "metadata": {"resourceVersion"}, "items"}``), or with
 ``watch=true`` a stream of newline-delimited ``{"type": "ADDED"|"MODIFIED"|"DELETED",
 "object": {...}}`` events after ``resourceVersion``, as the API documents them
@@ -31,8 +32,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-GROUP_PATH = "/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools"
-KINDS = {"pods": ("v1", "Pod"), "inferencepools": ("inference.networking.k8s.io/v1", "InferencePool")}
+GROUP_PATH = "/apis/{group}/namespaces/{{namespace}}/inferencepools"
+V1 = "inference.networking.k8s.io/v1"
+ALPHA = "inference.networking.x-k8s.io/v1alpha2"  # the older group: a flat selector, targetPortNumber
 
 
 def pod(name: str, ip: str, labels: dict[str, str], phase: str = "Running") -> dict[str, Any]:
@@ -41,6 +43,12 @@ def pod(name: str, ip: str, labels: dict[str, str], phase: str = "Running") -> d
         "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
         "status": {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}]},
     }
+
+
+def alpha_pool(name: str, selector: dict[str, str], port: int) -> dict[str, Any]:
+    """An InferencePool as inference.networking.x-k8s.io/v1alpha2 has it."""
+    spec = {"selector": selector, "targetPortNumber": port, "extensionRef": {"name": "epp"}}
+    return {"metadata": {"name": name, "namespace": "llm"}, "spec": spec}
 
 
 def inference_pool(name: str, selector: dict[str, str], ports: list[int]) -> dict[str, Any]:
@@ -57,8 +65,10 @@ def inference_pool(name: str, selector: dict[str, str], ports: list[int]) -> dic
 class FakeKube:
     """The objects, their resource versions and the open watches."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, pool_api: str = V1) -> None:
         self.token = token
+        self.pool_api = pool_api  # group/version the InferencePools are served under
+        self.kinds = {"pods": ("v1", "Pod"), "inferencepools": (pool_api, "InferencePool")}
         self.version = 1
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"pods": {}, "inferencepools": {}}
         self.watchers: list[tuple[str, asyncio.Queue[dict[str, Any]]]] = []
@@ -114,7 +124,7 @@ class FakeKube:
         store = self.objects[resource]
         kind = "DELETED" if deleted else ("MODIFIED" if name in store else "ADDED")
         obj = store.pop(name, obj) if deleted else obj
-        api_version, kind_name = KINDS[resource]
+        api_version, kind_name = self.kinds[resource]
         obj = {**obj, "apiVersion": api_version, "kind": kind_name}
         obj["metadata"] = {**obj["metadata"], "resourceVersion": str(self.version)}
         if not deleted:
@@ -137,7 +147,8 @@ class FakeKube:
             self.loop = asyncio.get_running_loop()
             yield
 
-        routes = [Route("/api/v1/namespaces/{namespace}/pods", pods), Route(GROUP_PATH, pools)]
+        pool_path = GROUP_PATH.format(group=self.pool_api)
+        routes = [Route("/api/v1/namespaces/{namespace}/pods", pods), Route(pool_path, pools)]
         return Starlette(routes=routes, lifespan=lifespan)
 
     async def _serve(self, request: Request, resource: str) -> Response:
@@ -154,7 +165,7 @@ class FakeKube:
         match = _matcher(request.query_params.get("labelSelector"), request.query_params.get("fieldSelector"))
         items = [o for o in self.objects[resource].values() if match(o)]
         if request.query_params.get("watch") not in ("true", "1"):
-            api_version, kind = KINDS[resource]
+            api_version, kind = self.kinds[resource]
             body = {
                 "apiVersion": api_version,
                 "kind": f"{kind}List",

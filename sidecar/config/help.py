@@ -52,7 +52,7 @@ HELP: dict[str, tuple[str, str]] = {
     "flush_timeout": ("then wait this long for queued releases", "seconds"),
     "vllm_version": ("P's vLLM release (the side-channel wire format); empty: read D's /version", ""),
     "prefill_allow": (
-        "P endpoints releases may reach: CIDR, IP or name, :port or :lo-hi; none if empty",
+        "P endpoints releases may reach: CIDR, IP or name, :port or :lo-hi; if empty, prefill_allow_default",
         "comma-separated list",
     ),
     "prefill_allow_default": (

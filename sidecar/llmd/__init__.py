@@ -1,6 +1,7 @@
 """The drop-in for llm-d's P/D routing sidecar (``kv-release-sidecar pd-sidecar``, docs/llm-d.md).
 
-``flags`` reads llm-d's command line (and its YAML configuration and
+``table`` lists every flag of llm-d's ``pd-sidecar`` with the release it appeared
+in; ``flags`` reads llm-d's command line (and its YAML configuration and
 environment variables) into this project's one ``Config``, refusing what it
 cannot honour; ``command`` runs it; ``ranks`` serves the data-parallel ranks'
 listeners and ``decode_ranks`` holds each rank's client and D state;

@@ -46,8 +46,9 @@ PD_DEFAULTS: dict[str, Any] = {
 }
 _NOT_YAML = ("configuration", "configuration-file", "kubeconfig")
 YAML_KEYS = frozenset(k for k in FLAGS if k not in _NOT_YAML and not k.startswith(("zap-", MORIIO_PREFIX)))
-# Flags serve does not have: their presence marks an llm-d command line.
-LLMD_ONLY = frozenset(FLAGS) - {"port", "tracing"}
+# Flags serve does not have (serve's are its settings' names): their presence marks an llm-d
+# command line. serve's own --data-parallel-size or --pool-group keep serve's meaning.
+LLMD_ONLY = frozenset(FLAGS) - {"tracing"} - {name.replace("_", "-") for name in config_mod.FIELDS}
 USAGE = "usage: kv-release-sidecar pd-sidecar [llm-d routing-sidecar flags] [--config FILE] (docs/llm-d.md)"
 
 

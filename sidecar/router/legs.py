@@ -52,8 +52,8 @@ class Router:
 
     def routes(self, ctx: RequestContext) -> bool:
         """This request takes the router's path: a static P pool, or llm-d's prefiller header
-        (unless ``prefill_leg = skip``: D alone serves it)."""
-        named = ctx.prefiller is not None and self._kit.config.prefill_leg != "skip"
+        (unless ``prefill_leg = skip``, or the header is empty: D alone serves it, as llm-d)."""
+        named = bool(ctx.prefiller and ctx.prefiller.strip()) and self._kit.config.prefill_leg != "skip"
         return bool(self.pool.static) or named
 
     async def route(self, ctx: RequestContext, body: bytes) -> None:

@@ -21,6 +21,8 @@ import yaml
 
 from sidecar.classify import Cause, Outcome
 from sidecar.config import ReleaseStrategy
+from sidecar.config.settings import OffReason
+from sidecar.network.routable import REFUSALS as ADDRESS_REFUSALS
 from sidecar.nixl import REFUSALS
 from sidecar.release.base import Result
 from tests.deploy.manifests import DOCS, ROOT
@@ -37,6 +39,8 @@ ENUM_VALUES: dict[tuple[str, str], set[str]] = {
     ("kvr_not_released", "cause"): {c.value for c in Cause},
     ("kvr_not_released", "outcome"): {o.value for o in Outcome},
     ("kvr_nixl_refused", "reason"): set(REFUSALS),
+    ("kvr_prefill_refused", "reason"): {"not_allowed", *ADDRESS_REFUSALS},
+    ("kvr_releases_enabled", "reason"): {"on", "setting", *(r for r in get_args(OffReason) if r)},
 }
 SEVERITIES = {"critical", "warning", "info"}
 DURATION = re.compile(r"^[0-9]+(ms|s|m|h|d|w|y)$")

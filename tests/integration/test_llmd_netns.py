@@ -177,3 +177,6 @@ def test_the_guides_args_serve_a_p_on_another_pod_and_release_a_rejection() -> N
             assert 'kvr_prefill_refused_total{reason="loopback"} 1.0' in metrics
             assert 'kvr_prefill_refused_total{reason="metadata"} 1.0' in metrics
             assert 'kvr_releases_enabled{reason="on"} 1.0' in metrics
+        logs[2].seek(0)
+        started = logs[2].read().decode()
+        assert started.count("no prefill allowlist") == 1, started[-3000:]  # one warning at start

@@ -22,7 +22,7 @@ from lightkube.config.models import Cluster, User
 from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, Members
 from sidecar.k8s.watch import Watch
-from tests.fake_kube import FakeKube, inference_pool, pod
+from tests.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
 from tests.servers import ServerThread
 
 TOKEN = "t0ken"
@@ -128,3 +128,29 @@ def test_apply_pool_says_when_the_selector_changed(
     assert (members.exists, members.selector) == (exists, selector)
     ports = [p["number"] for p in pool["spec"]["targetPorts"]] if pool else []
     assert members.entries("5600-5663")[0] == ([f"10.0.0.1:{p}" for p in ports] if exists else [])
+
+
+async def test_the_older_alpha_group_is_watched_with_its_own_shape() -> None:
+    """``--pool-group=inference.networking.x-k8s.io`` (KServe's): v1alpha2, a flat selector and
+    ``targetPortNumber``; the watch lists and follows it as it does v1."""
+    fake = FakeKube(TOKEN, pool_api=ALPHA)
+    fake.put("inferencepools", alpha_pool("pool", OLD, PORT))
+    fake.put("pods", pod("p-0", "10.0.0.1", OLD))
+    server = ServerThread(fake.app()).start()
+    kube = KubeConfig.from_one(cluster=Cluster(server=server.url), user=User(token=TOKEN), namespace="llm")
+    config = Config(inference_pool="llm/pool", pool_group="inference.networking.x-k8s.io")
+    prefill, release = LiveAllowlist(()), LiveAllowlist(())
+    watch = Watch(AsyncClient(config=kube, trust_env=False), config, prefill, release)
+    try:
+        await watch.start(5.0)
+        running = Running(fake, watch, prefill, release)
+        assert watch.synced and running.allowed() == {"10.0.0.1"}
+        lists = fake.list_requests("inferencepools")
+        assert lists and all("/inference.networking.x-k8s.io/v1alpha2/" in u for u in lists)
+        fake.put("pods", pod("p-1", "10.0.0.2", OLD))
+        await running.until(lambda: running.allowed() == {"10.0.0.1", "10.0.0.2"})
+        fake.put("inferencepools", alpha_pool("pool", NEW, PORT))
+        await running.until(lambda: running.allowed() == set())
+    finally:
+        await watch.close()
+        server.stop()

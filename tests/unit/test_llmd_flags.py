@@ -286,3 +286,9 @@ def test_llm_d_s_inbound_timeouts_reach_every_rank_s_server() -> None:
         limits = protocol.limits  # type: ignore[union-attr]
         assert (limits.keep_alive, limits.header_timeout) == (300.0, 30.0)
     assert (Config().timeout_keep_alive, Config().client_header_timeout) == (5.0, 10.0)
+
+
+def test_serve_s_own_flags_that_llm_d_shares_keep_serve_s_meaning() -> None:
+    assert not recognises(["--data-parallel-size=2", "--pool-group", "inference.networking.k8s.io"])
+    assert not recognises(["--prefill-max-retries=1", "--tls-min-version", "1.3", "--inference-pool=a/b"])
+    assert recognises(["--data-parallel-size=2", "--model-server-port=8200"])
