@@ -59,8 +59,7 @@ async def running() -> AsyncIterator[Running]:
     prefill, release = LiveAllowlist(()), LiveAllowlist(())
     watch = Watch(AsyncClient(config=kube, trust_env=False), config, prefill, release)
     try:
-        watch.start()
-        await watch.first_list(5.0)
+        await watch.start(5.0)
         assert watch.synced
         yield Running(fake, watch, prefill, release)
     finally:
