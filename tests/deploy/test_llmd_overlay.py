@@ -4,7 +4,8 @@ The fixtures (tests/deploy/fixtures/llm-d) are llm-d's guides as their users
 render them, each file headed by the upstream commit and path it came from:
 the decode Deployment of the P/D recipe, and the guide's DisaggregatedSet (a
 custom resource) in its two revisions (``--secure-serving=false``, and the
-deprecated ``--secure-proxy=false``). Each is rendered the way a user adds this
+deprecated ``--secure-proxy=false``); and KServe's LLMInferenceService decode
+template (an excerpt: its routing sidecar). Each is rendered the way a user adds this
 project to a guide: a kustomization holding the guide's render and the
 ``deploy/llm-d`` component (plus ``deploy/llm-d/ssrf-protection`` for SSRF
 protection).
@@ -179,3 +180,18 @@ def test_the_helm_values_set_only_the_routing_sidecars_image() -> None:
     values = yaml.safe_load((COMPONENT / "llm-d-modelservice-values.yaml").read_text())
     assert values == {"routing": {"proxy": {"image": values["routing"]["proxy"]["image"]}}}
     assert SIDECAR_IMAGE in values["routing"]["proxy"]["image"]
+
+
+def test_kserves_decode_template_gets_the_image_and_its_args_load(tmp_path: Path) -> None:
+    # KServe's LLMInferenceServiceConfig (a custom resource): the component's images reach its
+    # init container, and its older flags load with the pool KServe's controller names by env
+    # (INFERENCE_POOL_NAME, added when the service has a router; the namespace from the manifest).
+    [before], [after] = build(FIXTURES / "kserve"), render(tmp_path, "kserve", COMPONENT)
+    [old], [new] = before["spec"]["template"]["initContainers"], after["spec"]["template"]["initContainers"]
+    assert old["image"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.2.0" and SIDECAR_IMAGE in new["image"]
+    assert {k: v for k, v in new.items() if k != "image"} == {k: v for k, v in old.items() if k != "image"}
+    config, _ = load(new["args"], {"INFERENCE_POOL_NAMESPACE": "llm", "INFERENCE_POOL_NAME": "pool"})
+    assert config.tls and config.tls_cert_dir == "/etc/ssl/certs"
+    assert config.decode_url == "https://localhost:8001" and config.decode_tls_insecure
+    assert config.prefill_tls and config.prefill_tls_insecure
+    assert config.inference_pool == "llm/pool" and config.release == "nixl"
