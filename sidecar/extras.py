@@ -7,13 +7,18 @@ The rest is optional: ``nixl`` (NIXL, numpy and ZMQ: ``--release nixl`` and
 InferencePool watch, cryptography for a self-signed serving certificate, pyyaml
 for llm-d's ``--configuration`` YAML). A command that needs a missing extra stops
 with exit code 2 and ``MissingExtra``'s one line, naming the extra and how to
-install it, instead of an ``ImportError`` traceback.
+install it, instead of an ``ImportError`` traceback. In the image, where nobody
+runs pip, the way to install it is the Dockerfile's ``EXTRAS`` build argument:
+the image's build writes the extras it was built with to ``IMAGE_MARKER`` in
+its virtual environment, and the line then names the build argument.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 # Each extra: the modules that show it is installed (alternatives separated by "|").
 MODULES: dict[str, tuple[str, ...]] = {
@@ -29,6 +34,30 @@ HINTS: dict[str, str] = {
     "otel": 'pip install "<checkout>[otel]"',
     "llm-d": 'pip install "<checkout>[llm-d]"',
 }
+# Written by the Dockerfile's build into the image's virtual environment (sys.prefix): the
+# EXTRAS build argument the image was built with, separated by spaces.
+IMAGE_MARKER = "kv-release-sidecar-extras"
+
+
+def image_extras(prefix: str | None = None) -> list[str] | None:
+    """The extras this image was built with, or None outside the image (no marker)."""
+    try:
+        return (Path(prefix or sys.prefix) / IMAGE_MARKER).read_text().split()
+    except OSError:
+        return None
+
+
+def hint(extra: str, prefix: str | None = None) -> str:
+    """How to get ``extra``: the image's build argument in the image, pip (or README.md) elsewhere."""
+    built = image_extras(prefix)
+    if built is None:
+        return HINTS[extra]
+    if extra == "loadtest":
+        return "it is in the loadtest image: docker build --target loadtest ."
+    if "loadtest" in built:  # the loadtest image: its stage takes no EXTRAS
+        return "it is in the sidecar image: docker build ."
+    wanted = " ".join(dict.fromkeys([*built, extra]))
+    return f'rebuild the image with --build-arg EXTRAS="{wanted}"'
 
 
 class MissingExtra(Exception):
@@ -37,7 +66,7 @@ class MissingExtra(Exception):
     def __init__(self, what: str, extra: str, module: str) -> None:
         self.what, self.extra, self.module = what, extra, module
         super().__init__(
-            f"{what} needs the {extra} extra, which is not installed (no module {module}): {HINTS[extra]}"
+            f"{what} needs the {extra} extra, which is not installed (no module {module}): {hint(extra)}"
         )
 
 

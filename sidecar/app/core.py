@@ -7,10 +7,18 @@ whole process: the judge reads it, the strategies ask it for D's release,
 ``/readyz`` for D's health), the release strategy and its pipeline, the proxy
 (and router mode on its kit), then the data-parallel ranks. The admin app is
 ``sidecar.app.admin``.
+
+With an InferencePool to watch, start-up does not wait for its first list: the
+proxy port serves at once and answers every request 503 until the pool and its
+pods are listed, or ``FIRST_SYNC_SECONDS`` have passed (then a prefiller the
+lists do not hold is refused, as before); ``/readyz`` says when they came. A
+port that accepted connections and answered none would hold a gateway's
+requests for those seconds, and a SIGTERM in them would wait for the lists.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -21,14 +29,17 @@ from sidecar.app.runtime import Deps, Runtime
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
 from sidecar.decode.state import DecodeState
-from sidecar.k8s import watched_allowlists
+from sidecar.k8s import FIRST_SYNC_SECONDS, watched_allowlists
 from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
+from sidecar.proxy.answers import send_error
+from sidecar.proxy.headers import request_headers
 from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.kit import Kit, Routed
+from sidecar.proxy.llmd_answers import send_plain
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
@@ -43,6 +54,13 @@ from sidecar.upstream import Client, Upstream
 
 log = logging.getLogger("sidecar.app")
 
+NOT_STARTED = "the sidecar is starting: its InferencePool is not listed yet; retry shortly"
+NOT_STARTED_LLMD = (
+    b'{"object":"error","message":"'
+    + NOT_STARTED.encode()
+    + b'","type":"ServiceUnavailable","param":"","code":503}'
+)
+
 
 class ProxyApp:
     """The ASGI app on the proxy port: lifespan plus the catch-all proxy."""
@@ -54,9 +72,13 @@ class ProxyApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            assert self.runtime is not None, "lifespan did not run"
+            runtime = self.runtime
+            assert runtime is not None, "lifespan did not run"
+            if runtime.starting is not None and not runtime.starting.done():
+                await self._not_started(scope, send)
+                return
             rank = scope.get(RANK, 0)
-            await (self.runtime.ranks[rank - 1].proxy if rank else self.runtime.proxy)(scope, receive, send)
+            await (runtime.ranks[rank - 1].proxy if rank else runtime.proxy)(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         else:  # websocket: vLLM serves none on these routes
@@ -78,6 +100,14 @@ class ProxyApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    async def _not_started(self, scope: Scope, send: Send) -> None:
+        """503 while the InferencePool is first listed, in the answers' shape (the body unread)."""
+        request_id = request_headers(scope["headers"])[1]
+        if self.config.answers == "llm-d":  # llm-d's flat error shape, sent as Go sends an untyped body
+            await send_plain(send, 503, NOT_STARTED_LLMD, request_id, sniffed=True)
+        else:
+            await send_error(send, 503, NOT_STARTED, request_id)
+
     async def startup(self) -> Runtime:
         config, deps = self.config, self.deps
         tracing = deps.tracing or build_tracing(config)
@@ -97,7 +127,7 @@ class ProxyApp:
             kv_connector=config.decode_kv_connector,
         )
         await decode.start()
-        lists = await watched_allowlists(config)  # NIXL targets, router mode's P: static or watched
+        lists = watched_allowlists(config)  # NIXL targets, router mode's P: static or watched
         releaser = deps.releaser or make_releaser(
             config, decode.decode_version, metrics.registry, tracing, lists.release
         )
@@ -122,6 +152,8 @@ class ProxyApp:
             config, metrics, upstream, decode, probes, releaser, pipeline, inflight, proxy, tracing
         )
         self.runtime.pool_watch, self.runtime.ranks = lists.watch, ranks
+        if lists.watch is not None:  # served at once, 503 until the first lists (module docstring)
+            self.runtime.starting = asyncio.create_task(lists.watch.first_list(FIRST_SYNC_SECONDS))
         _started(config, releaser.frees)
         return self.runtime
 

@@ -62,6 +62,7 @@ class Runtime:
     draining: bool = False
     ranks: list[Rank] = field(default_factory=list)  # data-parallel ranks 1..N-1 (0 is ``proxy``)
     pool_watch: PoolWatch | None = None  # the InferencePool's pods, when inference_pool is set
+    starting: asyncio.Task[None] | None = None  # the wait for the pool's first lists (503 until done)
 
     def drain(self) -> None:
         """SIGTERM: readiness off; D, in this pod, is terminating too."""
@@ -83,6 +84,9 @@ class Runtime:
         return ok, checks
 
     async def close(self) -> None:
+        if self.starting is not None:
+            self.starting.cancel()
+            await asyncio.gather(self.starting, return_exceptions=True)
         if self.pool_watch is not None:
             await self.pool_watch.close()
         await asyncio.gather(*(r.close() for r in self.ranks))

@@ -48,7 +48,7 @@ async def check_release(ctx: Context) -> list[Finding]:
     if module is None:
         return [ok("release", f"{what}; NIXL is importable")]
     detail = f"{what}, but the nixl extra is not installed (no module {module})"
-    return [fail("release", detail, extras.HINTS["nixl"] + ", or use --release http or dry-run")]
+    return [fail("release", detail, extras.hint("nixl") + ", or use --release http or dry-run")]
 
 
 async def check_retries(ctx: Context) -> list[Finding]:
@@ -111,7 +111,7 @@ OPEN_DETAIL = (
 )
 OPEN_FIX = (
     "run with --enable-ssrf-protection and --inference-pool (or INFERENCE_POOL) to admit only the pool's "
-    "pods (RBAC: deploy/llm-d/rbac.yaml), or set prefill_allow to P's pod network"
+    "pods (RBAC: deploy/llm-d/ssrf-protection/), or set prefill_allow to P's pod network"
 )
 _ENTRY_FORM = "write a CIDR, an IP or a host name, each with an optional :port or :lo-hi"
 LOOPBACK_FIX = (

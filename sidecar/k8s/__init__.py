@@ -21,7 +21,8 @@ from sidecar.k8s.members import LiveAllowlist, PoolWatch
 from sidecar.network.allowlist import Allowlist
 from sidecar.network.routable import RoutableAllowlist
 
-# Start-up waits this long for the first list of the pool and its pods; /readyz says when it came.
+# The serving port answers 503 for at most this long while the pool and its pods are first listed
+# (the app's ``starting``); /readyz says when the lists came.
 FIRST_SYNC_SECONDS = 10.0
 
 __all__ = ["Allowlists", "LiveAllowlist", "PoolWatch", "static_allowlist", "watched_allowlists"]
@@ -34,15 +35,16 @@ class Allowlists:
     watch: PoolWatch | None = None
 
 
-async def watched_allowlists(config: Config) -> Allowlists:
-    """Static lists (one object for both), or live ones kept by a started ``PoolWatch``."""
+def watched_allowlists(config: Config) -> Allowlists:
+    """Static lists (one object for both), or live ones kept by a started ``PoolWatch``, whose
+    first lists are still to come (``PoolWatch.first_list``)."""
     if not config.inference_pool:
         static = static_allowlist(config)
         return Allowlists(static, static)
     from sidecar.k8s.watch import start_pool_watch  # needs the llm-d extra (lightkube)
 
     prefill, release = LiveAllowlist(config.prefill_allow), LiveAllowlist(config.prefill_allow)
-    watch = await start_pool_watch(config, prefill, release, FIRST_SYNC_SECONDS)
+    watch = start_pool_watch(config, prefill, release)
     return Allowlists(prefill, release, watch)
 
 

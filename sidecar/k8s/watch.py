@@ -63,8 +63,17 @@ class Watch:
         """The pool, and the pods it selects, were listed at least once."""
         return self._pool_synced and (self._pods_synced or not self.members.exists)
 
-    async def start(self, wait: float) -> None:
+    def launch(self) -> None:
+        """List, then watch, on a task of its own; ``first_list`` waits for the first lists."""
         self._task = asyncio.create_task(self._loop("pool", self._pool_round))
+
+    async def start(self, wait: float) -> None:
+        """``launch``, then wait up to ``wait`` seconds for the first lists."""
+        self.launch()
+        await self.first_list(wait)
+
+    async def first_list(self, wait: float) -> None:
+        """Wait up to ``wait`` seconds for the pool, and the pods it selects, to be listed."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._first.wait(), wait)
         if not self.synced:
@@ -156,12 +165,10 @@ def _plain(obj: Any) -> dict[str, Any]:
     return data
 
 
-async def start_pool_watch(
-    config: Config, prefill: LiveAllowlist, release: LiveAllowlist, wait: float
-) -> Watch:
-    """A watch with in-cluster auth, started; waits up to ``wait`` seconds for the first lists."""
+def start_pool_watch(config: Config, prefill: LiveAllowlist, release: LiveAllowlist) -> Watch:
+    """A watch with in-cluster auth, started (its first lists are not waited for here)."""
     kube = KubeConfig.from_service_account(service_account=config.kube_service_account)
     client = AsyncClient(config=kube, namespace=config.inference_pool.split("/")[0], trust_env=False)
     watch = Watch(client, config, prefill, release)
-    await watch.start(wait)
+    watch.launch()
     return watch

@@ -1,15 +1,23 @@
 """A small, offline subset of ``kustomize build``, enough for the overlays in deploy/.
 
 Supported kustomization keys: ``resources`` (files, or directories holding a
-kustomization), ``namespace``, ``labels`` (``pairs``, ``includeSelectors``,
+kustomization), ``components`` (directories holding a ``kind: Component``
+kustomization, built on top of the resources accumulated so far),
+``namespace``, ``labels`` (``pairs``, ``includeSelectors``,
 ``includeTemplates``; the deprecated ``commonLabels`` is refused), ``configMapGenerator``
 (``files`` and ``literals``, name hash suffix as kustomize computes it, and
-the references in pod specs rewritten) and ``patches`` (strategic merge
-patches from ``path`` or ``patch``, matched by kind and name). Anything else,
-a JSON6902 patch or a ``$patch`` directive, raises ``Unsupported``: a
+the references in pod specs rewritten), ``patches`` (strategic merge
+patches from ``path`` or ``patch``, matched by kind and name; JSON6902
+``add``/``replace``/``remove`` lists with a ``target`` of kind and name) and ``images``
+(``name`` to ``newName``/``newTag``/``digest`` in every ``containers`` and
+``initContainers`` list at any depth of any kind, as kustomize's image
+transformer does without field specs, so a custom resource's pod templates are
+reached too). Anything else, a
+``$patch`` directive or another JSON6902 operation, raises ``Unsupported``: a
 manifest that needs more than this subset fails the tests instead of
 rendering differently from kustomize. Transformers run in kustomize's order:
-patches, namespace, labels; generated names get their hash suffix last.
+components first (each with its own resources and transformers), then patches,
+namespace, labels, images; generated names get their hash suffix last.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ SUPPORTED_KEYS = {
     "labels",
     "configMapGenerator",
     "patches",
+    "components",
+    "images",
 }
+COMPONENT_KIND = "Component"
 CLUSTER_SCOPED = {
     "Namespace",
     "ClusterRole",
@@ -78,6 +89,8 @@ LABEL_FIELDS = [
     ("NetworkPolicy", ("spec", "egress", "[]", "to", "[]", "podSelector", "matchLabels"), False, "selector"),
 ]
 LABEL_KEYS = {"pairs", "includeSelectors", "includeTemplates"}
+IMAGE_KEYS = {"name", "newName", "newTag", "digest"}
+CONTAINER_LISTS = ("containers", "initContainers")
 
 
 class Unsupported(Exception):
@@ -86,14 +99,30 @@ class Unsupported(Exception):
 
 def build(directory: Path) -> list[Resource]:
     """Render the kustomization in ``directory`` like ``kustomize build``."""
+    spec = _kustomization(directory)
+    if spec.get("kind") == COMPONENT_KIND:
+        raise Unsupported(f"{directory}: a Component is built only from a kustomization's components")
+    return _build(directory, spec, [])
+
+
+def _kustomization(directory: Path) -> dict[str, Any]:
     spec = yaml.safe_load((directory / KUSTOMIZATION).read_text()) or {}
     unknown = set(spec) - SUPPORTED_KEYS
     if unknown:
         raise Unsupported(f"{directory}: kustomization keys {sorted(unknown)}")
-    resources: list[Resource] = []
+    return dict(spec)
+
+
+def _build(directory: Path, spec: dict[str, Any], resources: list[Resource]) -> list[Resource]:
+    """Add ``spec``'s resources to ``resources`` (a component's input), then run its transformers."""
     for entry in spec.get("resources", []):
         path = directory / entry
         resources.extend(build(path) if path.is_dir() else load_documents(path))
+    for entry in spec.get("components", []):
+        component = _kustomization(directory / entry)
+        if component.get("kind") != COMPONENT_KIND:
+            raise Unsupported(f"{directory / entry}: components must be kind {COMPONENT_KIND}")
+        resources = _build(directory / entry, component, resources)
     generated = [_generate(directory, item) for item in spec.get("configMapGenerator", [])]
     resources.extend(generated)
     _check_unique(resources)
@@ -110,9 +139,51 @@ def build(directory: Path) -> list[Resource]:
         templates = selectors or bool(entry.get("includeTemplates", False))  # selectors imply templates
         for resource in resources:
             add_labels(resource, entry.get("pairs", {}), selectors=selectors, templates=templates)
+    for image in spec.get("images", []):
+        if set(image) - IMAGE_KEYS or "name" not in image:
+            raise Unsupported(f"images fields {sorted(image)}")
+        for resource in resources:
+            set_image(resource, image)
     for config_map in generated:
         _add_hash_suffix(config_map, resources)
     return resources
+
+
+def split_image(image: str) -> tuple[str, str, str]:
+    """``name``, ``tag`` and ``digest`` of an image reference (a registry port is not a tag)."""
+    name, _, digest = image.partition("@")
+    head, colon, tag = name.rpartition(":")
+    if colon and "/" not in tag:
+        return head, tag, digest
+    return name, "", digest
+
+
+def set_image(node: Any, image: dict[str, str]) -> None:
+    """One ``images`` entry on every container list at any depth of ``node``."""
+    if isinstance(node, list):
+        for item in node:
+            set_image(item, image)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in CONTAINER_LISTS and isinstance(value, list):
+            for container in value:
+                if isinstance(container, dict) and isinstance(container.get("image"), str):
+                    container["image"] = _new_image(container["image"], image)
+        set_image(value, image)
+
+
+def _new_image(current: str, image: dict[str, str]) -> str:
+    name, tag, digest = split_image(current)
+    if name != image["name"]:
+        return current
+    name = image.get("newName", name)
+    if "digest" in image:
+        return f"{name}@{image['digest']}"
+    if "newTag" in image:
+        tag, digest = image["newTag"], ""
+    return name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
 def _check_unique(resources: list[Resource]) -> None:
@@ -226,25 +297,65 @@ def _rename_config_map_refs(pod: Resource, old: str, new: str) -> None:
             ref["name"] = new
 
 
-def _patch_document(directory: Path, entry: dict[str, Any]) -> Resource:
+def _patch_document(directory: Path, entry: dict[str, Any]) -> Resource | list[dict[str, Any]]:
     if set(entry) - {"path", "patch", "target"}:
         raise Unsupported(f"patch fields {sorted(entry)}")
     text = (directory / entry["path"]).read_text() if "path" in entry else entry["patch"]
     document = yaml.safe_load(text)
     if isinstance(document, list):
-        raise Unsupported("JSON6902 patches")
+        if not entry.get("target"):
+            raise Unsupported("a JSON6902 patch without a target")
+        return document
     return dict(document)
 
 
-def _apply_patch(resources: list[Resource], patch: Resource, target: dict[str, str] | None) -> None:
-    kind = (target or {}).get("kind") or patch["kind"]
-    name = (target or {}).get("name") or patch["metadata"]["name"]
+def _apply_patch(
+    resources: list[Resource], patch: Resource | list[dict[str, Any]], target: dict[str, str] | None
+) -> None:
+    if target and set(target) - {"kind", "name"}:
+        raise Unsupported(f"patch target fields {sorted(target)}")
+    if isinstance(patch, list):
+        assert target is not None  # _patch_document refuses a JSON6902 patch without one
+        kind, name = target.get("kind"), target.get("name")
+    else:
+        kind = (target or {}).get("kind") or patch["kind"]
+        name = (target or {}).get("name") or patch["metadata"]["name"]
     matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
-    if not matches:
-        raise Unsupported(f"patch target {kind}/{name} not found")
+    if not matches and not target:
+        raise Unsupported(f"patch target {kind}/{name} not found")  # a target selecting nothing is a no-op
     for resource in matches:
-        body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind", "metadata")}
-        resource.update(strategic_merge(resource, body))
+        if isinstance(patch, list):
+            for operation in patch:
+                json_patch(resource, operation)
+        else:
+            body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind", "metadata")}
+            resource.update(strategic_merge(resource, body))
+
+
+def json_patch(resource: Resource, operation: dict[str, Any]) -> None:
+    """One RFC 6902 ``add``, ``replace`` or ``remove`` (``-`` appends to a list)."""
+    op, path = operation.get("op"), operation.get("path", "")
+    if op not in ("add", "replace", "remove") or not path.startswith("/"):
+        raise Unsupported(f"JSON6902 operation {operation}")
+    steps = [step.replace("~1", "/").replace("~0", "~") for step in path[1:].split("/")]
+    parent: Any = resource
+    for step in steps[:-1]:
+        parent = parent[int(step)] if isinstance(parent, list) else parent[step]
+    last = steps[-1]
+    if isinstance(parent, list):
+        index = len(parent) if last == "-" else int(last)
+        if op == "add":
+            parent.insert(index, copy.deepcopy(operation["value"]))
+        elif op == "replace":
+            parent[index] = copy.deepcopy(operation["value"])
+        else:
+            del parent[index]
+    elif op == "remove":
+        del parent[last]
+    else:
+        if op == "replace" and last not in parent:
+            raise Unsupported(f"JSON6902 replace of a missing {path}")
+        parent[last] = copy.deepcopy(operation["value"])
 
 
 def _walk(node: Any, path: tuple[str, ...], create: bool) -> list[dict[str, Any]]:

@@ -184,8 +184,19 @@ def _stage(name: str) -> list[tuple[str, str]]:
 
 
 def _synced_extras(stage: list[tuple[str, str]]) -> set[str]:
+    """The extras the stage's uv sync installs; ``$EXTRAS`` stands for the build argument's words."""
     runs = " ".join(rest for name, rest in stage if name == "RUN" and "uv sync" in rest)
-    return set(re.findall(r'--extra "?([a-z$][\w-]*)', runs))
+    named = set(re.findall(r'--extra "?([a-z][\w-]*)', runs))
+    if "$(printf -- '--extra %s ' $EXTRAS)" in runs:
+        named |= set(_build_arg(stage, "EXTRAS").split())
+    return named
+
+
+def _build_arg(stage: list[tuple[str, str]], name: str) -> str:
+    (default,) = [
+        rest.split("=", 1)[1] for kind, rest in stage if kind == "ARG" and rest.startswith(f"{name}=")
+    ]
+    return str(json.loads(default))
 
 
 def test_sidecar_image_has_nixl_and_no_load_generator() -> None:
@@ -193,10 +204,50 @@ def test_sidecar_image_has_nixl_and_no_load_generator() -> None:
         "the default target is the sidecar"
     )
     build = _stage("build")
-    # llm-d: the drop-in for llm-d's routing sidecar; $EXTRAS: the optional otel build argument
-    assert _synced_extras(build) == {"nixl", "llm-d", "$EXTRAS"}
+    # llm-d: the drop-in for llm-d's routing sidecar; otel: llm-d's --tracing. Both syncs take them.
+    assert _synced_extras(build) == {"nixl", "llm-d", "otel"}
+    syncs = [rest for name, rest in build if name == "RUN" and "uv sync" in rest]
+    assert len(syncs) == 2 and all("$EXTRAS" in rest for rest in syncs)
     checks = " ".join(rest for name, rest in build if name == "RUN")
     assert "'matplotlib', 'aiohttp'" in checks, "the build fails if the plotting stack slips in"
+
+
+def test_the_image_leaves_out_nixls_torch_extension() -> None:
+    # nixl_ep_cu12 comes inside nixl-cu12's own wheel (no extra or lock entry to drop), so the
+    # build stage deletes it and fails if it is still importable.
+    build = _stage("build")
+    runs = [" ".join(rest.split()) for name, rest in build if name == "RUN"]
+    site = "/opt/venv/lib/python3.11/site-packages"
+    assert any(f"rm -rf {site}/nixl_ep_cu12 " in run for run in runs)
+    assert any(f"{site}/nixl_cu12-*.dist-info/RECORD" in run and "/^nixl_ep_cu12\\//d" in run for run in runs)
+    assert any("'nixl_ep_cu12'" in run and "find_spec" in run for run in runs)
+    assert base_image(build).startswith("python:3.11"), "the site-packages path names the base's Python"
+    removal = next(i for i, run in enumerate(runs) if "rm -rf" in run)
+    assert removal > max(i for i, run in enumerate(runs) if "uv sync" in run), "after the last sync"
+
+
+def test_nixl_ep_is_in_the_locked_nixl_wheel() -> None:
+    # What the removal above targets: the files nixl-cu12's wheel installs (its RECORD).
+    from importlib import metadata
+
+    try:
+        files = metadata.files("nixl-cu12") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("nixl-cu12 is not installed here")
+    tops = {file.parts[0] for file in files}
+    assert "nixl_ep_cu12" in tops and "nixl_cu12" in tops
+    imports = " ".join(
+        file.read_text() for file in files if file.parts[0] == "nixl_cu12" and file.suffix == ".py"
+    )
+    assert "nixl_ep" not in imports  # the NIXL API the sidecar uses never imports it
+
+
+def test_the_image_records_its_extras_where_the_error_reads_them() -> None:
+    from sidecar.extras import IMAGE_MARKER
+
+    for stage, written in (("build", '"$EXTRAS"'), ("build-loadtest", "loadtest")):
+        runs = " ".join(rest for name, rest in _stage(stage) if name == "RUN")
+        assert f"echo {written} > /opt/venv/{IMAGE_MARKER}" in runs, stage
 
 
 def test_loadtest_target_is_core_plus_the_loadtest_extra() -> None:

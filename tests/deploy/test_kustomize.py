@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.kustomize import Unsupported, add_labels, build, config_map_hash, strategic_merge
+from tests.deploy.kustomize import (
+    Unsupported,
+    add_labels,
+    build,
+    config_map_hash,
+    set_image,
+    strategic_merge,
+)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +179,12 @@ def test_patch_by_kind_and_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "kustomization",
     [
-        "resources: [deployment.yaml]\nimages: [{name: web, newTag: '2'}]\n",  # unsupported key
+        "resources: [deployment.yaml]\nreplicas: [{name: web, count: 2}]\n",  # unsupported key
+        "resources: [deployment.yaml]\nimages: [{name: web, newTagg: '2'}]\n",  # unknown images field
+        "resources: [deployment.yaml]\ncomponents: [.]\n",  # a Kustomization is not a component
+        "resources: [deployment.yaml]\npatches:\n  - patch: '[{op: move, from: /a, path: /b}]'\n"
+        "    target: {kind: Deployment, name: web}\n",  # a JSON6902 operation outside the subset
+        "resources: [deployment.yaml]\npatches:\n  - patch: '[{op: add, path: /a, value: 1}]'\n",  # no target
         "resources: [deployment.yaml]\npatches:\n  - path: missing-target.yaml\n",
         "resources: [deployment.yaml, deployment.yaml]\n",  # the same resource twice
     ],
@@ -188,3 +200,91 @@ def test_what_the_subset_cannot_render_fails(tmp_path: Path, kustomization: str)
     )
     with pytest.raises(Unsupported):
         build(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("image", "entry", "expected"),
+    [
+        ("web", {"name": "web", "newTag": "2"}, "web:2"),
+        ("web:1", {"name": "web", "newName": "r.io/w"}, "r.io/w:1"),
+        ("r.io:5000/web:1", {"name": "r.io:5000/web", "newTag": "2"}, "r.io:5000/web:2"),  # a port, not a tag
+        ("r.io:5000/web", {"name": "r.io:5000/web", "newName": "x"}, "x"),
+        ("web:1@sha256:aa", {"name": "web", "digest": "sha256:bb"}, "web@sha256:bb"),
+        ("web:1", {"name": "we", "newTag": "2"}, "web:1"),  # names match whole
+        ("other/web:1", {"name": "web", "newTag": "2"}, "other/web:1"),
+    ],
+)
+def test_images_match_the_name_and_change_name_tag_or_digest(
+    image: str, entry: dict[str, str], expected: str
+) -> None:
+    resource = {"kind": "Pod", "spec": {"containers": [{"name": "c", "image": image}]}}
+    set_image(resource, entry)
+    assert resource["spec"]["containers"][0]["image"] == expected
+
+
+def test_images_reach_container_lists_at_any_depth_of_any_kind() -> None:
+    custom = {
+        "kind": "Anything",
+        "spec": {
+            "roles": [
+                {"template": {"spec": {"initContainers": [{"name": "a", "image": "web:1"}]}}},
+                {"template": {"spec": {"containers": [{"name": "b", "image": "web:1"}]}}},
+            ],
+            "image": "web:1",  # not inside a container list: left alone
+        },
+    }
+    set_image(custom, {"name": "web", "newTag": "2"})
+    roles = custom["spec"]["roles"]
+    assert roles[0]["template"]["spec"]["initContainers"][0]["image"] == "web:2"
+    assert roles[1]["template"]["spec"]["containers"][0]["image"] == "web:2"
+    assert custom["spec"]["image"] == "web:1"
+
+
+def test_components_run_on_the_resources_before_the_kustomizations_own_transformers(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "kustomization.yaml": (
+                "resources: [deployment.yaml]\ncomponents: [tag]\n"
+                "patches:\n  - path: sidecar.yaml\n"  # adds a container after the component ran
+            ),
+            "deployment.yaml": DEPLOYMENT,
+            "sidecar.yaml": (
+                "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web}\n"
+                "spec: {template: {spec: {containers: [{name: side, image: web:1}]}}}\n"
+            ),
+            "tag/kustomization.yaml": (
+                "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\n"
+                "resources: [role.yaml]\nimages: [{name: web, newTag: '2'}]\n"
+            ),
+            "tag/role.yaml": "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: r}\n",
+        },
+    )
+    resources = build(tmp_path)
+    assert [r["kind"] for r in resources] == ["Deployment", "Role"]
+    containers = resources[0]["spec"]["template"]["spec"]["containers"]
+    assert [c["image"] for c in containers] == ["web:2", "web:1"]  # as kustomize: the component ran first
+    with pytest.raises(Unsupported, match="Component"):
+        build(tmp_path / "tag")  # a component is not built alone
+
+
+def test_json6902_add_replace_remove_and_a_target_selecting_nothing(tmp_path: Path) -> None:
+    ops = (
+        "[{op: replace, path: /spec/template/spec/containers/0/image, value: web:3},"
+        " {op: add, path: /spec/template/spec/containers/-, value: {name: x, image: x:1}},"
+        " {op: remove, path: /spec/template/spec/volumes}]"
+    )
+    _write(
+        tmp_path,
+        {
+            "kustomization.yaml": (
+                "resources: [deployment.yaml]\npatches:\n"
+                f"  - patch: '{ops}'\n    target: {{kind: Deployment, name: web}}\n"
+                f"  - patch: '{ops}'\n    target: {{kind: Deployment, name: other}}\n"
+            ),
+            "deployment.yaml": DEPLOYMENT,
+        },
+    )
+    pod = build(tmp_path)[0]["spec"]["template"]["spec"]
+    assert [c["image"] for c in pod["containers"]] == ["web:3", "x:1"]
+    assert "volumes" not in pod

@@ -1,62 +1,197 @@
-"""deploy/llm-d renders, validates strictly, and changes only what the drop-in needs.
+"""deploy/llm-d swaps the routing sidecar's image in llm-d's own manifests and changes nothing else.
 
-The overlay patches llm-d's decode Deployment (``decode.yaml`` stands for it):
-the routing sidecar's image becomes this one, with llm-d's args unchanged, and
-those args load as ``pd-sidecar`` settings with releases on and no Secret anywhere.
+The fixtures (tests/deploy/fixtures/llm-d) are llm-d's guides as their users
+render them, each file headed by the upstream commit and path it came from:
+the decode Deployment of the P/D recipe, and the guide's DisaggregatedSet (a
+custom resource) in its two revisions (``--secure-serving=false``, and the
+deprecated ``--secure-proxy=false``); and KServe's LLMInferenceService decode
+template (an excerpt: its routing sidecar). Each is rendered the way a user adds this
+project to a guide: a kustomization holding the guide's render and the
+``deploy/llm-d`` component (plus ``deploy/llm-d/ssrf-protection`` for SSRF
+protection).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import kubernetes_validate
 import pytest
+import yaml
 
 from sidecar.llmd.command import load, recognises
-from tests.deploy.kustomize import build, load_documents
-from tests.deploy.manifests import DEPLOY, SIDECAR_IMAGE
+from tests.deploy.kustomize import Resource, build
+from tests.deploy.manifests import DEPLOY, ROOT, SIDECAR_IMAGE
 from tests.deploy.test_schemas import KUBERNETES_VERSIONS, validate
 
-OVERLAY = DEPLOY / "llm-d"
+COMPONENT = DEPLOY / "llm-d"
+SSRF_PROTECTION = COMPONENT / "ssrf-protection"
+FIXTURES = ROOT / "tests" / "deploy" / "fixtures" / "llm-d"
+SHAPES = ("deployment", "disaggregatedset", "disaggregatedset-secure-proxy")
+UPSTREAM_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.8.0"  # the guides' routing-sidecar component
+GUIDES_ACCOUNT = "pd-disagg-vllm"
+SIDECAR = "routing-proxy"
 
 
-def _decode(resources: list[dict]) -> dict:  # type: ignore[type-arg]
-    [deployment] = [r for r in resources if r["kind"] == "Deployment"]
-    return deployment
+def render(tmp_path: Path, shape: str, *components: Path) -> list[Resource]:
+    """The user's kustomization: the guide's render, then this project's components."""
+    lines = ["resources:", f"  - {FIXTURES / shape}", "components:"]
+    lines += [f"  - {component}" for component in components]
+    (tmp_path / "kustomization.yaml").write_text("\n".join(lines) + "\n")
+    return build(tmp_path)
+
+
+def pod_specs(node: Any) -> Iterator[dict[str, Any]]:
+    """Every pod spec (a map holding ``containers``) at any depth: a Deployment's, a custom resource's."""
+    if isinstance(node, dict):
+        if isinstance(node.get("containers"), list):
+            yield node
+        for value in node.values():
+            yield from pod_specs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from pod_specs(item)
+
+
+def sidecars(resources: list[Resource]) -> list[dict[str, Any]]:
+    return [
+        c
+        for r in resources
+        for pod in pod_specs(r)
+        for c in pod.get("initContainers", [])
+        if c["name"] == SIDECAR
+    ]
+
+
+def decode_pods(resources: list[Resource]) -> list[dict[str, Any]]:
+    return [
+        pod
+        for r in resources
+        for pod in pod_specs(r)
+        if any(c["name"] == SIDECAR for c in pod.get("initContainers", []))
+    ]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_component_swaps_the_image_and_nothing_else(tmp_path: Path, shape: str) -> None:
+    before = build(FIXTURES / shape)
+    after = render(tmp_path, shape, COMPONENT)
+    [old], [new] = sidecars(before), sidecars(after)
+    assert old["image"] == UPSTREAM_IMAGE
+    assert SIDECAR_IMAGE in new["image"]
+    assert new["restartPolicy"] == "Always"  # still llm-d's native sidecar (an init container)
+    assert new["ports"] == [{"containerPort": 8000, "name": "sidecar", "protocol": "TCP"}]
+    assert new.get("command") is None  # the image's entry point reads llm-d's args
+    restored = copy.deepcopy(after)
+    for container in sidecars(restored):
+        container["image"] = UPSTREAM_IMAGE
+    assert restored == before  # args, ports, names, vLLM, service account: all as the guide has them
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_guides_args_run_pd_sidecar_with_releases_on(shape: str) -> None:
+    [container] = sidecars(build(FIXTURES / shape))
+    assert recognises(container["args"])
+    config, _ = load(container["args"], {})
+    assert config.release == "nixl" and config.answers == "llm-d"
+    assert not config.tls  # --secure-serving=false / --secure-proxy=false
+    assert config.port == 8000 and config.decode_url == "http://localhost:8200"
+    assert config.inference_pool == ""  # no SSRF protection in the guides: no API access needed
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("components", [(COMPONENT,), (COMPONENT, SSRF_PROTECTION)])
+def test_no_network_policy_narrows_llm_ds_ports(
+    tmp_path: Path, shape: str, components: tuple[Path, ...]
+) -> None:
+    # A NetworkPolicy selecting the decode pod closes every port it does not list: vLLM's 8200,
+    # NIXL's 5600 and UCX's transfer ports, which llm-d leaves open. The component adds none.
+    resources = render(tmp_path, shape, *components)
+    assert [r["metadata"]["name"] for r in resources if r["kind"] == "NetworkPolicy"] == []
+    [pod] = decode_pods(resources)
+    ports = {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+    assert {8200, 5600} <= ports  # llm-d's ports are still declared
+
+
+def test_the_component_changes_only_images() -> None:
+    spec = yaml.safe_load((COMPONENT / "kustomization.yaml").read_text())
+    assert spec["kind"] == "Component" and set(spec) == {"apiVersion", "kind", "images"}
+    names = {entry["name"] for entry in spec["images"]}
+    assert UPSTREAM_IMAGE.split(":")[0] in names
+    assert {"ghcr.io/llm-d/llm-d-routing-sidecar", "REPLACE_ROUTING_SIDECAR_IMAGE"} <= names
+    assert all(SIDECAR_IMAGE in entry["newName"] for entry in spec["images"])
+
+
+@pytest.mark.parametrize("shape", ["disaggregatedset", "disaggregatedset-secure-proxy"])
+def test_ssrf_protection_binds_the_guides_account_and_mounts_its_token(tmp_path: Path, shape: str) -> None:
+    plain = render(tmp_path, shape, COMPONENT)
+    [account] = [r for r in plain if r["kind"] == "ServiceAccount"]
+    assert account["automountServiceAccountToken"] is False  # the guide's, untouched by default
+    assert not [r for r in plain if r["kind"] in ("Role", "RoleBinding")]
+
+    resources = render(tmp_path, shape, COMPONENT, SSRF_PROTECTION)
+    [account] = [r for r in resources if r["kind"] == "ServiceAccount"]
+    [binding] = [r for r in resources if r["kind"] == "RoleBinding"]
+    [role] = [r for r in resources if r["kind"] == "Role"]
+    pods = decode_pods(resources)
+    assert account["metadata"]["name"] == GUIDES_ACCOUNT == pods[0]["serviceAccountName"]
+    assert account["automountServiceAccountToken"] is True
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GUIDES_ACCOUNT}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert {tuple(rule["resources"]) for rule in role["rules"]} == {("inferencepools",), ("pods",)}
+    assert all(rule["verbs"] == ["get", "list", "watch"] for rule in role["rules"])
+    groups = {group for rule in role["rules"] for group in rule["apiGroups"]}
+    assert groups == {"", "inference.networking.k8s.io", "inference.networking.x-k8s.io"}
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_the_overlay_validates_strictly(version: str) -> None:
-    for resource in build(OVERLAY):
-        validate(resource, version)
-
-
-def test_only_the_image_and_what_the_drop_in_needs_change() -> None:
-    before = _decode(load_documents(OVERLAY / "decode.yaml"))["spec"]["template"]["spec"]
-    after = _decode(build(OVERLAY))["spec"]["template"]["spec"]
-    [old], [new] = before["initContainers"], after["initContainers"]
-    assert SIDECAR_IMAGE in new["image"] and SIDECAR_IMAGE not in old["image"]
-    assert new["args"] == old["args"] and new.get("command") is None  # llm-d's args, the image's entry
-    assert new["restartPolicy"] == "Always"
-    assert after["containers"] == before["containers"]  # vLLM untouched
-    assert {p["containerPort"] for p in new["ports"]} == {8000, 9100}
-    assert not [v for v in after["volumes"] if "secret" in v]  # no Secret is required
-
-
-def test_the_args_run_pd_sidecar_with_releases_on() -> None:
-    [container] = _decode(build(OVERLAY))["spec"]["template"]["spec"]["initContainers"]
-    assert recognises(container["args"])
-    config, _ = load(container["args"], {})
-    assert config.release == "nixl" and config.answers == "llm-d" and config.tls
-    assert config.inference_pool == "llm/pool" and config.decode_url == "http://localhost:8200"
-
-
-def test_the_role_reads_only_pools_and_pods() -> None:
-    [role] = [r for r in build(OVERLAY) if r["kind"] == "Role"]
-    assert {tuple(rule["resources"]) for rule in role["rules"]} == {("inferencepools",), ("pods",)}
-    assert all(rule["verbs"] == ["get", "list", "watch"] for rule in role["rules"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_rendered_manifests_validate_strictly(tmp_path: Path, shape: str, version: str) -> None:
+    for resource in render(tmp_path, shape, COMPONENT, SSRF_PROTECTION):
+        if resource["kind"] == "DisaggregatedSet":  # no schema here: its pod templates, as Pods
+            for pod in pod_specs(resource):
+                validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod}, version)
+        else:
+            validate(resource, version)
 
 
 def test_strict_validation_is_on() -> None:
-    deployment = _decode(build(OVERLAY))
+    [deployment] = build(FIXTURES / "deployment")
     deployment["spec"]["template"]["spec"]["initContainers"][0]["restartPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(deployment, KUBERNETES_VERSIONS[-1])
+
+
+def test_every_fixture_names_its_upstream_source() -> None:
+    for path in sorted(FIXTURES.rglob("*.yaml")):
+        head = path.read_text().split("\n", 6)[:6]
+        if head[0].startswith("# Vendored"):
+            assert head[1].startswith("# Source: ") and "@" in head[1], path
+            commit = head[1].split("@", 1)[1].split()[0]
+            assert len(commit) == 40 and int(commit, 16) >= 0, path
+        else:
+            assert head[0].startswith("# Not vendored:"), path
+
+
+def test_the_helm_values_set_only_the_routing_sidecars_image() -> None:
+    values = yaml.safe_load((COMPONENT / "llm-d-modelservice-values.yaml").read_text())
+    assert values == {"routing": {"proxy": {"image": values["routing"]["proxy"]["image"]}}}
+    assert SIDECAR_IMAGE in values["routing"]["proxy"]["image"]
+
+
+def test_kserves_decode_template_gets_the_image_and_its_args_load(tmp_path: Path) -> None:
+    # KServe's LLMInferenceServiceConfig (a custom resource): the component's images reach its
+    # init container, and its older flags load with the pool KServe's controller names by env
+    # (INFERENCE_POOL_NAME, added when the service has a router; the namespace from the manifest).
+    [before], [after] = build(FIXTURES / "kserve"), render(tmp_path, "kserve", COMPONENT)
+    [old], [new] = before["spec"]["template"]["initContainers"], after["spec"]["template"]["initContainers"]
+    assert old["image"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.2.0" and SIDECAR_IMAGE in new["image"]
+    assert {k: v for k, v in new.items() if k != "image"} == {k: v for k, v in old.items() if k != "image"}
+    config, _ = load(new["args"], {"INFERENCE_POOL_NAMESPACE": "llm", "INFERENCE_POOL_NAME": "pool"})
+    assert config.tls and config.tls_cert_dir == "/etc/ssl/certs"
+    assert config.decode_url == "https://localhost:8001" and config.decode_tls_insecure
+    assert config.prefill_tls and config.prefill_tls_insecure
+    assert config.inference_pool == "llm/pool" and config.release == "nixl"

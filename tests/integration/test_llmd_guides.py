@@ -1,0 +1,164 @@
+"""Each vendored llm-d manifest's exact sidecar args serve P/D traffic and release D's rejections.
+
+The args are read from the manifests themselves (tests/deploy/fixtures/llm-d,
+rendered with ``deploy/llm-d`` as an llm-d user renders them): the P/D recipe's
+decode Deployment, the guide's DisaggregatedSet with ``--secure-serving=false``
+and its earlier revision with ``--secure-proxy=false``. No guide ships a TLS
+variant; the fourth case is the guide's args without their ``--secure-*=false``,
+which is pd-sidecar's default: TLS serving with a self-signed certificate.
+
+Two network namespaces stand for two pods (``tests.integration.test_llmd_netns``):
+the decode pod runs sim-decode as vLLM on 8200 and, one case after the other,
+the sidecar with the case's args; the prefill pod runs sim-prefill (TP 2, real
+NIXL) on an address of its own, so the guides' args, which name no allowlist,
+reach P as they would in a cluster. For each case an admitted request is read
+at P by D, and one D rejects is freed by the sidecar.
+
+``SCENARIOS`` is where more requests per manifest go (a route, a field): each
+is a function of the running case and is run for every manifest.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.llmd.command import load
+from tests.deploy.manifests import SIDECAR_IMAGE
+from tests.deploy.test_llmd_overlay import COMPONENT, render, sidecars
+from tests.integration.test_llmd_netns import VERSION, Pods, answers, pods, running, stats
+from tests.integration.test_router import completion
+
+pytestmark = pytest.mark.nixl
+HEADER = "x-prefiller-host-port"
+
+
+def guide_args(tmp_path: Path, shape: str) -> list[str]:
+    """The routing sidecar's args in ``shape``'s rendered manifest, the image swapped by deploy/llm-d."""
+    [container] = sidecars(render(tmp_path, shape, COMPONENT))
+    assert SIDECAR_IMAGE in container["image"]
+    return list(container["args"])
+
+
+def tls_default(args: list[str]) -> list[str]:
+    """The guide's args without ``--secure-serving=false``/``--secure-proxy=false``: serving TLS."""
+    kept = [a for a in args if not a.startswith(("--secure-serving=", "--secure-proxy="))]
+    assert len(kept) == len(args) - 1
+    return kept
+
+
+CASES: dict[str, tuple[str, Callable[[list[str]], list[str]]]] = {
+    "deployment": ("deployment", list),
+    "disaggregatedset": ("disaggregatedset", list),
+    "disaggregatedset-secure-proxy": ("disaggregatedset-secure-proxy", list),
+    "deployment-tls": ("deployment", tls_default),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One manifest's sidecar, running in the decode pod, and what a scenario needs of it."""
+
+    url: str  # the serving port, as the gateway reaches the decode pod
+    admin: str
+    p_url: str
+    client: httpx.Client
+
+    def p_stats(self, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        return stats(self.p_url, check)
+
+
+def admitted_request_is_read_at_p(case: Case) -> None:
+    before = case.p_stats(lambda s: True)
+    served = case.client.post(
+        case.url + "/v1/completions", json=completion(20), headers={HEADER: case.p_url[7:]}
+    )
+    assert served.status_code == 200, served.text
+    after = case.p_stats(
+        lambda s: (
+            s["pinned_requests"] == 0 and s["freed_by_notification"] == before["freed_by_notification"] + 1
+        )
+    )
+    assert after["notifs_per_rank"] == [n + 1 for n in before["notifs_per_rank"]]  # D read both ranks
+
+
+def rejected_request_is_freed_by_the_sidecar(case: Case) -> None:
+    before = case.p_stats(lambda s: True)
+    rejected = case.client.post(
+        case.url + "/v1/completions", json=completion(60, max_tokens="x"), headers={HEADER: case.p_url[7:]}
+    )
+    assert rejected.status_code == 400  # D's answer
+    after = case.p_stats(
+        lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == before["requests_pinned"] + 1
+    )
+    assert after["notifs_per_rank"] == [n + 1 for n in before["notifs_per_rank"]]
+    assert after["notifs_unknown"] == before["notifs_unknown"]
+    assert after["freed_by_notification"] == before["freed_by_notification"] + 1
+    assert after["freed_by_expiry"] == before["freed_by_expiry"]
+    # D refused it before reading (its 400): the notification that freed P is the sidecar's release.
+    metrics = httpx.get(case.admin + "/metrics", timeout=5).text
+    assert 'kvr_releases_total{result="sent",strategy="nixl"} 1.0' in metrics
+
+
+# Every scenario runs against every manifest's sidecar, in this order.
+SCENARIOS: list[Callable[[Case], None]] = [
+    admitted_request_is_read_at_p,
+    rejected_request_is_freed_by_the_sidecar,
+]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    net: Pods
+    p_url: str
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """The two pods, with sim-prefill in one and sim-decode (vLLM on 8200) in the other."""
+    with pods() as net, ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
+        p_url = f"http://{net.prefill_ip}:8000"
+        p = net.run(
+            net.prefill_ns,
+            *("sim-prefill", "--host", net.prefill_ip, "--port", "8000", "--tp", "2", "--lease", "0"),
+            *("--side-channel-host", net.prefill_ip, "--side-channel-port", "5600"),
+            *("--num-blocks", "64", "--model", "m", "--vllm-version", VERSION, "--log-level", "warning"),
+            log=logs[0],
+        )
+        d = net.run(
+            net.decode_ns,
+            *("sim-decode", "--port", "8200", "--vllm-d", "--version", VERSION, "--model", "m"),
+            *("--max-model-len", "40"),
+            log=logs[1],
+        )
+        stack.enter_context(running(p, logs[0], "sim-prefill", lambda: answers(p_url + "/health")))
+        stack.enter_context(running(d, logs[1], "sim-decode", lambda: True))  # the sidecar's /readyz needs D
+        yield Cluster(net, p_url)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_manifests_exact_args_serve_and_release(cluster: Cluster, tmp_path: Path, name: str) -> None:
+    shape, variant = CASES[name]
+    args = variant(guide_args(tmp_path, shape))
+    net = cluster.net
+    scheme = "https" if load(args, {})[0].tls else "http"
+    assert (scheme == "https") == name.endswith("-tls")
+    admin = f"http://{net.decode_ip}:9100"
+    with ExitStack() as stack:
+        log = stack.enter_context(tempfile.TemporaryFile())
+        sidecar = net.run(net.decode_ns, "serve", *args, log=log)
+        stack.enter_context(
+            running(sidecar, log, f"the sidecar ({name})", lambda: answers(admin + "/readyz"))
+        )
+        client = stack.enter_context(httpx.Client(timeout=30, verify=False))  # self-signed when TLS
+        case = Case(f"{scheme}://{net.decode_ip}:8000", admin, cluster.p_url, client)
+        for scenario in SCENARIOS:
+            scenario(case)
