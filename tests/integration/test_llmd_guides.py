@@ -11,8 +11,9 @@ Two network namespaces stand for two pods (``tests.integration.test_llmd_netns``
 the decode pod runs sim-decode as vLLM on 8200 and, one case after the other,
 the sidecar with the case's args; the prefill pod runs sim-prefill (TP 2, real
 NIXL) on an address of its own, so the guides' args, which name no allowlist,
-reach P as they would in a cluster. For each case an admitted request is read
-at P by D, and one D rejects is freed by the sidecar.
+reach P as they would in a cluster. For each case, on completions, chat with
+``min_tokens``, ``/v1/messages`` and ``/inference/v1/generate``, an admitted
+request is read at P by D, and one D rejects is freed by the sidecar.
 
 ``SCENARIOS`` is where more requests per manifest go (a route, a field): each
 is a function of the running case and is run for every manifest.
@@ -34,7 +35,8 @@ from sidecar.llmd.command import load
 from tests.deploy.manifests import SIDECAR_IMAGE
 from tests.deploy.test_llmd_overlay import COMPONENT, render, sidecars
 from tests.integration.test_llmd_netns import VERSION, Pods, answers, pods, running, stats
-from tests.integration.test_router import completion
+from tests.integration.test_router import chat, completion
+from tests.integration.test_router_routes import generate, messages
 
 pytestmark = pytest.mark.nixl
 HEADER = "x-prefiller-host-port"
@@ -75,26 +77,33 @@ class Case:
         return stats(self.p_url, check)
 
 
-def admitted_request_is_read_at_p(case: Case) -> None:
-    before = case.p_stats(lambda s: True)
-    served = case.client.post(
-        case.url + "/v1/completions", json=completion(20), headers={HEADER: case.p_url[7:]}
-    )
+def sent_releases(case: Case) -> float:
+    """The sidecar's ``kvr_releases_total{result="sent",strategy="nixl"}`` (0 before the first)."""
+    metrics = httpx.get(case.admin + "/metrics", timeout=5).text
+    line = 'kvr_releases_total{result="sent",strategy="nixl"} '
+    return next((float(m.removeprefix(line)) for m in metrics.splitlines() if m.startswith(line)), 0.0)
+
+
+def read_at_p(case: Case, route: str, body: dict[str, Any]) -> None:
+    """``body`` on ``route`` takes the prefill leg, D admits it and reads P's blocks on both ranks."""
+    before, sent = case.p_stats(lambda s: True), sent_releases(case)
+    served = case.client.post(case.url + route, json=body, headers={HEADER: case.p_url[7:]})
     assert served.status_code == 200, served.text
     after = case.p_stats(
         lambda s: (
             s["pinned_requests"] == 0 and s["freed_by_notification"] == before["freed_by_notification"] + 1
         )
     )
+    assert after["requests_pinned"] == before["requests_pinned"] + 1  # the prefill leg reached P
     assert after["notifs_per_rank"] == [n + 1 for n in before["notifs_per_rank"]]  # D read both ranks
+    assert sent_releases(case) == sent  # D's read freed P, not the sidecar
 
 
-def rejected_request_is_freed_by_the_sidecar(case: Case) -> None:
-    before = case.p_stats(lambda s: True)
-    rejected = case.client.post(
-        case.url + "/v1/completions", json=completion(60, max_tokens="x"), headers={HEADER: case.p_url[7:]}
-    )
-    assert rejected.status_code == 400  # D's answer
+def freed_by_the_sidecar(case: Case, route: str, body: dict[str, Any]) -> None:
+    """D refuses ``body`` on ``route`` before reading; the sidecar's one release frees P."""
+    before, sent = case.p_stats(lambda s: True), sent_releases(case)
+    rejected = case.client.post(case.url + route, json=body, headers={HEADER: case.p_url[7:]})
+    assert rejected.status_code == 400, rejected.text  # D's answer
     after = case.p_stats(
         lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == before["requests_pinned"] + 1
     )
@@ -103,14 +112,49 @@ def rejected_request_is_freed_by_the_sidecar(case: Case) -> None:
     assert after["freed_by_notification"] == before["freed_by_notification"] + 1
     assert after["freed_by_expiry"] == before["freed_by_expiry"]
     # D refused it before reading (its 400): the notification that freed P is the sidecar's release.
-    metrics = httpx.get(case.admin + "/metrics", timeout=5).text
-    assert 'kvr_releases_total{result="sent",strategy="nixl"} 1.0' in metrics
+    assert sent_releases(case) == sent + 1
+
+
+def admitted_request_is_read_at_p(case: Case) -> None:
+    read_at_p(case, "/v1/completions", completion(20))
+
+
+def rejected_request_is_freed_by_the_sidecar(case: Case) -> None:
+    freed_by_the_sidecar(case, "/v1/completions", completion(60, max_tokens="x"))
+
+
+def min_tokens_chat_is_read_at_p(case: Case) -> None:
+    # P gets max_tokens and min_tokens 1 (vLLM refuses min_tokens above max_tokens); D gets 20 and 10.
+    read_at_p(case, "/v1/chat/completions", chat("one two three", max_tokens=20, min_tokens=10))
+
+
+def messages_are_read_at_p(case: Case) -> None:
+    read_at_p(case, "/v1/messages", messages("hello there"))
+
+
+def messages_refused_before_the_handler_are_freed(case: Case) -> None:
+    freed_by_the_sidecar(case, "/v1/messages", messages("hi", max_tokens="x"))
+
+
+def generate_is_read_at_p(case: Case) -> None:
+    read_at_p(case, "/inference/v1/generate", generate(12, max_tokens=20, min_tokens=6))
+
+
+def generate_refused_in_the_handler_is_freed(case: Case) -> None:
+    # 60 prompt tokens, over D's max_model_len (40): the generate handler refuses it and, unlike the
+    # OpenAI handlers, never notifies P (vLLM's cleanup does not wrap it).
+    freed_by_the_sidecar(case, "/inference/v1/generate", generate(60))
 
 
 # Every scenario runs against every manifest's sidecar, in this order.
 SCENARIOS: list[Callable[[Case], None]] = [
     admitted_request_is_read_at_p,
     rejected_request_is_freed_by_the_sidecar,
+    min_tokens_chat_is_read_at_p,
+    messages_are_read_at_p,
+    messages_refused_before_the_handler_are_freed,
+    generate_is_read_at_p,
+    generate_refused_in_the_handler_is_freed,
 ]
 
 
