@@ -77,6 +77,8 @@ LABEL org.opencontainers.image.title="kv-release-sidecar" \
       org.opencontainers.image.description="Releases a vLLM prefill node's pinned KV blocks when the decode node rejects a P/D request." \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/venv /opt/venv
+# KServe's LLMInferenceService runs llm-d's sidecar as `command: ["/app/pd-sidecar", ...]`.
+RUN mkdir /app && ln -s /opt/venv/bin/pd-sidecar /app/pd-sidecar
 USER 10001:10001
 # The proxy port and the admin port (/healthz, /readyz, /metrics): Config.port, Config.admin_port.
 EXPOSE 8000 9100

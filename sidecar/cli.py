@@ -108,3 +108,8 @@ def _llm_d_argv(argv: list[str]) -> list[str] | None:
 
 def entrypoint() -> None:
     sys.exit(main())
+
+
+def pd_sidecar_entrypoint() -> None:
+    """``pd-sidecar FLAGS``: llm-d's binary name (KServe runs ``/app/pd-sidecar`` as the command)."""
+    sys.exit(main(["pd-sidecar", *sys.argv[1:]]))

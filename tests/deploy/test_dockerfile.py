@@ -264,3 +264,11 @@ def test_loadtest_target_is_core_plus_the_loadtest_extra() -> None:
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert image_name(container["image"]).endswith("/kv-release-loadtest")
     assert image_tag(container["image"]) == VERSION
+
+
+def test_the_image_runs_llm_ds_binary_name_where_kserve_calls_it() -> None:
+    # KServe's LLMInferenceService sets the routing sidecar's command to /app/pd-sidecar.
+    final = dockerfile_stages(DOCKERFILE)[-1]
+    runs = " ".join(rest for name, rest in final if name == "RUN")
+    assert "ln -s /opt/venv/bin/pd-sidecar /app/pd-sidecar" in runs
+    assert PYPROJECT["project"]["scripts"]["pd-sidecar"] == "sidecar.cli:pd_sidecar_entrypoint"
