@@ -91,3 +91,22 @@ def test_endpoints_are_apart() -> None:
     known.seen(other, NEW)
     assert known.refusal(other, NEW, created=clock.now - 5) is None
     assert known.refusal(P, NEW, created=clock.now - 5) is not None
+
+
+def test_a_blip_then_a_real_restart_refuses_what_was_rejected_during_the_real_outage() -> None:
+    """The blip's outage ends when the same agents answer again: a later outage starts anew."""
+    known, clock = lineage()
+    known.seen(P, OLD)
+    clock.now += 5
+    known.lost(P)  # a blip: P unreachable for a while ...
+    clock.now += 5
+    known.seen(P, OLD)  # ... then the same process answers again
+    clock.now += 90
+    rejected = clock.now
+    clock.now += 0.01
+    known.lost(P)  # the real outage: the release for ``rejected`` finds P gone
+    clock.now += 30
+    known.seen(P, NEW)  # P restarted: new agents
+    why = known.refusal(P, NEW, created=rejected)
+    assert why is not None and "new process" in why
+    assert known.refusal(P, NEW, created=rejected + 0.01 + RESTART_GRACE + 0.1) is None

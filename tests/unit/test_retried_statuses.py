@@ -172,3 +172,29 @@ async def test_router_mode_releases_behind_any_status_a_retry_runs_a_fresh_prefi
     async with router(FakeUpstream(refused, reached=False)) as r:
         client = await r.call(Client(body=completion()))
         assert client.status == 503 and [job.cause for job in r.releaser.jobs] == ["unreachable"]
+
+
+async def test_a_stream_cut_after_its_200_is_released_under_the_default_when_ambiguous_ones_are() -> None:
+    """The 200 went out, so no proxy retries the request: the cut is not an answer a proxy retries
+    (the 502 the sidecar would map a reset to never reached anyone)."""
+    assert Config().retried_statuses == retries.DEFAULT  # the rig keeps the shipped default
+    async with rig(FakeUpstream(lambda r: FakeResponse.sse(broken=True)), release_ambiguous=True) as r:
+        with pytest.raises(Exception, match="broke"):
+            await r.call(Client(body=completion(V033, stream=True)))
+        await r.proxy.pipeline.flush(2)
+        assert [job.cause for job in r.releaser.jobs] == ["reset_after_send"]
+        assert _left(r, "reset_after_send") == 0
+
+
+async def test_parameters_left_to_a_retry_are_not_released_by_a_later_rejection() -> None:
+    """A 503 left for the mesh's retry: another pod's D may be reading P's blocks, so a later
+    rejection here with the same parameters is not released while that lease runs."""
+    answers = iter([error(503, "ServiceUnavailableError"), error(400, "Bad Request")])
+    async with rig(FakeUpstream(lambda r: next(answers))) as r:
+        first = await r.call(Client(body=completion(V033)))
+        assert first.status == 503 and _left(r, "rejected_5xx") == 1
+        second = await r.call(Client(body=completion(V033, max_tokens="x")))
+        assert second.status == 400 and len(r.d.requests) == 2
+        assert r.releaser.jobs == []
+        labels = {"outcome": "no_release", "cause": "params_in_use"}
+        assert r.metrics.registry.get_sample_value("kvr_not_released_total", labels) == 1
