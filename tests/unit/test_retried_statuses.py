@@ -13,6 +13,7 @@ in ``tests/faults/test_mesh_retries.py``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -49,12 +50,27 @@ def test_entries_name_statuses(entries: tuple[str, ...], statuses: set[int]) -> 
         (("6xx",), "not a 4xx or 5xx"),
         (("4xx",), "leaves no status"),
         (("409", "410", "400"), "leaves no status"),
+        (("600",), "not a 4xx or 5xx"),
+        (("399",), "not a 4xx or 5xx"),
+        (("5xx", "abc"), "'abc' is not a 4xx or 5xx"),  # every entry is read, not just the first
+        (("none", "5xx"), "stands alone"),
     ],
 )
 def test_bad_entries_are_refused_with_the_reason(entries: tuple[str, ...], words: str) -> None:
     assert words in (retries.problem(entries) or "")
     with pytest.raises(ConfigError, match="retried_statuses"):
         Config(retried_statuses=entries)
+
+
+def test_every_status_from_400_to_599_is_accepted_and_the_refusals_say_why_in_full() -> None:
+    assert all(retries.problem((str(status),)) is None for status in (400, 499, 500, 599))
+    assert retries.problem(("409", "410", "400")) == (
+        "retrying 409, 410 and 400 leaves no status to refuse a spent request with"
+    )
+    assert retries.problem(("6xx",)) == "'6xx' is not a 4xx or 5xx status, 4xx, 5xx or 'none'"
+    assert retries.problem(("none", "503")) == (
+        "'none' stands alone (nothing in front of the decode pods retries)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -198,3 +214,25 @@ async def test_parameters_left_to_a_retry_are_not_released_by_a_later_rejection(
         assert r.releaser.jobs == []
         labels = {"outcome": "no_release", "cause": "params_in_use"}
         assert r.metrics.registry.get_sample_value("kvr_not_released_total", labels) == 1
+
+
+def test_the_start_up_line_warns_when_every_503_is_released(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.retries")
+    with caplog.at_level(logging.INFO, logger="test.retries"):
+        retries.announce(log, ("none",), ())
+        retries.announce(log, ("503", "504"), (503, 429))
+    quiet, listed = caplog.records
+    assert quiet.levelno == logging.WARNING and quiet.setting == "retried_statuses"  # type: ignore[attr-defined]
+    assert quiet.getMessage().startswith("retried_statuses none: every rejection is released")
+    assert listed.levelno == logging.INFO and listed.setting == "retried_statuses"  # type: ignore[attr-defined]
+    assert listed.getMessage().startswith("retried_statuses 503-504: rejections answered with them")
+    assert "injected 503 rejections are not released either" in listed.getMessage()
+
+
+def test_the_advice_names_the_setting_its_source_and_what_to_do() -> None:
+    what, fix = retries.advice(frozenset(), source="KVR_RETRIED_STATUSES")
+    assert what.startswith("retried_statuses none (KVR_RETRIED_STATUSES): every rejection is released")
+    assert "Istio retries 503 by default" in fix
+    what, fix = retries.advice(retries.parse(("5xx",)), injected=(429,))
+    assert what.startswith("retried_statuses 500-599: ") and "injected" not in what
+    assert fix.startswith("retry no other status on the decode route")
