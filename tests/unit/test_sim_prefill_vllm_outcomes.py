@@ -18,6 +18,7 @@ import pytest
 from sidecar.sim.prefill.pool import BlockPool
 from sidecar.sim.prefill.release import release_for
 from tests.conformance.duplicate_orders import (
+    ALSO_MATCHED,
     ORDERS,
     P_TP,
     RECORDED,
@@ -61,7 +62,7 @@ def freed_after(version: str, order: str) -> tuple[int | str, dict[str, object]]
     return freed, pool.stats()
 
 
-@pytest.mark.parametrize("version", RECORDED)
+@pytest.mark.parametrize("version", RECORDED + ALSO_MATCHED)
 @pytest.mark.parametrize("order", list(ORDERS))
 def test_the_simulator_frees_after_the_message_vllm_freed_after(version: str, order: str) -> None:
     freed, stats = freed_after(version, order)
