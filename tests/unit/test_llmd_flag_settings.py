@@ -56,6 +56,12 @@ ROWS: list[tuple[dict[str, Any], dict[str, str], dict[str, Any]]] = [
     ({"enable-prefiller-sampling": "false"}, {}, {"prefill_policy": "first"}),
     ({}, {"ENABLE_PREFILLER_SAMPLING": " True "}, {"prefill_policy": "random"}),
     ({}, {"ENABLE_PREFILLER_SAMPLING": "0"}, {"prefill_policy": "first"}),
+    ({}, {"ENABLE_PREFILLER_SAMPLING": "1"}, {"prefill_policy": "random"}),
+    ({}, {"ENABLE_PREFILLER_SAMPLING": "t"}, {"prefill_policy": "random"}),
+    ({}, {"ENABLE_PREFILLER_SAMPLING": "T"}, {"prefill_policy": "random"}),
+    ({}, {"ENABLE_PREFILLER_SAMPLING": "f"}, {"prefill_policy": "first"}),
+    ({}, {"ENABLE_PREFILLER_SAMPLING": "false"}, {"prefill_policy": "first"}),
+    ({}, {"ENABLE_PREFILLER_SAMPLING": "FALSE"}, {"prefill_policy": "first"}),
     ({}, {"ENABLE_PREFILLER_SAMPLING": "maybe"}, {}),  # not a boolean: llm-d ignores it too
     ({"enable-prefiller-sampling": "false"}, {"ENABLE_PREFILLER_SAMPLING": "1"}, {"prefill_policy": "first"}),
     ({"enable-ssrf-protection": "true", "inference-pool": "pool"}, {}, {"inference_pool": "default/pool"}),
@@ -141,6 +147,13 @@ REFUSALS: list[tuple[str, str, str, str]] = [
     ("metrics-port", "x", "'x'", WHOLE),
     ("tracing", "on", "'on'", BOOL),
     ("zap-devel", "on", "'on'", BOOL),
+    ("data-parallel-size", "two", "'two'", WHOLE),
+    ("max-idle-conns-per-host", "many", "'many'", WHOLE),
+    ("prefill-max-retries", "x", "'x'", WHOLE),
+    ("enable-prefiller-sampling", "maybe", "'maybe'", BOOL),
+    ("enable-ssrf-protection", "maybe", "'maybe'", BOOL),
+    ("enable-speculative-prefill", "maybe", "'maybe'", BOOL),
+    ("enable-p2p-pull", "maybe", "'maybe'", BOOL),
 ]
 
 

@@ -229,6 +229,30 @@ def test_the_start_up_line_warns_when_every_503_is_released(caplog: pytest.LogCa
     assert "injected 503 rejections are not released either" in listed.getMessage()
 
 
+NOTHING_RETRIED = (
+    "retried_statuses none: every rejection is released, D unreachable (503) included",
+    "make sure no gateway or mesh in front of the decode pods retries this pod's answers on another "
+    "pod (Istio retries 503 by default); or list what it retries (deploy/mesh has Istio and Envoy "
+    "retry policies)",
+)
+RETRIED = (
+    "retried_statuses 503-504 (KVR_RETRIED_STATUSES): rejections answered with them are not released, since "
+    "a gateway or mesh in front of the decode pods may retry them on another pod, whose D reads P's blocks "
+    "(P's lease frees them otherwise); injected 503,504 rejections are not released either",
+    "retry no other status on the decode route (deploy/mesh); if nothing in front retries, set "
+    "retried_statuses to none so that D unreachable, draining and over-limit answers (503) are released too",
+)
+
+
+def test_the_advice_an_operator_reads_word_for_word(caplog: pytest.LogCaptureFixture) -> None:
+    assert retries.advice(frozenset()) == NOTHING_RETRIED
+    retried = retries.parse(("503", "504"))
+    assert retries.advice(retried, (504, 429, 503), "KVR_RETRIED_STATUSES") == RETRIED
+    with caplog.at_level(logging.INFO, logger="test.retries"):
+        retries.announce(logging.getLogger("test.retries"), ("none",), ())
+    assert caplog.records[0].getMessage() == "; ".join(NOTHING_RETRIED)
+
+
 def test_the_advice_names_the_setting_its_source_and_what_to_do() -> None:
     what, fix = retries.advice(frozenset(), source="KVR_RETRIED_STATUSES")
     assert what.startswith("retried_statuses none (KVR_RETRIED_STATUSES): every rejection is released")
