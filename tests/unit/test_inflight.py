@@ -77,3 +77,12 @@ def test_an_abort_marks_the_parameters_read_without_a_forward() -> None:
     assert known.may_be_read(KEY)
     clock.now += 6.0
     assert not known.may_be_read(KEY)
+
+
+def test_judged_requests_leave_no_count_behind() -> None:
+    """One count per key at D, none once judged: the table stays as small as the traffic at D."""
+    known, _ = inflight()
+    for n in range(50):
+        known.forwarded(("p-engine", f"cmpl-{n}"))
+        known.finished(("p-engine", f"cmpl-{n}"), admitted=False)
+    assert known._live == {}  # the only view of the table's size
