@@ -11,9 +11,12 @@ means "one reader" in both.
 This runs vLLM's P code from the wheel (the harness of ``test_vllm_p_side.py``:
 listener, notification handler and lease expiry on real NIXL agents, P with
 TP=2) against two real NIXL agents playing D's two readers and the sidecar's
-own ``NixlReleaser``. Each message is delivered to every P rank and consumed by
-P's step loop before the next one leaves, so the order P sees is the order
-written in ``ORDERS``. The recorded result (``RESULT``) is the message after
+own ``NixlReleaser``. The orders and the recorded results are data in
+``tests/conformance/duplicate_orders.py``, which also holds the prefill
+simulator to them (``tests/unit/test_sim_prefill_vllm_outcomes.py``).
+Each message is delivered to every P rank and consumed by P's step loop
+before the next one leaves, so the order P sees is the order written in
+``ORDERS``. The recorded result (``RESULT``) is the message after
 which every rank reported the request finished, or ``"lease"`` when none did
 and only P's lease expiry freed it.
 
@@ -37,37 +40,21 @@ from sidecar.nixl.handshake import HandshakeClient, Target
 from sidecar.nixl.peer import NixlPeer
 from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import Result
+from tests.conformance.duplicate_orders import (
+    ORDERS,
+    P_TP,
+    RECORDED,
+    RESULT,
+    d_message,
+    sidecar_message,
+    unrecognized,
+)
 from tests.conformance.test_vllm_p_side import PProcess, fetch_wheel, job, p_request_id, releaser
 
 pytestmark = pytest.mark.nixl
 
-VERSIONS = [v for v in os.environ.get("KVR_CONFORMANCE_DUPLICATE_VLLM", "0.33.0,0.21.0").split(",") if v]
-P_TP, D_TP = 2, 4
+VERSIONS = [v for v in os.environ.get("KVR_CONFORMANCE_DUPLICATE_VLLM", ",".join(RECORDED)).split(",") if v]
 LEASE = 3.0  # seconds P holds the request (its lease, or its timeout before 0.22.0)
-
-# Who sends, per P rank, in the order P handles it: "D" one of D's two readers, "S" the sidecar.
-ORDERS = {
-    "D alone": ("D", "D"),
-    "sidecar first": ("S", "D", "D"),
-    "sidecar between D's readers": ("D", "S", "D"),
-    "sidecar last": ("D", "D", "S"),
-}
-# What vLLM's P did: the 0-based index of the message that freed the request on every rank, or
-# "lease". The same in both counting schemes (tp_ratio, 0.14.0-0.28.x; reader count, 0.29.0+).
-RESULT: dict[str, int | str] = {
-    "D alone": 1,
-    "sidecar first": 0,  # freed at once (no one reads here); D's two messages are "unrecognized"
-    "sidecar between D's readers": "lease",  # count 2 != 1, then 3 != 2: stranded
-    "sidecar last": 1,  # freed by D; the sidecar's message is "unrecognized"
-}
-
-
-def d_message(version: str, request_id: str) -> str:
-    """What each of a TP=4 D's readers sends a TP=2 P (P's notification counting)."""
-    profile = WireProfile.for_version(version)
-    assert profile is not None
-    readers_count = profile.low >= (0, 29, 0)
-    return f"{request_id}:{D_TP // P_TP if readers_count else D_TP}"
 
 
 class DReader:
@@ -122,7 +109,7 @@ async def freed_after(
     name = f"dup-{list(ORDERS).index(order)}"
     rid = p_request_id(version, name)
     ranks = sorted((0, tp) for tp in range(p.tp))
-    messages = {"D": d_message(version, rid), "S": f"{rid}:1"}
+    messages = {"D": d_message(version, rid), "S": sidecar_message(rid)}
     await p.hold(rid, ttl=LEASE)
     freed: int | str | None = None
     pending = iter(readers)
@@ -141,8 +128,8 @@ async def freed_after(
         assert [m for m in p.logs("Releasing expired KV blocks") if rid in m], "freed by the lease"
         freed = "lease"
     assert p.finished(rid) == ranks  # exactly once per rank, whatever came later
-    late = len(ORDERS[order]) - 1 - freed if isinstance(freed, int) else 0
-    assert len([m for m in p.logs("unrecognized request") if rid in m]) == late * len(ranks)
+    late = unrecognized(order, freed, len(ranks))
+    assert len([m for m in p.logs("unrecognized request") if rid in m]) == late
     return freed
 
 

@@ -10,8 +10,10 @@ from sidecar.classify import (
     Cause,
     Event,
     Failure,
+    FirstEvent,
     Outcome,
     classify,
+    stream_event,
 )
 
 QUEUE_FULL, BACKLOG = sorted(ADMISSION_OVERFLOW_MESSAGES)
@@ -62,6 +64,10 @@ TABLE = [
     # an error field in a non-stream 200 body is not a stream admission failure
     (Event(status=200, stream=False, first_event_error=400), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=302), Outcome.NO_RELEASE, Cause.OTHER_STATUS),
+    (Event(status=300), Outcome.NO_RELEASE, Cause.OTHER_STATUS),  # the edges of the 2xx and 5xx ranges
+    (Event(status=299), Outcome.NO_RELEASE, Cause.ADMITTED),
+    (Event(status=599), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (Event(status=600), Outcome.NO_RELEASE, Cause.OTHER_STATUS),
     # ambiguous: D may have admitted it
     (Event(status=200, stream=True, first_event_error=500), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
     (Event(status=200, stream=True, first_event_error=503), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
@@ -111,3 +117,21 @@ def test_release_ambiguous_setting(outcome: Outcome, flag: bool, expected: bool)
         Outcome.NO_RELEASE: Event(status=200),
     }[outcome]
     assert classify(event).releases(flag) is expected
+
+
+@pytest.mark.parametrize(
+    "first_event",
+    [
+        FirstEvent(None, None),
+        FirstEvent(400, "BadRequestError", "bad"),
+        FirstEvent(503, None, ENGINE_PAUSED_MESSAGE),
+    ],
+)
+def test_a_streams_first_event_is_judged_as_a_200_with_that_event(first_event: FirstEvent) -> None:
+    assert stream_event(first_event) == Event(
+        status=200,
+        stream=True,
+        first_event_error=first_event.error_code,
+        first_event_type=first_event.error_type,
+        first_event_message=first_event.error_message,
+    )

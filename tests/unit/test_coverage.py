@@ -9,7 +9,7 @@ import pytest
 
 from sidecar.params import release_params
 from sidecar.release.base import ReleaseJob
-from sidecar.release.coverage import engine_covers, engine_may_cover
+from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MSG, GEN = "/v1/messages", "/inference/v1/generate"
@@ -145,3 +145,27 @@ MAY = [
 def test_engine_may_cover(version: tuple[int, int, int], rejection: ReleaseJob, may: bool, why: str) -> None:
     assert engine_may_cover(version, rejection) is may, why
     assert not (may and engine_covers(version, rejection)), "a row is either covered or may be"
+
+
+@pytest.mark.parametrize(
+    ("text", "version"),
+    [
+        ("0.21.0", (0, 21, 0)),
+        ("0.21.0rc1", (0, 20, 2)),  # a pre-release may hold the previous release's code
+        ("0.99.0", (0, 33, 0)),  # newer than any known release: the newest known behaviour
+        ("0.8.0", None),  # older than any release the sidecar knows
+        ("garbage", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_the_release_d_is_judged_by(text: str | None, version: tuple[int, int, int] | None) -> None:
+    assert fix_version(text) == version
+
+
+@pytest.mark.parametrize("route", [f"{CHAT}?stream=1", f"{CHAT}?a=1?b=2"])
+def test_a_query_string_does_not_change_the_route(route: str) -> None:
+    assert engine_covers(V033, job(400, "BadRequestError", route=route))
+    assert engine_covers(V021, job(None, None, cause="header_timeout", route=route))
+    assert engine_may_cover(V033, job(500, "InternalServerError", route=route))
+    assert not engine_may_cover(V033, job(500, "InternalServerError", route=f"/v1/messages?{route}"))

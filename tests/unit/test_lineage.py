@@ -91,3 +91,85 @@ def test_endpoints_are_apart() -> None:
     known.seen(other, NEW)
     assert known.refusal(other, NEW, created=clock.now - 5) is None
     assert known.refusal(P, NEW, created=clock.now - 5) is not None
+
+
+def test_a_blip_then_a_real_restart_refuses_what_was_rejected_during_the_real_outage() -> None:
+    """The blip's outage ends when the same agents answer again: a later outage starts anew."""
+    known, clock = lineage()
+    known.seen(P, OLD)
+    clock.now += 5
+    known.lost(P)  # a blip: P unreachable for a while ...
+    clock.now += 5
+    known.seen(P, OLD)  # ... then the same process answers again
+    clock.now += 90
+    rejected = clock.now
+    clock.now += 0.01
+    known.lost(P)  # the real outage: the release for ``rejected`` finds P gone
+    clock.now += 30
+    known.seen(P, NEW)  # P restarted: new agents
+    why = known.refusal(P, NEW, created=rejected)
+    assert why is not None and "new process" in why
+    assert known.refusal(P, NEW, created=rejected + 0.01 + RESTART_GRACE + 0.1) is None
+
+
+def test_the_refusal_names_the_gap_the_endpoint_and_the_cause() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    rejected = clock.now
+    clock.now += 0.25
+    known.lost(P)
+    clock.now += 30
+    known.seen(P, NEW)
+    assert known.refusal(P, NEW, created=rejected) == (
+        "the request was rejected 0.250 s before P at 10.0.0.7:5600 was found unreachable, "
+        "and P came back as a new process (new NIXL agents): its blocks went with the old one"
+    )
+    why = known.refusal(P, NEW, created=rejected + 0.5)  # rejected after P was found gone
+    assert why is not None and why.startswith("the request was rejected 0.250 s after P at")
+    why = known.refusal(P, NEW, created=rejected + 0.25)  # at the very moment
+    assert why is not None and "0.000 s before" in why
+
+
+def test_the_boundaries_belong_to_the_new_process() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    known.lost(P)
+    lost = clock.now
+    clock.now += 5
+    known.seen(P, NEW)
+    assert known.refusal(P, NEW, created=lost + RESTART_GRACE) is None  # the grace has run out
+    assert known.refusal(P, NEW, created=clock.now) is None  # made as the new process was seen
+    assert known.refusal(P, NEW, created=lost + RESTART_GRACE - 0.001) is not None
+
+
+def test_a_request_made_as_a_quickly_restarted_p_was_seen_is_the_new_processes() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    known.lost(P)
+    clock.now += RESTART_GRACE / 2  # back within the grace
+    known.seen(P, NEW)
+    assert known.refusal(P, NEW, created=clock.now) is None
+    assert known.refusal(P, NEW, created=clock.now - 0.001) is not None
+
+
+def test_only_the_identity_last_seen_is_judged() -> None:
+    known, clock = lineage()
+    known.seen(P, OLD)
+    known.lost(P)
+    clock.now += 5
+    known.seen(P, NEW)
+    # A release to agents P no longer has is not this check's business (the send fails).
+    assert known.refusal(P, OLD, created=clock.now - 5) is None
+    assert known.refusal(("10.0.0.9", 5600), NEW, created=clock.now - 5) is None  # never seen
+
+
+def test_what_it_knows_of_an_endpoint_expires_on_its_clock() -> None:
+    clock = Clock()
+    known = Lineage(64, 60, clock)
+    known.seen(P, OLD)
+    known.lost(P)
+    clock.now += 5
+    known.seen(P, NEW)
+    assert known.refusal(P, NEW, created=clock.now - 5) is not None
+    clock.now += 61
+    assert known.refusal(P, NEW, created=clock.now - 66) is None  # forgotten after its ttl

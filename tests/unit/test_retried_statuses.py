@@ -13,6 +13,7 @@ in ``tests/faults/test_mesh_retries.py``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -49,12 +50,27 @@ def test_entries_name_statuses(entries: tuple[str, ...], statuses: set[int]) -> 
         (("6xx",), "not a 4xx or 5xx"),
         (("4xx",), "leaves no status"),
         (("409", "410", "400"), "leaves no status"),
+        (("600",), "not a 4xx or 5xx"),
+        (("399",), "not a 4xx or 5xx"),
+        (("5xx", "abc"), "'abc' is not a 4xx or 5xx"),  # every entry is read, not just the first
+        (("none", "5xx"), "stands alone"),
     ],
 )
 def test_bad_entries_are_refused_with_the_reason(entries: tuple[str, ...], words: str) -> None:
     assert words in (retries.problem(entries) or "")
     with pytest.raises(ConfigError, match="retried_statuses"):
         Config(retried_statuses=entries)
+
+
+def test_every_status_from_400_to_599_is_accepted_and_the_refusals_say_why_in_full() -> None:
+    assert all(retries.problem((str(status),)) is None for status in (400, 499, 500, 599))
+    assert retries.problem(("409", "410", "400")) == (
+        "retrying 409, 410 and 400 leaves no status to refuse a spent request with"
+    )
+    assert retries.problem(("6xx",)) == "'6xx' is not a 4xx or 5xx status, 4xx, 5xx or 'none'"
+    assert retries.problem(("none", "503")) == (
+        "'none' stands alone (nothing in front of the decode pods retries)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -172,3 +188,75 @@ async def test_router_mode_releases_behind_any_status_a_retry_runs_a_fresh_prefi
     async with router(FakeUpstream(refused, reached=False)) as r:
         client = await r.call(Client(body=completion()))
         assert client.status == 503 and [job.cause for job in r.releaser.jobs] == ["unreachable"]
+
+
+async def test_a_stream_cut_after_its_200_is_released_under_the_default_when_ambiguous_ones_are() -> None:
+    """The 200 went out, so no proxy retries the request: the cut is not an answer a proxy retries
+    (the 502 the sidecar would map a reset to never reached anyone)."""
+    assert Config().retried_statuses == retries.DEFAULT  # the rig keeps the shipped default
+    async with rig(FakeUpstream(lambda r: FakeResponse.sse(broken=True)), release_ambiguous=True) as r:
+        with pytest.raises(Exception, match="broke"):
+            await r.call(Client(body=completion(V033, stream=True)))
+        await r.proxy.pipeline.flush(2)
+        assert [job.cause for job in r.releaser.jobs] == ["reset_after_send"]
+        assert _left(r, "reset_after_send") == 0
+
+
+async def test_parameters_left_to_a_retry_are_not_released_by_a_later_rejection() -> None:
+    """A 503 left for the mesh's retry: another pod's D may be reading P's blocks, so a later
+    rejection here with the same parameters is not released while that lease runs."""
+    answers = iter([error(503, "ServiceUnavailableError"), error(400, "Bad Request")])
+    async with rig(FakeUpstream(lambda r: next(answers))) as r:
+        first = await r.call(Client(body=completion(V033)))
+        assert first.status == 503 and _left(r, "rejected_5xx") == 1
+        second = await r.call(Client(body=completion(V033, max_tokens="x")))
+        assert second.status == 400 and len(r.d.requests) == 2
+        assert r.releaser.jobs == []
+        labels = {"outcome": "no_release", "cause": "params_in_use"}
+        assert r.metrics.registry.get_sample_value("kvr_not_released_total", labels) == 1
+
+
+def test_the_start_up_line_warns_when_every_503_is_released(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.retries")
+    with caplog.at_level(logging.INFO, logger="test.retries"):
+        retries.announce(log, ("none",), ())
+        retries.announce(log, ("503", "504"), (503, 429))
+    quiet, listed = caplog.records
+    assert quiet.levelno == logging.WARNING and quiet.setting == "retried_statuses"  # type: ignore[attr-defined]
+    assert quiet.getMessage().startswith("retried_statuses none: every rejection is released")
+    assert listed.levelno == logging.INFO and listed.setting == "retried_statuses"  # type: ignore[attr-defined]
+    assert listed.getMessage().startswith("retried_statuses 503-504: rejections answered with them")
+    assert "injected 503 rejections are not released either" in listed.getMessage()
+
+
+NOTHING_RETRIED = (
+    "retried_statuses none: every rejection is released, D unreachable (503) included",
+    "make sure no gateway or mesh in front of the decode pods retries this pod's answers on another "
+    "pod (Istio retries 503 by default); or list what it retries (deploy/mesh has Istio and Envoy "
+    "retry policies)",
+)
+RETRIED = (
+    "retried_statuses 503-504 (KVR_RETRIED_STATUSES): rejections answered with them are not released, since "
+    "a gateway or mesh in front of the decode pods may retry them on another pod, whose D reads P's blocks "
+    "(P's lease frees them otherwise); injected 503,504 rejections are not released either",
+    "retry no other status on the decode route (deploy/mesh); if nothing in front retries, set "
+    "retried_statuses to none so that D unreachable, draining and over-limit answers (503) are released too",
+)
+
+
+def test_the_advice_an_operator_reads_word_for_word(caplog: pytest.LogCaptureFixture) -> None:
+    assert retries.advice(frozenset()) == NOTHING_RETRIED
+    retried = retries.parse(("503", "504"))
+    assert retries.advice(retried, (504, 429, 503), "KVR_RETRIED_STATUSES") == RETRIED
+    with caplog.at_level(logging.INFO, logger="test.retries"):
+        retries.announce(logging.getLogger("test.retries"), ("none",), ())
+    assert caplog.records[0].getMessage() == "; ".join(NOTHING_RETRIED)
+
+
+def test_the_advice_names_the_setting_its_source_and_what_to_do() -> None:
+    what, fix = retries.advice(frozenset(), source="KVR_RETRIED_STATUSES")
+    assert what.startswith("retried_statuses none (KVR_RETRIED_STATUSES): every rejection is released")
+    assert "Istio retries 503 by default" in fix
+    what, fix = retries.advice(retries.parse(("5xx",)), injected=(429,))
+    assert what.startswith("retried_statuses 500-599: ") and "injected" not in what
+    assert fix.startswith("retry no other status on the decode route")

@@ -1,0 +1,284 @@
+"""The judge itself, without a proxy around it: what it decides, records and hands over.
+
+``tests/unit/test_proxy.py`` drives the judge through the request path; here
+``Judge`` and ``StreamJudge`` are called directly with an ``Exchange``, so
+each step of the decision (module docstring of ``sidecar.proxy.judge``) shows
+in what it leaves behind: the job handed to the pipeline (every field), the
+in-flight veto's state, the metrics, and the decision reported to tracing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.classify import Cause, Event, Failure, Outcome
+from sidecar.config import Config
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import Tracing
+from sidecar.params import release_params
+from sidecar.proxy.context import Exchange
+from sidecar.proxy.inflight import InFlight
+from sidecar.proxy.judge import SIDECAR, Judge, Policy, StreamJudge
+from sidecar.release.base import ReleaseJob
+from sidecar.upstream.client import Sent
+from tests.fakes import Facts
+from tests.unit.test_proxy import V033
+
+PARAMS = release_params(V033)
+ROUTER = Policy(router=True)
+REFUSAL = b'data: {"error": {"message": "bad", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
+
+
+class Frees:
+    """The strategy as the judge sees it: one that frees P's blocks."""
+
+    frees = True
+
+
+class Queue:
+    """The pipeline's seam: ``submit`` records each job and answers ``queued``."""
+
+    def __init__(self, queued: bool = True) -> None:
+        self.releaser, self.jobs, self.queued = Frees(), list[ReleaseJob](), queued
+
+    def submit(self, job: ReleaseJob) -> bool:
+        self.jobs.append(job)
+        return self.queued
+
+
+class Traces(Tracing):
+    """Tracing on: every decision as (outcome, cause, what became of the blocks)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.decisions: list[tuple[str, str, str]] = []
+
+    def decided(self, outcome: str, cause: str, release: str) -> None:
+        self.decisions.append((outcome, cause, release))
+
+    def job_context(self) -> Any:
+        return "the request's span"
+
+
+class Rig:
+    def __init__(self, queued: bool = True, facts: Facts | None = None, **settings: Any) -> None:
+        self.config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
+        self.queue, self.inflight, self.traces = Queue(queued), InFlight(100, 30), Traces()
+        self.facts = facts or Facts(None)  # D's release unknown: no engine coverage unless asked
+        self.metrics = Metrics(CollectorRegistry())
+        self.judge = Judge(self.config, self.queue, self.metrics, self.inflight, self.facts, self.traces)  # type: ignore[arg-type]
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def exchange(policy: Policy = SIDECAR, *, sent: bool = True, **fields: Any) -> Exchange:
+    values: dict[str, Any] = {
+        "request_id": "req-1",
+        "route": "/v1/completions",
+        "params": PARAMS,
+        "stream": False,
+        "started": 0.0,
+        "policy": policy,
+        **fields,
+    }
+    made = Exchange(**values)
+    made.sent = Sent() if sent else None
+    return made
+
+
+@pytest.mark.parametrize(
+    ("event", "settings", "queued", "traced"),
+    [
+        (Event(status=400), {}, True, ("release", "rejected_4xx", "queued")),
+        (Event(status=400), {}, False, ("release", "rejected_4xx", "duplicate")),
+        (Event(status=503), {}, True, ("release", "rejected_5xx", "retryable")),
+        (Event(status=200), {}, True, ("no_release", "admitted", "not_released")),
+        (
+            Event(failure=Failure.RESET_AFTER_SEND),
+            {},
+            True,
+            ("ambiguous", "reset_after_send", "not_released"),
+        ),
+    ],
+    ids=["queued", "duplicate", "retryable", "admitted", "ambiguous"],
+)
+def test_each_decision_is_traced_with_what_became_of_the_blocks(
+    event: Event, settings: dict[str, Any], queued: bool, traced: tuple[str, str, str]
+) -> None:
+    rig = Rig(queued, **settings)
+    made = exchange()
+    decision = rig.judge.judge(made, event)
+    assert made.decided is True
+    assert rig.traces.decisions == [traced]
+    assert (decision.outcome.value, decision.cause.value) == traced[:2]
+    assert len(rig.queue.jobs) == (traced[2] in ("queued", "duplicate"))
+
+
+def test_an_exchange_without_parameters_is_decided_and_traced_but_not_handed_over() -> None:
+    rig = Rig()
+    made = exchange(params=None)
+    rig.judge.judge(made, Event(status=400))
+    assert made.decided is True and rig.queue.jobs == []
+    assert rig.traces.decisions == [("release", "rejected_4xx", "no_params")]
+
+
+def test_parameters_d_may_be_reading_are_not_released_and_the_refusal_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rig = Rig()
+    live = exchange(request_id="live")
+    rig.judge.forwarded(live)  # a copy at D
+    assert rig.inflight.may_be_read(live.key)
+    with caplog.at_level(logging.WARNING, logger="sidecar.proxy"):
+        rig.judge.judge(exchange(request_id="replay", sent=False), Event(status=400))
+    assert rig.queue.jobs == []
+    assert rig.traces.decisions == [("release", "rejected_4xx", "params_in_use")]
+    assert rig.sample("kvr_not_released_total", outcome="no_release", cause="params_in_use") == 1
+    [record] = caplog.records
+    assert record.getMessage() == "rejected request reuses parameters D may be reading; not released"
+    assert record.request_id == "replay"  # type: ignore[attr-defined]
+
+
+def test_a_judged_rejection_no_longer_holds_its_parameters() -> None:
+    rig = Rig()
+    made = exchange()
+    rig.judge.forwarded(made)
+    rig.judge.judge(made, Event(status=400))
+    assert not rig.inflight.may_be_read(made.key)  # released: nothing at D holds them
+    assert rig.sample("kvr_rejections_total", cause="rejected_4xx") == 1
+
+
+def test_the_job_carries_what_the_strategies_need() -> None:
+    rig = Rig(dry_run=True, release_deadline=7.0)
+    made = exchange(
+        route="/v1/chat/completions",
+        raw_params=b'{"do_remote_prefill": true}',
+        body_request_id="body-1",
+        data_parallel_rank=1,
+        request_id_generated=True,
+    )
+    rig.judge.judge(made, Event(status=404), "NotFoundError")
+    [job] = rig.queue.jobs
+    assert (job.request_id, job.route, job.body_request_id) == ("req-1", "/v1/chat/completions", "body-1")
+    assert (job.raw_params, job.data_parallel_rank) == (b'{"do_remote_prefill": true}', 1)
+    assert job.request_id_generated is True and job.params == PARAMS
+    assert (job.cause, job.status, job.error_type) == (Cause.REJECTED_4XX, 404, "NotFoundError")
+    assert job.injected is False and job.dry_run is True and job.decode_reachable is True
+    assert job.trace_context == "the request's span"
+    assert job.deadline - job.detected_at == pytest.approx(7.0)
+    assert made.spent is False  # a dry run frees nothing
+
+
+def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> None:
+    rig = Rig(retried_statuses=("none",))
+    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED), status=429)
+    rig.judge.judge(
+        exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
+        Event(failure=Failure.CONNECT_REFUSED),
+    )
+    injected, unreachable = rig.queue.jobs
+    assert (injected.status, injected.injected, injected.decode_reachable) == (429, True, True)
+    assert (unreachable.status, unreachable.injected, unreachable.decode_reachable) == (None, False, False)
+    assert injected.request_id_generated is False
+
+
+def test_a_router_never_marks_its_request_id_as_the_clients() -> None:
+    rig = Rig()
+    rig.judge.judge(exchange(ROUTER, request_id_generated=True), Event(status=400))
+    [job] = rig.queue.jobs
+    assert job.request_id_generated is False  # a router's client retries with a fresh prefill
+
+
+def test_a_router_releases_what_it_aborted_and_keeps_the_parameters_from_a_second_release() -> None:
+    rig = Rig()
+    made = exchange(ROUTER)
+    decision = rig.judge.judge(made, Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD))
+    assert (decision.outcome, decision.cause) == (Outcome.RELEASE, Cause.CLIENT_GONE_AFTER_FORWARD)
+    assert [job.cause for job in rig.queue.jobs] == [Cause.CLIENT_GONE_AFTER_FORWARD]
+    assert rig.inflight.may_be_read(made.key)  # D may still be reading while its handler aborts
+
+
+@pytest.mark.parametrize(
+    ("policy", "sent", "event"),
+    [
+        (SIDECAR, True, Event(status=400)),  # D refused: nothing to abort
+        (ROUTER, False, Event(failure=Failure.HEADER_TIMEOUT)),  # never reached D
+        (ROUTER, True, Event(status=400)),
+    ],
+)
+def test_only_an_abort_of_a_request_d_had_keeps_the_parameters(
+    policy: Policy, sent: bool, event: Event
+) -> None:
+    rig = Rig()
+    made = exchange(policy, sent=sent)
+    rig.judge.judge(made, event)
+    assert len(rig.queue.jobs) == 1 and not rig.inflight.may_be_read(made.key)
+
+
+def test_what_the_judge_is_told_of_d_reaches_ds_state() -> None:
+    facts = Facts(None)
+    rig = Rig(facts=facts)
+    rig.judge.observe(503, "down", closing=True)
+    assert facts.observed == [(503, "down", True)]
+
+
+@pytest.mark.parametrize(("status", "cause"), [(503, "status_5xx"), (400, "status_4xx"), (404, "status_4xx")])
+def test_a_routers_decode_leg_counts_its_answers(status: int, cause: str) -> None:
+    metrics = Metrics(CollectorRegistry())
+    ROUTER.decode_answered(metrics, status, 0.25)
+    ROUTER.decode_answered(metrics, 399, 0.25)
+    ROUTER.decode_failed(metrics, Failure.CONNECT_REFUSED)
+    SIDECAR.decode_answered(metrics, status, 0.25)
+    SIDECAR.decode_failed(metrics, Failure.CONNECT_REFUSED)
+    registry = metrics.registry
+    assert registry.get_sample_value("kvr_leg_latency_seconds_count", {"leg": "decode"}) == 2
+    assert registry.get_sample_value("kvr_leg_failures_total", {"leg": "decode", "cause": cause}) == 1
+    failed = {"leg": "decode", "cause": "connect_refused"}
+    assert registry.get_sample_value("kvr_leg_failures_total", failed) == 1
+
+
+def test_a_stream_is_judged_on_its_first_event_with_its_error_type() -> None:
+    facts = Facts(None)
+    rig = Rig(facts=facts)
+    made = exchange(stream=True)
+    stream = StreamJudge(rig.judge, made)
+    stream.feed(REFUSAL[:20])
+    assert not stream.decided and rig.queue.jobs == []
+    stream.feed(REFUSAL[20:])
+    assert stream.decided
+    [job] = rig.queue.jobs
+    assert (job.cause, job.status, job.error_type) == (Cause.STREAM_ADMISSION_ERROR, 200, "BadRequestError")
+    assert facts.observed == [(400, "bad", False)]
+    stream.feed(REFUSAL)  # the rest passes unread
+    stream.finish()
+    assert len(rig.queue.jobs) == 1 and len(rig.traces.decisions) == 1
+
+
+def test_a_stream_that_ends_before_its_first_event_is_whole_is_judged_on_what_came() -> None:
+    facts = Facts(None)
+    rig = Rig(facts=facts)
+    stream = StreamJudge(rig.judge, exchange(stream=True))
+    stream.feed(b'data: {"choices": [{"text": "hi"}]}')
+    assert not stream.decided
+    stream.finish()
+    assert stream.decided and rig.traces.decisions == [("no_release", "admitted", "not_released")]
+    assert facts.observed == []  # not an error event: nothing learnt of D
+
+
+def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
+    lead = b'event: response.created\ndata: {"type": "response.created"}\n\n'
+    for route, decided in (("/v1/responses", False), ("/v1/completions", True)):
+        rig = Rig()
+        stream = StreamJudge(rig.judge, exchange(stream=True, route=route))
+        stream.feed(lead)
+        assert stream.decided is decided, route
+    rig = Rig()
+    stream = StreamJudge(rig.judge, exchange(stream=True, route="/v1/responses"))
+    stream.feed(lead + REFUSAL)
+    assert [job.cause for job in rig.queue.jobs] == [Cause.STREAM_ADMISSION_ERROR]
