@@ -28,18 +28,15 @@ import httpx
 
 from tests.e2e import cluster, simcompare
 from tests.e2e.engines import EngineFailed, Processes
-from tests.e2e.evidence import Evidence
-from tests.e2e.report import Report, Row, table
+from tests.e2e.report import Attempt, Report, Row, table
 from tests.e2e.runner import Runner
-from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect, Mode, scenarios_for
+from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Mode, Scenario, scenarios_for
 from tests.e2e.sidecars import Peers, SidecarProcess, start_sidecar
-from tests.e2e.stalls import STALL, StallWatch
-from tests.e2e.verdict import judge, only_late
+from tests.e2e.stalls import StallWatch
+from tests.e2e.verdict import judge, kinds_of, retry_allowed
 
 MODES: tuple[Mode, ...] = ("nixl", "http", "router")
 MISSING = 3
-#: Attempts at a scenario at most: more only after a failure during a machine stall (``stalls``).
-ATTEMPTS = 3
 #: P's lease for the harness's own engines. Short enough that the negative control fails fast, long
 #: enough that a loaded 2-core machine (engines stalled for seconds) frees nothing by expiry.
 LEASE = 20
@@ -177,30 +174,24 @@ def run_mode(
     for scenario in scenarios_for(mode, reduced):
         if scenario.d_down != down:
             continue
-        expect, status = scenario.expectation(mode), scenario.expected_status()
+        report.rows.append(run_row(runner, mode, scenario, sidecar))
+
+
+def run_row(runner: Runner, mode: Mode, scenario: Scenario, sidecar: SidecarProcess) -> Row:
+    """One scenario, run again only while ``retry_allowed`` says so; every failed attempt is kept."""
+    expect, status = scenario.expectation(mode), scenario.expected_status()
+    attempts: list[Attempt] = []
+    while True:
         evidence = runner.run(scenario, mode, sidecar)
-        problems, failed = judge(expect, status, evidence), list[str]()
-        while problems and len(failed) < ATTEMPTS - 1 and worth_another(expect, status, evidence, failed):
-            failed.append(
-                f"attempt {len(failed) + 1} failed (stalled {evidence.stall:.1f} s, the harness "
-                f"{evidence.harness_stall:.1f} s, load {evidence.load:.1f}): " + "; ".join(problems)
-            )
-            evidence = runner.run(scenario, mode, sidecar)
-            problems = judge(expect, status, evidence)
-        evidence.notes += failed
-        report.rows.append(Row(mode, scenario, evidence, problems))
-        print(
-            f"{mode:7} {scenario.key:30} {'pass' if not problems else 'FAIL ' + '; '.join(problems)}",
-            flush=True,
-        )
-
-
-def worth_another(expect: Expect, status: int, evidence: Evidence, failed: list[str]) -> bool:
-    """Whether a failed attempt says more about the machine than the system under test: it
-    stalled (every attempt may then be retried), or the only fault was lateness (once)."""
-    if evidence.stall >= STALL:
-        return True
-    return not failed and only_late(expect, status, evidence)
+        problems = judge(expect, status, evidence)
+        if not retry_allowed(kinds_of(problems), evidence.window_stall, len(attempts) + 1):
+            break
+        attempts.append(Attempt.of(problems, evidence))
+        print(f"{mode:7} {scenario.key:30} retry: {attempts[-1].kinds} in a {evidence.window_stall} s stall")
+    row = Row(mode, scenario, evidence, problems, attempts)
+    verdict = "pass" if row.passed else "FAIL " + "; ".join(map(str, problems))
+    print(f"{mode:7} {scenario.key:30} {verdict}{' (retried)' if row.retried else ''}", flush=True)
+    return row
 
 
 def compare(runner: Runner, report: Report, client: httpx.Client) -> None:

@@ -152,6 +152,7 @@ class Evidence:
     lease: float = 0.0
     stall: float = 0.0  # the longest the machine stalled during the scenario (``tests.e2e.stalls``)
     harness_stall: float = 0.0  # the part of ``stall`` the harness itself saw (its own thread)
+    window_stall: float = 0.0  # the longest stall inside the release window (pin to lease end)
     load: float = 0.0  # the machine's load average (1 minute) when the scenario ended
     notes: list[str] = field(default_factory=list)
 

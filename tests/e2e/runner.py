@@ -94,7 +94,7 @@ class Runner:
     def p_view(self) -> PView:
         started = time.monotonic()
         text = self.client.get(self.target.p_url + "/metrics").text
-        self.stalls.note(time.monotonic() - started)
+        self.stalls.note(started, time.monotonic())
         return PView.parse(text)
 
     def wait_p_idle(self, since: float, ev: Evidence) -> None:
@@ -138,7 +138,9 @@ class Runner:
         self.stalls.reset()
         ev = Evidence(lease=self.target.lease)
         with Traffic(self.target.p_url, self.target.model):
-            self._run(scenario, mode, sidecar, before, ev)
+            pinned_at = self._run(scenario, mode, sidecar, before, ev)
+        # The release window: from P's pin to its lease's end (a timing failure happens in it).
+        ev.window_stall = round(self.stalls.longest_within(pinned_at, pinned_at + self.target.lease), 2)
         ev.stall = round(self.stalls.worst, 2)
         ev.harness_stall = round(self.stalls.worst_gap, 2)
         ev.load = round(os.getloadavg()[0], 1)
@@ -146,7 +148,8 @@ class Runner:
 
     def _run(
         self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess, before: Before, ev: Evidence
-    ) -> None:
+    ) -> float:
+        """The scenario's requests and P's evidence; when P pinned the blocks (``time.monotonic()``)."""
         text = self.text(scenario, mode)
         body = client_body(scenario, self.target.model, text, self.target.limits)
         if mode == "router":
@@ -164,6 +167,7 @@ class Runner:
         self.after(sidecar, before, ev)
         if scenario.expectation(mode) is Expect.D_READS and ev.status == 200:
             self.compare(scenario, body, ev)
+        return started
 
     def text(self, scenario: Scenario, mode: Mode) -> str:
         words = self.target.long_prompt_words if scenario.long_prompt else SHORT_PROMPT_WORDS
