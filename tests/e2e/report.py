@@ -1,6 +1,8 @@
 """``out/e2e/report.json`` and the printed table: one line per scenario, with P's evidence.
 
-The run's result is ``pass`` only when every scenario passed, no attempt of
+The run's result is ``pass`` only when every scenario passed, the output
+control was detected (``tests.e2e.controls``: D read another request's
+blocks, and the output check failed it), no attempt of
 any scenario failed for a reason other than time (``tests.e2e.verdict``:
 such a failure is never run again, so this holds by construction and is
 checked anyway), the negative control failed as it must (a sidecar with
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tests.e2e.controls import OutputControl, summary
 from tests.e2e.evidence import Evidence
 from tests.e2e.scenarios import Mode, Scenario
 from tests.e2e.simcompare import Comparison
@@ -106,6 +109,7 @@ class Report:
 
     rows: list[Row] = field(default_factory=list)
     control: Row | None = None
+    output_control: OutputControl | None = None
     comparisons: list[Comparison] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
@@ -123,6 +127,7 @@ class Report:
         ok = all(row.passed and not row.non_timing for row in self.rows) and all(
             c.ok for c in self.comparisons
         )
+        ok = ok and (self.output_control is None or self.output_control.detected)
         return "pass" if ok and (self.control is None or self.control_failed) else "fail"
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,6 +141,7 @@ class Report:
             "negative_control": None
             if self.control is None
             else {**self.control.as_dict(), "failed_as_it_must": self.control_failed},
+            "output_control": None if self.output_control is None else self.output_control.as_dict(),
             "simulator": [{**asdict(c), "ok": c.ok} for c in self.comparisons],
             "skipped": self.skipped,
         }
@@ -174,6 +180,8 @@ def table(report: Report) -> str:
             f"{row.mode:7} {row.scenario.key:30} {ev.status:>6}  {p_says(ev):38} "
             f"{'sent ' + str(ev.sidecar_sent):9} {ev.d_reads:>6}  {verdict}"
         )
+    if report.output_control is not None:
+        lines.append(summary(report.output_control))
     for c in report.comparisons:
         state = "same" if not c.differences else ("known: " + c.known if c.known else "DIFFERENT")
         found = ": " + "; ".join(c.differences) if c.differences else ""

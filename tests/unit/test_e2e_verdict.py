@@ -104,7 +104,13 @@ def test_an_admitted_request_needs_a_read_and_the_same_answer_as_d_alone() -> No
     )
     assert judge(Expect.D_READS, 200, read) == []
     read.same_output, read.reference = False, "b"
-    assert texts(judge(Expect.D_READS, 200, read)) == ["the P/D answer 'a' differs from D's own 'b'"]
+    assert texts(judge(Expect.D_READS, 200, read)) == [
+        "the P/D answer differs from D's own: 'a' vs D's own 'b'"
+    ]
+    read.output_differences = ["logprobs differ by up to 0.3000 (tolerance 0.02)"]
+    assert texts(judge(Expect.D_READS, 200, read)) == [
+        "the P/D answer differs from D's own: logprobs differ by up to 0.3000 (tolerance 0.02)"
+    ]
     read.same_output, read.d_reads = None, 0
     assert texts(judge(Expect.D_READS, 200, read)) == [
         "D made no NIXL read",
@@ -249,3 +255,29 @@ def test_a_retried_row_is_marked_and_a_non_timing_attempt_fails_the_run() -> Non
         row(freed_by_sidecar(), [], [Attempt.of(judge(Expect.SIDECAR_FREES, 400, duplicate), duplicate)])
     ]
     assert report.rows[0].non_timing and report.result == "fail"
+
+
+def test_a_first_look_after_the_lease_cannot_time_the_free_p_counters_decide() -> None:
+    # The decode leg took longer than P's lease (a loaded D): the harness first looked at P after
+    # it. No expiry and no late notification: D's notification freed the blocks in time.
+    slow = freed_by_sidecar(freed_after=LEASE + 4, first_poll=LEASE + 3.9)
+    assert judge(Expect.SIDECAR_FREES, 400, slow) == []
+    assert kinds_of(judge(Expect.SIDECAR_FREES, 400, freed_by_sidecar(freed_after=LEASE + 4))) == [Kind.LATE]
+    expired = freed_by_sidecar(freed_after=LEASE + 4, first_poll=LEASE + 3.9, expired=1)
+    assert kinds_of(judge(Expect.SIDECAR_FREES, 400, expired)) == [Kind.EXPIRED]
+
+
+def test_left_for_a_retry_needs_the_expiry_no_attempt_and_the_sidecar_s_word() -> None:
+    left = released_by_nobody()
+    left.sidecar, left.not_released, left.status = {}, {"retryable": 1}, 503
+    assert judge(Expect.LEFT, 503, left) == []
+    left.sidecar = {"failed": 1}  # it tried: not left for the retry
+    assert kinds_of(judge(Expect.LEFT, 503, left)) == [Kind.RELEASES]
+    left.sidecar, left.not_released = {}, {}
+    assert kinds_of(judge(Expect.LEFT, 503, left)) == [Kind.RELEASES]
+    # Nobody can release (http, D down): one failed attempt at the deadline is expected.
+    tried = released_by_nobody()
+    tried.sidecar = {"failed": 1}
+    assert judge(Expect.LEASE, 400, tried) == []
+    tried.sidecar = {"failed": 1, "sent": 1}
+    assert kinds_of(judge(Expect.LEASE, 400, tried)) == [Kind.RELEASES]
