@@ -20,6 +20,7 @@ import pytest
 from sidecar import retries
 from sidecar.server import serve
 from tests.e2e import setup_env
+from tests.e2e.__main__ import Chosen
 from tests.e2e.__main__ import main as e2e_main
 from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
 from tests.e2e.scenarios import (
@@ -234,3 +235,12 @@ def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Pat
     assert config.release == ("nixl" if mode == "router" else mode)
     assert config.release_deadline == 10.0 and config.p_hold_seconds == 20.0
     assert config.prefill == (("http://127.0.0.1:8301",) if mode == "router" else ())
+
+
+def test_only_picks_scenarios_by_key_or_mode_and_key() -> None:
+    admitted = Chosen(only=("nixl:admit*",))
+    assert [s.key for s in admitted("nixl")] == ["admit", "admit-chat", "admit-stream", "admit-responses"]
+    assert admitted("http") == ()
+    assert [s.key for s in Chosen(only=("cap",))("router")] == ["cap"]
+    assert {s.key for s in Chosen(reduced=True, only=("*down*",))("defaults")} == {"down"}
+    assert Chosen()("auto") == scenarios_for("auto")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.e2e.controls import Leg, OutputControl
 from tests.e2e.evidence import Evidence, PLog
 from tests.e2e.report import Attempt, Report, Row, table
 from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect
@@ -281,3 +282,42 @@ def test_left_for_a_retry_needs_the_expiry_no_attempt_and_the_sidecar_s_word() -
     assert judge(Expect.LEASE, 400, tried) == []
     tried.sidecar = {"failed": 1, "sent": 1}
     assert kinds_of(judge(Expect.LEASE, 400, tried)) == [Kind.RELEASES]
+
+
+def crossed(same: list[bool | None], reads: int = 2, status: int = 200) -> OutputControl:
+    """The output control's evidence: two crossed legs, each compared with D's own answer."""
+    legs = [
+        Leg(name, blocks, Evidence(status=status, same_output=value))
+        for (name, blocks), value in zip((("A", "B"), ("B", "A")), same, strict=True)
+    ]
+    return OutputControl(legs, Evidence(d_reads=reads, freed_after=2.0), tokens=160)
+
+
+@pytest.mark.parametrize(
+    ("control", "detected"),
+    [
+        (crossed([False, False]), True),
+        (crossed([True, False]), False),  # one crossed leg matched D alone: the check is blind to it
+        (crossed([None, False]), False),  # not compared
+        (crossed([False, False], reads=1), False),  # D computed one itself: not a wrong read
+        (crossed([False, False], status=400), False),
+        (OutputControl(error="no prompt of 160 tokens"), False),
+    ],
+)
+def test_the_output_control_is_detected_only_when_every_crossed_leg_differs(
+    control: OutputControl, detected: bool
+) -> None:
+    assert control.detected is detected
+
+
+def test_the_run_fails_when_the_output_check_cannot_see_wrong_blocks() -> None:
+    control = released_by_nobody()
+    report = Report(rows=[row(freed_by_sidecar())])
+    report.control = Row("off", CONTROL, control, judge(Expect.SIDECAR_FREES, 400, control))
+    report.output_control = crossed([False, False])
+    assert report.result == "pass"
+    assert "output control: D read another request's blocks: detected" in table(report)
+    report.output_control = crossed([True, True])
+    assert report.result == "fail"
+    assert "NOT DETECTED" in table(report)
+    assert report.as_dict()["output_control"]["detected_as_it_must"] is False
