@@ -11,6 +11,8 @@ goes to nginx. Then, each judged from P's evidence like any scenario:
    1's sidecar answers 503, leaves it (a retried status), nginx retries on pod
    2, whose D reads P's blocks: the answer equals D's own, P frees the blocks
    at D's read, and no notification reaches P for blocks it no longer held.
+   (nginx round-robins, and after a failure avoids pod 1 for 10 s: the run is
+   an error unless pod 1 left at least one of these requests to the retry.)
 2. Rejections while pod 1 is down: freed at once, by pod 2's sidecar
    (before D's handler) or pod 2's D (its handler).
 3. Both pods' D stopped: nginx answers the second 503; neither sidecar may
@@ -110,7 +112,10 @@ def run_two_pods(
         left = _retryable(pods[0], runner.client)
         for scenario in scenarios(POD1_DOWN):
             report.rows.append(run_row(runner, "pods", scenario, nginx))
-        report.info["two_pods_pod1_left_for_retry"] = _retryable(pods[0], runner.client) - left
+        left = _retryable(pods[0], runner.client) - left
+        report.info["two_pods_pod1_left_for_retry"] = left
+        if not left:  # nginx never tried pod 1: nothing above went through its retry
+            raise RuntimeError("nginx sent no request to pod 1 after its D stopped: no retry was exercised")
         processes.stop(d2)
         target.d_up = False
         for scenario in scenarios(BOTH_DOWN):

@@ -19,10 +19,11 @@ import pytest
 
 from sidecar import retries
 from sidecar.server import serve
-from tests.e2e import setup_env
+from tests.e2e import setup_env, twopods
 from tests.e2e.__main__ import Chosen
 from tests.e2e.__main__ import main as e2e_main
 from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
+from tests.e2e.evidence import sidecar_results
 from tests.e2e.scenarios import (
     REDUCED,
     ROUTER_SCENARIOS,
@@ -244,3 +245,31 @@ def test_only_picks_scenarios_by_key_or_mode_and_key() -> None:
     assert [s.key for s in Chosen(only=("cap",))("router")] == ["cap"]
     assert {s.key for s in Chosen(reduced=True, only=("*down*",))("defaults")} == {"down"}
     assert Chosen()("auto") == scenarios_for("auto")
+
+
+def test_two_pods_need_memory_for_three_engines(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 25000000 kB\nMemAvailable: 4194304 kB\n")
+    with pytest.raises(RuntimeError, match=r"two pods need 6 GB available for three engines; 4\.0 GB is"):
+        twopods.enough_memory(meminfo)
+    meminfo.write_text("MemAvailable: 20000000 kB\n")
+    twopods.enough_memory(meminfo)
+
+
+def test_two_pods_run_the_shipped_defaults_and_sum_both_sidecars() -> None:
+    class Fixed:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def metrics(self, client: object) -> str:
+            return self.text
+
+    pods = [
+        Fixed('kvr_releases_total{result="sent"} 1.0\n'),
+        Fixed('kvr_releases_total{result="sent"} 2.0\n'),
+    ]
+    front = twopods.Front("http://127.0.0.1:1", pods)  # type: ignore[arg-type]
+    assert sidecar_results(front.metrics(None)) == {"sent": 3.0}  # type: ignore[arg-type]
+    down = twopods.scenarios(twopods.BOTH_DOWN)
+    assert [s.expectation("pods") for s in down] == [Expect.LEFT]
+    assert all(not s.d_down for s in twopods.scenarios(twopods.POD1_DOWN))
