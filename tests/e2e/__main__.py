@@ -235,7 +235,10 @@ def run_row(runner: Runner, mode: Mode, scenario: Scenario, sidecar: Proxy) -> R
         if not retry_allowed(kinds_of(problems), evidence.window_stall, len(attempts) + 1):
             break
         attempts.append(Attempt.of(problems, evidence))
-        print(f"{mode:7} {scenario.key:30} retry: {attempts[-1].kinds} in a {evidence.window_stall} s stall")
+        print(
+            f"{mode:7} {scenario.key:30} retry: {attempts[-1].kinds} in a {evidence.window_stall} s stall",
+            flush=True,
+        )
     row = Row(mode, scenario, evidence, problems, attempts)
     verdict = "pass" if row.passed else "FAIL " + "; ".join(map(str, problems))
     print(f"{mode:7} {scenario.key:30} {verdict}{' (retried)' if row.retried else ''}", flush=True)
