@@ -133,7 +133,10 @@ def wrong_blocks(runner: Runner, sidecar: Proxy) -> OutputControl:
 def summary(control: OutputControl) -> str:
     """One line for the table."""
     state = "detected (fails as it must)" if control.detected else "NOT DETECTED"
-    gaps = [leg.evidence.logprob_gap for leg in control.legs]
+    gaps = [
+        None if gap is None else round(gap, 3) for gap in (leg.evidence.logprob_gap for leg in control.legs)
+    ]
+    freed = "held" if control.p.freed_after is None else f"freed {control.p.freed_after:.1f}s"
     return f"output control: D read another request's blocks: {state}; logprob gaps {gaps}; " + (
-        control.error or f"{control.p.d_reads} reads, P freed after {control.p.freed_after}"
+        control.error or f"{control.p.d_reads} reads, P {freed}, expired +{control.p.expired}"
     )
