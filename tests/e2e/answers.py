@@ -52,12 +52,6 @@ def output_of(route: str, raw: bytes) -> Output:
     return _joined([_piece(route, payload)])
 
 
-def text_of(route: str, raw: bytes) -> str:
-    """What the model wrote, then `` | tokens [...]`` when the answer lists token ids."""
-    found = output_of(route, raw)
-    return f"{found.text} | tokens {list(found.ids)}" if found.ids else found.text
-
-
 def differences(pd: Output, reference: Output, tolerance: float = TOLERANCE) -> list[str]:
     """How the P/D answer differs from D's own; empty when they are the same."""
     found = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.answers import TOLERANCE, Output, differences, logprob_gap, output_of, text_of
+from tests.e2e.answers import TOLERANCE, Output, differences, logprob_gap, output_of
 from tests.e2e.evidence import Evidence, PLog, PView, by_label, d_reads, delta, error_shape, sidecar_results
 
 # As vLLM 0.32's P serves them (one engine, one model), with the lines a naive parser trips on.
@@ -162,7 +162,7 @@ def test_whether_d_notified_as_p_and_the_sidecar_tell_it(evidence: Evidence, not
     ],
 )
 def test_the_generated_text_of_an_answer(route: str, raw: bytes, text: str) -> None:
-    assert text_of(route, raw) == text
+    assert output_of(route, raw).summary() == text
 
 
 COMPLETION = (
