@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.e2e.__main__ import run_row
 from tests.e2e.controls import Leg, OutputControl
 from tests.e2e.evidence import Evidence, PLog
 from tests.e2e.report import Attempt, Report, Row, table
@@ -321,3 +322,50 @@ def test_the_run_fails_when_the_output_check_cannot_see_wrong_blocks() -> None:
     assert report.result == "fail"
     assert "NOT DETECTED" in table(report)
     assert report.as_dict()["output_control"]["detected_as_it_must"] is False
+
+
+class Scripted:
+    """Stands in for ``tests.e2e.runner.Runner``: each ``run`` returns the next evidence."""
+
+    def __init__(self, *evidence: Evidence) -> None:
+        self.evidence = list(evidence)
+        self.runs = 0
+
+    def run(self, scenario: object, mode: object, sidecar: object) -> Evidence:
+        self.runs += 1
+        return self.evidence.pop(0)
+
+
+def stalled(ev: Evidence, seconds: float = 12.0) -> Evidence:
+    ev.window_stall = seconds
+    return ev
+
+
+@pytest.mark.parametrize(
+    ("script", "runs", "passed", "retried"),
+    [
+        ([freed_by_sidecar()], 1, True, False),
+        ([stalled(late()), freed_by_sidecar()], 2, True, True),  # late in a stall, then on time
+        ([late(), freed_by_sidecar()], 1, False, False),  # late without a stall: reported
+        ([stalled(late()), stalled(late()), stalled(late())], 3, False, True),  # three attempts at most
+        # Never run again, however long the stall: a duplicate, a failed release, a wrong status.
+        ([stalled(freed_by_sidecar(after_expiry=1)), freed_by_sidecar()], 1, False, False),
+        ([stalled(freed_by_sidecar(sidecar={"failed": 1})), freed_by_sidecar()], 1, False, False),
+        ([stalled(freed_by_sidecar(status=503)), freed_by_sidecar()], 1, False, False),
+        # Late in a stall, then a duplicate: the second attempt's non-timing failure stands.
+        ([stalled(late()), stalled(freed_by_sidecar(after_expiry=2)), freed_by_sidecar()], 2, False, True),
+    ],
+)
+def test_the_harness_runs_a_scenario_again_only_as_the_rule_says(
+    script: list[Evidence], runs: int, passed: bool, retried: bool
+) -> None:
+    runner = Scripted(*script)
+    pre = next(s for s in SIDECAR_SCENARIOS if s.key == "pre-validation")
+    result = run_row(runner, "nixl", pre, None)  # type: ignore[arg-type]
+    assert (runner.runs, result.passed, result.retried) == (runs, passed, retried)
+    assert all(attempt.timing_only for attempt in result.attempts)
+    report = Report(rows=[result])
+    report.control = Row(
+        "off", CONTROL, released_by_nobody(), judge(Expect.SIDECAR_FREES, 400, released_by_nobody())
+    )
+    assert report.result == ("pass" if passed else "fail")
