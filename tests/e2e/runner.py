@@ -130,6 +130,10 @@ class Runner:
             self.client.post(url + "/v1/completions", json=body).raise_for_status()
 
     def before(self, sidecar: Proxy) -> Before:
+        """The counters a scenario starts from, once P holds no block and both engines have
+        stepped: a notification still queued from before (an idle P reads one only when it steps;
+        seen here: the warm-up's, which D sent after P's lease) is counted before, not in it."""
+        self.step_engines()
         if self.p_view().usage != 0.0:
             idle = Evidence()
             self.wait_p_idle(time.monotonic(), idle)
