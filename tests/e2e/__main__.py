@@ -40,6 +40,8 @@ from tests.e2e.verdict import judge, kinds_of, retry_allowed
 
 MODES: tuple[Mode, ...] = ("nixl", "http", "router", "auto", "defaults")
 MISSING = 3
+#: Seconds the harness keeps an idle connection: under the servers' own 5 s keep-alive.
+KEEPALIVE = 2.0
 #: P's lease for the harness's own engines. Short enough that the negative control fails fast, long
 #: enough that a loaded 2-core machine (engines stalled for seconds) frees nothing by expiry.
 LEASE = 20
@@ -149,7 +151,10 @@ def run_all(
 ) -> None:
     """The modes, the control, the simulator, then D stopped (see the module docstring)."""
     target = engines.target
-    with httpx.Client(timeout=120, trust_env=False) as client, StallWatch() as stalls:
+    # Idle connections are dropped after 2 s: uvicorn (P, D, the sidecars) closes them after 5 s, and a
+    # request sent on one it is closing fails ("Server disconnected without sending a response").
+    keepalive = httpx.Limits(keepalive_expiry=KEEPALIVE)
+    with httpx.Client(timeout=120, trust_env=False, limits=keepalive) as client, StallWatch() as stalls:
         report.info.update(cluster.calibrate(target, client))
         report.info["warm_up_seconds"] = round(cluster.warm_up(target, client), 1)
         report.info["lease"] = target.lease
