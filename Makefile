@@ -78,8 +78,10 @@ mutate: $(STAMP)
 soak: $(STAMP)
 	$(UV) run --frozen --no-sync python -m tests.faults.soak
 
-# The sidecar between two real vLLM engines (a CPU build, NIXL on loopback): README "Real vLLM, end to end".
-# The engines run from their own environment ($(E2E_VENV)); the harness and the sidecar from .venv.
+# The sidecar between two real vLLM engines (a CPU build, NIXL on loopback): docs/testing.md "Real vLLM,
+# end to end". The engines run from their own environment ($(E2E_VENV)); the harness and the sidecar
+# from .venv. E2E_ARGS: --reduced (CI), --two-pods (two decode pods, shipped defaults, nginx in front),
+# --modes defaults (the sidecar as serve ships it), --only PATTERNS (python -m tests.e2e --help).
 E2E_VENV := .venv-e2e
 E2E_FIND_LINKS ?=
 E2E_ARGS ?=

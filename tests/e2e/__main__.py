@@ -5,11 +5,12 @@ the harness makes the tiny model and starts P and D itself; with ``--p-url``
 and ``--d-url`` it runs the same scenarios against a user's own P and D
 (``--lease`` their ``kv_lease_duration``; ``--p-log`` P's log file, for P's
 log lines; ``--control-token-file`` D's plugin token, for the http mode).
-Order: the modes' scenarios (``nixl``, ``http``, ``router``), the negative
-control (releases off), then D stopped for the D-down scenarios, then the
-simulator comparison. It writes ``out/e2e/report.json``, prints the table
-and exits 0 only on a pass; it stops every process it started, also on
-failure and Ctrl-C.
+Order: the modes' scenarios (``nixl``, ``http``, ``router``, ``auto``, and
+``defaults``: the sidecar with every setting as ``serve`` ships it), the
+negative control (releases off), the output control (``tests.e2e.controls``),
+the simulator comparison, then D stopped for the D-down scenarios. It
+writes ``out/e2e/report.json``, prints the table and exits 0 only on a
+pass; it stops every process it started, also on failure and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -20,26 +21,27 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from fnmatch import fnmatch
 from pathlib import Path
 from types import FrameType
 
 import httpx
 
-from tests.e2e import cluster, simcompare
+from tests.e2e import cluster, controls, simcompare, twopods
 from tests.e2e.engines import EngineFailed, Processes
-from tests.e2e.evidence import Evidence
-from tests.e2e.report import Report, Row, table
+from tests.e2e.report import Attempt, Report, Row, table
 from tests.e2e.runner import Runner
-from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect, Mode, scenarios_for
-from tests.e2e.sidecars import Peers, SidecarProcess, start_sidecar
-from tests.e2e.stalls import STALL, StallWatch
-from tests.e2e.verdict import judge, only_late
+from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Mode, Scenario, scenarios_for
+from tests.e2e.sidecars import Peers, Proxy, start_sidecar
+from tests.e2e.stalls import StallWatch
+from tests.e2e.verdict import judge, kinds_of, retry_allowed
 
-MODES: tuple[Mode, ...] = ("nixl", "http", "router")
+MODES: tuple[Mode, ...] = ("nixl", "http", "router", "auto", "defaults")
 MISSING = 3
-#: Attempts at a scenario at most: more only after a failure during a machine stall (``stalls``).
-ATTEMPTS = 3
+#: Seconds the harness keeps an idle connection: under the servers' own 5 s keep-alive.
+KEEPALIVE = 2.0
 #: P's lease for the harness's own engines. Short enough that the negative control fails fast, long
 #: enough that a loaded 2-core machine (engines stalled for seconds) frees nothing by expiry.
 LEASE = 20
@@ -61,8 +63,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--control-token-file", default="", help="your D's kv_release plugin token (http mode)"
     )
     parser.add_argument("--prefill-allow", default="", help="P's side-channel hosts (default: P's host)")
-    parser.add_argument("--modes", default=",".join(MODES), help="modes to run (default nixl,http,router)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
     parser.add_argument("--reduced", action="store_true", help="a few scenarios per mode (CI)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="only the scenarios matching these comma-separated patterns (KEY or MODE:KEY, fnmatch)",
+    )
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative and output controls")
+    parser.add_argument(
+        "--two-pods",
+        action="store_true",
+        help="only the two-pod run: P, two decode pods (shipped defaults) behind nginx (tests.e2e.twopods)",
+    )
     parser.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
     parser.add_argument("--out", default="out/e2e", help="where the report, logs and model go")
     parser.add_argument("--engine-timeout", type=float, default=600, help="seconds for an engine to start")
@@ -71,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--p-url and --d-url go together")
     if not args.p_url and not args.engine_python:
         parser.error("give --engine-python (the harness starts P and D) or --p-url and --d-url")
+    if args.two_pods and args.p_url:
+        parser.error("--two-pods starts its own engines: give --engine-python, not --p-url")
     return args
 
 
@@ -112,8 +127,15 @@ def run(args: argparse.Namespace, out: Path, processes: Processes, report: Repor
             args.p_url, args.d_url, args.lease or 30, args.p_log, args.control_token_file
         )
     else:
+        if args.two_pods:
+            twopods.enough_memory()
         engines = cluster.own_engines(
-            processes, args.engine_python, out, int(args.lease or LEASE), args.engine_timeout
+            processes,
+            args.engine_python,
+            out,
+            int(args.lease or LEASE),
+            args.engine_timeout,
+            decoders=2 if args.two_pods else 1,
         )
     report.info.update(engines.info)
     try:
@@ -129,7 +151,10 @@ def run_all(
 ) -> None:
     """The modes, the control, the simulator, then D stopped (see the module docstring)."""
     target = engines.target
-    with httpx.Client(timeout=120, trust_env=False) as client, StallWatch() as stalls:
+    # Idle connections are dropped after 2 s: uvicorn (P, D, the sidecars) closes them after 5 s, and a
+    # request sent on one it is closing fails ("Server disconnected without sending a response").
+    keepalive = httpx.Limits(keepalive_expiry=KEEPALIVE)
+    with httpx.Client(timeout=120, trust_env=False, limits=keepalive) as client, StallWatch() as stalls:
         report.info.update(cluster.calibrate(target, client))
         report.info["warm_up_seconds"] = round(cluster.warm_up(target, client), 1)
         report.info["lease"] = target.lease
@@ -144,21 +169,30 @@ def run_all(
             engines.control_token_file,
             target.limits.body_cap,
         )
+        if args.two_pods:
+            twopods.run_two_pods(runner, processes, engines, peers, out, report, run_row)
+            return
         modes = [m for m in MODES if m in args.modes.split(",")]
-        if "http" in modes and engines.control_token_file is None:
-            modes.remove("http")
-            report.skipped.append("http: no --control-token-file for D's kv_release plugin")
+        for needs_token in ("http", "auto"):
+            if needs_token in modes and engines.control_token_file is None:
+                modes.remove(needs_token)
+                report.skipped.append(f"{needs_token}: no --control-token-file for D's kv_release plugin")
+        chosen = Chosen(args.reduced, tuple(p for p in args.only.split(",") if p))
         sidecars = {
             mode: start_sidecar(processes, mode, peers, out / "logs" / f"sidecar-{mode}.log")
             for mode in modes
         }
         for mode in modes:
-            run_mode(runner, mode, sidecars[mode], report, down=False, reduced=args.reduced)
-        control = start_sidecar(processes, "off", peers, out / "logs" / "sidecar-off.log")
-        evidence = runner.run(CONTROL, "off", control)
-        report.control = Row(
-            "off", CONTROL, evidence, judge(CONTROL.expectation("off"), CONTROL.expected_status(), evidence)
-        )
+            run_mode(runner, mode, sidecars[mode], report, down=False, chosen=chosen)
+        if not args.no_controls:
+            control = start_sidecar(processes, "off", peers, out / "logs" / "sidecar-off.log")
+            evidence = runner.run(CONTROL, "off", control)
+            expect = CONTROL.expectation("off")
+            report.control = Row("off", CONTROL, evidence, judge(expect, CONTROL.expected_status(), evidence))
+            report.output_control = controls.wrong_blocks(runner, sidecars.get("nixl") or control)
+            print(controls.summary(report.output_control), flush=True)
+        else:
+            report.skipped.append("controls: --no-controls (the run cannot pass without them)")
         if not args.no_sim:
             compare(runner, report, client)
         if engines.d is None:
@@ -167,40 +201,53 @@ def run_all(
         processes.stop(engines.d)
         target.d_up = False
         for mode in modes:
-            run_mode(runner, mode, sidecars[mode], report, down=True, reduced=args.reduced)
+            run_mode(runner, mode, sidecars[mode], report, down=True, chosen=chosen)
 
 
-def run_mode(
-    runner: Runner, mode: Mode, sidecar: SidecarProcess, report: Report, *, down: bool, reduced: bool
-) -> None:
-    """The mode's scenarios with D up (``down`` False) or those run with D stopped."""
-    for scenario in scenarios_for(mode, reduced):
-        if scenario.d_down != down:
-            continue
-        expect, status = scenario.expectation(mode), scenario.expected_status()
-        evidence = runner.run(scenario, mode, sidecar)
-        problems, failed = judge(expect, status, evidence), list[str]()
-        while problems and len(failed) < ATTEMPTS - 1 and worth_another(expect, status, evidence, failed):
-            failed.append(
-                f"attempt {len(failed) + 1} failed (stalled {evidence.stall:.1f} s, the harness "
-                f"{evidence.harness_stall:.1f} s, load {evidence.load:.1f}): " + "; ".join(problems)
-            )
-            evidence = runner.run(scenario, mode, sidecar)
-            problems = judge(expect, status, evidence)
-        evidence.notes += failed
-        report.rows.append(Row(mode, scenario, evidence, problems))
-        print(
-            f"{mode:7} {scenario.key:30} {'pass' if not problems else 'FAIL ' + '; '.join(problems)}",
-            flush=True,
+@dataclass(frozen=True)
+class Chosen:
+    """Which scenarios run: all, or the reduced set (``--reduced``), then only those ``--only`` names."""
+
+    reduced: bool = False
+    only: tuple[str, ...] = ()
+
+    def __call__(self, mode: Mode) -> tuple[Scenario, ...]:
+        return tuple(
+            scenario
+            for scenario in scenarios_for(mode, self.reduced)
+            if not self.only
+            or any(fnmatch(scenario.key, p) or fnmatch(f"{mode}:{scenario.key}", p) for p in self.only)
         )
 
 
-def worth_another(expect: Expect, status: int, evidence: Evidence, failed: list[str]) -> bool:
-    """Whether a failed attempt says more about the machine than the system under test: it
-    stalled (every attempt may then be retried), or the only fault was lateness (once)."""
-    if evidence.stall >= STALL:
-        return True
-    return not failed and only_late(expect, status, evidence)
+def run_mode(
+    runner: Runner, mode: Mode, sidecar: Proxy, report: Report, *, down: bool, chosen: Chosen
+) -> None:
+    """The mode's scenarios with D up (``down`` False) or those run with D stopped."""
+    for scenario in chosen(mode):
+        if scenario.d_down != down:
+            continue
+        report.rows.append(run_row(runner, mode, scenario, sidecar))
+
+
+def run_row(runner: Runner, mode: Mode, scenario: Scenario, sidecar: Proxy) -> Row:
+    """One scenario, run again only while ``retry_allowed`` says so; every failed attempt is kept."""
+    expect, status = scenario.expectation(mode), scenario.expected_status()
+    attempts: list[Attempt] = []
+    while True:
+        evidence = runner.run(scenario, mode, sidecar)
+        problems = judge(expect, status, evidence)
+        if not retry_allowed(kinds_of(problems), evidence.window_stall, len(attempts) + 1):
+            break
+        attempts.append(Attempt.of(problems, evidence))
+        print(
+            f"{mode:7} {scenario.key:30} retry: {attempts[-1].kinds} in a {evidence.window_stall} s stall",
+            flush=True,
+        )
+    row = Row(mode, scenario, evidence, problems, attempts)
+    verdict = "pass" if row.passed else "FAIL " + "; ".join(map(str, problems))
+    print(f"{mode:7} {scenario.key:30} {verdict}{' (retried)' if row.retried else ''}", flush=True)
+    return row
 
 
 def compare(runner: Runner, report: Report, client: httpx.Client) -> None:

@@ -49,6 +49,7 @@ class Engines:
     control_token_file: Path | None = None
     info: dict[str, Any] = field(default_factory=dict)
     memory: PeakMemory | None = None  # the harness's own engines: their peak memory
+    more_d: list[tuple[str, Child]] = field(default_factory=list)  # other decode engines: URL, child
 
 
 def make_model(python: str, out: Path) -> float:
@@ -68,16 +69,30 @@ def token_file(out: Path) -> Path:
     return path
 
 
-def own_engines(processes: Processes, python: str, out: Path, lease: int, timeout: float) -> Engines:
-    """Start P and D (see the module docstring); ``EngineFailed`` if either does not come up."""
+def own_engines(
+    processes: Processes, python: str, out: Path, lease: int, timeout: float, decoders: int = 1
+) -> Engines:
+    """Start P and ``decoders`` D engines (see the module docstring); ``EngineFailed`` if one does not
+    come up. The first D is the target's; the others (``D2``...) share its cores."""
     model_seconds = make_model(python, out / "model")
     token = token_file(out)
     logs = out / "logs"
     p_cpus, d_cpus = split_cores(os.cpu_count() or 1)
     specs = [
         EngineSpec("P", python, out / "model", free_port(), free_port(), lease, logs / "p.log", cpus=p_cpus),
-        EngineSpec(
-            "D", python, out / "model", free_port(), free_port(), lease, logs / "d.log", token, cpus=d_cpus
+        *(
+            EngineSpec(
+                f"D{index + 1 if index else ''}",
+                python,
+                out / "model",
+                free_port(),
+                free_port(),
+                lease,
+                logs / f"d{index + 1 if index else ''}.log",
+                token,
+                cpus=d_cpus,
+            )
+            for index in range(decoders)
         ),
     ]
     children = [start_engine(processes, spec) for spec in specs]
@@ -89,11 +104,12 @@ def own_engines(processes: Processes, python: str, out: Path, lease: int, timeou
     except BaseException:
         memory.__exit__()
         raise
-    p, d = specs
+    p, d = specs[:2]
     target = Target(p.url, d.url, "", float(lease), LogSource.of(children[0]))
     info = {"engines": "started by the harness", "model_seconds": round(model_seconds, 1)}
     info["engine_ready_seconds"] = {role: round(seconds, 1) for role, seconds in started.items()}
-    return Engines(target, children[1], token, info, memory)
+    more = [(spec.url, child) for spec, child in zip(specs[2:], children[2:], strict=True)]
+    return Engines(target, children[1], token, info, memory, more)
 
 
 def given_engines(p_url: str, d_url: str, lease: float, p_log: str, token: str) -> Engines:

@@ -100,6 +100,11 @@ def sidecar_results(text: str) -> dict[str, float]:
     return by_label(text, "kvr_releases_total", "result")
 
 
+def sidecar_not_released(text: str) -> dict[str, float]:
+    """The sidecar's rejections it did not release, by outcome (``retryable``, ``admitted``, ...)."""
+    return by_label(text, "kvr_not_released_total", "outcome")
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
     """What rose between two readings of a labelled counter (zero entries left out)."""
     rose = {key: round(value - before.get(key, 0.0)) for key, value in after.items()}
@@ -139,6 +144,7 @@ class Evidence:
     stream_error: int | None = None  # the code of an error event in a 200 stream
     pinned: bool = False  # P held blocks for the request (or, router mode, served its prefill leg)
     freed_after: float | None = None  # seconds from the pin until P held no block, None: never seen
+    first_poll: float = 0.0  # seconds from the pin to the harness's first look at P's usage
     expired: int = 0
     after_expiry: int = 0
     failed_notifications: int = 0
@@ -146,12 +152,16 @@ class Evidence:
     p_log: PLog = field(default_factory=PLog)
     d_reads: int = 0
     sidecar: dict[str, int] = field(default_factory=dict)
+    not_released: dict[str, int] = field(default_factory=dict)  # kvr_not_released_total by outcome
     same_output: bool | None = None  # admitted: the P/D answer equals D's own, token for token
-    output: str = ""
-    reference: str = ""
+    output: str = ""  # the P/D answer (``tests.e2e.answers.Output.summary``)
+    reference: str = ""  # D's own answer to the same prompt
+    output_differences: list[str] = field(default_factory=list)
+    logprob_gap: float | None = None  # the largest difference of a token's logprob from D's own
     lease: float = 0.0
     stall: float = 0.0  # the longest the machine stalled during the scenario (``tests.e2e.stalls``)
     harness_stall: float = 0.0  # the part of ``stall`` the harness itself saw (its own thread)
+    window_stall: float = 0.0  # the longest stall inside the release window (pin to lease end)
     load: float = 0.0  # the machine's load average (1 minute) when the scenario ended
     notes: list[str] = field(default_factory=list)
 

@@ -24,7 +24,17 @@ import httpx
 
 from tests.e2e import answers
 from tests.e2e.engines import Child
-from tests.e2e.evidence import Evidence, PLog, PView, d_reads, delta, error_shape, sidecar_results, totals
+from tests.e2e.evidence import (
+    Evidence,
+    PLog,
+    PView,
+    d_reads,
+    delta,
+    error_shape,
+    sidecar_not_released,
+    sidecar_results,
+    totals,
+)
 from tests.e2e.scenarios import (
     Expect,
     Limits,
@@ -37,7 +47,7 @@ from tests.e2e.scenarios import (
     pin_body,
     prompt,
 )
-from tests.e2e.sidecars import SidecarProcess
+from tests.e2e.sidecars import Proxy
 from tests.e2e.stalls import StallWatch
 from tests.e2e.traffic import Traffic
 
@@ -79,6 +89,7 @@ class Before:
     p: PView
     d_reads: float
     sidecar: dict[str, float]
+    not_released: dict[str, float]
     decided: float
     p_log: int
 
@@ -90,19 +101,25 @@ class Runner:
         self.target = target
         self.client = client
         self.stalls = stalls or StallWatch()
+        self.answer = b""  # the last answer ``send`` read
 
     def p_view(self) -> PView:
         started = time.monotonic()
         text = self.client.get(self.target.p_url + "/metrics").text
-        self.stalls.note(time.monotonic() - started)
+        self.stalls.note(started, time.monotonic())
         return PView.parse(text)
 
     def wait_p_idle(self, since: float, ev: Evidence) -> None:
-        """Poll P until it holds no block; ``ev.freed_after`` counts from ``since``."""
-        deadline = since + self.target.lease + 6.0
-        while time.monotonic() < deadline:
+        """Poll P until it holds no block; ``ev.freed_after`` counts from ``since``. A decode leg
+        that took longer than P's lease (a loaded machine) is still looked at: at least once, and
+        ``ev.first_poll`` says how late the first look came."""
+        ev.first_poll = time.monotonic() - since
+        deadline = max(since + self.target.lease, time.monotonic()) + 6.0
+        while True:
             if self.p_view().usage == 0.0:
                 ev.freed_after = time.monotonic() - since
+                return
+            if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
 
@@ -112,7 +129,11 @@ class Runner:
         for url in (self.target.p_url, self.target.d_url) if self.target.d_up else (self.target.p_url,):
             self.client.post(url + "/v1/completions", json=body).raise_for_status()
 
-    def before(self, sidecar: SidecarProcess) -> Before:
+    def before(self, sidecar: Proxy) -> Before:
+        """The counters a scenario starts from, once P holds no block and both engines have
+        stepped: a notification still queued from before (an idle P reads one only when it steps;
+        seen here: the warm-up's, which D sent after P's lease) is counted before, not in it."""
+        self.step_engines()
         if self.p_view().usage != 0.0:
             idle = Evidence()
             self.wait_p_idle(time.monotonic(), idle)
@@ -123,6 +144,7 @@ class Runner:
             self.p_view(),
             self._d_reads(),
             sidecar_results(metrics),
+            sidecar_not_released(metrics),
             _decided(metrics),
             self.target.p_log.size() if self.target.p_log else 0,
         )
@@ -132,21 +154,22 @@ class Runner:
             return 0.0
         return d_reads(self.client.get(self.target.d_url + "/metrics").text)
 
-    def run(self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess) -> Evidence:
+    def run(self, scenario: Scenario, mode: Mode, sidecar: Proxy) -> Evidence:
         """One scenario, start to end (see the module docstring)."""
         before = self.before(sidecar)
         self.stalls.reset()
         ev = Evidence(lease=self.target.lease)
         with Traffic(self.target.p_url, self.target.model):
-            self._run(scenario, mode, sidecar, before, ev)
+            pinned_at = self._run(scenario, mode, sidecar, before, ev)
+        # The release window: from P's pin to its lease's end (a timing failure happens in it).
+        ev.window_stall = round(self.stalls.longest_within(pinned_at, pinned_at + self.target.lease), 2)
         ev.stall = round(self.stalls.worst, 2)
         ev.harness_stall = round(self.stalls.worst_gap, 2)
         ev.load = round(os.getloadavg()[0], 1)
         return ev
 
-    def _run(
-        self, scenario: Scenario, mode: Mode, sidecar: SidecarProcess, before: Before, ev: Evidence
-    ) -> None:
+    def _run(self, scenario: Scenario, mode: Mode, sidecar: Proxy, before: Before, ev: Evidence) -> float:
+        """The scenario's requests and P's evidence; when P pinned the blocks (``time.monotonic()``)."""
         text = self.text(scenario, mode)
         body = client_body(scenario, self.target.model, text, self.target.limits)
         if mode == "router":
@@ -164,6 +187,7 @@ class Runner:
         self.after(sidecar, before, ev)
         if scenario.expectation(mode) is Expect.D_READS and ev.status == 200:
             self.compare(scenario, body, ev)
+        return started
 
     def text(self, scenario: Scenario, mode: Mode) -> str:
         words = self.target.long_prompt_words if scenario.long_prompt else SHORT_PROMPT_WORDS
@@ -194,37 +218,53 @@ class Runner:
         ev.stream_error = shape.code if shape.in_stream else None
         ev.answered_by = "sidecar" if b"decode server" in raw or b"kv-release-sidecar" in raw else "D"
         if ev.status == 200:
-            ev.output = answers.text_of(scenario.route, raw)
+            ev.output = answers.output_of(scenario.route, raw).summary()
+        self.answer = raw
 
-    def settle(self, sidecar: SidecarProcess, before: Before) -> None:
+    def settle(self, sidecar: Proxy, before: Before) -> None:
         """Wait until the sidecar has decided the request, then make P take one more step."""
         deadline = time.monotonic() + self.target.lease
         while time.monotonic() < deadline and _decided(sidecar.metrics(self.client)) <= before.decided:
             time.sleep(0.05)
         self.step_engines()
 
-    def after(self, sidecar: SidecarProcess, before: Before, ev: Evidence) -> None:
+    def after(self, sidecar: Proxy, before: Before, ev: Evidence) -> None:
         p = self.p_view()
         ev.expired = round(p.expired - before.p.expired)
         ev.after_expiry = round(p.after_expiry - before.p.after_expiry)
         ev.failed_notifications = round(p.failed_notifications - before.p.failed_notifications)
         ev.failed_transfers = round(p.failed_transfers - before.p.failed_transfers)
         ev.d_reads = round(self._d_reads() - before.d_reads)
-        ev.sidecar = delta(sidecar_results(sidecar.metrics(self.client)), before.sidecar)
+        metrics = sidecar.metrics(self.client)
+        ev.sidecar = delta(sidecar_results(metrics), before.sidecar)
+        ev.not_released = delta(sidecar_not_released(metrics), before.not_released)
         if self.target.p_log is not None:
             ev.p_log = PLog.parse(self.target.p_log.since(before.p_log))
         else:
             ev.notes.append("P's log not available: judged from P's /metrics only")
 
     def compare(self, scenario: Scenario, body: dict[str, Any], ev: Evidence) -> None:
-        """The same request, served by D alone: the P/D answer must be the same, token for token."""
-        reference = base_body(scenario.route, self.target.model, _prompt_of(body))
-        if scenario.stream:
+        """The same request, served by D alone: the P/D answer must be the same, token for token,
+        each token's logprob within ``answers.TOLERANCE``."""
+        compare(self, scenario.route, scenario.stream, _prompt_of(body), self.answer, ev)
+
+    def alone(self, route: str, stream: bool, text: str) -> answers.Output:
+        """D's own answer to ``text`` (greedy, with tokens and logprobs)."""
+        reference = base_body(route, self.target.model, text, detail=True)
+        if stream:
             reference["stream"] = True
-        response = self.client.post(self.target.d_url + scenario.route, json=reference)
+        response = self.client.post(self.target.d_url + route, json=reference)
         response.raise_for_status()
-        ev.reference = answers.text_of(scenario.route, response.content)
-        ev.same_output = bool(ev.output) and ev.output == ev.reference
+        return answers.output_of(route, response.content)
+
+
+def compare(runner: Runner, route: str, stream: bool, text: str, raw: bytes, ev: Evidence) -> None:
+    """Fill ``ev``'s output fields: the P/D answer ``raw`` beside D's own answer to ``text``."""
+    pd, reference = answers.output_of(route, raw), runner.alone(route, stream, text)
+    ev.output, ev.reference = pd.summary(), reference.summary()
+    ev.output_differences = answers.differences(pd, reference)
+    ev.logprob_gap = answers.logprob_gap(pd, reference)
+    ev.same_output = not ev.output_differences
 
 
 def _decided(metrics: str) -> float:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from sidecar.router.bodies import prefill_body
 
-Mode = Literal["nixl", "http", "router", "off"]
+Mode = Literal["nixl", "http", "router", "auto", "defaults", "pods", "off"]
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MESSAGES, GENERATE = "/v1/messages", "/inference/v1/generate"
 OUTPUT_TOKENS = 8
@@ -43,6 +43,7 @@ class Expect(StrEnum):
     SIDECAR_FREES = "the sidecar frees them at once"
     D_FREES = "D's own fix frees them, the sidecar sends nothing"
     LEASE = "P's lease frees them (nobody can release)"
+    LEFT = "P's lease frees them (the sidecar leaves them to a front's retry on another pod)"
     NOT_PINNED = "P pinned nothing"
 
 
@@ -65,9 +66,14 @@ class Scenario:
     status: int = 0  # the status the client must get (0: from the group)
 
     def expectation(self, mode: Mode) -> Expect:
-        """What P must show in ``mode``: the control strategy cannot reach a D that is down."""
+        """What P must show in ``mode``. D down: the control strategy cannot reach D, and the
+        shipped defaults leave the sidecar's 503 to a retry on another decode pod
+        (``retried_statuses`` 502,503,504; ``pods``: both pods' D down): in all three, P's
+        lease frees the blocks."""
         if self.d_down and mode == "http":
             return Expect.LEASE
+        if self.d_down and mode in ("defaults", "pods"):
+            return Expect.LEFT
         return self.expect
 
     def expected_status(self) -> int:
@@ -282,16 +288,35 @@ ROUTER_SCENARIOS: tuple[Scenario, ...] = (
 
 #: The negative control: the sidecar with releases off, on a rejection only the sidecar can free.
 CONTROL = _BY_KEY["pre-validation"]
-#: A few scenarios per mode for a short run (``--reduced``).
-REDUCED = frozenset({"admit", "pre-validation", "handler-temperature", "handler-max-tokens", "down"})
+#: A few scenarios per mode for a short run (``--reduced``): together every group of the full
+#: table (admitted, before D's handler, the body cap, a stream rejected after its 200, D's
+#: handler, D down), each route (completions, chat, responses, streams) and each strategy.
+REDUCED: dict[Mode, frozenset[str]] = {
+    "nixl": frozenset(
+        {"admit-stream", "admit-chat", "admit-responses", "pre-validation", "cap", "stream-dp-rank"}
+        | {"handler-temperature", "admit-messages", "pre-generate-validation", "down"}
+    ),
+    "http": frozenset({"admit", "pre-responses-validation", "stream-dp-rank", "handler-chat-temperature"}),
+    "router": frozenset(
+        {"admit", "pre-validation-stream", "handler-max-tokens", "cap", "down"}
+        | {"admit-messages", "pre-messages-validation", "pre-generate-validation"}
+    ),
+    "auto": frozenset(
+        {"admit", "pre-chat-validation", "stream-dp-rank", "handler-responses-temperature-stream", "down"}
+    ),
+    "defaults": frozenset({"admit-chat", "pre-validation", "stream-dp-rank", "handler-temperature", "down"}),
+}
 
 
 def scenarios_for(mode: Mode, reduced: bool = False) -> tuple[Scenario, ...]:
-    """The scenarios of ``mode`` (D-down ones last: D stays stopped after them)."""
+    """The scenarios of ``mode`` (D-down ones last: D stays stopped after them). The shipped
+    defaults' body cap is 64 MiB: no cap scenario there."""
     if mode == "off":
         return (CONTROL,)
     chosen = ROUTER_SCENARIOS if mode == "router" else SIDECAR_SCENARIOS
-    return tuple(s for s in chosen if not reduced or s.key in REDUCED)
+    if mode == "defaults":
+        chosen = tuple(s for s in chosen if not s.oversize)
+    return tuple(s for s in chosen if not reduced or s.key in REDUCED[mode])
 
 
 def prompt(key: str, words: int) -> str:
@@ -300,18 +325,21 @@ def prompt(key: str, words: int) -> str:
     return " ".join("".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(words))
 
 
-def base_body(route: str, model: str, text: str) -> dict[str, Any]:
-    """The valid, greedy request of ``route`` for ``text``."""
+def base_body(route: str, model: str, text: str, detail: bool = False) -> dict[str, Any]:
+    """The valid, greedy request of ``route`` for ``text``; with ``detail``, asking for each
+    generated token and its logprob as well (``tests.e2e.answers``: what an answer is compared on)."""
     if route == CHAT:
-        return {
+        body = {
             "model": model,
             "messages": [{"role": "user", "content": text}],
             "max_tokens": OUTPUT_TOKENS,
             "temperature": 0,
             "ignore_eos": True,
         }
+        return {**body, **DETAIL[CHAT]} if detail else body
     if route == RESPONSES:
-        return {"model": model, "input": text, "max_output_tokens": OUTPUT_TOKENS, "temperature": 0}
+        body = {"model": model, "input": text, "max_output_tokens": OUTPUT_TOKENS, "temperature": 0}
+        return {**body, **DETAIL[RESPONSES]} if detail else body
     if route == MESSAGES:
         return {
             "model": model,
@@ -322,7 +350,7 @@ def base_body(route: str, model: str, text: str) -> dict[str, Any]:
     if route == GENERATE:
         sampling = {"max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}
         return {"model": model, "token_ids": token_ids(text), "sampling_params": sampling}
-    return {
+    body = {
         "model": model,
         "prompt": text,
         "max_tokens": OUTPUT_TOKENS,
@@ -330,6 +358,15 @@ def base_body(route: str, model: str, text: str) -> dict[str, Any]:
         "ignore_eos": True,
         "return_token_ids": True,  # vLLM's own field: the answer lists the token ids
     }
+    return {**body, **DETAIL[COMPLETIONS]} if detail else body
+
+
+#: What an admitted request asks for beside the text, by route (vLLM's fields).
+DETAIL: dict[str, dict[str, Any]] = {
+    COMPLETIONS: {"logprobs": 1},
+    CHAT: {"logprobs": True, "return_token_ids": True},
+    RESPONSES: {"include": ["message.output_text.logprobs"], "top_logprobs": 1},
+}
 
 
 def token_ids(text: str) -> list[int]:
@@ -346,7 +383,7 @@ def pin_body(scenario: Scenario, model: str, text: str) -> bytes:
 def client_body(scenario: Scenario, model: str, text: str, limits: Limits) -> dict[str, Any]:
     """What the client sends: the base body, the fault (sized from ``limits``), the stream flag,
     and for an oversized scenario padding past the body cap."""
-    body = {**base_body(scenario.route, model, text)}
+    body = base_body(scenario.route, model, text, detail=scenario.expect is Expect.D_READS)
     for name, value in scenario.change.items():
         body[name] = _sized(value, limits) if isinstance(value, OverContext) else value
     if scenario.stream:

@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -43,8 +44,12 @@ MODE_ARGS: dict[Mode, tuple[str, ...]] = {
     "nixl": ("--release", "nixl"),
     "router": ("--release", "nixl"),
     "http": ("--release", "http"),
+    "auto": ("--release", "auto"),
     "off": ("--release", "off"),
 }
+#: The shipped defaults (``defaults`` mode): the strategy the shipped deploy/sidecar/sidecar.toml
+#: sets (the built-in default, dry-run, sends nothing), and what only this machine can say.
+DEFAULTS_ARGS = ("--release", "nixl", "--host", "127.0.0.1", "--admin-host", "127.0.0.1")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,17 @@ class Peers:
     body_cap: int = 65536  # small, so a 413 is cheap to provoke
 
 
+class Proxy(Protocol):
+    """What the scenarios send requests to: one sidecar, or a front over several (their counts summed)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def metrics(self, client: httpx.Client) -> str:
+        """The sidecar's (or sidecars') admin ``/metrics``."""
+        ...
+
+
 @dataclass
 class SidecarProcess:
     mode: Mode
@@ -71,6 +87,14 @@ class SidecarProcess:
 
 
 def sidecar_command(mode: Mode, peers: Peers, port: int, admin_port: int, python: str) -> list[str]:
+    """``serve`` for ``mode``: the e2e settings, or in ``defaults`` mode only D's and the ports'
+    addresses, the strategy and P's allowlist (every other setting as ``serve`` ships it)."""
+    if mode == "defaults":
+        return [
+            *(python, "-m", "sidecar", "serve", "--decode-url", peers.d_url),
+            *("--port", str(port), "--admin-port", str(admin_port), *DEFAULTS_ARGS),
+            *("--prefill-allow", peers.prefill_allow),
+        ]
     args = [
         python,
         "-m",
@@ -95,7 +119,7 @@ def sidecar_command(mode: Mode, peers: Peers, port: int, admin_port: int, python
     ]
     if mode == "router":
         args += ["--prefill", peers.p_url]
-    if mode == "http" and peers.control_token_file is not None:
+    if mode in ("http", "auto") and peers.control_token_file is not None:
         args += ["--control-token-file", str(peers.control_token_file)]
     return args
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.answers import text_of
+from tests.e2e.answers import TOLERANCE, Output, differences, logprob_gap, output_of
 from tests.e2e.evidence import Evidence, PLog, PView, by_label, d_reads, delta, error_shape, sidecar_results
 
 # As vLLM 0.32's P serves them (one engine, one model), with the lines a naive parser trips on.
@@ -162,4 +162,57 @@ def test_whether_d_notified_as_p_and_the_sidecar_tell_it(evidence: Evidence, not
     ],
 )
 def test_the_generated_text_of_an_answer(route: str, raw: bytes, text: str) -> None:
-    assert text_of(route, raw) == text
+    assert output_of(route, raw).summary() == text
+
+
+COMPLETION = (
+    b'{"choices":[{"text":" ab","token_ids":[5,6],'
+    b'"logprobs":{"tokens":[" a","b"],"token_logprobs":[-0.5,-1.25]}}]}'
+)
+CHAT_STREAM = (
+    b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"h"},"token_ids":[7],'
+    b'"logprobs":{"content":[{"token":"h","logprob":-0.1}]}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"i"},"token_ids":[8],'
+    b'"logprobs":{"content":[{"token":"i","logprob":-0.2}]}}]}\n\ndata: [DONE]\n\n'
+)
+RESPONSES = (
+    b'{"output":[{"type":"message","content":[{"type":"output_text","text":"yo",'
+    b'"logprobs":[{"token":"y","logprob":-0.3},{"token":"o","logprob":-0.4}]}]}]}'
+)
+RESPONSES_STREAM = (
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"y",'
+    b'"logprobs":[{"token":"y","logprob":-0.3}]}\n\n'
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"o",'
+    b'"logprobs":[{"token":"o","logprob":-0.4}]}\n\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("route", "raw", "output"),
+    [
+        ("/v1/completions", COMPLETION, Output(" ab", (5, 6), (" a", "b"), (-0.5, -1.25))),
+        ("/v1/chat/completions", CHAT_STREAM, Output("hi", (7, 8), ("h", "i"), (-0.1, -0.2))),
+        ("/v1/responses", RESPONSES, Output("yo", (), ("y", "o"), (-0.3, -0.4))),
+        ("/v1/responses", RESPONSES_STREAM, Output("yo", (), ("y", "o"), (-0.3, -0.4))),
+    ],
+)
+def test_tokens_and_logprobs_of_an_answer(route: str, raw: bytes, output: Output) -> None:
+    assert output_of(route, raw) == output
+
+
+def test_an_answer_differs_by_text_tokens_or_a_logprob_beyond_the_tolerance() -> None:
+    reference = Output(" ab", (5, 6), (" a", "b"), (-0.5, -1.25))
+    assert differences(reference, reference) == []
+    assert differences(Output(" ab", (5, 6), (" a", "b"), (-0.505, -1.25)), reference) == []
+    # The same greedy tokens, but computed from other blocks: the logprobs move.
+    moved = differences(Output(" ab", (5, 6), (" a", "b"), (-0.9, -1.25)), reference)
+    assert moved == [f"logprobs differ by up to 0.4000 (tolerance {TOLERANCE})"]
+    assert differences(Output(" ac", (5, 9), (" a", "c"), (-0.5, -1.25)), reference) == [
+        "text: ' ac' vs D's own ' ab'",
+        "ids: (5, 9) vs D's own (5, 6)",
+        "tokens: (' a', 'c') vs D's own (' a', 'b')",
+    ]
+    assert differences(Output(" ab", (5, 6), (" a", "b")), reference) == ["logprobs: 0 vs D's own 2"]
+    assert "the P/D answer has no output" in differences(Output(), reference)
+    assert logprob_gap(Output(), reference) is None

@@ -19,9 +19,11 @@ import pytest
 
 from sidecar import retries
 from sidecar.server import serve
-from tests.e2e import setup_env
+from tests.e2e import setup_env, twopods
+from tests.e2e.__main__ import Chosen
 from tests.e2e.__main__ import main as e2e_main
 from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
+from tests.e2e.evidence import sidecar_results
 from tests.e2e.scenarios import (
     REDUCED,
     ROUTER_SCENARIOS,
@@ -150,16 +152,43 @@ def test_faults_over_the_context_are_sized_from_d(max_model_len: int) -> None:
     assert len(json.dumps(client_body(by_key["handler-too-long"], "m", "ka", limits))) < limits.body_cap
 
 
+MODES = ("nixl", "http", "router", "auto", "defaults")
+
+
 def test_every_mode_has_its_cases_and_a_short_set() -> None:
-    for mode in ("nixl", "http", "router"):
+    for mode in MODES:
         full, reduced = scenarios_for(mode), scenarios_for(mode, reduced=True)  # type: ignore[arg-type]
         assert len({s.key for s in full}) == len(full)
         assert {s.group for s in full} >= {"admitted", "before D's handler", "D's handler", "D down"}
-        assert 0 < len(reduced) < len(full) and {s.key for s in reduced} <= REDUCED
+        assert 0 < len(reduced) < len(full)
+        assert {s.key for s in reduced} == REDUCED[mode]  # type: ignore[index]
         assert full[-1].d_down  # D-down scenarios last: D stays stopped after them
     down = next(s for s in SIDECAR_SCENARIOS if s.d_down)
-    assert (down.expectation("nixl"), down.expectation("http")) == (Expect.SIDECAR_FREES, Expect.LEASE)
+    assert [down.expectation(mode) for mode in ("nixl", "http", "auto", "defaults", "pods")] == [
+        Expect.SIDECAR_FREES,
+        Expect.LEASE,
+        Expect.SIDECAR_FREES,
+        Expect.LEFT,
+        Expect.LEFT,
+    ]
     assert all(not s.headers and s.content_type == "application/json" for s in ROUTER_SCENARIOS)
+    assert not any(s.oversize for s in scenarios_for("defaults"))  # the shipped cap is 64 MiB
+
+
+def test_the_reduced_run_covers_every_group_route_and_strategy() -> None:
+    rows = [(mode, s) for mode in MODES for s in scenarios_for(mode, reduced=True)]  # type: ignore[arg-type]
+    assert {s.group for _, s in rows} == {s.group for s in SIDECAR_SCENARIOS}
+    assert {s.route for _, s in rows} == {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+    admitted = {(s.route, s.stream) for _, s in rows if s.expect is Expect.D_READS}
+    assert {"/v1/chat/completions", "/v1/responses"} <= {route for route, _ in admitted}
+    assert any(stream for _, stream in admitted)
+    assert {mode for mode, _ in rows} == set(MODES)
+    # Most rows would fail behind a plain pass-through proxy: it releases nothing, and D down is
+    # its own 502 (those a pass-through passes: D reads, D's own fix, P's lease).
+    passes = [
+        s for mode, s in rows if s.expectation(mode) in (Expect.D_READS, Expect.D_FREES) and not s.d_down
+    ]
+    assert len(passes) < len(rows) / 2
 
 
 def test_the_serving_path_never_imports_the_harness() -> None:
@@ -181,7 +210,20 @@ def test_the_harness_loads_neither_torch_nor_vllm() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("mode", ["nixl", "http", "router", "off"])
+def test_the_defaults_sidecar_runs_serve_as_shipped(tmp_path: Path) -> None:
+    peers = Peers("http://127.0.0.1:8302", "http://127.0.0.1:8301", "127.0.0.1", 20.0)
+    command = sidecar_command("defaults", peers, 8000, 9100, sys.executable)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.load_config(parser.parse_args(command[4:]))
+    given = {"decode_url", "port", "admin_port", "host", "admin_host", "release", "prefill_allow"}
+    shipped = serve.load_config(parser.parse_args([]))
+    differs = {name for name in config.__struct_fields__ if getattr(config, name) != getattr(shipped, name)}
+    assert differs <= given
+    assert config.release == "nixl" and config.retried_statuses == ("502", "503", "504")
+
+
+@pytest.mark.parametrize("mode", ["nixl", "http", "router", "auto", "off"])
 def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Path) -> None:
     peers = Peers("http://127.0.0.1:8302", "http://127.0.0.1:8301", "127.0.0.1", 20.0, tmp_path / "token")
     (tmp_path / "token").write_text("t")
@@ -194,3 +236,40 @@ def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Pat
     assert config.release == ("nixl" if mode == "router" else mode)
     assert config.release_deadline == 10.0 and config.p_hold_seconds == 20.0
     assert config.prefill == (("http://127.0.0.1:8301",) if mode == "router" else ())
+
+
+def test_only_picks_scenarios_by_key_or_mode_and_key() -> None:
+    admitted = Chosen(only=("nixl:admit*",))
+    assert [s.key for s in admitted("nixl")] == ["admit", "admit-chat", "admit-stream", "admit-responses"]
+    assert admitted("http") == ()
+    assert [s.key for s in Chosen(only=("cap",))("router")] == ["cap"]
+    assert {s.key for s in Chosen(reduced=True, only=("*down*",))("defaults")} == {"down"}
+    assert Chosen()("auto") == scenarios_for("auto")
+
+
+def test_two_pods_need_memory_for_three_engines(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 25000000 kB\nMemAvailable: 4194304 kB\n")
+    with pytest.raises(RuntimeError, match=r"two pods need 6 GB available for three engines; 4\.0 GB is"):
+        twopods.enough_memory(meminfo)
+    meminfo.write_text("MemAvailable: 20000000 kB\n")
+    twopods.enough_memory(meminfo)
+
+
+def test_two_pods_run_the_shipped_defaults_and_sum_both_sidecars() -> None:
+    class Fixed:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def metrics(self, client: object) -> str:
+            return self.text
+
+    pods = [
+        Fixed('kvr_releases_total{result="sent"} 1.0\n'),
+        Fixed('kvr_releases_total{result="sent"} 2.0\n'),
+    ]
+    front = twopods.Front("http://127.0.0.1:1", pods)  # type: ignore[arg-type]
+    assert sidecar_results(front.metrics(None)) == {"sent": 3.0}  # type: ignore[arg-type]
+    down = twopods.scenarios(twopods.BOTH_DOWN)
+    assert [s.expectation("pods") for s in down] == [Expect.LEFT]
+    assert all(not s.d_down for s in twopods.scenarios(twopods.POD1_DOWN))

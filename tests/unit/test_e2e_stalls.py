@@ -17,11 +17,23 @@ from tests.servers import serve
 
 def test_the_watch_keeps_the_worst_stall_since_its_reset() -> None:
     with StallWatch(tick=0.01) as watch:
-        watch.note(3.5)  # P's /metrics answered after 3.5 s
+        watch.note(100.0, 103.5)  # P's /metrics answered after 3.5 s
         assert watch.worst == 3.5
         assert watch.worst_gap < 1.0  # the harness itself did not stall
         watch.reset()
         assert watch.worst < 1.0
+
+
+def test_a_stall_counts_only_for_the_part_inside_a_window() -> None:
+    watch = StallWatch()
+    watch.note(100.0, 103.5)
+    watch.note(200.0, 200.3)  # too short to be kept
+    assert watch.longest_within(90.0, 120.0) == 3.5
+    assert watch.longest_within(102.0, 130.0) == 1.5  # began before the window
+    assert watch.longest_within(104.0, 199.0) == 0.0  # ended before the window
+    assert watch.longest_within(199.0, 201.0) == 0.0
+    watch.reset()
+    assert watch.longest_within(90.0, 120.0) == 3.5  # a reset keeps what was recorded
 
 
 def test_the_watch_sees_the_harness_itself_stall() -> None:

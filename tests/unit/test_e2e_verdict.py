@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from tests.e2e.__main__ import worth_another
+from tests.e2e.__main__ import run_row
+from tests.e2e.controls import Leg, OutputControl
 from tests.e2e.evidence import Evidence, PLog
-from tests.e2e.report import Report, Row, table
+from tests.e2e.report import Attempt, Report, Row, table
 from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect
 from tests.e2e.simcompare import Answer, Comparison, differences
-from tests.e2e.verdict import judge, only_late
+from tests.e2e.verdict import ATTEMPTS, TIMING, Kind, Problem, judge, kinds_of, retry_allowed
 
 LEASE = 20.0
 
@@ -41,40 +42,55 @@ def test_a_release_by_the_sidecar_passes() -> None:
     assert judge(Expect.SIDECAR_FREES, 400, freed_by_sidecar()) == []
 
 
+def texts(problems: list[Problem]) -> list[str]:
+    return [str(problem) for problem in problems]
+
+
 def test_releases_off_fails_the_before_handler_scenario_on_p_expiry() -> None:
     problems = judge(CONTROL.expectation("off"), CONTROL.expected_status(), released_by_nobody())
-    assert any(p.startswith("P's lease freed it: expired +1") for p in problems)
-    assert any("only after" in p for p in problems)
-    assert "the sidecar sent 0 releases, not 1 ({'off': 1})" in problems
+    assert any(p.startswith("P's lease freed it: expired +1") for p in texts(problems))
+    assert any("only after" in p for p in texts(problems))
+    assert "the sidecar sent 0 releases, not 1 ({'off': 1})" in texts(problems)
+    # Expired and late, but also a release missing: never worth another attempt, stall or not.
+    assert kinds_of(problems) == [Kind.EXPIRED, Kind.LATE, Kind.RELEASES]
+    assert not retry_allowed(kinds_of(problems), 30.0, 1)
 
 
 @pytest.mark.parametrize(
-    ("changes", "problem"),
+    ("changes", "problem", "kinds"),
     [
-        ({"after_expiry": 1}, "a duplicate"),
-        ({"p_log": PLog(unrecognized=("cmpl-1",))}, "a duplicate"),
-        ({"expired": 1}, "P's lease freed it"),
-        ({"p_log": PLog(expired=("cmpl-1",))}, "P's lease freed it"),
-        ({"freed_after": None}, "P still held its blocks"),
-        ({"freed_after": LEASE}, "only after"),
-        ({"sidecar": {"sent": 2}}, "the sidecar sent 2 releases"),
-        ({"d_reads": 1}, "D read P's blocks"),
-        ({"pinned": False}, "tested nothing"),
-        ({"status": 200}, "the client got 200, not 400"),
-        ({"failed_notifications": 1}, "P counted failures"),
+        ({"after_expiry": 1}, "a duplicate", [Kind.DUPLICATE]),
+        ({"p_log": PLog(unrecognized=("cmpl-1",))}, "a duplicate", [Kind.DUPLICATE]),
+        ({"expired": 1}, "P's lease freed it", [Kind.EXPIRED]),
+        ({"p_log": PLog(expired=("cmpl-1",))}, "P's lease freed it", [Kind.EXPIRED]),
+        ({"freed_after": None}, "P still held its blocks", [Kind.LATE]),
+        ({"freed_after": LEASE}, "only after", [Kind.LATE]),
+        ({"sidecar": {"sent": 2}}, "the sidecar sent 2 releases", [Kind.RELEASES]),
+        ({"sidecar": {"sent": 1, "failed": 1}}, "the sidecar sent 1 releases", [Kind.RELEASES]),
+        ({"sidecar": {"failed": 1}}, "the sidecar sent 0 releases", [Kind.RELEASES]),
+        ({"sidecar": {"refused": 1}}, "the sidecar sent 0 releases", [Kind.RELEASES]),
+        ({"d_reads": 1}, "D read P's blocks", [Kind.READ]),
+        ({"pinned": False}, "tested nothing", [Kind.UNPINNED]),
+        ({"status": 200}, "the client got 200, not 400", [Kind.STATUS]),
+        ({"failed_notifications": 1}, "P counted failures", [Kind.P_FAILURE]),
+        # Expired, then two notifications: one late, one a duplicate.
+        ({"expired": 1, "after_expiry": 2}, "a duplicate", [Kind.EXPIRED, Kind.DUPLICATE]),
     ],
 )
-def test_any_other_evidence_fails_it(changes: dict[str, object], problem: str) -> None:
+def test_any_other_evidence_fails_it(changes: dict[str, object], problem: str, kinds: list[Kind]) -> None:
     problems = judge(Expect.SIDECAR_FREES, 400, freed_by_sidecar(**changes))
-    assert any(problem in p for p in problems), problems
+    assert any(problem in p for p in texts(problems)), problems
+    assert kinds_of(problems) == kinds
 
 
 def test_d_own_fix_passes_only_without_a_release_from_the_sidecar() -> None:
     by_d = freed_by_sidecar(sidecar={"covered_by_engine": 1})
     assert judge(Expect.D_FREES, 400, by_d) == []
-    assert judge(Expect.D_FREES, 400, freed_by_sidecar()) == [
+    assert texts(judge(Expect.D_FREES, 400, freed_by_sidecar())) == [
         "the sidecar sent 1 releases, not 0 ({'sent': 1})"
     ]
+    # A release the sidecar tried and failed (or was refused) is an attempt it must not make.
+    assert kinds_of(judge(Expect.D_FREES, 400, freed_by_sidecar(sidecar={"failed": 1}))) == [Kind.RELEASES]
 
 
 def test_an_admitted_request_needs_a_read_and_the_same_answer_as_d_alone() -> None:
@@ -90,9 +106,15 @@ def test_an_admitted_request_needs_a_read_and_the_same_answer_as_d_alone() -> No
     )
     assert judge(Expect.D_READS, 200, read) == []
     read.same_output, read.reference = False, "b"
-    assert judge(Expect.D_READS, 200, read) == ["the P/D answer 'a' differs from D's own 'b'"]
+    assert texts(judge(Expect.D_READS, 200, read)) == [
+        "the P/D answer differs from D's own: 'a' vs D's own 'b'"
+    ]
+    read.output_differences = ["logprobs differ by up to 0.3000 (tolerance 0.02)"]
+    assert texts(judge(Expect.D_READS, 200, read)) == [
+        "the P/D answer differs from D's own: logprobs differ by up to 0.3000 (tolerance 0.02)"
+    ]
     read.same_output, read.d_reads = None, 0
-    assert judge(Expect.D_READS, 200, read) == [
+    assert texts(judge(Expect.D_READS, 200, read)) == [
         "D made no NIXL read",
         "the answer was not compared with D's own",
     ]
@@ -105,14 +127,16 @@ def test_a_lease_expectation_needs_the_expiry_and_no_release() -> None:
 
 def test_nothing_pinned_expectation() -> None:
     assert judge(Expect.NOT_PINNED, 413, Evidence(status=413)) == []
-    assert judge(Expect.NOT_PINNED, 413, Evidence(status=413, pinned=True)) == [
+    assert texts(judge(Expect.NOT_PINNED, 413, Evidence(status=413, pinned=True))) == [
         "P served a prefill leg for it"
     ]
 
 
-def row(evidence: Evidence, problems: list[str] | None = None) -> Row:
+def row(
+    evidence: Evidence, problems: list[Problem] | None = None, attempts: list[Attempt] | None = None
+) -> Row:
     scenario = SIDECAR_SCENARIOS[0]
-    return Row("nixl", scenario, evidence, problems if problems is not None else [])
+    return Row("nixl", scenario, evidence, problems if problems is not None else [], attempts or [])
 
 
 def test_the_run_passes_only_with_a_failing_control_and_known_differences() -> None:
@@ -138,10 +162,12 @@ def test_a_run_that_stopped_early_is_an_error_not_a_pass() -> None:
 
 def test_the_report_and_table_carry_p_evidence_per_scenario() -> None:
     evidence = freed_by_sidecar(p_log=PLog(("x",), (), ("line",)))
-    report = Report(rows=[row(evidence, ["bad"])], skipped=["http: no token"])
+    report = Report(rows=[row(evidence, [Problem(Kind.STATUS, "bad")])], skipped=["http: no token"])
     data = json.loads(json.dumps(report.as_dict(), default=str))
     scenario = data["scenarios"][0]
-    assert scenario["passed"] is False and scenario["problems"] == ["bad"]
+    assert scenario["passed"] is False and scenario["problems"] == ["bad"] and scenario["kinds"] == ["status"]
+    assert scenario["retried"] is False and scenario["failed_attempts"] == []
+    assert data["non_timing_failures"] == ["nixl:admit"] and data["retried_rows"] == []
     assert scenario["evidence"]["p_log"] == {"expired": ["x"], "unrecognized": []}
     assert scenario["evidence"]["p_log_lines"] == ["line"]
     printed = table(report)
@@ -162,23 +188,184 @@ def test_differences_name_each_field() -> None:
     assert differences(unknown, Answer(400, "BadRequestError", "temperature", None, True)) == []
 
 
-def test_only_lateness_earns_a_second_attempt() -> None:
-    late = freed_by_sidecar(expired=1, after_expiry=1, freed_after=LEASE + 0.5, p_log=PLog(("r",), ("r",)))
-    assert judge(Expect.SIDECAR_FREES, 400, late) != []
-    assert only_late(Expect.SIDECAR_FREES, 400, late)
-    # Not lateness: nobody's notification arrived, or two did, or the wrong party sent it.
-    assert not only_late(Expect.SIDECAR_FREES, 400, released_by_nobody())
-    assert not only_late(Expect.SIDECAR_FREES, 400, freed_by_sidecar(expired=1, after_expiry=2))
-    assert not only_late(Expect.D_FREES, 400, late)
-    assert not only_late(Expect.SIDECAR_FREES, 400, freed_by_sidecar(after_expiry=1))  # a duplicate
-    assert not only_late(Expect.LEASE, 400, late)
+def late() -> Evidence:
+    """The sidecar's release reached P after P's lease had freed the blocks."""
+    return freed_by_sidecar(expired=1, after_expiry=1, freed_after=LEASE + 0.5, p_log=PLog(("r",), ("r",)))
 
 
-def test_another_attempt_after_a_stall_or_once_after_lateness() -> None:
-    late = freed_by_sidecar(expired=1, after_expiry=1, freed_after=LEASE + 0.5)
-    assert worth_another(Expect.SIDECAR_FREES, 400, late, [])
-    assert not worth_another(Expect.SIDECAR_FREES, 400, late, ["attempt 1 failed"])
-    stalled = released_by_nobody()
-    stalled.stall = 12.0
-    assert worth_another(Expect.SIDECAR_FREES, 400, stalled, ["attempt 1 failed"])
-    assert not worth_another(Expect.SIDECAR_FREES, 400, released_by_nobody(), [])  # a real failure
+def test_lateness_is_a_timing_fault_a_duplicate_is_not() -> None:
+    assert kinds_of(judge(Expect.SIDECAR_FREES, 400, late())) == [Kind.EXPIRED, Kind.LATE]
+    # The same late notification, but the wrong party sent it, or nobody at all: not only time.
+    assert Kind.RELEASES in kinds_of(judge(Expect.D_FREES, 400, late()))
+    assert Kind.RELEASES in kinds_of(judge(Expect.SIDECAR_FREES, 400, released_by_nobody()))
+    # A notification for blocks P no longer held, with no expiry: a second notification.
+    assert kinds_of(judge(Expect.SIDECAR_FREES, 400, freed_by_sidecar(after_expiry=1))) == [Kind.DUPLICATE]
+    # D read blocks P had already freed by expiry (and reused): the answer differs, never retried.
+    read_late = Evidence(
+        status=200,
+        pinned=True,
+        freed_after=LEASE + 1,
+        expired=1,
+        after_expiry=1,
+        d_reads=1,
+        same_output=False,
+        output="a",
+        reference="b",
+        lease=LEASE,
+    )
+    assert kinds_of(judge(Expect.D_READS, 200, read_late)) == [Kind.EXPIRED, Kind.LATE, Kind.OUTPUT]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "window_stall", "attempts", "allowed"),
+    [
+        ([], 30.0, 1, False),  # it passed
+        ([Kind.EXPIRED], 2.0, 1, True),
+        ([Kind.EXPIRED, Kind.LATE], 12.0, 2, True),
+        ([Kind.LATE], 2.5, 1, True),
+        ([Kind.LATE], 1.9, 1, False),  # no stall in its release window: a real failure
+        ([Kind.EXPIRED], 0.0, 1, False),
+        ([Kind.EXPIRED], 12.0, ATTEMPTS, False),  # the last attempt
+        *(([Kind.EXPIRED, kind], 30.0, 1, False) for kind in Kind if kind not in TIMING),
+        *(([kind], 30.0, 1, False) for kind in Kind if kind not in TIMING),
+    ],
+)
+def test_retry_only_a_timing_failure_in_a_stall(
+    kinds: list[Kind], window_stall: float, attempts: int, allowed: bool
+) -> None:
+    assert retry_allowed(kinds, window_stall, attempts) is allowed
+
+
+def test_a_retried_row_is_marked_and_a_non_timing_attempt_fails_the_run() -> None:
+    attempt = Attempt.of(judge(Expect.SIDECAR_FREES, 400, late()), late())
+    assert attempt.timing_only and attempt.kinds == (Kind.EXPIRED, Kind.LATE)
+    control = released_by_nobody()
+    report = Report(rows=[row(freed_by_sidecar(), [], [attempt])])
+    report.control = Row("off", CONTROL, control, judge(Expect.SIDECAR_FREES, 400, control))
+    assert report.result == "pass"
+    data = json.loads(json.dumps(report.as_dict(), default=str))
+    assert data["retried_rows"] == ["nixl:admit"] and data["non_timing_failures"] == []
+    assert data["scenarios"][0]["retried"] is True
+    assert data["scenarios"][0]["failed_attempts"][0]["kinds"] == ["expired", "late"]
+    printed = table(report)
+    assert "RETRIED pass (attempt 2: expired+late in a 0.0 s stall)" in printed
+    assert "retried: 1 of 1 rows" in printed
+    # An earlier attempt that failed for another reason (a duplicate) fails the run, even if the
+    # last attempt passed: the harness never reruns one, and the report would not hide it.
+    duplicate = freed_by_sidecar(after_expiry=1)
+    report.rows = [
+        row(freed_by_sidecar(), [], [Attempt.of(judge(Expect.SIDECAR_FREES, 400, duplicate), duplicate)])
+    ]
+    assert report.rows[0].non_timing and report.result == "fail"
+
+
+def test_a_first_look_after_the_lease_cannot_time_the_free_p_counters_decide() -> None:
+    # The decode leg took longer than P's lease (a loaded D): the harness first looked at P after
+    # it. No expiry and no late notification: D's notification freed the blocks in time.
+    slow = freed_by_sidecar(freed_after=LEASE + 4, first_poll=LEASE + 3.9)
+    assert judge(Expect.SIDECAR_FREES, 400, slow) == []
+    assert kinds_of(judge(Expect.SIDECAR_FREES, 400, freed_by_sidecar(freed_after=LEASE + 4))) == [Kind.LATE]
+    expired = freed_by_sidecar(freed_after=LEASE + 4, first_poll=LEASE + 3.9, expired=1)
+    assert kinds_of(judge(Expect.SIDECAR_FREES, 400, expired)) == [Kind.EXPIRED]
+
+
+def test_left_for_a_retry_needs_the_expiry_no_attempt_and_the_sidecar_s_word() -> None:
+    left = released_by_nobody()
+    left.sidecar, left.not_released, left.status = {}, {"retryable": 1}, 503
+    assert judge(Expect.LEFT, 503, left) == []
+    left.sidecar = {"failed": 1}  # it tried: not left for the retry
+    assert kinds_of(judge(Expect.LEFT, 503, left)) == [Kind.RELEASES]
+    left.sidecar, left.not_released = {}, {}
+    assert kinds_of(judge(Expect.LEFT, 503, left)) == [Kind.RELEASES]
+    # Nobody can release (http, D down): one failed attempt at the deadline is expected.
+    tried = released_by_nobody()
+    tried.sidecar = {"failed": 1}
+    assert judge(Expect.LEASE, 400, tried) == []
+    tried.sidecar = {"failed": 1, "sent": 1}
+    assert kinds_of(judge(Expect.LEASE, 400, tried)) == [Kind.RELEASES]
+
+
+def crossed(same: list[bool | None], reads: int = 2, status: int = 200) -> OutputControl:
+    """The output control's evidence: two crossed legs, each compared with D's own answer."""
+    legs = [
+        Leg(name, blocks, Evidence(status=status, same_output=value))
+        for (name, blocks), value in zip((("A", "B"), ("B", "A")), same, strict=True)
+    ]
+    return OutputControl(legs, Evidence(d_reads=reads, freed_after=2.0), tokens=160)
+
+
+@pytest.mark.parametrize(
+    ("control", "detected"),
+    [
+        (crossed([False, False]), True),
+        (crossed([True, False]), False),  # one crossed leg matched D alone: the check is blind to it
+        (crossed([None, False]), False),  # not compared
+        (crossed([False, False], reads=1), False),  # D computed one itself: not a wrong read
+        (crossed([False, False], status=400), False),
+        (OutputControl(error="no prompt of 160 tokens"), False),
+    ],
+)
+def test_the_output_control_is_detected_only_when_every_crossed_leg_differs(
+    control: OutputControl, detected: bool
+) -> None:
+    assert control.detected is detected
+
+
+def test_the_run_fails_when_the_output_check_cannot_see_wrong_blocks() -> None:
+    control = released_by_nobody()
+    report = Report(rows=[row(freed_by_sidecar())])
+    report.control = Row("off", CONTROL, control, judge(Expect.SIDECAR_FREES, 400, control))
+    report.output_control = crossed([False, False])
+    assert report.result == "pass"
+    assert "output control: D read another request's blocks: detected" in table(report)
+    report.output_control = crossed([True, True])
+    assert report.result == "fail"
+    assert "NOT DETECTED" in table(report)
+    assert report.as_dict()["output_control"]["detected_as_it_must"] is False
+
+
+class Scripted:
+    """Stands in for ``tests.e2e.runner.Runner``: each ``run`` returns the next evidence."""
+
+    def __init__(self, *evidence: Evidence) -> None:
+        self.evidence = list(evidence)
+        self.runs = 0
+
+    def run(self, scenario: object, mode: object, sidecar: object) -> Evidence:
+        self.runs += 1
+        return self.evidence.pop(0)
+
+
+def stalled(ev: Evidence, seconds: float = 12.0) -> Evidence:
+    ev.window_stall = seconds
+    return ev
+
+
+@pytest.mark.parametrize(
+    ("script", "runs", "passed", "retried"),
+    [
+        ([freed_by_sidecar()], 1, True, False),
+        ([stalled(late()), freed_by_sidecar()], 2, True, True),  # late in a stall, then on time
+        ([late(), freed_by_sidecar()], 1, False, False),  # late without a stall: reported
+        ([stalled(late()), stalled(late()), stalled(late())], 3, False, True),  # three attempts at most
+        # Never run again, however long the stall: a duplicate, a failed release, a wrong status.
+        ([stalled(freed_by_sidecar(after_expiry=1)), freed_by_sidecar()], 1, False, False),
+        ([stalled(freed_by_sidecar(sidecar={"failed": 1})), freed_by_sidecar()], 1, False, False),
+        ([stalled(freed_by_sidecar(status=503)), freed_by_sidecar()], 1, False, False),
+        # Late in a stall, then a duplicate: the second attempt's non-timing failure stands.
+        ([stalled(late()), stalled(freed_by_sidecar(after_expiry=2)), freed_by_sidecar()], 2, False, True),
+    ],
+)
+def test_the_harness_runs_a_scenario_again_only_as_the_rule_says(
+    script: list[Evidence], runs: int, passed: bool, retried: bool
+) -> None:
+    runner = Scripted(*script)
+    pre = next(s for s in SIDECAR_SCENARIOS if s.key == "pre-validation")
+    result = run_row(runner, "nixl", pre, None)  # type: ignore[arg-type]
+    assert (runner.runs, result.passed, result.retried) == (runs, passed, retried)
+    assert all(attempt.timing_only for attempt in result.attempts)
+    report = Report(rows=[result])
+    report.control = Row(
+        "off", CONTROL, released_by_nobody(), judge(Expect.SIDECAR_FREES, 400, released_by_nobody())
+    )
+    assert report.result == ("pass" if passed else "fail")
