@@ -178,7 +178,10 @@ def test_every_mode_has_its_cases_and_a_short_set() -> None:
 def test_the_reduced_run_covers_every_group_route_and_strategy() -> None:
     rows = [(mode, s) for mode in MODES for s in scenarios_for(mode, reduced=True)]  # type: ignore[arg-type]
     assert {s.group for _, s in rows} == {s.group for s in SIDECAR_SCENARIOS}
-    assert {s.route for _, s in rows} == {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+    assert {s.route for _, s in rows} == {
+        *("/v1/completions", "/v1/chat/completions", "/v1/responses"),
+        *("/v1/messages", "/inference/v1/generate"),
+    }
     admitted = {(s.route, s.stream) for _, s in rows if s.expect is Expect.D_READS}
     assert {"/v1/chat/completions", "/v1/responses"} <= {route for route, _ in admitted}
     assert any(stream for _, stream in admitted)
@@ -240,7 +243,9 @@ def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Pat
 
 def test_only_picks_scenarios_by_key_or_mode_and_key() -> None:
     admitted = Chosen(only=("nixl:admit*",))
-    assert [s.key for s in admitted("nixl")] == ["admit", "admit-chat", "admit-stream", "admit-responses"]
+    assert [s.key for s in admitted("nixl")] == [
+        *("admit", "admit-chat", "admit-stream", "admit-responses", "admit-messages")
+    ]
     assert admitted("http") == ()
     assert [s.key for s in Chosen(only=("cap",))("router")] == ["cap"]
     assert {s.key for s in Chosen(reduced=True, only=("*down*",))("defaults")} == {"down"}
