@@ -89,6 +89,7 @@ def chat(text: str, rid: str, **changes: Any) -> dict[str, Any]:
 
 
 TOO_LONG = "word " * 80
+HELD_BODY_TIMEOUT = 10.0
 
 
 def seen_by_d(decode: ServerThread, request_id: str) -> bool:
@@ -212,25 +213,33 @@ SLOW_HEAD = (
 
 def test_slowloris_is_cut_off_and_does_not_block_other_clients(dial: Dial, sidecar: Sidecar) -> None:
     answers: list[tuple[float, Answer, int]] = []
+    trickling = threading.Barrier(9)  # the eight slow clients, each connected and sending, and this test
 
     def slow_client() -> None:
         sock = dial(sidecar.url)
         started = time.monotonic()
-        sent = trickle(sock, SLOW_HEAD, every=0.1, stop=started + HEADER_TIMEOUT + 5)
+        sock.send(SLOW_HEAD[:1])
+        trickling.wait(10)
+        sent = 1 + trickle(sock, SLOW_HEAD[1:], every=0.1, stop=started + HEADER_TIMEOUT + 5)
         answers.append((started, read_answer(sock, started + HEADER_TIMEOUT + 5), sent))
         sock.close()
 
     slow = [threading.Thread(target=slow_client) for _ in range(8)]
     for thread in slow:
         thread.start()
+    trickling.wait(10)
+    served: list[float] = []
     with httpx.Client(base_url=sidecar.url, timeout=5) as client:
-        for i in range(10):  # served at full speed while eight connections trickle
-            started = time.monotonic()
+        for i in range(10):  # served while eight connections trickle
             response = client.post("/v1/chat/completions", json=chat("hello", f"ok-{i}"))
-            assert response.status_code == 200 and time.monotonic() - started < 1.0
+            assert response.status_code == 200
+            served.append(time.monotonic())
     for thread in slow:
         thread.join(HEADER_TIMEOUT + 10)
     assert len(answers) == 8
+    # A server held up by the slow clients would answer only once it cut them: the first client's
+    # answer came before any cut, with the header timeout (1 s) for a round trip of milliseconds.
+    assert served[0] < min(answer.at for _, answer, _ in answers)
     for started, answer, sent in answers:
         assert answer.status == 408 and answer.closed
         assert answer.error()["type"] == "RequestTimeoutError"
@@ -634,7 +643,9 @@ def test_over_the_limit_bodies_are_read_up_to_a_cap_then_refused_unread(
 ) -> None:
     """Above the limit at most 8 bodies are read at once (to release what they name); the next
     over-limit request is refused at once, unread, and not released; passthrough too."""
-    with guarded_sidecar(decode.url, limit_concurrency=1) as sc:
+    # The read slots hold half-sent bodies: the body timeout (10 s here) would cut them and free the
+    # slots, so a refusal that waited in line would come only after it.
+    with guarded_sidecar(decode.url, limit_concurrency=1, client_body_timeout=HELD_BODY_TIMEOUT) as sc:
         holder = dial(sc.url)
         held = json.dumps(chat("hi [[slow-headers:15]]", "held")).encode()  # holds the one slot throughout
         holder.sendall(body_head(len(held), "held") + held)
@@ -652,7 +663,7 @@ def test_over_the_limit_bodies_are_read_up_to_a_cap_then_refused_unread(
         body = json.dumps(chat(TOO_LONG, "unread")).encode()
         refused = post_raw(sc, body, "unread")
         assert refused.status_code == 503 and refused.headers["connection"] == "close"
-        assert time.monotonic() - started < 1.0  # not queued behind anything
+        assert time.monotonic() - started < HELD_BODY_TIMEOUT / 2  # not queued behind the slots
         assert httpx.get(sc.url + "/health").status_code == 503  # passthrough: refused too
         for i, sock in enumerate(readers):  # the read slots complete their bodies: released
             sock.sendall(stalled[i][len(stalled[i]) // 2 :])
