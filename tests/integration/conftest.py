@@ -62,6 +62,15 @@ NONE = ("none",)
 RETRIED = pytest.mark.parametrize("retried", [SHIPPED, NONE], ids=["retried-default", "retried-none"])
 
 
+def retried_statuses(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``retried_statuses`` as the tests want it: ``NONE`` unless given, and left
+    out for ``SHIPPED``."""
+    settings = {"retried_statuses": NONE, **settings}
+    if settings["retried_statuses"] == SHIPPED:
+        del settings["retried_statuses"]
+    return settings
+
+
 @contextmanager
 def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Iterator[Sidecar]:
     """A sidecar in front of ``decode_url``; ``dry-run`` (recording) unless ``release`` is given.
@@ -72,9 +81,7 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     # Tests talk to the sidecar directly: nothing in front retries its answers on another pod
     # (tests/faults/test_mesh_retries.py runs real retrying proxies with the default); the tests
     # whose outcome depends on it run under both values (``RETRIED``).
-    settings = {"release": "dry-run", "log_level": "warning", "retried_statuses": NONE, **settings}
-    if settings["retried_statuses"] == SHIPPED:
-        del settings["retried_statuses"]
+    settings = retried_statuses({"release": "dry-run", "log_level": "warning", **settings})
     config = Config(decode_url=decode_url, **settings)
     frees, keeps_raw = config.release in ("nixl", "http", "auto"), config.release in ("http", "auto")
     releaser = DryRunReleaser(keep=100_000, frees=frees, keeps_raw=keeps_raw)
