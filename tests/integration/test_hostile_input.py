@@ -674,7 +674,8 @@ def test_over_the_limit_bodies_are_read_up_to_a_cap_then_refused_unread(
     # slots, so a refusal that waited in line would come only after it.
     with guarded_sidecar(decode.url, limit_concurrency=1, client_body_timeout=HELD_BODY_TIMEOUT) as sc:
         holder = dial(sc.url)
-        held = json.dumps(chat("hi [[slow-headers:15]]", "held")).encode()  # holds the one slot throughout
+        # Holds the one slot throughout: D answers it after 60 s, far past the rest of the test.
+        held = json.dumps(chat("hi [[slow-headers:60]]", "held")).encode()
         holder.sendall(body_head(len(held), "held") + held)
         deadline = time.monotonic() + 5
         while sc.sample("kvr_inflight_requests") < 1 and time.monotonic() < deadline:
