@@ -24,8 +24,13 @@ $(STAMP): $(UV) pyproject.toml uv.lock
 demo: $(STAMP)
 	$(UV) run --frozen --no-sync kv-release-sidecar demo
 
+# Two pytest runs: the suite on TEST_WORKERS processes (pytest-xdist), then, alone, the tests marked
+# serial (they measure CPU or time, or load the machine). Exit 5 (PYTEST_ARGS selected no test of a
+# run) is not a failure; every other exit code is.
+TEST_WORKERS ?= 3
 test: $(STAMP) tools
-	$(UV) run --frozen --no-sync pytest -q $(PYTEST_ARGS)
+	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(UV) run --frozen --no-sync pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The real proxies the tests run (nginx and haproxy retrying in front of two decode pods) and the
 # bench's load generator: Debian's packages, installed when missing and this is root on Debian.

@@ -67,7 +67,7 @@ class ServerThread:
         finally:
             self.loop.close()
 
-    def start(self, timeout: float = 15.0) -> ServerThread:
+    def start(self, timeout: float = 60.0) -> ServerThread:  # a bound for a hang, not a measure
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not all(s.started for s in self.servers):

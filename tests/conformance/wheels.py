@@ -9,10 +9,12 @@ line; a download that fails while the index answers fails them.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,16 +58,30 @@ def skip_if_offline(version: str) -> None:
 
 
 def fetch_wheel(version: str) -> Path:
-    """The cached wheel of ``version``, downloading it first if needed; skips offline, raises on failure."""
+    """The cached wheel of ``version``, downloading it first if needed; skips offline, raises on failure.
+
+    Test processes running side by side (pytest-xdist's workers, or two checkouts sharing the cache)
+    download a release once: the first takes a lock per release, the others wait for it, and the
+    wheel enters the cache whole (downloaded beside it, then renamed).
+    """
     if found := cached(version):
         return found
     skip_if_offline(version)
     directory = wheel_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    with (directory / f".vllm-{version}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if found := cached(version):
+            return found
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as staging:
+            return _download(version, Path(staging), directory)
+
+
+def _download(version: str, staging: Path, directory: Path) -> Path:
     command = [*pip_command(), "download", "--no-deps", "--only-binary=:all:", f"vllm=={version}"]
-    command += ["-d", str(directory)]
+    command += ["-d", str(staging)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
-    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
+    found = sorted(staging.glob(f"vllm-{version}-*.whl"))
     if done.returncode != 0 or not found:
         raise RuntimeError(f"downloading vllm=={version} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return found[0]
+    return found[0].replace(directory / found[0].name)

@@ -3,7 +3,7 @@
 The ``slow_faults`` marker (registered here too, so the directory works on its
 own) marks the long scenarios run by ``make faults``; they are deselected
 unless the ``-m`` expression names the marker, so a plain ``pytest`` (``make
-test``) runs the fast ones only.
+test``) runs the fast ones only, and those in ``make test``'s serial run.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +29,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "netns_first: runs before any other test of the session")
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: the serial marker added here counts
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Every scenario judges P's evidence against deadlines and leases: beside other test processes
+    # on two cores, D's reads and the sidecar's releases came late. make test runs them alone.
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.serial)
     if SLOW in (config.getoption("markexpr", "") or ""):
         # The network-namespace partition goes first: UCX in a process keeps the network
         # interfaces it saw when the process's first UCX context was made (observed here), so a

@@ -169,7 +169,15 @@ def test_rejection_storm_overflows_the_queue(cluster: Backends) -> None:
     queued), requests 2-36. Once P answers, the running job and the 4 newest
     are released once each; the dropped ones stay pinned on P (its lease).
     """
-    settings = {"release_queue_size": 4, "release_workers": 1, "release_deadline": 20.0}
+    # The running job holds the worker while its handshake waits on the silent P: 5 s, for the 40
+    # requests to arrive on a loaded machine (with 1 s it timed out mid-storm, went back to wait
+    # for a retry, and was dropped as the oldest).
+    settings = {
+        "release_queue_size": 4,
+        "release_workers": 1,
+        "release_deadline": 20.0,
+        "handshake_timeout": 5.0,
+    }
     with (
         fault_gate(cluster.side_channel_port) as gate,
         scene(cluster, cluster.d.url, "storm", **settings) as s,

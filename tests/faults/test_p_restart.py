@@ -101,16 +101,16 @@ def test_a_restarted_p_gets_nothing_meant_for_the_old_one(cluster: Backends, new
             # The old requests were rejected before P was found gone: never the new P's.
             until(lambda: time.monotonic() > lost + 1.0, "the restart grace after P was found gone")
             assert _stats(new_p)["handshakes_served"] == 0  # the breaker is open: nobody tried yet
+            sent = time.monotonic()
             with _flows(cluster, new_p) as new_flows:
                 fresh = new_flows.decode(sc.url, "reject")
-            answered = time.monotonic()
             until(lambda: (_record(new_p, fresh) or {}).get("freed_by") == "notification", "fresh release")
             stats, record = _stats(new_p), _record(new_p, fresh)
             assert record is not None and record["notification_counts"] == [1] * TP
-            # The fresh request's job probed at once, and its release followed the first handshake
-            # the new P served within 100 ms (the breaker's own probe was a minute away).
-            assert record["freed_at"] - stats["first_handshake_at"] < 0.1
-            assert record["freed_at"] - answered < 1.0
+            # The fresh request's job probed at once: the new P served its first handshake after the
+            # fresh request was sent, the release followed it, and both came long before the
+            # breaker's own probe (a minute away; 30 s is the bound, the rest the loaded machine's).
+            assert sent <= stats["first_handshake_at"] <= record["freed_at"] < sent + 30.0
             reason = "engine_mismatch" if new_engine else "p_restarted"
             until(lambda: _refused(sc, reason) == OLD, f"the old requests refused ({reason})", timeout=15)
             assert sc.wait_idle(10)

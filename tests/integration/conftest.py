@@ -55,6 +55,22 @@ class Sidecar:
         assert self.server.call(self.app.runtime.pipeline.flush(5.0))
 
 
+#: ``retried_statuses=SHIPPED`` leaves the setting out, so ``Config``'s own default (502, 503, 504)
+#: applies, as ``serve`` ships it; ``NONE`` is the value of a deployment nothing in front retries.
+SHIPPED = "shipped"
+NONE = ("none",)
+RETRIED = pytest.mark.parametrize("retried", [SHIPPED, NONE], ids=["retried-default", "retried-none"])
+
+
+def retried_statuses(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``retried_statuses`` as the tests want it: ``NONE`` unless given, and left
+    out for ``SHIPPED``."""
+    settings = {"retried_statuses": NONE, **settings}
+    if settings["retried_statuses"] == SHIPPED:
+        del settings["retried_statuses"]
+    return settings
+
+
 @contextmanager
 def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Iterator[Sidecar]:
     """A sidecar in front of ``decode_url``; ``dry-run`` (recording) unless ``release`` is given.
@@ -63,8 +79,9 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     behaves as configured for it, e.g. keeping raw parameters for ``http``).
     """
     # Tests talk to the sidecar directly: nothing in front retries its answers on another pod
-    # (tests/faults/test_mesh_retries.py runs real retrying proxies with the default).
-    settings = {"release": "dry-run", "log_level": "warning", "retried_statuses": ("none",), **settings}
+    # (tests/faults/test_mesh_retries.py runs real retrying proxies with the default); the tests
+    # whose outcome depends on it run under both values (``RETRIED``).
+    settings = retried_statuses({"release": "dry-run", "log_level": "warning", **settings})
     config = Config(decode_url=decode_url, **settings)
     frees, keeps_raw = config.release in ("nixl", "http", "auto"), config.release in ("http", "auto")
     releaser = DryRunReleaser(keep=100_000, frees=frees, keeps_raw=keeps_raw)

@@ -17,7 +17,8 @@ import pytest
 
 from tests.integration.bench_runs import run_bench
 
-pytestmark = pytest.mark.nixl
+# serial: the bench loads the machine (make test runs it alone)
+pytestmark = [pytest.mark.nixl, pytest.mark.serial]
 
 
 def test_quick_release_workload_reports_what_p_freed(tmp_path: Path) -> None:

@@ -24,6 +24,9 @@ import pytest
 
 from bench.saturation import bound
 
+# serial: the bench loads the machine (make test runs it alone)
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 WRK = shutil.which("wrk") is not None
 NGINX = shutil.which("nginx") is not None

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.nixl
+# serial: the bench loads the machine (make test runs it alone)
+pytestmark = [pytest.mark.nixl, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "out" / "bench-storm-smoke.json"

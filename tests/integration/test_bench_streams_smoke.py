@@ -21,7 +21,8 @@ from tests.integration.bench_runs import run_bench
 NGINX = shutil.which("nginx") is not None
 PATHS = ["direct", "sidecar", "relay"] + (["nginx"] if NGINX else [])
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+# serial: the bench loads the machine (make test runs it alone)
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler"), pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# serial: the bench loads the machine (make test runs it alone)
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "out" / "bench-tracing-smoke.json"
 CONNECTIONS = ("c1", "c32")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.nixl
+# serial: the demo sends at a fixed rate against a 2.5 s lease and judges what P freed in time
+pytestmark = [pytest.mark.nixl, pytest.mark.serial]
 
 
 def test_quick_demo_shows_fewer_pinned_block_seconds_with_releases_on(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, serve
 
-pytestmark = pytest.mark.nixl
+# serial: the load generator loads the machine and its run is timed (make test runs it alone)
+pytestmark = [pytest.mark.nixl, pytest.mark.serial]
 
 
 class DoubleReleasingHooks(VllmDHooks):

@@ -20,7 +20,7 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.conftest import Sidecar, run_sidecar
+from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
 from tests.integration.test_pd_release_e2e import prefill, wait_stats
 from tests.servers import ServerThread, free_port, serve
 
@@ -52,9 +52,13 @@ def requests_seen(sc: Sidecar, status_class: str) -> float:
     return sc.sample("kvr_requests_total", route="completions", status_class=status_class)
 
 
-def test_the_sdk_with_default_retries_sees_ds_503_and_p_is_freed_once() -> None:
+@RETRIED
+def test_the_sdk_with_default_retries_sees_ds_503_and_p_is_freed_once(retried: object) -> None:
+    """D down: under ``retried_statuses = none`` the sidecar releases and says not to retry; under
+    the shipped default a proxy in front may resend the 503 to another pod, so nothing is released
+    and the answer leaves the client free to retry (the SDK does, twice)."""
     down = f"http://127.0.0.1:{free_port()}"  # D is down: nothing listens there
-    with p_only() as p, nixl(down) as sc:
+    with p_only() as p, nixl(down, retried_statuses=retried) as sc:
         params = prefill(p, "sdk-1")
         client = openai.OpenAI(base_url=sc.url + "/v1", api_key="unused")  # max_retries=2
         with pytest.raises(openai.InternalServerError) as caught:
@@ -67,9 +71,17 @@ def test_the_sdk_with_default_retries_sees_ds_503_and_p_is_freed_once() -> None:
             )
         client.close()
         assert caught.value.status_code == 503
+        assert requests_seen(sc, "4xx") == 0  # so no 409 hid the 503
+        if retried == SHIPPED:
+            assert "x-should-retry" not in caught.value.response.headers
+            assert requests_seen(sc, "5xx") == 3  # the SDK's request and its two retries
+            sc.settle()
+            assert sc.sample("kvr_not_released_total", outcome="retryable", cause="unreachable") == 3
+            assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
+            assert freed(p, params["remote_request_id"])["freed_by"] is None  # P still holds them
+            return
         assert caught.value.response.headers["x-should-retry"] == "false"
         assert requests_seen(sc, "5xx") == 1  # no retry reached the sidecar
-        assert requests_seen(sc, "4xx") == 0  # so no 409 hid the 503
         wait_stats(p, lambda s: s["freed_by_notification"] == 1)
         record = freed(p, params["remote_request_id"])
         assert record["freed_by"] == "notification"

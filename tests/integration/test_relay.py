@@ -39,8 +39,14 @@ class StreamingD:
     """D streaming ``events`` (each written on its own, ``delay`` seconds apart), counting what it
     produced and whether the client's leaving reached it."""
 
-    def __init__(self, events: list[bytes], delay: float = 0.0, stall_after: int | None = None) -> None:
-        self.events, self.delay, self.stall_after = events, delay, stall_after
+    def __init__(
+        self,
+        events: list[bytes],
+        delay: float = 0.0,
+        stall_after: int | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
+        self.events, self.delay, self.stall_after, self.gate = events, delay, stall_after, gate
         self.produced = 0
         self.aborted = threading.Event()
         self.finished = threading.Event()
@@ -56,6 +62,8 @@ class StreamingD:
                             await asyncio.sleep(3600)
                         if index and self.delay:
                             await asyncio.sleep(self.delay)
+                        if index == 1 and self.gate is not None:  # the rest once the test says so
+                            assert await asyncio.to_thread(self.gate.wait, 30)
                         self.produced += len(event)
                         yield event
                     self.finished.set()
@@ -102,11 +110,19 @@ def relayed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 def test_the_rest_of_a_stream_is_relayed_byte_for_byte(relayed: list[int]) -> None:
     sent = events(300) + events(3, size=200_000)  # small events, then some larger than any read
-    d = StreamingD(sent)
+    # D writes the rest once the client has the first event: on a busy machine the sidecar's first
+    # read could otherwise take in much more than that event, and less would go by the relay.
+    gate = threading.Event()
+    d = StreamingD(sent, gate=gate)
     with serve(d.app()) as server, run_sidecar(server.url) as sc:
-        response = httpx.post(sc.url + "/v1/chat/completions", json=request("r1"), timeout=30)
-        assert response.status_code == 200
-        assert response.content == b"".join(sent)
+        body = request("r1")
+        with httpx.stream("POST", sc.url + "/v1/chat/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()
+            received = next(chunks)
+            gate.set()
+            received += b"".join(chunks)
+        assert received == b"".join(sent)
         assert sc.wait_idle()
         assert sc.released() == []  # a stream that began with a token: nothing to release
         # All but the first read (the first event, and what came with it) went by the relay, not

@@ -21,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import Sidecar, run_sidecar
+from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
 from tests.integration.conftest import kv_params as params
 from tests.servers import ServerThread, free_port, serve
 
@@ -61,7 +62,6 @@ RELEASES = [
         400,
         "rejected_4xx",
     ),
-    ("overload (503)", chat("hi [[reject:503]]", "r-503"), 503, "rejected_5xx"),
     ("not implemented (501)", chat("hi [[reject:501]]", "r-501"), 501, "rejected_5xx"),
     ("stream: non-200 before SSE", chat("word " * 80, "r-long-s", stream=True), 400, "rejected_4xx"),
     (
@@ -134,6 +134,31 @@ def test_no_release_outcomes_give_no_job(
     assert sidecar.released() == []
 
 
+def left_to_a_retry(sc: Sidecar, cause: str) -> None:
+    """Under the shipped ``retried_statuses`` (502, 503, 504) nothing is released behind a status a
+    proxy in front may resend to another pod, where that pod's D reads P's blocks."""
+    sc.settle()
+    assert sc.app.config.retried_statuses == Config().retried_statuses  # the default, as shipped
+    assert sc.released() == []
+    assert sc.sample("kvr_not_released_total", outcome="retryable", cause=cause) == 1
+
+
+@RETRIED
+def test_ds_503_is_left_to_a_retry_under_the_default_and_released_under_none(
+    decode: ServerThread, retried: object
+) -> None:
+    body = chat("hi [[reject:503]]", "r-503")
+    direct = httpx.post(decode.url + "/v1/chat/completions", json=body, timeout=10)
+    with run_sidecar(decode.url, retried_statuses=retried) as sc:
+        response = httpx.post(sc.url + "/v1/chat/completions", json=body, timeout=10)
+        assert (response.status_code, response.json()) == (503, direct.json())  # D's answer, as it is
+        if retried == SHIPPED:
+            left_to_a_retry(sc, "rejected_5xx")
+        else:
+            assert sc.wait_released(1) == ["r-503"]
+            assert sc.releaser.recorded[0].cause == "rejected_5xx"
+
+
 def test_malformed_params_are_counted_and_still_forwarded(sidecar: Sidecar, decode: ServerThread) -> None:
     body = {**chat("hello", "m-1"), "kv_transfer_params": params("m-1", tp_size="two")}
     response = httpx.post(sidecar.url + "/v1/chat/completions", json=body, headers={"x-request-id": "mal-1"})
@@ -153,14 +178,18 @@ def test_non_json_body_forwarded_and_answered_by_d(sidecar: Sidecar) -> None:
     assert sidecar.released() == []
 
 
-def test_d_down_answers_503_and_releases() -> None:
-    with run_sidecar(f"http://127.0.0.1:{free_port()}") as sc:
+@RETRIED
+def test_d_down_answers_503_and_releases_unless_a_proxy_may_retry_it(retried: object) -> None:
+    with run_sidecar(f"http://127.0.0.1:{free_port()}", retried_statuses=retried) as sc:
         response = httpx.post(
             sc.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": params("down-1")}
         )
         assert response.status_code == 503
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == 503
+        if retried == SHIPPED:
+            left_to_a_retry(sc, "unreachable")
+            return
         assert sc.wait_released(1) == ["down-1"]
         assert sc.releaser.recorded[0].cause == "unreachable"
 
@@ -177,13 +206,20 @@ def test_body_over_cap_answers_413_and_releases(decode: ServerThread) -> None:
         assert not any((e.get("kv_transfer_params") or {}).get("remote_request_id") == "big-1" for e in log)
 
 
-def test_shutting_down_refuses_and_releases(sidecar: Sidecar) -> None:
-    assert sidecar.app.runtime is not None
-    sidecar.app.runtime.proxy.stopping = True
-    response = httpx.post(sidecar.url + "/v1/chat/completions", json=chat("hi", "stop-1"))
-    assert response.status_code == 503
-    assert sidecar.wait_released(1) == ["stop-1"]
-    assert sidecar.releaser.recorded[0].cause == "shutting_down"
+@RETRIED
+def test_shutting_down_refuses_and_releases_unless_a_proxy_may_retry_it(
+    decode: ServerThread, retried: object
+) -> None:
+    with run_sidecar(decode.url, retried_statuses=retried) as sc:
+        assert sc.app.runtime is not None
+        sc.app.runtime.proxy.stopping = True
+        response = httpx.post(sc.url + "/v1/chat/completions", json=chat("hi", "stop-1"))
+        assert response.status_code == 503
+        if retried == SHIPPED:
+            left_to_a_retry(sc, "shutting_down")
+            return
+        assert sc.wait_released(1) == ["stop-1"]
+        assert sc.releaser.recorded[0].cause == "shutting_down"
 
 
 def test_header_timeout_is_504_and_ambiguous(decode: ServerThread) -> None:
@@ -193,9 +229,18 @@ def test_header_timeout_is_504_and_ambiguous(decode: ServerThread) -> None:
         sc.settle()
         assert sc.released() == []
         assert sc.sample("kvr_not_released_total", outcome="ambiguous", cause="header_timeout") == 1
-    with run_sidecar(decode.url, header_timeout=0.3, release_ambiguous=True) as sc:
+
+
+@RETRIED
+def test_header_timeout_is_released_when_configured_unless_a_proxy_may_retry_it(
+    decode: ServerThread, retried: object
+) -> None:
+    with run_sidecar(decode.url, header_timeout=0.3, release_ambiguous=True, retried_statuses=retried) as sc:
         response = httpx.post(sc.url + "/v1/chat/completions", json=chat("hi [[slow-headers:2]]", "slow-2"))
         assert response.status_code == 504
+        if retried == SHIPPED:
+            left_to_a_retry(sc, "header_timeout")
+            return
         assert sc.wait_released(1) == ["slow-2"]
 
 
@@ -297,6 +342,7 @@ def test_client_gone_before_forward_releases() -> None:
         hold.close()
 
 
+@pytest.mark.serial  # a thousand connections at once load the machine (make test runs it alone)
 def test_thousand_concurrent_requests_release_exactly_the_rejected_once(decode: ServerThread) -> None:
     rejected = {f"c-{i}" for i in range(0, 1000, 10)}
 

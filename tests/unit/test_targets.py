@@ -217,14 +217,15 @@ async def test_state_changes_are_logged_at_a_bounded_rate(caplog: pytest.LogCapt
 async def test_hurry_brings_an_open_breakers_probe_forward() -> None:
     targets, _ = make()
     target = targets.attach("p:5600")
-    slow = BreakerPolicy(failures=1, interval=5.0, max_interval=5.0)
+    slow = BreakerPolicy(failures=1, interval=60.0, max_interval=60.0)
     target.hurry(slow)
     await fail(target, 1)
     assert target.state is State.OPEN
     targets.hurry(0.05)  # shutdown: the flush is short
-    started = time.monotonic()
-    probe = await target.acquire(time.monotonic() + 2, lambda: None)
-    assert probe.probe and time.monotonic() - started < 1.0
+    # acquire raises TargetDown at its deadline (30 s), half the slow policy's interval: a grant
+    # at all shows the probe was brought forward; the rest of the 30 s is the loaded machine's margin.
+    probe = await target.acquire(time.monotonic() + 30, lambda: None)
+    assert probe.probe
 
 
 async def test_the_probe_is_due_when_its_timer_fires_even_if_the_clock_lags() -> None:
