@@ -294,13 +294,10 @@ CONTROL = _BY_KEY["pre-validation"]
 REDUCED: dict[Mode, frozenset[str]] = {
     "nixl": frozenset(
         {"admit-stream", "admit-chat", "admit-responses", "pre-validation", "cap", "stream-dp-rank"}
-        | {"handler-temperature", "admit-messages", "pre-generate-validation", "down"}
+        | {"handler-temperature", "down"}
     ),
     "http": frozenset({"admit", "pre-responses-validation", "stream-dp-rank", "handler-chat-temperature"}),
-    "router": frozenset(
-        {"admit", "pre-validation-stream", "handler-max-tokens", "cap", "down"}
-        | {"admit-messages", "pre-messages-validation", "pre-generate-validation"}
-    ),
+    "router": frozenset({"admit", "pre-validation-stream", "handler-max-tokens", "cap", "down"}),
     "auto": frozenset(
         {"admit", "pre-chat-validation", "stream-dp-rank", "handler-responses-temperature-stream", "down"}
     ),
