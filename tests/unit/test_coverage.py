@@ -168,4 +168,5 @@ def test_a_query_string_does_not_change_the_route(route: str) -> None:
     assert engine_covers(V033, job(400, "BadRequestError", route=route))
     assert engine_covers(V021, job(None, None, cause="header_timeout", route=route))
     assert engine_may_cover(V033, job(500, "InternalServerError", route=route))
-    assert not engine_may_cover(V033, job(500, "InternalServerError", route=f"/inference/v1/generate?{route}"))
+    generate = f"/inference/v1/generate?{route}"
+    assert not engine_may_cover(V033, job(500, "InternalServerError", route=generate))
