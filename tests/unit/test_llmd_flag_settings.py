@@ -171,6 +171,7 @@ REFUSALS: list[tuple[str, str, str, str]] = [
     ("enable-prefiller-sampling", "maybe", "'maybe'", BOOL),
     ("enable-ssrf-protection", "maybe", "'maybe'", BOOL),
     ("moriio-write-mode", "maybe", "'maybe'", BOOL),
+    ("prefiller-use-tls", "maybe", "'maybe'", BOOL),
     ("enable-p2p-pull", "maybe", "'maybe'", BOOL),
 ]
 
@@ -334,14 +335,20 @@ def test_the_older_per_stage_tls_switches() -> None:
 def test_tracing_notes_say_why_it_is_off_or_how_it_differs() -> None:
     notes: list[str] = []
     assert settings({"tracing": "true"}, {"OTEL_TRACES_EXPORTER": "console"}, notes) == {}
-    assert len(notes) == 1 and notes[0].startswith("--tracing: llm-d's console exporter")
+    assert notes == [
+        "--tracing: llm-d's console exporter (OTEL_TRACES_EXPORTER unset or not otlp) is not offered: "
+        "spans on stdout would mix with the logs; tracing is off (set OTEL_TRACES_EXPORTER=otlp)"
+    ]
     notes.clear()
     grpc = {**OTLP, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317/"}
     assert settings({"tracing": "true"}, grpc, notes) == {
         "otlp_traces_endpoint": "http://c:4317/",
         "trace_sample_ratio": 0.1,
     }
-    assert len(notes) == 1 and "not gRPC (4317)" in notes[0]
+    assert notes == [
+        "--tracing: spans go by OTLP over HTTP (port 4318), not gRPC (4317) as llm-d's: "
+        "point OTEL_EXPORTER_OTLP_TRACES_ENDPOINT at the collector's OTLP/HTTP port"
+    ]
     notes.clear()
     env = {
         "OTEL_TRACES_EXPORTER": " OTLP ",
