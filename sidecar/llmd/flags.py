@@ -204,7 +204,7 @@ def _protocol(given: Mapping[str, Any], out: dict[str, Any], notes: list[str]) -
     moriio = sorted(f for f in given if f.startswith(MORIIO_PREFIX))
     if connector != "nixlv2":
         out["prefill_leg"] = "refuse" if connector == "sglang" else "skip"
-        _off(out, notes, "kv_connector", f"--kv-connector={connector}: {_LEGS[out['prefill_leg']]}")
+        _off(out, notes, "kv_connector", f"--{flag}={connector}: {_LEGS[out['prefill_leg']]}")
     elif moriio:
         if as_bool("moriio-write-mode", given.get("moriio-write-mode", False)):
             out["prefill_leg"] = "skip"

@@ -88,4 +88,5 @@ EXTRA: dict[str, Flag] = {
 FLAGS: dict[str, Flag] = {**MAPPING, **EXTRA}
 MORIIO_PREFIX = "moriio-"
 # --kv-connector values llm-d's sidecar accepts in some tag; only nixlv2 is run and released here.
-KV_CONNECTORS = ("nixlv2", "shared-storage", "sglang", "mooncake", "offloading")
+# lmcache: --connector's other value from v0.4.0 to v0.5.1 (its P leg only warms the cache D reads).
+KV_CONNECTORS = ("nixlv2", "shared-storage", "sglang", "mooncake", "offloading", "lmcache")

@@ -141,7 +141,7 @@ def test_a_connector_this_sidecar_cannot_release_for_keeps_the_pod_serving() -> 
         assert config.prefill_leg == ("refuse" if connector == "sglang" else "skip")
         assert len(notes) == 1 and connector in notes[0] and "releases are off" in notes[0]
     with pytest.raises(ConfigError, match="--kv-connector"):
-        load(["--kv-connector=lmcache"], {})
+        load(["--kv-connector=dynamo"], {})
 
 
 def test_kv_connector_wins_over_the_older_connector_flag() -> None:
