@@ -188,6 +188,17 @@ def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> Non
     assert injected.request_id_generated is False
 
 
+def test_under_the_shipped_default_d_unreachable_is_left_to_the_retry() -> None:
+    rig = Rig()  # Config's own retried_statuses: 502, 503, 504
+    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED), status=429)
+    rig.judge.judge(
+        exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
+        Event(failure=Failure.CONNECT_REFUSED),
+    )
+    [injected] = rig.queue.jobs  # D unreachable: the sidecar's 503 may be retried on another pod
+    assert (injected.request_id, injected.status, injected.injected) == ("a", 429, True)
+
+
 def test_a_router_never_marks_its_request_id_as_the_clients() -> None:
     rig = Rig()
     rig.judge.judge(exchange(ROUTER, request_id_generated=True), Event(status=400))
