@@ -34,7 +34,7 @@ import pytest
 from sidecar.llmd.command import load
 from tests.deploy.manifests import SIDECAR_IMAGE
 from tests.deploy.test_llmd_overlay import COMPONENT, render, sidecars
-from tests.integration.test_llmd_netns import VERSION, Pods, answers, pods, running, stats
+from tests.integration.test_llmd_netns import Pods, answers, pods, running, start_sims, stats
 from tests.integration.test_router import chat, completion
 from tests.integration.test_router_routes import generate, messages
 
@@ -168,23 +168,7 @@ class Cluster:
 def cluster() -> Iterator[Cluster]:
     """The two pods, with sim-prefill in one and sim-decode (vLLM on 8200) in the other."""
     with pods() as net, ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
-        p_url = f"http://{net.prefill_ip}:8000"
-        p = net.run(
-            net.prefill_ns,
-            *("sim-prefill", "--host", net.prefill_ip, "--port", "8000", "--tp", "2", "--lease", "0"),
-            *("--side-channel-host", net.prefill_ip, "--side-channel-port", "5600"),
-            *("--num-blocks", "64", "--model", "m", "--vllm-version", VERSION, "--log-level", "warning"),
-            log=logs[0],
-        )
-        d = net.run(
-            net.decode_ns,
-            *("sim-decode", "--port", "8200", "--vllm-d", "--version", VERSION, "--model", "m"),
-            *("--max-model-len", "40"),
-            log=logs[1],
-        )
-        stack.enter_context(running(p, logs[0], "sim-prefill", lambda: answers(p_url + "/health")))
-        stack.enter_context(running(d, logs[1], "sim-decode", lambda: True))  # the sidecar's /readyz needs D
+        p_url = start_sims(net, stack)
         yield Cluster(net, p_url)
 
 

@@ -132,27 +132,35 @@ def stats(url: str, check: Any, timeout: float = 15.0) -> dict[str, Any]:
     return result
 
 
+def start_sims(net: Pods, stack: ExitStack) -> str:
+    """sim-prefill (TP 2, real NIXL) on the prefill pod's address and sim-decode as vLLM on the decode
+    pod's 8200, both answering; P's URL."""
+    logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(2)]  # noqa: SIM115 - the stack closes them
+    p_url = f"http://{net.prefill_ip}:8000"
+    p = net.run(
+        net.prefill_ns,
+        *("sim-prefill", "--host", net.prefill_ip, "--port", "8000", "--tp", "2", "--lease", "0"),
+        *("--side-channel-host", net.prefill_ip, "--side-channel-port", "5600"),
+        *("--num-blocks", "64", "--model", "m", "--vllm-version", VERSION, "--log-level", "warning"),
+        log=logs[0],
+    )
+    d = net.run(
+        net.decode_ns,
+        *("sim-decode", "--port", "8200", "--vllm-d", "--version", VERSION, "--model", "m"),
+        *("--max-model-len", "40"),
+        log=logs[1],
+    )
+    stack.enter_context(running(p, logs[0], "sim-prefill", lambda: answers(p_url + "/health")))
+    stack.enter_context(running(d, logs[1], "sim-decode", lambda: True))  # the sidecar's /readyz needs D
+    return p_url
+
+
 def test_the_guides_args_serve_a_p_on_another_pod_and_release_a_rejection() -> None:
     with pods() as net, ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(3)]
-        p_url, admin = f"http://{net.prefill_ip}:8000", f"http://{net.decode_ip}:9100"
-        p = net.run(
-            net.prefill_ns,
-            *("sim-prefill", "--host", net.prefill_ip, "--port", "8000", "--tp", "2", "--lease", "0"),
-            *("--side-channel-host", net.prefill_ip, "--side-channel-port", "5600"),
-            *("--num-blocks", "64", "--model", "m", "--vllm-version", VERSION, "--log-level", "warning"),
-            log=logs[0],
-        )
-        d = net.run(
-            net.decode_ns,
-            *("sim-decode", "--port", "8200", "--vllm-d", "--version", VERSION, "--model", "m"),
-            *("--max-model-len", "40"),
-            log=logs[1],
-        )
-        sidecar = net.run(net.decode_ns, "serve", *GUIDE_ARGS, log=logs[2])  # the three start at once
-        stack.enter_context(running(p, logs[0], "sim-prefill", lambda: answers(p_url + "/health")))
-        stack.enter_context(running(d, logs[1], "sim-decode", lambda: True))  # /readyz below needs D
-        stack.enter_context(running(sidecar, logs[2], "the sidecar", lambda: answers(admin + "/readyz")))
+        p_url, admin = start_sims(net, stack), f"http://{net.decode_ip}:9100"
+        log = stack.enter_context(tempfile.TemporaryFile())
+        sidecar = net.run(net.decode_ns, "serve", *GUIDE_ARGS, log=log)
+        stack.enter_context(running(sidecar, log, "the sidecar", lambda: answers(admin + "/readyz")))
         url = f"http://{net.decode_ip}:8000/v1/completions"
         with httpx.Client(timeout=30) as client:
             name = "x-prefiller-host-port"
@@ -177,6 +185,6 @@ def test_the_guides_args_serve_a_p_on_another_pod_and_release_a_rejection() -> N
             assert 'kvr_prefill_refused_total{reason="loopback"} 1.0' in metrics
             assert 'kvr_prefill_refused_total{reason="metadata"} 1.0' in metrics
             assert 'kvr_releases_enabled{reason="on"} 1.0' in metrics
-        logs[2].seek(0)
-        started = logs[2].read().decode()
+        log.seek(0)
+        started = log.read().decode()
         assert started.count("no prefill allowlist") == 1, started[-3000:]  # one warning at start
