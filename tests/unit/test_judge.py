@@ -10,6 +10,7 @@ in-flight veto's state, the metrics, and the decision reported to tracing.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -293,3 +294,55 @@ def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
     stream = StreamJudge(rig.judge, exchange(stream=True, route="/v1/responses"))
     stream.feed(lead + REFUSAL)
     assert [job.cause for job in rig.queue.jobs] == [Cause.STREAM_ADMISSION_ERROR]
+
+
+def _router_rejection(rig: Rig, prefilled_ago: float | None) -> list[ReleaseJob]:
+    """A router-mode 400 for a request P answered ``prefilled_ago`` seconds ago (None: unknown)."""
+    at = None if prefilled_ago is None else time.monotonic() - prefilled_ago
+    rig.judge.judge(exchange(ROUTER, prefilled_at=at), Event(status=400))
+    return rig.queue.jobs
+
+
+@pytest.mark.parametrize(
+    ("settings", "facts"),
+    [
+        ({"vllm_version": "0.33.0"}, Facts(None)),  # the configured release: a 30 s lease
+        ({}, Facts("0.33.0")),  # D's release as observed
+        ({"p_hold_seconds": 30.0}, Facts(None)),  # the configured hold
+    ],
+)
+def test_a_router_skips_a_release_past_ps_lease(
+    settings: dict[str, Any], facts: Facts, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = Rig(facts=facts, **settings)
+    with caplog.at_level(logging.DEBUG, logger="sidecar"):
+        assert _router_rejection(rig, prefilled_ago=100.0) == []
+    [record] = [r for r in caplog.records if "lease" in r.getMessage()]
+    assert record.getMessage() == "P's lease on the blocks has passed; not released"
+    assert record.request_id == "req-1"  # type: ignore[attr-defined]
+    assert rig.sample("kvr_not_released_total", outcome="no_release", cause="lease_expired") == 1
+    assert rig.traces.decisions == [("release", "rejected_4xx", "lease_expired")]
+
+
+def test_a_router_releases_when_ps_release_has_no_lease_or_the_answer_time_is_unknown() -> None:
+    never_expires = Rig(vllm_version="0.9.2")  # before 0.10.0 P holds the blocks until released
+    [job] = _router_rejection(never_expires, prefilled_ago=1000.0)
+    assert job.deadline - job.detected_at == pytest.approx(30.0)  # release_deadline, not the lease
+    unknown = Rig(p_hold_seconds=5.0)
+    [job] = _router_rejection(unknown, prefilled_ago=None)
+    assert job.deadline - job.detected_at == pytest.approx(30.0)
+    assert unknown.sample("kvr_not_released_total", outcome="no_release", cause="lease_expired") == 0
+
+
+def test_a_routers_release_is_not_retried_past_the_lease_less_its_margin() -> None:
+    short = Rig(p_hold_seconds=5.0)  # margin: a tenth of the lease
+    before = time.monotonic()
+    [job] = _router_rejection(short, prefilled_ago=0.0)
+    assert before + 4.5 <= job.deadline <= time.monotonic() + 4.5
+    long = Rig(p_hold_seconds=100.0)  # margin at most 5 s: the lease ends after release_deadline
+    [job] = _router_rejection(long, prefilled_ago=0.0)
+    assert job.deadline - job.detected_at == pytest.approx(30.0)
+    almost = Rig(p_hold_seconds=100.0)
+    [job] = _router_rejection(almost, prefilled_ago=80.0)  # 15 s of the 95 left: the lease bounds it
+    assert job.deadline - job.detected_at == pytest.approx(15.0, abs=0.5)
+    assert _router_rejection(Rig(p_hold_seconds=100.0), prefilled_ago=95.5) == []  # inside the margin
