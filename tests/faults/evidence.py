@@ -181,7 +181,12 @@ class SidecarView(Protocol):
 async def _tasks() -> tuple[int, list[str]]:
     current = asyncio.current_task()
     others = [t for t in asyncio.all_tasks() if t is not current]
-    return len(others), sorted(t.get_name() + ":" + repr(t.get_coro())[:80] for t in others)
+    return len(others), sorted(_task_key(t) for t in others)
+
+
+def _task_key(task: asyncio.Task[Any]) -> str:
+    """One task's name, unique while it lives (its id), then what it runs."""
+    return f"{task.get_name()}@{id(task):x}:{repr(task.get_coro())[:80]}"
 
 
 class InProcessView:

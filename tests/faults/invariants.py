@@ -237,13 +237,13 @@ class InvariantChecker:
         self.truth, self.view, self.ranks = truth, view, ranks
         self._p0: dict[str, Any] = {}
         self._m0: dict[str, float] = {}
-        self._tasks0 = 0
+        self._tasks0: set[str] = set()
 
     def begin(self) -> None:
         """Take the baselines (P's counters, the sidecar's counters and tasks)."""
         self._p0 = self.truth.p_stats()
         self._m0 = self.view.metrics()
-        self._tasks0, _ = self.view.tasks()
+        self._tasks0 = set(self.view.tasks()[1])
 
     def check(
         self,
@@ -443,12 +443,16 @@ class InvariantChecker:
 
     def _tasks_back(self, report: Report, deadline: float) -> None:
         while True:
+            # Compared by identity, not by count: a task that was running at the baseline and
+            # has ended since must not hide one that was started and never ended.
             count, names = self.view.tasks()
-            if count <= self._tasks0:
+            new = sorted(set(names) - self._tasks0)
+            if not new:
                 return
             if time.monotonic() > deadline:
                 report.fail(
-                    f"task leak: {count} tasks on the sidecar's loop, {self._tasks0} before: {names[:8]}"
+                    f"task leak: {count} tasks on the sidecar's loop, {len(new)} new since the "
+                    f"baseline: {new[:8]}"
                 )
                 return
             time.sleep(POLL)

@@ -49,7 +49,7 @@ async def _debug(apps: list[ProxyApp], reader: asyncio.StreamReader, writer: asy
         body = json.dumps(
             {
                 "tasks": len(tasks),
-                "task_names": sorted(task.get_name() for task in tasks),
+                "task_names": sorted(f"{task.get_name()}@{id(task):x}" for task in tasks),
                 "internals": _internals(apps[0] if apps else None),
             }
         ).encode()
