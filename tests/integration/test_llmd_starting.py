@@ -9,10 +9,10 @@ message (only a request answered inside the window can carry it: after it, the
 request would be refused or sent to D), ``/health`` answers 200 as llm-d's does,
 ``/readyz`` is 503, and a SIGTERM ends the process with exit 0.
 
-Bounds, with their margin: an answer within ``ANSWER_WITHIN`` (6 s) of being
-sent, and an exit within ``EXIT_WITHIN`` (5 s) of SIGTERM. A server that waited
-for the first list would take up to the full 10 s for both: these bounds leave a
-loaded machine several seconds, and the "starting" body is checked as well.
+The answer is judged by its body, not by a clock: only an answer given inside
+the window says "starting". The exit has a bound with its margin: within
+``EXIT_WITHIN`` (5 s) of SIGTERM, sent while the pool is still pending; a server
+that waited for the first list would take up to the full 10 s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from tests.servers import free_port
 
 pytestmark = pytest.mark.nixl
 GUIDE_ARGS = ["--kv-connector=nixlv2", "--zap-log-level=1", "--secure-serving=false"]
-ANSWER_WITHIN = 6.0
 EXIT_WITHIN = 5.0
 
 
@@ -63,8 +62,8 @@ def account(tmp: Path) -> Path:
     return directory
 
 
-def first_answer(url: str, deadline: float) -> tuple[httpx.Response, float]:
-    """The first answer of the serving port once it accepts connections, and how long it took."""
+def first_answer(url: str, deadline: float) -> httpx.Response:
+    """The first answer of the serving port once it accepts connections."""
     while True:
         try:
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=1).close()
@@ -72,9 +71,7 @@ def first_answer(url: str, deadline: float) -> tuple[httpx.Response, float]:
         except OSError:
             assert time.monotonic() < deadline, "the serving port never listened"
             time.sleep(0.05)
-    sent = time.monotonic()
-    response = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=FIRST_SYNC_SECONDS + 5)
-    return response, time.monotonic() - sent
+    return httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=FIRST_SYNC_SECONDS + 5)
 
 
 @pytest.mark.parametrize("api", ["refused", "silent"])
@@ -97,10 +94,10 @@ def test_the_serving_port_answers_and_sigterm_stops_while_the_pool_is_first_list
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            response, took = first_answer(url, time.monotonic() + 60)
+            response = first_answer(url, time.monotonic() + 60)
             assert response.status_code == 503, response.text
-            assert NOT_STARTED in response.text  # answered inside the first-list window
-            assert took < ANSWER_WITHIN, f"answered after {took:.1f} s"
+            # answered inside the first-list window: no clock needed, only then can it say "starting"
+            assert NOT_STARTED in response.text
             assert httpx.get(url + "/health", timeout=5).status_code == 200  # llm-d's, as always
             ready = httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=5)
             assert ready.status_code == 503 and ready.json()["checks"]["inference_pool"] is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 
@@ -42,6 +44,8 @@ def test_busiest_leaves_out_the_benchmarks_own_processes_and_idle_ones() -> None
 async def test_waiting_for_quiet_ends_at_a_quiet_second_or_at_its_bound() -> None:
     plan = CorePlan(frozenset({0}), frozenset({1}))
     waited, others = await wait_quiet(plan, lambda: 0.0, threshold=100.0, bound=60.0)
-    assert 1.0 <= waited < 5 and 0 <= others <= 2  # the first second already counts as quiet
+    # the first second already counts as quiet; ``others`` is cores' worth of CPU the machine's other
+    # processes used in it, sampled over about a second: at most the core count, with sampling jitter
+    assert 1.0 <= waited < 5 and 0 <= others <= 1.1 * (os.cpu_count() or 1)
     waited, others = await wait_quiet(plan, lambda: 0.0, threshold=-1.0, bound=1.5)
     assert 1.5 <= waited < 5  # never quiet enough: given up at the bound, one reading past it

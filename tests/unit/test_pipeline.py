@@ -378,16 +378,18 @@ async def test_a_probe_that_connects_closes_the_breaker_and_frees_the_waiting_jo
     pipeline.start()
     for i in range(10):
         pipeline.submit(job(f"j{i}", deadline=3.0, host="10.0.0.1"))
-    await asyncio.sleep(0.02)
-    assert targets(metrics, "open") == 1
+    async with asyncio.timeout(2):
+        while targets(metrics, "open") != 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+    # no await between the count and the change: three failures opened it, then maybe failed probes
     calls_while_down = len(releaser.calls)
     releaser.dead.clear()  # P is back: the next probe connects
+    assert calls_while_down >= 3 and attempts(metrics, "unreachable") == calls_while_down
     assert await pipeline.flush(2)
     await pipeline.stop()
     assert count(metrics, Result.SENT) == 10
     assert targets(metrics, "open") == 0 and targets(metrics, "half_open") == 0
     assert len(releaser.calls) == calls_while_down + 10  # one probe, then every waiting job once
-    assert calls_while_down == 3
 
 
 async def test_one_target_takes_at_most_its_share_of_the_workers() -> None:
