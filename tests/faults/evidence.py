@@ -34,6 +34,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import Config
+from tests.faults.taskkind import task_kind
 from tests.integration.conftest import Sidecar
 
 OWN_CODE = "/sidecar/"
@@ -181,12 +182,7 @@ class SidecarView(Protocol):
 async def _tasks() -> tuple[int, list[str]]:
     current = asyncio.current_task()
     others = [t for t in asyncio.all_tasks() if t is not current]
-    return len(others), sorted(_task_key(t) for t in others)
-
-
-def _task_key(task: asyncio.Task[Any]) -> str:
-    """One task's name, unique while it lives (its id), then what it runs."""
-    return f"{task.get_name()}@{id(task):x}:{repr(task.get_coro())[:80]}"
+    return len(others), sorted(task_kind(t) for t in others)
 
 
 class InProcessView:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -237,13 +238,13 @@ class InvariantChecker:
         self.truth, self.view, self.ranks = truth, view, ranks
         self._p0: dict[str, Any] = {}
         self._m0: dict[str, float] = {}
-        self._tasks0: set[str] = set()
+        self._tasks0: Counter[str] = Counter()
 
     def begin(self) -> None:
         """Take the baselines (P's counters, the sidecar's counters and tasks)."""
         self._p0 = self.truth.p_stats()
         self._m0 = self.view.metrics()
-        self._tasks0 = set(self.view.tasks()[1])
+        self._tasks0 = Counter(self.view.tasks()[1])
 
     def check(
         self,
@@ -443,10 +444,10 @@ class InvariantChecker:
 
     def _tasks_back(self, report: Report, deadline: float) -> None:
         while True:
-            # Compared by identity, not by count: a task that was running at the baseline and
-            # has ended since must not hide one that was started and never ended.
+            # Compared by kind, not by total: a task that was running at the baseline and has
+            # ended since must not hide one of another kind that was started and never ended.
             count, names = self.view.tasks()
-            new = sorted(set(names) - self._tasks0)
+            new = sorted((Counter(names) - self._tasks0).elements())
             if not new:
                 return
             if time.monotonic() > deadline:

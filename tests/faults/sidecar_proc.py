@@ -22,6 +22,7 @@ from sidecar import config as config_mod
 from sidecar.app import Deps, ProxyApp, create_app
 from sidecar.observability import logs
 from sidecar.server import serve as serve_mod
+from tests.faults.taskkind import task_kind
 
 
 def _internals(app: ProxyApp | None) -> dict[str, int]:
@@ -49,7 +50,7 @@ async def _debug(apps: list[ProxyApp], reader: asyncio.StreamReader, writer: asy
         body = json.dumps(
             {
                 "tasks": len(tasks),
-                "task_names": sorted(f"{task.get_name()}@{id(task):x}" for task in tasks),
+                "task_names": sorted(task_kind(task) for task in tasks),
                 "internals": _internals(apps[0] if apps else None),
             }
         ).encode()
