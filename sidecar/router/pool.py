@@ -299,13 +299,15 @@ async def _params_past_limit(response: Response, head: bytes) -> dict[str, Any] 
     its last ``TAIL_BYTES`` (memory stays bounded; the time it takes is bounded by P's lease, past
     which the judge releases nothing). None when it breaks off or does not end in them
     (``params_at_end``)."""
-    tail = head[-TAIL_BYTES:]
+    tail = bytearray(head[-TAIL_BYTES:])
     try:
         async for chunk in response.chunks():
-            tail = (tail + chunk)[-TAIL_BYTES:]
+            tail += chunk
+            if len(tail) > 2 * TAIL_BYTES:  # cut now and then: each byte is moved about once
+                del tail[:-TAIL_BYTES]
     except UpstreamError:
         return None
-    return params_at_end(tail)
+    return params_at_end(bytes(tail[-TAIL_BYTES:]))
 
 
 def params_at_end(tail: bytes) -> dict[str, Any] | None:
@@ -320,7 +322,9 @@ def params_at_end(tail: bytes) -> dict[str, Any] | None:
     more than one closing brace).
     """
     text = tail.decode("utf-8", errors="replace")  # only the cut first character can be invalid
-    for match in reversed(list(_PARAMS_KEY.finditer(tail))):
+    # The last few keys: the answer's own comes after its large members, a nested one (if any) in
+    # the small members after it.
+    for match in list(_PARAMS_KEY.finditer(tail))[-4:][::-1]:
         start = len(tail[: match.end()].decode("utf-8", errors="replace"))
         try:
             value, end = _JSON.raw_decode(text, _skip_space(text, start))

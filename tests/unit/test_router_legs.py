@@ -20,6 +20,7 @@ from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy
 from sidecar.router import PREFILL_PARAMS, PrefillPool
 from sidecar.router.legs import Router
+from sidecar.router.pool import TAIL_BYTES
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
 from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
 
@@ -219,3 +220,14 @@ async def test_a_client_gone_while_p_answers_over_the_limit_still_frees_p() -> N
         await r.call(Client(body=completion(), disconnect_after_body=True))
         assert r.d.requests == []
         assert [job.cause for job in r.releaser.jobs] == ["prefill_answer_too_large"]
+
+
+async def test_an_answer_many_times_the_tail_is_read_to_its_parameters() -> None:
+    def huge(request: FakeRequest) -> FakeResponse:
+        return large(request, prompt_logprobs=[{"1": {"logprob": -1.0, "decoded_token": "t"}}] * 400_000)
+
+    assert len(b"".join(huge(FakeRequest("POST", "/", [], b"")).body)) > 3 * TAIL_BYTES
+    async with router(FakeUpstream(ok), p1=huge, p2=huge, prefill_answer_limit=1 << 20) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 502
+        assert [job.params.remote_request_id for job in r.releaser.jobs] == ["cmpl-r1-0-abcd1234"]
