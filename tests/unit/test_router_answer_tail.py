@@ -30,6 +30,8 @@ def answer(*, indent: int | None = None, **members: Any) -> bytes:
         answer(),
         answer(ec_transfer_params=None, metrics=None),  # vLLM's members after them
         answer(indent=2, metrics={"queued": 0.1}),  # whitespace anywhere
+        # the token-in generate route's: its one-token choices after them
+        answer(ec_transfer_params=None, output_mode="tokens", choices=[{"index": 0, "token_ids": [5]}]),
         answer(prompt_text='say "kv_transfer_params": {} then'),  # the key's text inside a string
     ],
 )
