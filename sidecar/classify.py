@@ -74,6 +74,8 @@ class Cause(StrEnum):
     OVERLOADED = "overloaded"  # over the sidecar's own limit_concurrency
     INJECTED = "injected"
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
+    # router mode: P's answer to the prefill leg was over prefill_answer_limit; no decode leg
+    PREFILL_ANSWER_TOO_LARGE = "prefill_answer_too_large"
     STREAM_ADMISSION_ERROR = "stream_admission_error"
     STREAM_ADMISSION_OVERFLOW = "stream_admission_overflow"  # vLLM 0.29.0+ queue limits
     STREAM_ENGINE_PAUSED = "stream_engine_paused"  # vLLM 0.33.0: D's engine core notifies P
@@ -106,6 +108,7 @@ class Failure(StrEnum):
     INJECTED = "injected"
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
     CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
+    PREFILL_ANSWER_TOO_LARGE = "prefill_answer_too_large"  # router mode: no decode leg was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,7 @@ _FAILURES: dict[Failure, Decision] = {
     Failure.OVERLOADED: Decision(Outcome.RELEASE, Cause.OVERLOADED),
     Failure.INJECTED: Decision(Outcome.RELEASE, Cause.INJECTED),
     Failure.CLIENT_GONE_BEFORE_FORWARD: Decision(Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
+    Failure.PREFILL_ANSWER_TOO_LARGE: Decision(Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
     Failure.HEADER_TIMEOUT: Decision(Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),
     Failure.RESET_AFTER_SEND: Decision(Outcome.AMBIGUOUS, Cause.RESET_AFTER_SEND),
     Failure.CLIENT_GONE_AFTER_FORWARD: Decision(Outcome.AMBIGUOUS, Cause.CLIENT_GONE_AFTER_FORWARD),

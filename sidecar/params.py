@@ -48,6 +48,8 @@ class Ineligible(StrEnum):
     NOT_JSON = "not_json"  # the body is not a JSON object: D answers it, nothing names P's blocks
     UNTRUSTED = "untrusted"  # not signed as ``trust`` requires: forwarded, never released
     CLIENT_PARAMS_DROPPED = "client_params_dropped"  # router mode drops the client's parameters
+    # router mode: P's answer over prefill_answer_limit did not end in readable parameters
+    PREFILL_ANSWER_UNREAD = "prefill_answer_unread"
 
 
 class ReleaseParams(msgspec.Struct, frozen=True, kw_only=True):

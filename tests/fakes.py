@@ -48,6 +48,7 @@ class FakeResponse:
     body: list[bytes] = field(default_factory=list)
     broken: bool = False
     closed: bool = False
+    taken: int = 0  # body chunks already read (``read`` takes them; ``chunks`` yields the rest)
 
     @classmethod
     def json(cls, status: int, payload: Any) -> FakeResponse:
@@ -63,14 +64,22 @@ class FakeResponse:
         return cls(200, [(b"content-type", b"text/event-stream")], chunks, broken=broken)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        for chunk in self.body:
+        while self.taken < len(self.body):
             await asyncio.sleep(0)
-            yield chunk
+            self.taken += 1
+            yield self.body[self.taken - 1]
         if self.broken:
             raise UpstreamError(Failure.RESET_AFTER_SEND, "D broke the stream")
 
     async def read(self, limit: int) -> bytes:
-        return b"".join(self.body)[:limit]
+        """As ``UpstreamResponse.read``: whole chunks until ``limit`` bytes or more were taken."""
+        parts: list[bytes] = []
+        size = 0
+        while size < limit and self.taken < len(self.body):
+            parts.append(self.body[self.taken])
+            size += len(parts[-1])
+            self.taken += 1
+        return b"".join(parts)
 
     async def __aenter__(self) -> FakeResponse:
         return self

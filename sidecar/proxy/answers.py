@@ -42,6 +42,7 @@ FAILURE_STATUS = {
     Failure.BODY_TOO_LARGE: 413,
     Failure.SHUTTING_DOWN: 503,
     Failure.OVERLOADED: 503,
+    Failure.PREFILL_ANSWER_TOO_LARGE: 502,
 }
 
 

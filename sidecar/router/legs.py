@@ -149,13 +149,27 @@ class Router:
             uncancel()
         # The client went away: P still answers (bounded by prefill_timeout); release what it kept.
         await asyncio.wait({task})
-        if task.cancelled() or task.exception() is not None:
+        if task.cancelled():
+            return None
+        failed = task.exception()
+        if isinstance(failed, AnswerTooLarge):
+            self._release_unsent(ctx, failed)
+        if failed is not None:
             return None
         result = task.result()
         exchange = self._kit.inspector.prefilled(ctx, result.params, None, self.policy, result.answered)
         self._kit.judge.judge(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._kit.forwarder.count(exchange.route, -1)
         return None
+
+    def _release_unsent(self, ctx: RequestContext, exc: AnswerTooLarge) -> None:
+        """P's answer was over ``prefill_answer_limit``: no decode leg is sent for it, so D never
+        reads the blocks P kept; release them when their parameters were read at its end."""
+        if exc.params is None:
+            self._kit.metrics.ineligible.labels(Ineligible.PREFILL_ANSWER_UNREAD).inc()
+            return
+        exchange = self._kit.inspector.prefilled(ctx, exc.params, None, self.policy, exc.answered)
+        self._kit.judge.judge(exchange, Event(failure=Failure.PREFILL_ANSWER_TOO_LARGE))
 
     async def _try_prefill(
         self, ctx: RequestContext, candidates: list[str], request: dict[str, Any]
@@ -218,6 +232,8 @@ class Router:
 
     async def _prefill_failed(self, ctx: RequestContext, request: dict[str, Any], exc: RouterError) -> None:
         assert ctx.route is not None
+        if isinstance(exc, AnswerTooLarge):
+            self._release_unsent(ctx, exc)
         if exc.body is not None:  # P's own answer to a bad request
             self._kit.forwarder.count(ctx.route, exc.status)
             await send_raw(ctx.send, exc.status, exc.body, ctx.request_id)

@@ -15,8 +15,10 @@ and keeps one pooled client per P.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -32,7 +34,7 @@ from sidecar.network.allowlist import Allowlist, ip_or_none, split_host_port
 from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.network.routable import RoutableAllowlist
 from sidecar.tls.client import outbound
-from sidecar.upstream import Client, Upstream
+from sidecar.upstream import Client, Response, Upstream, UpstreamError
 
 log = logging.getLogger("sidecar.router")
 
@@ -62,8 +64,17 @@ class RouterError(SidecarError):
 
 class AnswerTooLarge(RouterError):
     """P answered more than ``prefill_answer_limit``: another P (or a retry) would answer the
-    same, so it is neither retried nor held against P. P keeps that request's blocks until its
-    lease: the parameters are at the end of an answer that was not read whole."""
+    same, so it is neither retried nor held against P.
+
+    ``params`` are P's ``kv_transfer_params`` when its answer was a 200 read to its end,
+    keeping only the last ``TAIL_BYTES`` (they are among its last members:
+    ``params_at_end``); None otherwise. No decode leg is ever sent for such an answer, so D
+    cannot read those blocks: the router releases them. ``answered`` is when P's answer began
+    (its lease on the blocks began just before)."""
+
+    def __init__(self, message: str, params: dict[str, Any] | None, answered: float) -> None:
+        super().__init__(502, message)
+        self.params, self.answered = params, answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,18 +270,83 @@ class PrefillPool:
         with self.leg(url):
             client = await self.client(url)
             async with await client.send("POST", route, headers, body) as response:
+                answered = time.monotonic()
                 answer = await response.read(limit + 1)  # one byte more tells "over" from "exactly"
                 status = response.status
-        if len(answer) > limit:
-            message = (
-                f"prefill server {url} answered more than prefill_answer_limit ({limit} bytes); "
-                "raise prefill_answer_limit (prompt_logprobs on a long prompt make P's answer large)"
-            )
-            raise AnswerTooLarge(502, message)
+                if len(answer) > limit:
+                    params = await _params_past_limit(response, answer) if status == 200 else None
+                    message = (
+                        f"prefill server {url} answered more than prefill_answer_limit ({limit} bytes); "
+                        "raise prefill_answer_limit (prompt_logprobs on a long prompt make P's answer large)"
+                    )
+                    raise AnswerTooLarge(message, params, answered)
         if status != 200:
             message = f"prefill server answered {status}"
             raise RouterError(status, message, body=answer)
         return _prefill_result(url, answer)
+
+
+#: What is kept of an answer over ``prefill_answer_limit`` while the rest is read: its end, where
+#: ``kv_transfer_params`` are. Their bulk is the block ids, about 7 bytes each in vLLM's JSON; a
+#: 131,072-token prompt at 16 tokens a block has 8,192 per KV cache group: 4 MiB holds 500,000.
+TAIL_BYTES = 4 << 20
+_PARAMS_KEY = re.compile(rb'"kv_transfer_params"\s*:')
+_JSON = json.JSONDecoder()
+
+
+async def _params_past_limit(response: Response, head: bytes) -> dict[str, Any] | None:
+    """P's parameters from the end of a 200 answer over the limit: the rest is read keeping only
+    its last ``TAIL_BYTES`` (memory stays bounded; the time it takes is bounded by P's lease, past
+    which the judge releases nothing). None when it breaks off or does not end in them
+    (``params_at_end``)."""
+    tail = bytearray(head[-TAIL_BYTES:])
+    try:
+        async for chunk in response.chunks():
+            tail += chunk
+            if len(tail) > 2 * TAIL_BYTES:  # cut now and then: each byte is moved about once
+                del tail[:-TAIL_BYTES]
+    except UpstreamError:
+        return None
+    return params_at_end(bytes(tail[-TAIL_BYTES:]))
+
+
+def params_at_end(tail: bytes) -> dict[str, Any] | None:
+    """``kv_transfer_params`` of the JSON object whose last bytes are ``tail``, when they are a
+    member of that object itself; None otherwise.
+
+    vLLM's answers put them after every large member (``choices``, ``prompt_logprobs``,
+    ``prompt_token_ids``), followed at most by small ones (``ec_transfer_params``, ``metrics``).
+    A JSON string cannot hold an unescaped quote, so ``"kv_transfer_params":`` outside strings
+    is a key. It is the top object's own when what follows its value is the rest of that object:
+    further members, then its closing brace and nothing else (one nested deeper is followed by
+    more than one closing brace).
+    """
+    text = tail.decode("utf-8", errors="replace")  # only the cut first character can be invalid
+    # The last few keys: the answer's own comes after its large members, a nested one (if any) in
+    # the small members after it.
+    for match in list(_PARAMS_KEY.finditer(tail))[-4:][::-1]:
+        start = len(tail[: match.end()].decode("utf-8", errors="replace"))
+        try:
+            value, end = _JSON.raw_decode(text, _skip_space(text, start))
+        except ValueError:
+            continue
+        rest = text[end:].strip()
+        if rest == "}" or (rest.startswith(",") and _object("{" + rest[1:])):
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
+def _object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _pick(policy: str, urls: list[str]) -> list[str]:

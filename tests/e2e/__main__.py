@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fnmatch import fnmatch
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         run(args, out, processes, report)
     except (EngineFailed, RuntimeError, httpx.HTTPError, KeyboardInterrupt) as exc:
         report.error = f"{type(exc).__name__}: {exc}"
+        # Where it stopped: the harness's last frames (a run that stops early says which call failed).
+        report.info["error_at"] = [
+            f"{frame.filename}:{frame.lineno} {frame.name}"
+            for frame in traceback.extract_tb(exc.__traceback__)
+        ][-4:]
     finally:
         processes.stop_all()
     report.info["wall_seconds"] = round(time.monotonic() - started, 1)

@@ -100,6 +100,11 @@ def sidecar_results(text: str) -> dict[str, float]:
     return by_label(text, "kvr_releases_total", "result")
 
 
+def sidecar_requests(text: str) -> float:
+    """How many requests the sidecar has answered or seen its client leave (``kvr_requests_total``)."""
+    return totals(text).get("kvr_requests_total", 0.0)
+
+
 def sidecar_not_released(text: str) -> dict[str, float]:
     """The sidecar's rejections it did not release, by outcome (``retryable``, ``admitted``, ...)."""
     return by_label(text, "kvr_not_released_total", "outcome")
@@ -137,7 +142,11 @@ class Evidence:
     """Everything observed about one scenario, as the verdict and the report read it."""
 
     status: int = 0
-    answered_by: str = "D"  # "D", or "sidecar" when the sidecar answered itself
+    answered_by: str = "D"  # "D", or "sidecar" when the sidecar answered itself ("nobody": no answer)
+    # The client's request failed without an answer (``httpx``'s error), and how many requests the
+    # sidecar counted meanwhile (``kvr_requests_total``): 0 means it never read this one.
+    transport_error: str | None = None
+    sidecar_requests: int = 0
     body: str = ""  # the start of the answer
     error_type: str | None = None
     error_param: str | None = None

@@ -32,6 +32,7 @@ from tests.e2e.evidence import (
     delta,
     error_shape,
     sidecar_not_released,
+    sidecar_requests,
     sidecar_results,
     totals,
 )
@@ -91,6 +92,7 @@ class Before:
     sidecar: dict[str, float]
     not_released: dict[str, float]
     decided: float
+    requests: float
     p_log: int
 
 
@@ -146,6 +148,7 @@ class Runner:
             sidecar_results(metrics),
             sidecar_not_released(metrics),
             _decided(metrics),
+            sidecar_requests(metrics),
             self.target.p_log.size() if self.target.p_log else 0,
         )
 
@@ -208,9 +211,18 @@ class Runner:
         return params, time.monotonic()
 
     def send(self, url: str, content: bytes, scenario: Scenario, ev: Evidence) -> None:
+        """The scenario's request through the sidecar. A request that fails without an answer is
+        evidence too (``ev.transport_error``), not the end of the run: P's and the sidecar's
+        counters then say whether the sidecar ever read it (``tests.e2e.verdict``)."""
         headers = headers_for(scenario, f"e2e-{scenario.key}-{time.time_ns()}")
-        with self.client.stream("POST", url, content=content, headers=headers) as response:
-            raw = response.read()
+        try:
+            with self.client.stream("POST", url, content=content, headers=headers) as response:
+                raw = response.read()
+        except httpx.TransportError as exc:
+            ev.status, ev.answered_by = 0, "nobody"
+            ev.transport_error = f"{type(exc).__name__}: {exc}"
+            self.answer = b""
+            return
         ev.status = response.status_code
         ev.body = raw.decode(errors="replace")
         shape = error_shape(raw)
@@ -238,6 +250,7 @@ class Runner:
         metrics = sidecar.metrics(self.client)
         ev.sidecar = delta(sidecar_results(metrics), before.sidecar)
         ev.not_released = delta(sidecar_not_released(metrics), before.not_released)
+        ev.sidecar_requests = round(sidecar_requests(metrics) - before.requests)
         if self.target.p_log is not None:
             ev.p_log = PLog.parse(self.target.p_log.since(before.p_log))
         else:

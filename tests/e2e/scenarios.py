@@ -290,14 +290,19 @@ ROUTER_SCENARIOS: tuple[Scenario, ...] = (
 CONTROL = _BY_KEY["pre-validation"]
 #: A few scenarios per mode for a short run (``--reduced``): together every group of the full
 #: table (admitted, before D's handler, the body cap, a stream rejected after its 200, D's
-#: handler, D down), each route (completions, chat, responses, streams) and each strategy.
+#: handler, D down), each route (completions, chat, responses, Anthropic's messages, the
+#: token-in generate route; streams) and each strategy. The two routes llm-d added run in router
+#: mode, where the sidecar writes both legs (the generate route's caps inside sampling_params).
 REDUCED: dict[Mode, frozenset[str]] = {
     "nixl": frozenset(
         {"admit-stream", "admit-chat", "admit-responses", "pre-validation", "cap", "stream-dp-rank"}
         | {"handler-temperature", "down"}
     ),
     "http": frozenset({"admit", "pre-responses-validation", "stream-dp-rank", "handler-chat-temperature"}),
-    "router": frozenset({"admit", "pre-validation-stream", "handler-max-tokens", "cap", "down"}),
+    "router": frozenset(
+        {"admit", "pre-validation-stream", "handler-max-tokens", "cap", "down"}
+        | {"admit-messages", "pre-generate-validation"}
+    ),
     "auto": frozenset(
         {"admit", "pre-chat-validation", "stream-dp-rank", "handler-responses-temperature-stream", "down"}
     ),

@@ -10,9 +10,16 @@ never held blocks tested nothing and fails too.
 Every problem has a ``Kind``. Only two kinds are about time, ``EXPIRED`` (P's
 lease freed the blocks: the expected notification never came in time) and
 ``LATE`` (the one expected notification reached P after its lease, or P
-freed only after it). ``retry_allowed`` reruns a scenario only when every
+freed only after it). A third is the harness's own: ``UNSENT``, its request
+failed without an answer and the sidecar counted no request meanwhile, so the
+system under test never read it (the sidecar closes a new connection that
+sends nothing for ``client_header_timeout``, 10 s, quietly, as uvicorn and
+nginx do; a harness starved that long between its connect and its write
+gets "Server disconnected without sending a response"). Nothing else is
+judged of such an attempt. ``retry_allowed`` reruns a scenario only when every
 problem is of those kinds and the machine measurably stalled inside the
-scenario's release window; a wrong status, a duplicate notification, an
+scenario's release window; a wrong status (an answer missing after the
+sidecar read the request included), a duplicate notification, an
 unexpected release count, a read that should not be (or should be), or an
 answer different from D's own is reported on the first attempt.
 """
@@ -46,9 +53,10 @@ class Kind(StrEnum):
     READ = "read"  # D read blocks it must not, or made no read
     OUTPUT = "output"  # the P/D answer differs from D's own (or could not be compared)
     NO_EXPIRY = "no-expiry"  # a scenario only P's lease can free was freed otherwise
+    UNSENT = "unsent"  # the harness's request never reached the sidecar (closed unread, uncounted)
 
 
-TIMING = frozenset({Kind.EXPIRED, Kind.LATE})
+TIMING = frozenset({Kind.EXPIRED, Kind.LATE, Kind.UNSENT})
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ def kinds_of(problems: Collection[Problem]) -> list[Kind]:
 
 def judge(expect: Expect, status: int, ev: Evidence) -> list[Problem]:
     """Why the scenario failed; an empty list when it passed."""
+    if ev.transport_error is not None and not ev.sidecar_requests:
+        return [Problem(Kind.UNSENT, f"the request never reached the sidecar ({ev.transport_error})")]
     problems = _status(status, ev)
     if expect is Expect.NOT_PINNED:
         if ev.pinned:
@@ -109,6 +119,10 @@ def judge(expect: Expect, status: int, ev: Evidence) -> list[Problem]:
 
 
 def _status(status: int, ev: Evidence) -> list[Problem]:
+    if ev.transport_error is not None:
+        return [
+            Problem(Kind.STATUS, f"the sidecar read the request and gave no answer ({ev.transport_error})")
+        ]
     if ev.status != status:
         return [Problem(Kind.STATUS, f"the client got {ev.status or 'no status'}, not {status}")]
     return []

@@ -45,6 +45,7 @@ TABLE = [
     (Event(failure=Failure.OVERLOADED), Outcome.RELEASE, Cause.OVERLOADED),
     (Event(failure=Failure.INJECTED), Outcome.RELEASE, Cause.INJECTED),
     (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
+    (Event(failure=Failure.PREFILL_ANSWER_TOO_LARGE), Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
     (Event(status=200, stream=True, first_event_error=400), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
     (Event(status=200, stream=True, first_event_error=422), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
     # vLLM 0.29.0+: AsyncLLM._add_request's queue limits, before the engine core has the request

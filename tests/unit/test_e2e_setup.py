@@ -178,9 +178,14 @@ def test_every_mode_has_its_cases_and_a_short_set() -> None:
 def test_the_reduced_run_covers_every_group_route_and_strategy() -> None:
     rows = [(mode, s) for mode in MODES for s in scenarios_for(mode, reduced=True)]  # type: ignore[arg-type]
     assert {s.group for _, s in rows} == {s.group for s in SIDECAR_SCENARIOS}
-    assert {s.route for _, s in rows} == {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+    routes = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+    assert {s.route for _, s in rows} == routes | {"/inference/v1/generate"}
     admitted = {(s.route, s.stream) for _, s in rows if s.expect is Expect.D_READS}
-    assert {"/v1/chat/completions", "/v1/responses"} <= {route for route, _ in admitted}
+    assert {"/v1/chat/completions", "/v1/responses", "/v1/messages"} <= {route for route, _ in admitted}
+    # The routes llm-d added, where the sidecar writes both legs: an Anthropic answer D computed
+    # from P's blocks, and a token-in request D refuses after P pinned it (the sidecar frees it).
+    router = {(s.route, s.expectation("router")) for mode, s in rows if mode == "router"}
+    assert {("/v1/messages", Expect.D_READS), ("/inference/v1/generate", Expect.SIDECAR_FREES)} <= router
     assert any(stream for _, stream in admitted)
     assert {mode for mode, _ in rows} == set(MODES)
     # Most rows would fail behind a plain pass-through proxy: it releases nothing, and D down is

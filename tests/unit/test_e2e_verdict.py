@@ -226,6 +226,8 @@ def test_lateness_is_a_timing_fault_a_duplicate_is_not() -> None:
         ([Kind.LATE], 1.9, 1, False),  # no stall in its release window: a real failure
         ([Kind.EXPIRED], 0.0, 1, False),
         ([Kind.EXPIRED], 12.0, ATTEMPTS, False),  # the last attempt
+        ([Kind.UNSENT], 12.0, 1, True),  # the harness starved between its connect and its write
+        ([Kind.UNSENT], 0.5, 1, False),  # no stall: something closed it, look at it
         *(([Kind.EXPIRED, kind], 30.0, 1, False) for kind in Kind if kind not in TIMING),
         *(([kind], 30.0, 1, False) for kind in Kind if kind not in TIMING),
     ],
@@ -234,6 +236,28 @@ def test_retry_only_a_timing_failure_in_a_stall(
     kinds: list[Kind], window_stall: float, attempts: int, allowed: bool
 ) -> None:
     assert retry_allowed(kinds, window_stall, attempts) is allowed
+
+
+def test_a_request_the_sidecar_never_read_is_the_harness_s_and_only_that() -> None:
+    # Seen on real engines with the machine starved: P pinned, the harness's request to the sidecar
+    # failed with no answer, the sidecar counted no request, and P's lease freed the blocks.
+    unsent = released_by_nobody()
+    unsent.status, unsent.sidecar = 0, {}
+    unsent.transport_error = "RemoteProtocolError: Server disconnected without sending a response."
+    problems = judge(Expect.SIDECAR_FREES, 400, unsent)
+    assert kinds_of(problems) == [Kind.UNSENT]
+    assert texts(problems) == [
+        "the request never reached the sidecar (RemoteProtocolError: Server disconnected without "
+        "sending a response.)"
+    ]
+    # The sidecar read it (it counted a request) and the client still got no answer: the sidecar's
+    # fault, never run again, and every other check still applies.
+    unsent.sidecar_requests = 1
+    problems = judge(Expect.SIDECAR_FREES, 400, unsent)
+    assert kinds_of(problems)[0] is Kind.STATUS
+    assert texts(problems)[0].startswith("the sidecar read the request and gave no answer (")
+    assert Kind.RELEASES in kinds_of(problems)
+    assert not retry_allowed(kinds_of(problems), 30.0, 1)
 
 
 def test_a_retried_row_is_marked_and_a_non_timing_attempt_fails_the_run() -> None:

@@ -6,6 +6,7 @@ the tests read both legs' requests, the client's answer and the release jobs.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +20,7 @@ from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy
 from sidecar.router import PREFILL_PARAMS, PrefillPool
 from sidecar.router.legs import Router
+from sidecar.router.pool import TAIL_BYTES
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
 from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
 
@@ -128,16 +130,28 @@ async def test_n_above_one_never_takes_the_pd_path(fallback: bool, status: int, 
             assert "kv_transfer_params" not in r.d.requests[0].json()
 
 
-def large(request: FakeRequest) -> FakeResponse:
-    """P's answer with prompt_logprobs on a long prompt: about 3 MB of JSON before its parameters."""
+def large(request: FakeRequest, **members: Any) -> FakeResponse:
+    """P's answer with prompt_logprobs on a long prompt: about 3 MB of JSON before its parameters
+    (and vLLM's members after them), in 64 KiB chunks as a socket gives them."""
     logprobs = [{"151643": {"logprob": -1.5, "rank": 1, "decoded_token": "tok"}}] * 50_000
     usage = {"prompt_tokens": 50_000, "prompt_tokens_details": {"cached_tokens": 0}}
-    payload = {"choices": [], "usage": usage, "prompt_logprobs": logprobs, "kv_transfer_params": V033}
-    return FakeResponse.json(200, payload)
+    payload = {
+        "choices": [],
+        "usage": usage,
+        "prompt_logprobs": logprobs,
+        "kv_transfer_params": V033,
+        "ec_transfer_params": None,
+        "metrics": None,
+        **members,
+    }
+    whole = FakeResponse.json(200, payload)
+    data = whole.body[0]
+    whole.body = [data[at : at + 65536] for at in range(0, len(data), 65536)]
+    return whole
 
 
 async def test_a_p_answer_over_one_mib_is_read_whole_under_the_default_limit() -> None:
-    assert len(large(FakeRequest("POST", "/", [], b"")).body[0]) > 2 * 1024 * 1024
+    assert len(b"".join(large(FakeRequest("POST", "/", [], b"")).body)) > 2 * 1024 * 1024
     async with router(FakeUpstream(ok), p1=large, p2=large) as r:
         client = await r.call(Client(body=completion()))
         assert client.status == 200
@@ -156,6 +170,64 @@ async def test_a_p_answer_over_the_limit_is_a_502_naming_the_setting_tried_once(
         )
         assert len(r.ps[P1].requests) + len(r.ps[P2].requests) == 1  # neither retried nor sent elsewhere
         assert r.d.requests == []
+        # No decode leg carried P's parameters, so D never reads those blocks: they are released.
+        [job] = r.releaser.jobs
+        assert (job.cause, job.params.remote_request_id) == ("prefill_answer_too_large", "cmpl-r1-0-abcd1234")
         later = await r.call(Client(body=completion()))  # no P was put in backoff for it
         assert later.status == 502
         assert len(r.ps[P1].requests) == len(r.ps[P2].requests) == 1
+
+
+def _cut(request: FakeRequest) -> FakeResponse:
+    """The large answer, breaking off before its end."""
+    answer = large(request)
+    answer.body, answer.broken = answer.body[:-1], True
+    return answer
+
+
+def _status(answer: FakeResponse, status: int) -> FakeResponse:
+    answer.status = status
+    return answer
+
+
+def _nested_only(request: FakeRequest) -> FakeResponse:
+    """Parameters only inside another member (none of the answer's own): not P's to release."""
+    return large(request, kv_transfer_params=None, metrics={"kv_transfer_params": V033})
+
+
+@pytest.mark.parametrize(
+    ("p", "why"),
+    [
+        (_cut, "P's answer broke off before its parameters"),
+        (lambda r: large(r, kv_transfer_params=None), "P kept nothing"),
+        (_nested_only, "only a nested member names them"),
+        (lambda r: _status(large(r), 500), "P failed it (no block kept for D)"),
+    ],
+)
+async def test_an_answer_over_the_limit_without_readable_parameters_is_not_released(p: Any, why: str) -> None:
+    async with router(FakeUpstream(ok), p1=p, p2=p, prefill_answer_limit=2 << 20) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 502 and r.d.requests == [], why
+        assert r.releaser.jobs == [], why
+
+
+async def test_a_client_gone_while_p_answers_over_the_limit_still_frees_p() -> None:
+    async def slow(request: FakeRequest) -> FakeResponse:
+        await asyncio.sleep(0.05)  # the client has left by then
+        return large(request)
+
+    async with router(FakeUpstream(ok), p1=slow, p2=slow, prefill_answer_limit=1 << 20) as r:
+        await r.call(Client(body=completion(), disconnect_after_body=True))
+        assert r.d.requests == []
+        assert [job.cause for job in r.releaser.jobs] == ["prefill_answer_too_large"]
+
+
+async def test_an_answer_many_times_the_tail_is_read_to_its_parameters() -> None:
+    def huge(request: FakeRequest) -> FakeResponse:
+        return large(request, prompt_logprobs=[{"1": {"logprob": -1.0, "decoded_token": "t"}}] * 400_000)
+
+    assert len(b"".join(huge(FakeRequest("POST", "/", [], b"")).body)) > 3 * TAIL_BYTES
+    async with router(FakeUpstream(ok), p1=huge, p2=huge, prefill_answer_limit=1 << 20) as r:
+        client = await r.call(Client(body=completion()))
+        assert client.status == 502
+        assert [job.params.remote_request_id for job in r.releaser.jobs] == ["cmpl-r1-0-abcd1234"]
