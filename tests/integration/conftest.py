@@ -18,6 +18,21 @@ from sidecar.server.protocol import server_options
 from tests.servers import ServerThread, serve
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: the serial marker added here counts
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``netns`` run serially and last.
+
+    They add a veth to this host's namespace for as long as they run. UCX lists a host's interfaces
+    when a process makes its first context and keeps that list: a NIXL agent made meanwhile, in
+    another test process or later in this one, tries the veth after it is gone and fails
+    (``NIXL_ERR_BACKEND``, "Destination is unreachable"; observed under pytest-xdist).
+    """
+    for item in items:
+        if item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: 1 if item.get_closest_marker("netns") else 0)
+
+
 class Sidecar:
     """A running sidecar (proxy + admin on one loop) with a recording releaser."""
 

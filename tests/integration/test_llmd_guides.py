@@ -38,7 +38,7 @@ from tests.integration.test_llmd_netns import Pods, answers, pods, running, star
 from tests.integration.test_router import chat, completion
 from tests.integration.test_router_routes import generate, messages
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 HEADER = "x-prefiller-host-port"
 
 

@@ -31,7 +31,7 @@ import pytest
 
 from tests.integration.test_router import completion
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 GUIDE_ARGS = ["--port=8000", "--kv-connector=nixlv2", "--zap-log-level=1", "--secure-proxy=false"]
 VERSION = "0.33.0"
 
