@@ -27,7 +27,7 @@ demo: $(STAMP)
 # Two pytest runs: the suite on TEST_WORKERS processes (pytest-xdist), then, alone, the tests marked
 # serial (they measure CPU or time, or load the machine). Exit 5 (PYTEST_ARGS selected no test of a
 # run) is not a failure; every other exit code is.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: $(STAMP) tools
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(UV) run --frozen --no-sync pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]

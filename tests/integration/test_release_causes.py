@@ -286,7 +286,8 @@ def test_client_gone_before_forward_releases() -> None:
     hold.listen(16)
     port = hold.getsockname()[1]
 
-    conns: list[socket.socket] = []
+    conns: list[socket.socket] = []  # requests that reached D
+    held: list[socket.socket] = []  # every connection D accepted, held open
 
     def accept_and_hang() -> None:
         while not gate.is_set():
@@ -296,9 +297,13 @@ def test_client_gone_before_forward_releases() -> None:
             except OSError:
                 continue
             conn.settimeout(5)
-            conn.recv(1)  # busy-1 reached D (D may read it): from now on it must not be released
-            conns.append(conn)
-        for conn in conns:
+            held.append(conn)
+            start = b""
+            while len(start) < 5 and (chunk := conn.recv(5 - len(start))):
+                start += chunk
+            if start == b"POST ":  # not the sidecar's own poll of D's /health or /metrics
+                conns.append(conn)  # busy-1 reached D (D may read it): it must not be released
+        for conn in held:
             conn.close()
 
     thread = threading.Thread(target=accept_and_hang, daemon=True)
