@@ -26,7 +26,7 @@ before vLLM hands the request to its engine core's scheduler:
   _reject_add_while_paused``; typed ``"InternalServerError"`` in a chat
   stream, ``"ServiceUnavailableError"`` in a completions stream): the engine
   core rejected it on arrival and re-adds it only to notify P
-  (``stream_engine_paused``; ``sidecar.release.coverage`` leaves it to D).
+  (``stream_engine_paused``; ``sidecar.decision.coverage`` leaves it to D).
 
 A ``/v1/completions`` body may hold several prompts, each its own engine
 request admitted on its own; one can be refused after another was admitted.
@@ -106,6 +106,21 @@ class Failure(StrEnum):
     INJECTED = "injected"
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
     CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
+
+
+#: The status the client sees when D produced no headers.
+FAILURE_STATUS = {
+    Failure.CONNECT_REFUSED: 503,
+    Failure.DNS: 503,
+    Failure.CONNECT_TIMEOUT: 503,
+    Failure.TLS_FAILED: 503,
+    Failure.POOL_TIMEOUT: 503,
+    Failure.HEADER_TIMEOUT: 504,
+    Failure.RESET_AFTER_SEND: 502,
+    Failure.BODY_TOO_LARGE: 413,
+    Failure.SHUTTING_DOWN: 503,
+    Failure.OVERLOADED: 503,
+}
 
 
 @dataclass(frozen=True, slots=True)

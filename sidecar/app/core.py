@@ -28,6 +28,7 @@ from sidecar.app.ranks import RANK, rank_url
 from sidecar.app.runtime import Deps, Runtime
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
+from sidecar.decision.inflight import InFlight
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import FIRST_SYNC_SECONDS, watched_allowlists
 from sidecar.observability.metrics import Metrics, releases_enabled
@@ -36,7 +37,6 @@ from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.proxy.answers import send_error
 from sidecar.proxy.headers import request_headers
-from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.kit import Kit, Routed
 from sidecar.proxy.llmd_answers import send_plain

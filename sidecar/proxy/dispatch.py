@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from sidecar.asgi import Receive, Scope, Send, over_limit
 from sidecar.classify import Failure
 from sidecar.config import Config
+from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import DecodeFacts, Judge
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.proxy.answers import send_error
@@ -31,10 +33,8 @@ from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import uncancel
 from sidecar.proxy.forward import Forwarder
-from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
-from sidecar.proxy.judge import DecodeFacts, Judge
 from sidecar.proxy.kit import Kit, Routed
 from sidecar.proxy.llmd_answers import DECODE_NOT_READY
 from sidecar.proxy.refusals import SHUTTING_DOWN, Refusals

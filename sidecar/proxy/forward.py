@@ -21,6 +21,7 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
 from sidecar.classify import Event, Failure
+from sidecar.decision.judge import Judge
 from sidecar.decode.probes import says_close
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.observability.tracing import Tracing
@@ -28,8 +29,8 @@ from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.headers import response_headers
-from sidecar.proxy.judge import Judge, StreamJudge
 from sidecar.proxy.llmd_answers import send_plain
+from sidecar.proxy.stream import StreamJudge
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.upstream import Client, Response, Sent, UpstreamError

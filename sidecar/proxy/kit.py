@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.config import Config
+from sidecar.decision.judge import Judge
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.forward import Forwarder
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
-from sidecar.proxy.judge import Judge
 from sidecar.proxy.refusals import Refusals
 from sidecar.proxy.trust import Trust
 

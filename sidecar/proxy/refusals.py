@@ -22,13 +22,13 @@ import logging
 from sidecar import retries
 from sidecar.classify import Event, Failure
 from sidecar.config import Config
+from sidecar.decision.judge import Judge
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.answers import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.forward import Forwarder
 from sidecar.proxy.inspect import Inspector
-from sidecar.proxy.judge import Judge
 
 log = logging.getLogger("sidecar.proxy")
 

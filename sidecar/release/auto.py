@@ -18,7 +18,7 @@ Per job:
 * path ``nixl``: the ``nixl`` strategy.
 
 The judge decides what reaches the strategy (D's own fix, vLLM 0.21.0+, is
-applied before: ``sidecar.release.coverage``). ``kvr_releases_total`` counts every job under the strategy
+applied before: ``sidecar.decision.coverage``). ``kvr_releases_total`` counts every job under the strategy
 label ``auto``; ``kvr_auto_releases_total{path,result}`` says which path
 served it, ``kvr_release_path{path}`` is 1 for the current choice, and the
 sub-strategies' own ``kvr_control_*`` and ``kvr_nixl_*`` series count too.

@@ -21,11 +21,11 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB
 from sidecar.classify import Event, Failure
+from sidecar.decision.policy import Policy
 from sidecar.params import Ineligible
 from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
-from sidecar.proxy.judge import Policy
 from sidecar.proxy.kit import Kit
 from sidecar.proxy.llmd_answers import FORBIDDEN, send_plain
 from sidecar.proxy.refusals import SHUTTING_DOWN

@@ -2,7 +2,7 @@
 
 ``tests/unit/test_proxy.py`` drives the judge through the request path; here
 ``Judge`` and ``StreamJudge`` are called directly with an ``Exchange``, so
-each step of the decision (module docstring of ``sidecar.proxy.judge``) shows
+each step of the decision (module docstring of ``sidecar.decision.judge``) shows
 in what it leaves behind: the job handed to the pipeline (every field), the
 in-flight veto's state, the metrics, and the decision reported to tracing.
 """
@@ -18,12 +18,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import Cause, Event, Failure, Outcome
 from sidecar.config import Config
+from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import Judge
+from sidecar.decision.policy import SIDECAR, Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.params import release_params
 from sidecar.proxy.context import Exchange
-from sidecar.proxy.inflight import InFlight
-from sidecar.proxy.judge import SIDECAR, Judge, Policy, StreamJudge
+from sidecar.proxy.stream import StreamJudge
 from sidecar.release.base import ReleaseJob
 from sidecar.upstream.client import Sent
 from tests.fakes import Facts

@@ -69,7 +69,7 @@ def test_classify_is_called_from_one_module() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "classify":
                 callers.add(name(path))
-    assert callers == {"proxy/judge.py"}
+    assert callers == {"decision/judge.py"}
 
 
 # --- layers --------------------------------------------------------------------------------------

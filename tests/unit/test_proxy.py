@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import Failure
 from sidecar.config import Config
+from sidecar.decision.inflight import InFlight
 from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release.base import ReleaseJob, Result

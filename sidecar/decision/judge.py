@@ -17,48 +17,43 @@ in this order, each step counted:
    from P's answer, ``sidecar.release.value.release_by``) is skipped
    (``kvr_not_released_total{cause="lease_expired"}``): P has freed the
    blocks itself and would only log an error for an unknown request;
-6. D's own fix (``sidecar.release.coverage``): a rejection D's engine
+6. D's own fix (``sidecar.decision.coverage``): a rejection D's engine
    releases itself goes to the pipeline as ``covered`` (recorded, never
    sent), unless D cannot notify now; one D may or may not have released is
    sent only after D's own notifications would have gone out;
 7. the job is handed to the pipeline, which never blocks.
 
-``StreamJudge`` applies the same decision to a 200 stream from its first SSE
-event while the bytes pass through.
+``sidecar.proxy.stream.StreamJudge`` applies the same decision to a 200 stream
+from its first SSE event while the bytes pass through.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from sidecar import retries
 from sidecar.classify import (
+    FAILURE_STATUS,
     ROUTER_RELEASES,
     Cause,
     Decision,
     Event,
     Failure,
-    FirstEvent,
     Outcome,
     classify,
-    stream_event,
 )
 from sidecar.config import Config
+from sidecar.decision.coverage import engine_covers, engine_may_cover, fix_version
+from sidecar.decision.inflight import InFlight
+from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
-from sidecar.proxy.answers import FAILURE_STATUS
-from sidecar.proxy.inflight import InFlight
-from sidecar.proxy.sse import FirstEventScanner
+from sidecar.params import ReleaseParams
 from sidecar.release.base import ReleaseJob
-from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
 from sidecar.release.pipeline import Pipeline
 from sidecar.release.value import lease_seconds, release_by
-
-if TYPE_CHECKING:
-    from sidecar.proxy.context import Exchange
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -81,49 +76,29 @@ class DecodeFacts(Protocol):
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """How one mode reads an exchange's fate. Sidecar mode: as ``classify`` says."""
+class Case(Protocol):
+    """One exchange as the judge reads it (``sidecar.proxy.context.Exchange``)."""
 
-    router: bool = False
-    decode_releases: bool = False  # router mode: a decode sidecar judges D's answers itself
-
-    def decide(self, decision: Decision, event: Event) -> Decision:
-        if not self.router:
-            return decision
-        if self.decode_releases and event.failure is None:
-            # D's answer came back through the decode sidecar, which judged it and released what it
-            # had to: releasing here too would notify P twice.
-            return Decision(Outcome.NO_RELEASE, Cause.DELEGATED)
-        if decision.cause in ROUTER_RELEASES:
-            # The router holds P's parameters and closed its connection to D: D aborts the request.
-            return Decision(Outcome.RELEASE, decision.cause)
-        return decision
-
-    def decode_answered(self, metrics: Metrics, status: int, elapsed: float) -> None:
-        """The decode leg's answer (router mode counts its legs)."""
-        if self.router:
-            metrics.leg_latency.labels("decode").observe(elapsed)
-            if status >= 400:
-                metrics.leg_failures.labels("decode", f"status_{status // 100}xx").inc()
-
-    def decode_failed(self, metrics: Metrics, failure: Failure) -> None:
-        if self.router:
-            metrics.leg_failures.labels("decode", failure.value).inc()
-
-    def retried_elsewhere(self, answer: int | None, retried: frozenset[int]) -> bool:
-        """Whether a proxy in front may resend this request, P's parameters and all, to another
-        decode pod (sidecar mode). A router's client retries with a fresh prefill."""
-        return not self.router and answer in retried
+    request_id: str
+    route: str
+    params: ReleaseParams | None
+    policy: Policy
+    raw_params: bytes | None
+    body_request_id: str | None
+    data_parallel_rank: int | None
+    request_id_generated: bool
+    prefilled_at: float | None
+    responded: bool
+    decided: bool
+    spent: bool
 
     @property
-    def spends(self) -> bool:
-        """A released request's parameters are spent for the client (sidecar mode); a router's
-        client retries with a fresh prefill."""
-        return not self.router
+    def sent(self) -> object | None:
+        """Set once the request went to D's socket (None: it never left the sidecar)."""
 
-
-SIDECAR = Policy()
+    @property
+    def key(self) -> tuple[str, str]:
+        """The parameters' identity: (P engine, the id P knows the request by)."""
 
 
 class Judge:
@@ -155,12 +130,12 @@ class Judge:
         """Tell what D answered (or how it failed) to what the judge knows of D, before judging."""
         self._facts.observe(signal, message, closing=closing)
 
-    def forwarded(self, exchange: Exchange) -> None:
+    def forwarded(self, exchange: Case) -> None:
         """The exchange's parameters are on their way to D: D may read them until it is judged."""
         self._inflight.forwarded(exchange.key)
 
     def judge(
-        self, exchange: Exchange, event: Event, error_type: str | None = None, status: int | None = None
+        self, exchange: Case, event: Event, error_type: str | None = None, status: int | None = None
     ) -> Decision:
         decision = exchange.policy.decide(classify(event), event)
         exchange.decided = True
@@ -214,7 +189,7 @@ class Judge:
         return decision
 
     def _job(
-        self, exchange: Exchange, decision: Decision, event: Event, error_type: str | None, status: int | None
+        self, exchange: Case, decision: Decision, event: Event, error_type: str | None, status: int | None
     ) -> ReleaseJob:
         assert exchange.params is not None
         now = time.monotonic()
@@ -253,7 +228,7 @@ class Judge:
             return job.but(not_before=now + self._config.may_cover_delay)
         return job
 
-    def _lease_end(self, exchange: Exchange) -> float | None:
+    def _lease_end(self, exchange: Case) -> float | None:
         """Router mode: when a release would reach P past its lease; None without a lease."""
         if exchange.prefilled_at is None:
             return None
@@ -272,39 +247,3 @@ def _answer(event: Event, status: int | None) -> int | None:
     if event.failure is not None:
         return FAILURE_STATUS.get(event.failure)
     return event.status
-
-
-class StreamJudge:
-    """Judges a 200 stream from its first SSE event while the bytes pass through."""
-
-    __slots__ = ("_exchange", "_judge", "_scanner")
-
-    def __init__(self, judge: Judge, exchange: Exchange) -> None:
-        self._judge, self._exchange = judge, exchange
-        self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
-
-    @property
-    def decided(self) -> bool:
-        """The stream is judged: the rest of it needs no look."""
-        return self._exchange.decided
-
-    def feed(self, chunk: bytes) -> None:
-        if self._exchange.decided:
-            return
-        first = self._scanner.feed(chunk)
-        if first is not None:
-            self._judged(first)
-
-    def finish(self) -> None:
-        if not self._exchange.decided:
-            self._judged(self._scanner.finish())
-
-    def _judged(self, first: FirstEvent) -> None:
-        if first.error_code is not None:  # an error event: it may show D's engine dead
-            self._judge.observe(first.error_code, first.error_message)
-        self._judge.judge(self._exchange, stream_event(first), first.error_type)
-
-    def reset(self) -> None:
-        """D broke the stream before its first event ended: D may have admitted it."""
-        if not self._exchange.decided:
-            self._judge.judge(self._exchange, Event(failure=Failure.RESET_AFTER_SEND))
