@@ -1,8 +1,12 @@
 """The one home of the release decision: from what happened to a request to what P gets.
 
-``Judge.judge`` takes an exchange and its ``Event`` (D's status, a stream's
-first event, or the failure that kept an answer from arriving) and decides,
-in this order, each step counted:
+``Judge.judge`` is the one entry: it takes an exchange and its ``Event``
+(D's status with its error type and message, a stream's first event, or the
+failure that kept an answer from arriving; whether the response had started;
+the sidecar's own answer) and returns the ``Decision``. It first tells D's
+state what the event shows of D (``DecodeFacts.observe``: a failure to reach
+it, an error answer, ``Connection: close``), then decides, in this order, each
+step counted:
 
 1. ``classify`` (a pure table): release, ambiguous or not;
 2. the exchange's ``Policy``: router mode releases what it aborted itself,
@@ -35,6 +39,7 @@ from typing import Protocol
 
 from sidecar import retries
 from sidecar.classify import (
+    D_FAILURES,
     FAILURE_STATUS,
     ROUTER_RELEASES,
     Cause,
@@ -88,7 +93,6 @@ class Case(Protocol):
     data_parallel_rank: int | None
     request_id_generated: bool
     prefilled_at: float | None
-    responded: bool
     decided: bool
     spent: bool
 
@@ -126,26 +130,22 @@ class Judge:
         self.frees = pipeline.releaser.frees and not config.dry_run
         self.retried = retries.parse(config.retried_statuses)
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
-        """Tell what D answered (or how it failed) to what the judge knows of D, before judging."""
-        self._facts.observe(signal, message, closing=closing)
-
     def forwarded(self, exchange: Case) -> None:
         """The exchange's parameters are on their way to D: D may read them until it is judged."""
         self._inflight.forwarded(exchange.key)
 
-    def judge(
-        self, exchange: Case, event: Event, error_type: str | None = None, status: int | None = None
-    ) -> Decision:
+    def judge(self, exchange: Case, event: Event) -> Decision:
+        """The one entry: what ``event`` means for the exchange's parameters, handed over."""
+        news = _news(event)
+        if news is not None:  # D's state first: the decision reads it (D's own fix)
+            self._facts.observe(*news, closing=event.closing)
         decision = exchange.policy.decide(classify(event), event)
         exchange.decided = True
         if exchange.params is None:
             self._traced(decision, "no_params")
             return decision
         releases = decision.releases(self._config.release_ambiguous)
-        # Once a response started (a 200 stream cut later) no proxy retries the request.
-        answer = None if exchange.responded else _answer(event, status)
-        left = releases and exchange.policy.retried_elsewhere(answer, self.retried)
+        left = releases and exchange.policy.retried_elsewhere(_answer(event), self.retried)
         key = exchange.key
         if exchange.sent is not None:
             # Left to a retry on another pod: D there may read them, as if admitted here.
@@ -180,7 +180,7 @@ class Judge:
             # later request with these parameters must not be released meanwhile.
             self._inflight.admitted(key)
         self._metrics.rejections.labels(decision.cause.value).inc()
-        job = self._job(exchange, decision, event, error_type, status)
+        job = self._job(exchange, decision, event)
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either
         queued = self._pipeline.submit(job)
@@ -188,9 +188,7 @@ class Judge:
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
 
-    def _job(
-        self, exchange: Case, decision: Decision, event: Event, error_type: str | None, status: int | None
-    ) -> ReleaseJob:
+    def _job(self, exchange: Case, decision: Decision, event: Event) -> ReleaseJob:
         assert exchange.params is not None
         now = time.monotonic()
         job = ReleaseJob(
@@ -200,8 +198,8 @@ class Judge:
             body_request_id=exchange.body_request_id,
             params=exchange.params,
             cause=decision.cause,
-            status=event.status if status is None else status,
-            error_type=error_type,
+            status=event.status if event.answer is None else event.answer,
+            error_type=event.first.error_type if event.first is not None else event.error_type,
             injected=event.failure is Failure.INJECTED,
             detected_at=now,
             deadline=now + self._config.release_deadline,
@@ -240,10 +238,29 @@ class Judge:
             self._tracing.decided(decision.outcome.value, decision.cause.value, release)
 
 
-def _answer(event: Event, status: int | None) -> int | None:
-    """The status the client sees (``status``: the sidecar's own answer, when it chose one)."""
-    if status is not None:
-        return status
+def _answer(event: Event) -> int | None:
+    """The status the client sees, while a proxy in front may still retry it: none once the
+    response started (a 200 stream cut later); the sidecar's own answer when it chose one."""
+    if event.started:
+        return None
+    if event.answer is not None:
+        return event.answer
     if event.failure is not None:
         return FAILURE_STATUS.get(event.failure)
     return event.status
+
+
+def _news(event: Event) -> tuple[Failure | int, str | None] | None:
+    """What ``event`` tells of D itself: a failure to reach it before any answer, an error
+    answer (or a stream's error event), or an answer that said ``Connection: close``."""
+    if event.failure is not None:
+        if event.failure in D_FAILURES and not event.started:
+            return event.failure, None
+        return (200, None) if event.closing else None  # a 2xx stream that said so, then broke
+    first = event.first
+    if first is not None and first.error_code is not None:
+        return first.error_code, first.error_message
+    status = event.status or 0
+    if not 200 <= status < 300 or event.closing:
+        return status, event.error_message
+    return None

@@ -88,7 +88,7 @@ class Refusals:
 
     async def inject(self, ctx: RequestContext, exchange: Exchange, status: int) -> None:
         """Answer an injected rejection; D never sees the request (``sidecar.proxy.inject``)."""
-        self._judge.judge(exchange, Event(failure=Failure.INJECTED), status=status)
+        self._forwarder.judged(exchange, Event(failure=Failure.INJECTED, answer=status))
         self._metrics.injected.labels(status_class(status)).inc()
         self._forwarder.count(exchange.route, status)
         message = "rejection injected by kv-release-sidecar (load test)"
@@ -99,7 +99,7 @@ class Refusals:
         self, ctx: RequestContext, exchange: Exchange, failure: Failure, message: str, close: bool = False
     ) -> None:
         """The sidecar answers itself; D never sees the request."""
-        self._judge.judge(exchange, Event(failure=failure))
+        self._forwarder.judged(exchange, Event(failure=failure))
         status = FAILURE_STATUS[failure]
         self._forwarder.count(exchange.route, status)
         extra = (*exchange.retry_headers(), *((CLOSE,) if close else ()))

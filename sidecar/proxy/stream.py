@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from sidecar.classify import Event, Failure, FirstEvent, stream_event
+from sidecar.classify import Event, Failure, stream_event
 from sidecar.decision.judge import Judge
 from sidecar.proxy.context import Exchange
 from sidecar.proxy.sse import FirstEventScanner
 
 
 class StreamJudge:
-    """Judges a 200 stream from its first SSE event while the bytes pass through."""
+    """Judges a 200 stream from its first SSE event while the bytes pass through; ``closing``:
+    D's answer said ``Connection: close``."""
 
-    __slots__ = ("_exchange", "_judge", "_scanner")
+    __slots__ = ("_closing", "_exchange", "_judge", "_scanner")
 
-    def __init__(self, judge: Judge, exchange: Exchange) -> None:
-        self._judge, self._exchange = judge, exchange
+    def __init__(self, judge: Judge, exchange: Exchange, closing: bool = False) -> None:
+        self._judge, self._exchange, self._closing = judge, exchange, closing
         self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
 
     @property
@@ -27,18 +28,16 @@ class StreamJudge:
             return
         first = self._scanner.feed(chunk)
         if first is not None:
-            self._judged(first)
+            self._judged(stream_event(first, closing=self._closing))
 
     def finish(self) -> None:
         if not self._exchange.decided:
-            self._judged(self._scanner.finish())
-
-    def _judged(self, first: FirstEvent) -> None:
-        if first.error_code is not None:  # an error event: it may show D's engine dead
-            self._judge.observe(first.error_code, first.error_message)
-        self._judge.judge(self._exchange, stream_event(first), first.error_type)
+            self._judged(stream_event(self._scanner.finish(), closing=self._closing))
 
     def reset(self) -> None:
         """D broke the stream before its first event ended: D may have admitted it."""
         if not self._exchange.decided:
-            self._judge.judge(self._exchange, Event(failure=Failure.RESET_AFTER_SEND))
+            self._judged(Event(failure=Failure.RESET_AFTER_SEND, closing=self._closing, started=True))
+
+    def _judged(self, event: Event) -> None:
+        self._judge.judge(self._exchange, event)

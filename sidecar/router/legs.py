@@ -153,7 +153,7 @@ class Router:
             return None
         result = task.result()
         exchange = self._kit.inspector.prefilled(ctx, result.params, None, self.policy, result.answered)
-        self._kit.judge.judge(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
+        self._kit.forwarder.judged(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
         self._kit.forwarder.count(exchange.route, -1)
         return None
 

@@ -166,7 +166,7 @@ def test_the_job_carries_what_the_strategies_need() -> None:
         data_parallel_rank=1,
         request_id_generated=True,
     )
-    rig.judge.judge(made, Event(status=404), "NotFoundError")
+    rig.judge.judge(made, Event(status=404, error_type="NotFoundError"))
     [job] = rig.queue.jobs
     assert (job.request_id, job.route, job.body_request_id) == ("req-1", "/v1/chat/completions", "body-1")
     assert (job.raw_params, job.data_parallel_rank) == (b'{"do_remote_prefill": true}', 1)
@@ -180,7 +180,7 @@ def test_the_job_carries_what_the_strategies_need() -> None:
 
 def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> None:
     rig = Rig(retried_statuses=("none",))
-    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED), status=429)
+    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED, answer=429))
     rig.judge.judge(
         exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
         Event(failure=Failure.CONNECT_REFUSED),
@@ -193,7 +193,7 @@ def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> Non
 
 def test_under_the_shipped_default_d_unreachable_is_left_to_the_retry() -> None:
     rig = Rig()  # Config's own retried_statuses: 502, 503, 504
-    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED), status=429)
+    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED, answer=429))
     rig.judge.judge(
         exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
         Event(failure=Failure.CONNECT_REFUSED),
@@ -238,7 +238,7 @@ def test_only_an_abort_of_a_request_d_had_keeps_the_parameters(
 def test_what_the_judge_is_told_of_d_reaches_ds_state() -> None:
     facts = Facts(None)
     rig = Rig(facts=facts)
-    rig.judge.observe(503, "down", closing=True)
+    rig.judge.judge(exchange(), Event(status=503, error_message="down", closing=True))
     assert facts.observed == [(503, "down", True)]
 
 
