@@ -21,7 +21,7 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB
 from sidecar.classify import Event, Failure
-from sidecar.decision.policy import Policy
+from sidecar.decision.policy import router_policy
 from sidecar.params import Ineligible
 from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
@@ -46,7 +46,7 @@ class Router:
     def __init__(self, kit: Kit, pool: PrefillPool) -> None:
         self._kit = kit
         self.pool = pool
-        self.policy = Policy(router=True, decode_releases=kit.config.decode_releases)
+        self.policy = router_policy(kit.config.decode_releases)
 
     async def close(self) -> None:
         await self.pool.close()

@@ -20,7 +20,7 @@ from sidecar.classify import Cause, Event, Failure, Outcome
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
 from sidecar.decision.judge import Judge
-from sidecar.decision.policy import SIDECAR, Policy
+from sidecar.decision.policy import ROUTER, SIDECAR, Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.params import release_params
@@ -32,7 +32,6 @@ from tests.fakes import Facts
 from tests.unit.test_proxy import V033
 
 PARAMS = release_params(V033)
-ROUTER = Policy(router=True)
 REFUSAL = b'data: {"error": {"message": "bad", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
 
 
