@@ -5,7 +5,7 @@ The lifespan owns every resource and hands them to the handlers through
 builds, in order: the client to D, D's state (``DecodeState``, one for the
 whole process: the judge reads it, the strategies ask it for D's release,
 ``/readyz`` for D's health), the release strategy and its pipeline, the proxy
-(and router mode on its kit), then the data-parallel ranks. The admin app is
+(and router mode on its admission step), then the data-parallel ranks. The admin app is
 ``sidecar.app.admin``.
 
 With an InferencePool to watch, start-up does not wait for its first list: the
@@ -35,10 +35,10 @@ from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
+from sidecar.proxy.admit import Admission, Routed
 from sidecar.proxy.answers import send_error
 from sidecar.proxy.headers import request_headers
 from sidecar.proxy.inject import Injector
-from sidecar.proxy.kit import Kit, Routed
 from sidecar.proxy.llmd_answers import send_plain
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
@@ -214,9 +214,9 @@ def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
     return ProxyApp(config, deps)
 
 
-def _routing(pool: PrefillPool | None) -> Callable[[Kit], Routed] | None:
-    """Router mode, built on each proxy's kit, when there is a P pool (or llm-d's header)."""
-    return None if pool is None else lambda kit: Router(kit, pool)
+def _routing(pool: PrefillPool | None) -> Callable[[Admission], Routed] | None:
+    """Router mode, built on each proxy's admission, when there is a P pool (or llm-d's header)."""
+    return None if pool is None else lambda admission: Router(admission, pool)
 
 
 def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:

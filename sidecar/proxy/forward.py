@@ -21,7 +21,7 @@ import time
 import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
-from sidecar.classify import Event, Failure
+from sidecar.classify import Event
 from sidecar.decision.judge import Judge
 from sidecar.decode.probes import says_close
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
@@ -30,8 +30,8 @@ from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.headers import response_headers
-from sidecar.proxy.llmd_answers import send_plain
 from sidecar.proxy.stream import StreamJudge
+from sidecar.proxy.style import VLLM, AnswerStyle
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.upstream import Client, Response, Sent, UpstreamError
@@ -47,13 +47,14 @@ Head = list[tuple[bytes, bytes]]
 class Forwarder:
     """The proxy's traffic with D (see the module docstring)."""
 
-    def __init__(self, upstream: Client, judge: Judge, metrics: Metrics, tracing: Tracing) -> None:
+    def __init__(
+        self, upstream: Client, judge: Judge, metrics: Metrics, tracing: Tracing, answers: AnswerStyle = VLLM
+    ) -> None:
         self.upstream = upstream
         self._judge = judge
         self._metrics = metrics
         self._tracing = tracing
-        # With answers = "llm-d": the body D's refused connection is answered with (503).
-        self.unready: bytes | None = None
+        self._answers = answers  # how the sidecar answers D's failures (vLLM's shape or llm-d's)
 
     def judged(self, exchange: Exchange, event: Event) -> None:
         """Hand the exchange's event to the judge (the request path's one way to it); whether the
@@ -127,13 +128,10 @@ class Forwarder:
             "decode server failed before answering",
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
         )
-        if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
-            await send_plain(
-                send, status, self.unready, exchange.request_id, exchange.retry_headers(), sniffed=True
-            )
-            return
         message = f"decode server: {exc}"
-        await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
+        await self._answers.decode_failed(
+            send, exc.failure, status, message, exchange.request_id, exchange.retry_headers()
+        )
 
     async def _respond(
         self, send: Send, response: Response, exchange: Exchange, relay: ClientRelay | None
@@ -260,10 +258,9 @@ class Forwarder:
                 response = await self.upstream.send(ctx.method, ctx.target, ctx.headers, body)
             except UpstreamError as exc:
                 status = FAILURE_STATUS[exc.failure]
-                if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
-                    await send_plain(ctx.send, status, self.unready, ctx.request_id, sniffed=True)
-                    return
-                await send_error(ctx.send, status, f"decode server: {exc}", ctx.request_id)
+                await self._answers.decode_failed(
+                    ctx.send, exc.failure, status, f"decode server: {exc}", ctx.request_id
+                )
                 return
             async with response:
                 head = response_headers(response.headers, ctx.request_id)
