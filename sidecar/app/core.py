@@ -154,7 +154,7 @@ class ProxyApp:
         self.runtime.pool_watch, self.runtime.ranks = lists.watch, ranks
         if lists.watch is not None:  # served at once, 503 until the first lists (module docstring)
             self.runtime.starting = asyncio.create_task(lists.watch.first_list(FIRST_SYNC_SECONDS))
-        _started(config, releaser.frees)
+        _started(config, releaser.checked)
         return self.runtime
 
     async def shutdown(self) -> None:
@@ -224,10 +224,10 @@ def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:
     return lambda: hold_seconds(config.vllm_version or decode.view().version, config.p_hold_seconds)
 
 
-def _started(config: Config, frees: bool) -> None:
+def _started(config: Config, live: bool) -> None:
     """The start-up lines: the effective config, and what an operator must know of it."""
     log.info("sidecar started", extra={"config": dump(config)})
-    if frees and not config.prefill:  # in router mode a retry runs a fresh prefill
+    if live and not config.prefill:  # in router mode a retry runs a fresh prefill
         injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
         retries.announce(log, config.retried_statuses, injected)
     if config.dry_run:

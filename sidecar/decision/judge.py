@@ -123,11 +123,9 @@ class Judge:
         self._inflight = inflight
         self._facts = facts
         self._tracing = tracing
-        # The strategy's rules (D's own fix) apply to a live strategy and to its --dry-run.
-        self._checks = pipeline.releaser.frees
-        # Whether a release frees P's blocks now: off, dry-run and --dry-run free nothing, so a
+        # Whether a release frees P's blocks: off, dry-run and a --dry-run free nothing, so a
         # client's retry with the same parameters is never refused and answers never change.
-        self.frees = pipeline.releaser.frees and not config.dry_run
+        self.frees = pipeline.releaser.frees
         self.retried = retries.parse(config.retried_statuses)
 
     def forwarded(self, exchange: Case) -> None:
@@ -206,14 +204,13 @@ class Judge:
             raw_params=exchange.raw_params,
             data_parallel_rank=exchange.data_parallel_rank,
             trace_context=self._tracing.job_context() if self._tracing.enabled else None,
-            dry_run=self._config.dry_run,
             decode_reachable=decision.cause is not Cause.UNREACHABLE,
         )
         return self._covered(job, now)
 
     def _covered(self, job: ReleaseJob, now: float) -> ReleaseJob:
         """D's own fix: covered jobs are recorded, never sent; a job D may have released waits."""
-        if not self._checks:
+        if not self._pipeline.releaser.checked:
             return job  # off and dry-run record every rejection as it is: no checks
         version = fix_version(self._config.vllm_version or self._facts.version())
         if version is None or not self._facts.can_notify():

@@ -3,8 +3,10 @@
 Modules: ``versions`` (which wire format a vLLM release speaks), ``messages``
 (every side-channel message as a msgspec Struct), ``handshake`` (the async ZMQ
 REQ client, the target check and the handshake cache), ``peer`` (the NIXL
-agent on its own thread) and ``metrics``. ``sidecar.release.nixl`` composes
-them into the ``nixl`` release strategy.
+agent on its own thread), ``session`` (the handshakes shared, cached,
+invalidated, dropped and swept), ``lineage`` (which P process holds the
+blocks) and ``metrics``. ``sidecar.release.nixl`` composes them into the
+``nixl`` release strategy.
 
 Every failure is translated once, where it happens, into this tree (the
 ``reason`` is the metric label)::

@@ -132,6 +132,7 @@ class HttpReleaser:
 
     name = "http"
     frees = True
+    checked = True
     keeps_raw = True
 
     def __init__(
@@ -192,6 +193,13 @@ class HttpReleaser:
     # --- one job ---------------------------------------------------------------------------
 
     async def release(self, job: ReleaseJob) -> Result:
+        return await self._release(job, rehearse=False)
+
+    async def rehearse(self, job: ReleaseJob) -> Result:
+        """What a release would meet at D's control endpoint (``_rehearse``); nothing is sent."""
+        return await self._release(job, rehearse=True)
+
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> Result:
         if job.raw_params is None:
             raise PermanentReleaseError(
                 "the http strategy sends P's parameters as they came", Reason.NO_PARAMS
@@ -199,7 +207,7 @@ class HttpReleaser:
         text = self._config.vllm_version or await self._decode_version()
         profile = WireProfile.for_version(text) if text else None
         request_id = _request_id(profile, job)
-        if job.dry_run:
+        if rehearse:
             return await self._rehearse()
         body = Outgoing(
             request_id=request_id,

@@ -39,13 +39,21 @@ class Frees:
     """The strategy as the judge sees it: one that frees P's blocks."""
 
     frees = True
+    checked = True
+
+
+class Rehearses:
+    """A live strategy's dry run as the judge sees it: checked, freeing nothing."""
+
+    frees = False
+    checked = True
 
 
 class Queue:
     """The pipeline's seam: ``submit`` records each job and answers ``queued``."""
 
-    def __init__(self, queued: bool = True) -> None:
-        self.releaser, self.jobs, self.queued = Frees(), list[ReleaseJob](), queued
+    def __init__(self, queued: bool = True, releaser: object = None) -> None:
+        self.releaser, self.jobs, self.queued = releaser or Frees(), list[ReleaseJob](), queued
 
     def submit(self, job: ReleaseJob) -> bool:
         self.jobs.append(job)
@@ -68,9 +76,11 @@ class Traces(Tracing):
 
 
 class Rig:
-    def __init__(self, queued: bool = True, facts: Facts | None = None, **settings: Any) -> None:
+    def __init__(
+        self, queued: bool = True, facts: Facts | None = None, releaser: object = None, **settings: Any
+    ) -> None:
         self.config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
-        self.queue, self.inflight, self.traces = Queue(queued), InFlight(100, 30), Traces()
+        self.queue, self.inflight, self.traces = Queue(queued, releaser), InFlight(100, 30), Traces()
         self.facts = facts or Facts(None)  # D's release unknown: no engine coverage unless asked
         self.metrics = Metrics(CollectorRegistry())
         self.judge = Judge(self.config, self.queue, self.metrics, self.inflight, self.facts, self.traces)  # type: ignore[arg-type]
@@ -157,7 +167,7 @@ def test_a_judged_rejection_no_longer_holds_its_parameters() -> None:
 
 
 def test_the_job_carries_what_the_strategies_need() -> None:
-    rig = Rig(dry_run=True, release_deadline=7.0)
+    rig = Rig(releaser=Rehearses(), release_deadline=7.0)
     made = exchange(
         route="/v1/chat/completions",
         raw_params=b'{"do_remote_prefill": true}',
@@ -171,7 +181,7 @@ def test_the_job_carries_what_the_strategies_need() -> None:
     assert (job.raw_params, job.data_parallel_rank) == (b'{"do_remote_prefill": true}', 1)
     assert job.request_id_generated is True and job.params == PARAMS
     assert (job.cause, job.status, job.error_type) == (Cause.REJECTED_4XX, 404, "NotFoundError")
-    assert job.injected is False and job.dry_run is True and job.decode_reachable is True
+    assert job.injected is False and job.decode_reachable is True
     assert job.trace_context == "the request's span"
     assert job.deadline - job.detected_at == pytest.approx(7.0)
     assert made.spent is False  # a dry run frees nothing
