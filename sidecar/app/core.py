@@ -43,10 +43,10 @@ from sidecar.proxy.llmd_answers import send_plain
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
+from sidecar.release.hold import hold_seconds
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
-from sidecar.release.value import hold_seconds
 from sidecar.router.legs import Router
 from sidecar.router.pool import PrefillPool
 from sidecar.tls.client import outbound

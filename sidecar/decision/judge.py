@@ -18,7 +18,7 @@ step counted:
 5. the in-flight veto: parameters another request forwarded to D, which D
    may be reading, are never released;
    in router mode, a release that would reach P after its lease (counted
-   from P's answer, ``sidecar.release.value.release_by``) is skipped
+   from P's answer, ``sidecar.release.hold.release_by``) is skipped
    (``kvr_not_released_total{cause="lease_expired"}``): P has freed the
    blocks itself and would only log an error for an unknown request;
 6. D's own fix (``sidecar.decision.coverage``): a rejection D's engine
@@ -57,8 +57,8 @@ from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.params import ReleaseParams
 from sidecar.release.base import ReleaseJob
+from sidecar.release.hold import lease_seconds, release_by
 from sidecar.release.pipeline import Pipeline
-from sidecar.release.value import lease_seconds, release_by
 
 log = logging.getLogger("sidecar.proxy")
 

@@ -38,9 +38,9 @@ from sidecar.release.base import (
     RetryableReleaseError,
     Verdict,
 )
+from sidecar.release.hold import LEASE_SECONDS, block_seconds_saved
 from sidecar.release.ledger import Ledger
 from sidecar.release.targets import BreakerPolicy, Grant, Target, TargetDown, Targets
-from sidecar.release.value import LEASE_SECONDS, block_seconds_saved
 
 log = logging.getLogger("sidecar.release")
 
@@ -100,7 +100,7 @@ class Pipeline:
         self._retry = settings.retry
         self._ledger = ledger
         self._clock = clock
-        self._hold = settings.hold  # P's hold without a release (sidecar.release.value)
+        self._hold = settings.hold  # P's hold without a release (sidecar.release.hold)
         workers = settings.workers
         self._workers = asyncio.Semaphore(workers)
         cap = math.ceil(workers * settings.target_share)

@@ -1,7 +1,8 @@
 """The package's shape stays one a maintainer can hold: layers, small modules, short functions.
 
-Limits for ``sidecar/`` (the simulators and the load generator aside, which
-are tools rather than the service): a module is at most 400 lines, a function
+Limits for ``sidecar/``: a module is at most 400 lines, the simulators and
+the load generator included; outside those tools (rather than the service) a
+function
 at most 60 (metric declarations aside: one collector is several lines and
 they belong together), and no function takes more than 6 parameters besides
 ``self``/``cls``. ``classify`` (the release table) is called from one module.
@@ -43,8 +44,8 @@ def name(path: Path) -> str:
     return str(path.relative_to(PACKAGE))
 
 
-@pytest.mark.parametrize("path", modules(), ids=name)
-def test_module_size(path: Path) -> None:
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=name)
+def test_module_size(path: Path) -> None:  # the tools included
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE, f"{name(path)}: {lines} lines"
 
