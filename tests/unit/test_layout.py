@@ -2,10 +2,9 @@
 
 Limits for ``sidecar/``: a module is at most 400 lines, the simulators and
 the load generator included; outside those tools (rather than the service) a
-function
-at most 60 (metric declarations aside: one collector is several lines and
-they belong together), and no function takes more than 6 parameters besides
-``self``/``cls``. ``classify`` (the release table) is called from one module.
+function is at most 60 (metric declarations aside: one collector is several
+lines and they belong together), and no function takes more than 6
+parameters besides ``self``/``cls``. ``classify`` (the release table) is called from one module.
 
 The layers: at most 12 modules at the top of ``sidecar/``, the rest in
 packages; no import cycle between the packages and top-level modules, an
