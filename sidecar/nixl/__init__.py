@@ -24,7 +24,7 @@ Every failure is translated once, where it happens, into this tree (the
 
 from __future__ import annotations
 
-from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, TargetHealth
 
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (
@@ -46,14 +46,14 @@ class PeerUnreachable(RetryableReleaseError):
     """P's side channel refused or dropped the connection, or its name did not resolve."""
 
     reason = Reason.UNREACHABLE
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 class HandshakeTimeout(RetryableReleaseError):
     """P's side channel did not answer within the handshake timeout."""
 
     reason = Reason.HANDSHAKE_TIMEOUT
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 class BadReply(RetryableReleaseError):
@@ -70,7 +70,7 @@ class EngineMismatch(PermanentReleaseError):
     load that P's side channel with handshakes until the deadline.
     """
 
-    verdict = Verdict.UP  # something answered there: the endpoint itself is alive
+    verdict = TargetHealth.UP  # something answered there: the endpoint itself is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.ENGINE_MISMATCH)
@@ -80,7 +80,7 @@ class PRestarted(PermanentReleaseError):
     """The P process that held the request's blocks is gone, and a new one answers at its address
     (``sidecar.nixl.lineage``): its notification would name an id the new P never held."""
 
-    verdict = Verdict.UP  # the new P answered: the endpoint is alive
+    verdict = TargetHealth.UP  # the new P answered: the endpoint is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.P_RESTARTED)

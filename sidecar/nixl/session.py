@@ -23,7 +23,7 @@ import time
 import zmq.asyncio
 
 from sidecar.config import Config
-from sidecar.exceptions import ReleaseError, Verdict
+from sidecar.exceptions import ReleaseError, TargetHealth
 from sidecar.nixl import EngineMismatch, HandshakeTimeout
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
 from sidecar.nixl.lineage import Lineage
@@ -149,7 +149,7 @@ class Session:
             try:
                 replies = await self._client.fetch(target, profile, ranks)
             except ReleaseError as exc:
-                if exc.verdict is Verdict.DOWN:
+                if exc.verdict is TargetHealth.DOWN:
                     self.lineage.lost(endpoint)
                 raise
             wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})

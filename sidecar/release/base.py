@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from sidecar.classify import Cause
-from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableReleaseError, TargetHealth
 from sidecar.params import ReleaseParams
 
 
@@ -140,5 +140,5 @@ __all__ = [
     "Releaser",
     "Result",
     "RetryableReleaseError",
-    "Verdict",
+    "TargetHealth",
 ]
