@@ -154,7 +154,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
         return [(arrived[rid] - submitted[rid]) / 1e6 for rid in rids]
 
     async def empty_cache() -> None:
-        await releaser._drop(releaser._cache.drain(), "bench")
+        await releaser.session.drop(releaser.session.cache.drain(), "bench")
 
     try:
         cold = await timed("cold", [f"cold-{i}" for i in range(cold_n)], empty_cache)

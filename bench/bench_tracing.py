@@ -159,9 +159,9 @@ def disabled_hook_ns(loops: int = 200_000) -> float:
     ``Judge.judge`` (``tracing.enabled``, once): the same guards, against the
     same objects, timed against the same function without them.
     """
+    from sidecar.decision.policy import SIDECAR
     from sidecar.observability.tracing import OFF
     from sidecar.proxy.context import Exchange
-    from sidecar.proxy.judge import SIDECAR
 
     class Holder:
         tracing = OFF

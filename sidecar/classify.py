@@ -26,7 +26,7 @@ before vLLM hands the request to its engine core's scheduler:
   _reject_add_while_paused``; typed ``"InternalServerError"`` in a chat
   stream, ``"ServiceUnavailableError"`` in a completions stream): the engine
   core rejected it on arrival and re-adds it only to notify P
-  (``stream_engine_paused``; ``sidecar.release.coverage`` leaves it to D).
+  (``stream_engine_paused``; ``sidecar.decision.coverage`` leaves it to D).
 
 A ``/v1/completions`` body may hold several prompts, each its own engine
 request admitted on its own; one can be refused after another was admitted.
@@ -111,17 +111,56 @@ class Failure(StrEnum):
     PREFILL_ANSWER_TOO_LARGE = "prefill_answer_too_large"  # router mode: no decode leg was sent
 
 
+#: The failures of D's connection (``sidecar.upstream`` reports them); the others are the
+#: sidecar's own answers, and a client leaving.
+D_FAILURES = frozenset(
+    {
+        Failure.CONNECT_REFUSED,
+        Failure.DNS,
+        Failure.CONNECT_TIMEOUT,
+        Failure.TLS_FAILED,
+        Failure.POOL_TIMEOUT,
+        Failure.HEADER_TIMEOUT,
+        Failure.RESET_AFTER_SEND,
+    }
+)
+
+#: The status the client sees when D produced no headers.
+FAILURE_STATUS = {
+    Failure.CONNECT_REFUSED: 503,
+    Failure.DNS: 503,
+    Failure.CONNECT_TIMEOUT: 503,
+    Failure.TLS_FAILED: 503,
+    Failure.POOL_TIMEOUT: 503,
+    Failure.HEADER_TIMEOUT: 504,
+    Failure.RESET_AFTER_SEND: 502,
+    Failure.BODY_TOO_LARGE: 413,
+    Failure.SHUTTING_DOWN: 503,
+    Failure.OVERLOADED: 503,
+    Failure.PREFILL_ANSWER_TOO_LARGE: 502,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
-    """What happened to one request. Exactly one of ``status`` / ``failure`` is set."""
+    """What happened to one request: everything the judge needs, in one value.
+
+    Exactly one of ``status`` / ``failure`` is set. ``first`` is a 200 stream's
+    first SSE event; ``error_type`` and ``error_message`` are those of D's error
+    answer; ``closing``: D's answer said ``Connection: close``; ``started``: the
+    response to the client had started; ``answer``: the status the sidecar
+    answered with itself, when it chose one (an injected rejection's).
+    """
 
     status: int | None = None
     stream: bool = False
-    # The ``code`` of an error in the first SSE event of a 200 stream, if any, its type and text.
-    first_event_error: int | None = None
-    first_event_type: str | None = None
-    first_event_message: str | None = None
     failure: Failure | None = None
+    first: FirstEvent | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    closing: bool = False
+    started: bool = False
+    answer: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,31 +228,23 @@ def classify(event: Event) -> Decision:
     return Decision(Outcome.NO_RELEASE, Cause.OTHER_STATUS)
 
 
-def stream_event(first: FirstEvent) -> Event:
-    """The event of a 200 stream whose first SSE event was scanned."""
-    return Event(
-        status=200,
-        stream=True,
-        first_event_error=first.error_code,
-        first_event_type=first.error_type,
-        first_event_message=first.error_message,
-    )
+def stream_event(first: FirstEvent, *, closing: bool = False) -> Event:
+    """The event of a 200 stream whose first SSE event was scanned (its response started)."""
+    return Event(status=200, stream=True, first=first, closing=closing, started=True)
 
 
 def _classify_admitted(event: Event) -> Decision:
-    code = event.first_event_error
-    if not event.stream or code is None:
+    first = event.first
+    if not event.stream or first is None or first.error_code is None:
         return Decision(Outcome.NO_RELEASE, Cause.ADMITTED)
+    code = first.error_code
     if 400 <= code < 500:
         # vLLM's engine refused the request after the 200 went out: the stream's first event is
         # the error (the engine's admission of the request failed; nothing was read from P).
         return Decision(Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR)
-    if code == 503 and event.first_event_message is not None:
-        if (
-            event.first_event_type == ADMISSION_OVERFLOW_TYPE
-            and event.first_event_message in ADMISSION_OVERFLOW_MESSAGES
-        ):
+    if code == 503 and first.error_message is not None:
+        if first.error_type == ADMISSION_OVERFLOW_TYPE and first.error_message in ADMISSION_OVERFLOW_MESSAGES:
             return Decision(Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW)
-        if event.first_event_message == ENGINE_PAUSED_MESSAGE and event.first_event_type in _PAUSED_TYPES:
+        if first.error_message == ENGINE_PAUSED_MESSAGE and first.error_type in _PAUSED_TYPES:
             return Decision(Outcome.RELEASE, Cause.STREAM_ENGINE_PAUSED)
     return Decision(Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX)

@@ -35,7 +35,7 @@ COMMANDS: dict[str, Command] = {
     "pd-sidecar": Command(
         "sidecar.llmd.command", "serve with llm-d's routing-sidecar flags, a drop-in for it (docs/llm-d.md)"
     ),
-    "sim-decode": Command("sidecar.sim.decode.app", "run the fake vLLM decode server"),
+    "sim-decode": Command("sidecar.sim.decode.command", "run the fake vLLM decode server"),
     "sim-prefill": Command("sidecar.sim.prefill.app", "run the fake vLLM prefill server (NIXL)", ("nixl",)),
     "demo": Command(
         "sidecar.sim.demo.command", "run the embedded demo and print what is released", ("loadtest", "nixl")

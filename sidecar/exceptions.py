@@ -36,7 +36,7 @@ class SidecarError(Exception):
     """The root of every exception the sidecar raises itself."""
 
 
-class Verdict(StrEnum):
+class TargetHealth(StrEnum):
     """What one attempt says about its target's health (``sidecar.release.targets``)."""
 
     UP = "up"  # it reached the target: a success, or an answer the target gave
@@ -90,7 +90,7 @@ class ReleaseError(SidecarError):
     """Base of every error a strategy raises for one job."""
 
     reason: Reason = Reason.RETRYABLE  # the metric label
-    verdict: Verdict = Verdict.UP  # what the failure says about the target
+    verdict: TargetHealth = TargetHealth.UP  # what the failure says about the target
 
 
 class RetryableReleaseError(ReleaseError):
@@ -103,10 +103,10 @@ class PermanentReleaseError(ReleaseError):
     """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
 
     reason = Reason.PERMANENT
-    verdict = Verdict.UNTOUCHED  # most are decided before connecting; those after say UP
+    verdict = TargetHealth.UNTOUCHED  # most are decided before connecting; those after say UP
 
     def __init__(
-        self, message: str, reason: Reason = Reason.PERMANENT, verdict: Verdict | None = None
+        self, message: str, reason: Reason = Reason.PERMANENT, verdict: TargetHealth | None = None
     ) -> None:
         super().__init__(message)
         self.reason = reason

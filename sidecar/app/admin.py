@@ -40,7 +40,7 @@ def create_admin_app(app: ProxyApp) -> Starlette:
         if runtime is None:
             return Response(generate_latest(CollectorRegistry()), media_type=CONTENT_TYPE_LATEST)
         runtime.metrics.queue_depth.set(runtime.pipeline.depth)
-        if runtime.releaser.frees:
+        if runtime.releaser.checked:
             runtime.metrics.decode_can_notify.set(1 if runtime.decode.view().can_notify else 0)
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -5,7 +5,7 @@ The lifespan owns every resource and hands them to the handlers through
 builds, in order: the client to D, D's state (``DecodeState``, one for the
 whole process: the judge reads it, the strategies ask it for D's release,
 ``/readyz`` for D's health), the release strategy and its pipeline, the proxy
-(and router mode on its kit), then the data-parallel ranks. The admin app is
+(and router mode on its admission step), then the data-parallel ranks. The admin app is
 ``sidecar.app.admin``.
 
 With an InferencePool to watch, start-up does not wait for its first list: the
@@ -28,25 +28,25 @@ from sidecar.app.ranks import RANK, rank_url
 from sidecar.app.runtime import Deps, Runtime
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
+from sidecar.decision.inflight import InFlight
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import FIRST_SYNC_SECONDS, watched_allowlists
 from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
+from sidecar.proxy.admit import Admission, Routed
 from sidecar.proxy.answers import send_error
 from sidecar.proxy.headers import request_headers
-from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
-from sidecar.proxy.kit import Kit, Routed
 from sidecar.proxy.llmd_answers import send_plain
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
+from sidecar.release.hold import hold_seconds
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
-from sidecar.release.value import hold_seconds
 from sidecar.router.legs import Router
 from sidecar.router.pool import PrefillPool
 from sidecar.tls.client import outbound
@@ -154,7 +154,7 @@ class ProxyApp:
         self.runtime.pool_watch, self.runtime.ranks = lists.watch, ranks
         if lists.watch is not None:  # served at once, 503 until the first lists (module docstring)
             self.runtime.starting = asyncio.create_task(lists.watch.first_list(FIRST_SYNC_SECONDS))
-        _started(config, releaser.frees)
+        _started(config, releaser.checked)
         return self.runtime
 
     async def shutdown(self) -> None:
@@ -214,9 +214,9 @@ def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
     return ProxyApp(config, deps)
 
 
-def _routing(pool: PrefillPool | None) -> Callable[[Kit], Routed] | None:
-    """Router mode, built on each proxy's kit, when there is a P pool (or llm-d's header)."""
-    return None if pool is None else lambda kit: Router(kit, pool)
+def _routing(pool: PrefillPool | None) -> Callable[[Admission], Routed] | None:
+    """Router mode, built on each proxy's admission, when there is a P pool (or llm-d's header)."""
+    return None if pool is None else lambda admission: Router(admission, pool)
 
 
 def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:
@@ -224,10 +224,10 @@ def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:
     return lambda: hold_seconds(config.vllm_version or decode.view().version, config.p_hold_seconds)
 
 
-def _started(config: Config, frees: bool) -> None:
+def _started(config: Config, live: bool) -> None:
     """The start-up lines: the effective config, and what an operator must know of it."""
     log.info("sidecar started", extra={"config": dump(config)})
-    if frees and not config.prefill:  # in router mode a retry runs a fresh prefill
+    if live and not config.prefill:  # in router mode a retry runs a fresh prefill
         injected = config.inject_statuses if config.inject_rate or config.inject_header else ()
         retries.announce(log, config.retried_statuses, injected)
     if config.dry_run:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from sidecar.classify import Failure
 from sidecar.config import Config
+from sidecar.decision.judge import DecodeFacts
 from sidecar.decode.state import DecodeState
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.judge import DecodeFacts
 from sidecar.upstream import Client
 
 Connect = Callable[[Config, int, "int | None"], Client]  # (config, rank, pool size) -> client to D

@@ -1,7 +1,7 @@
 """D's state for the release decision: can D's own engine notify P right now?
 
 From vLLM 0.21.0 D notifies P itself for rejections raised inside its wrapped
-completion handlers (``sidecar.release.coverage``), but only while its engine
+completion handlers (``sidecar.decision.coverage``), but only while its engine
 runs, is not shutting down, and D has a KV connector; otherwise the release is
 lost unless the sidecar sends it. ``DecodeState`` keeps one ``DecodeView``,
 replaced whole by a poller task and by passive signals, so ``view()`` on the
@@ -142,7 +142,7 @@ class DecodeState:
         """The current view (sync, O(1): one attribute read)."""
         return self._view
 
-    # --- what the judge reads (sidecar.proxy.judge.DecodeFacts) --------------------------------
+    # --- what the judge reads (sidecar.decision.judge.DecodeFacts) --------------------------------
 
     def version(self) -> str | None:
         """D's vLLM release as last read (P runs the same)."""

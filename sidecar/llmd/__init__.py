@@ -3,7 +3,9 @@
 ``table`` lists every flag of llm-d's ``pd-sidecar`` with the release it appeared
 in; ``flags`` reads llm-d's command line (and its YAML configuration and
 environment variables) into this project's one ``Config``, refusing what it
-cannot honour; ``command`` runs it; ``ranks`` serves the data-parallel ranks'
-listeners and ``decode_ranks`` holds each rank's client and D state;
-``answers`` holds llm-d's client-visible answers where they differ from vLLM's.
+cannot honour; ``command`` runs it. The data-parallel ranks' listeners and
+each rank's client and D state are ``sidecar.app.ranks`` and
+``sidecar.app.decode_ranks``; llm-d's client-visible answers, where they
+differ from vLLM's, are ``sidecar.proxy.llmd_answers``, picked at start as an
+answer style (``sidecar.proxy.style``).
 """

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from cachetools import TLRUCache
 
-from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, TargetHealth
 
 Lookup = Callable[[str, int], Awaitable[list[str]]]
 
@@ -50,7 +50,7 @@ class ResolveFailed(RetryableReleaseError):
     """The resolver gave no answer now (a DNS server down or slow): worth retrying."""
 
     reason = Reason.DNS_FAILURE
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 async def system_lookup(host: str, port: int) -> list[str]:

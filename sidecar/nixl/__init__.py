@@ -3,8 +3,10 @@
 Modules: ``versions`` (which wire format a vLLM release speaks), ``messages``
 (every side-channel message as a msgspec Struct), ``handshake`` (the async ZMQ
 REQ client, the target check and the handshake cache), ``peer`` (the NIXL
-agent on its own thread) and ``metrics``. ``sidecar.release.nixl`` composes
-them into the ``nixl`` release strategy.
+agent on its own thread), ``session`` (the handshakes shared, cached,
+invalidated, dropped and swept), ``lineage`` (which P process holds the
+blocks) and ``metrics``. ``sidecar.release.nixl`` composes them into the
+``nixl`` release strategy.
 
 Every failure is translated once, where it happens, into this tree (the
 ``reason`` is the metric label)::
@@ -22,7 +24,7 @@ Every failure is translated once, where it happens, into this tree (the
 
 from __future__ import annotations
 
-from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseError, TargetHealth
 
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (
@@ -44,14 +46,14 @@ class PeerUnreachable(RetryableReleaseError):
     """P's side channel refused or dropped the connection, or its name did not resolve."""
 
     reason = Reason.UNREACHABLE
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 class HandshakeTimeout(RetryableReleaseError):
     """P's side channel did not answer within the handshake timeout."""
 
     reason = Reason.HANDSHAKE_TIMEOUT
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 class BadReply(RetryableReleaseError):
@@ -68,7 +70,7 @@ class EngineMismatch(PermanentReleaseError):
     load that P's side channel with handshakes until the deadline.
     """
 
-    verdict = Verdict.UP  # something answered there: the endpoint itself is alive
+    verdict = TargetHealth.UP  # something answered there: the endpoint itself is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.ENGINE_MISMATCH)
@@ -78,7 +80,7 @@ class PRestarted(PermanentReleaseError):
     """The P process that held the request's blocks is gone, and a new one answers at its address
     (``sidecar.nixl.lineage``): its notification would name an id the new P never held."""
 
-    verdict = Verdict.UP  # the new P answered: the endpoint is alive
+    verdict = TargetHealth.UP  # the new P answered: the endpoint is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.P_RESTARTED)

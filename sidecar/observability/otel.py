@@ -16,7 +16,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, urlsplit
 
 from opentelemetry import context as otel_context
@@ -32,10 +31,15 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from sidecar import __version__
 from sidecar.asgi import Message, Scope, Send
 from sidecar.config import Config
-from sidecar.observability.tracing import TRACE_HEADERS, Headers, Leg, RequestSpan, Tracing, traces_url
-
-if TYPE_CHECKING:
-    from sidecar.release.base import ReleaseJob
+from sidecar.observability.tracing import (
+    TRACE_HEADERS,
+    Headers,
+    Leg,
+    RequestSpan,
+    TracedJob,
+    Tracing,
+    traces_url,
+)
 
 log = logging.getLogger("sidecar.tracing")
 
@@ -208,7 +212,7 @@ class OtelTracing(Tracing):
     # --- the release pipeline --------------------------------------------------------------
 
     @contextmanager
-    def release_span(self, job: ReleaseJob, strategy: str) -> Iterator[None]:
+    def release_span(self, job: TracedJob, strategy: str) -> Iterator[None]:
         parent = job.trace_context
         context = trace.set_span_in_context(NonRecordingSpan(parent)) if parent is not None else Context()
         params = job.params

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from sidecar.asgi import Scope, Send
@@ -34,7 +34,6 @@ from sidecar.extras import MissingExtra
 if TYPE_CHECKING:  # the SDK is an optional extra: types only
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from sidecar.release.base import ReleaseJob
 
 Headers = list[tuple[str, str]]
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
@@ -63,6 +62,36 @@ class RequestSpan:
         return send
 
 
+class TracedParams(Protocol):
+    """What a ``kvr.release`` span names of P's parameters."""
+
+    @property
+    def remote_engine_id(self) -> str: ...
+
+    @property
+    def remote_request_id(self) -> str | None: ...
+
+
+class TracedJob(Protocol):
+    """What a ``kvr.release`` span reads of a release job (``sidecar.release.base.ReleaseJob``):
+    tracing speaks its own words, so it imports nothing of the release pipeline."""
+
+    @property
+    def trace_context(self) -> Any: ...
+
+    @property
+    def cause(self) -> str: ...
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def injected(self) -> bool: ...
+
+    @property
+    def params(self) -> TracedParams: ...
+
+
 class Tracing:
     """Tracing off: the base every hook falls back to. Subclassed by ``OtelTracing``."""
 
@@ -88,7 +117,7 @@ class Tracing:
         """``leg`` as a context manager: an exception ends it as failed (status, failure)."""
         yield Leg(headers)
 
-    def release_span(self, job: ReleaseJob, strategy: str) -> AbstractContextManager[None]:
+    def release_span(self, job: TracedJob, strategy: str) -> AbstractContextManager[None]:
         """The ``kvr.release`` span around one job's attempts (on the pipeline's worker)."""
         return nullcontext()
 

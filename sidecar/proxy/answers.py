@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sidecar.asgi import Send
-from sidecar.classify import Failure
+from sidecar.classify import FAILURE_STATUS
 from sidecar.wire import error_body
+
+__all__ = ["ERROR_TYPES", "FAILURE_STATUS", "Header", "send_error", "send_raw"]
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -29,22 +31,6 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
-
-# The status the client sees when D produced no headers.
-FAILURE_STATUS = {
-    Failure.CONNECT_REFUSED: 503,
-    Failure.DNS: 503,
-    Failure.CONNECT_TIMEOUT: 503,
-    Failure.TLS_FAILED: 503,
-    Failure.POOL_TIMEOUT: 503,
-    Failure.HEADER_TIMEOUT: 504,
-    Failure.RESET_AFTER_SEND: 502,
-    Failure.BODY_TOO_LARGE: 413,
-    Failure.SHUTTING_DOWN: 503,
-    Failure.OVERLOADED: 503,
-    Failure.PREFILL_ANSWER_TOO_LARGE: 502,
-}
-
 
 Header = tuple[bytes, bytes]
 #: The answer is an injected rejection (load tests).

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import ROUTES
 from sidecar.params import ReleaseParams
 from sidecar.proxy.answers import NO_RETRY, Header
@@ -24,7 +25,6 @@ from sidecar.proxy.trust import SIGNATURE_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
     from sidecar.observability.tracing import Leg
-    from sidecar.proxy.judge import Policy
     from sidecar.proxy.usage import UsageRewriter
     from sidecar.upstream import Sent
 

@@ -22,22 +22,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.asgi import Receive, Scope, Send, over_limit
-from sidecar.classify import Failure
 from sidecar.config import Config
+from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import DecodeFacts, Judge
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing
+from sidecar.proxy.admit import Admission, Collaborators, Routed
 from sidecar.proxy.answers import send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import uncancel
 from sidecar.proxy.forward import Forwarder
-from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
-from sidecar.proxy.judge import DecodeFacts, Judge
-from sidecar.proxy.kit import Kit, Routed
-from sidecar.proxy.llmd_answers import DECODE_NOT_READY
 from sidecar.proxy.refusals import SHUTTING_DOWN, Refusals
+from sidecar.proxy.style import STYLES
 from sidecar.proxy.trust import Trust
 from sidecar.release.pipeline import Pipeline
 from sidecar.upstream import Client
@@ -54,7 +53,7 @@ class ProxyParts:
     inflight: InFlight
     injector: Injector
     facts: DecodeFacts
-    routing: Callable[[Kit], Routed] | None = None  # router mode, built on the proxy's kit
+    routing: Callable[[Admission], Routed] | None = None  # router mode, built on the proxy's admission
     tracing: Tracing = OFF
 
 
@@ -64,23 +63,23 @@ class Proxy:
     def __init__(self, config: Config, parts: ProxyParts) -> None:
         judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.facts, parts.tracing)
         inspector = Inspector(parts.metrics, parts.trust, parts.pipeline.releaser.keeps_raw)
-        forwarder = Forwarder(parts.upstream, judge, parts.metrics, parts.tracing)
-        if config.answers == "llm-d":
-            forwarder.unready = DECODE_NOT_READY
+        answers = STYLES[config.answers]  # the style of the sidecar's own answers, picked once
+        forwarder = Forwarder(parts.upstream, judge, parts.metrics, parts.tracing, answers)
         refusals = Refusals(config, inspector, judge, forwarder, parts.metrics)
-        self.kit = Kit(
+        self.kit = Collaborators(
             config,
             parts.metrics,
             parts.tracing,
             parts.trust,
             parts.injector,
             inspector,
-            judge,
             forwarder,
             refusals,
+            answers,
         )
+        self.admission = Admission(self.kit)
         self.pipeline = parts.pipeline
-        self.router = parts.routing(self.kit) if parts.routing is not None else None
+        self.router = parts.routing(self.admission) if parts.routing is not None else None
 
     @property
     def stopping(self) -> bool:
@@ -141,16 +140,7 @@ class Proxy:
         spent = exchange.params is not None and self.pipeline.holds(exchange.key)
         if spent and await kit.refusals.replay(ctx, exchange):
             return
-        if kit.refusals.stopping:
-            await kit.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
-            return
-        if kit.injector.enabled:
-            assert ctx.route is not None
-            status = kit.injector.status_for(ctx.route, ctx.marks, exchange.params is not None)
-            if status is not None:
-                await kit.refusals.inject(ctx, exchange, status)
-                return
-        await kit.forwarder.forward(ctx, exchange, ctx.headers, body)
+        await self.admission.admit(ctx, exchange, ctx.headers, body)
 
 
 async def _answer_if_unanswered(send: Send, status: int, message: str, request_id: str) -> None:

@@ -14,13 +14,15 @@ response, so D sees the abort.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
-from sidecar.classify import Event, Failure
+from sidecar.classify import Event
+from sidecar.decision.judge import Judge
 from sidecar.decode.probes import says_close
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.observability.tracing import Tracing
@@ -28,8 +30,8 @@ from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.headers import response_headers
-from sidecar.proxy.judge import Judge, StreamJudge
-from sidecar.proxy.llmd_answers import send_plain
+from sidecar.proxy.stream import StreamJudge
+from sidecar.proxy.style import VLLM, AnswerStyle
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.upstream import Client, Response, Sent, UpstreamError
@@ -45,13 +47,21 @@ Head = list[tuple[bytes, bytes]]
 class Forwarder:
     """The proxy's traffic with D (see the module docstring)."""
 
-    def __init__(self, upstream: Client, judge: Judge, metrics: Metrics, tracing: Tracing) -> None:
+    def __init__(
+        self, upstream: Client, judge: Judge, metrics: Metrics, tracing: Tracing, answers: AnswerStyle = VLLM
+    ) -> None:
         self.upstream = upstream
         self._judge = judge
         self._metrics = metrics
         self._tracing = tracing
-        # With answers = "llm-d": the body D's refused connection is answered with (503).
-        self.unready: bytes | None = None
+        self._answers = answers  # how the sidecar answers D's failures (vLLM's shape or llm-d's)
+
+    def judged(self, exchange: Exchange, event: Event) -> None:
+        """Hand the exchange's event to the judge (the request path's one way to it); whether the
+        response had started is the exchange's."""
+        if exchange.responded and not event.started:
+            event = dataclasses.replace(event, started=True)
+        self._judge.judge(exchange, event)
 
     def count(self, route: str, status: int) -> None:
         """``kvr_requests_total`` for one answer (``status`` < 0: the client left)."""
@@ -81,7 +91,7 @@ class Forwarder:
                 raise
             uncancel()
             if not exchange.decided:
-                self._judge.judge(exchange, client_gone(exchange))
+                self.judged(exchange, client_gone(exchange))
                 self.count(exchange.route, -1)
             if exchange.leg is not None:
                 exchange.leg.failed("client_gone", "the client disconnected")
@@ -110,8 +120,7 @@ class Forwarder:
     async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
         if exchange.leg is not None:
             exchange.leg.failed(exc.failure.value, str(exc))
-        self._judge.observe(exc.failure)
-        self._judge.judge(exchange, Event(failure=exc.failure))
+        self.judged(exchange, Event(failure=exc.failure))
         exchange.policy.decode_failed(self._metrics, exc.failure)
         status = FAILURE_STATUS[exc.failure]
         self.count(exchange.route, status)
@@ -119,13 +128,10 @@ class Forwarder:
             "decode server failed before answering",
             extra={"request_id": exchange.request_id, "failure": exc.failure.value, "detail": str(exc)},
         )
-        if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
-            await send_plain(
-                send, status, self.unready, exchange.request_id, exchange.retry_headers(), sniffed=True
-            )
-            return
         message = f"decode server: {exc}"
-        await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
+        await self._answers.decode_failed(
+            send, exc.failure, status, message, exchange.request_id, exchange.retry_headers()
+        )
 
     async def _respond(
         self, send: Send, response: Response, exchange: Exchange, relay: ClientRelay | None
@@ -140,22 +146,20 @@ class Forwarder:
         if not 200 <= status < 300:
             await self._refused(send, response, exchange, head, closing)
             return
-        if closing:
-            self._judge.observe(status, closing=True)
         # D's content type is the word on streaming: vLLM also streams for a lax "stream": "true"
         # or 1, which the request view does not read as a stream.
         streamed = exchange.stream or _event_stream(head)
         rewriter = exchange.rewriter
         if rewriter is not None and not streamed and not _encoded(head):
-            await self._rewritten(send, response, exchange, head, rewriter)
+            await self._rewritten(send, response, exchange, head, closing)
             return
         exchange.responded = True
         await send({"type": "http.response.start", "status": status, "headers": head})
         judge = None
         if streamed and exchange.params is not None:
-            judge = StreamJudge(self._judge, exchange)
+            judge = StreamJudge(self._judge, exchange, closing)
         else:
-            self._judge.judge(exchange, Event(status=status, stream=streamed))
+            self.judged(exchange, Event(status=status, stream=streamed, closing=closing))
         await self.pump(send, response, judge, rewriter, relay)
 
     async def _refused(
@@ -163,20 +167,20 @@ class Forwarder:
     ) -> None:
         """D answered an error: judged on its status and ``error.type`` before the head goes out."""
         status = response.status
-        event = Event(status=status, stream=exchange.stream)
         try:
             body = await response.read(ERROR_BODY_LIMIT)
         except UpstreamError as exc:
             # D refused the request (the status says so), then broke off its error body.
-            self._judge.observe(status, closing=closing)
-            self._judge.judge(exchange, event)
+            self.judged(exchange, Event(status=status, stream=exchange.stream, closing=closing))
             log.warning("decode server broke off its error response", extra={"detail": str(exc)})
             message = f"decode server broke off its error response: {exc}"
             await send_error(send, status, message, exchange.request_id, extra=exchange.retry_headers())
             return
         error_type, error_message = _error(body)
-        self._judge.observe(status, error_message, closing=closing)
-        self._judge.judge(exchange, event, error_type)
+        event = Event(
+            status, exchange.stream, error_type=error_type, error_message=error_message, closing=closing
+        )
+        self.judged(exchange, event)
         exchange.responded = True
         head.extend(exchange.retry_headers())
         await send({"type": "http.response.start", "status": status, "headers": head})
@@ -184,14 +188,16 @@ class Forwarder:
         await self.pump(send, response, None)
 
     async def _rewritten(
-        self, send: Send, response: Response, exchange: Exchange, head: Head, rewriter: UsageRewriter
+        self, send: Send, response: Response, exchange: Exchange, head: Head, closing: bool
     ) -> None:
         """Router mode, a JSON answer: correct ``cached_tokens`` before it leaves.
 
         A body larger than ``REWRITE_LIMIT`` passes through unchanged (streamed, not held);
         one D breaks off before it is whole is answered 502 in vLLM's error shape.
         """
-        self._judge.judge(exchange, Event(status=response.status, stream=False))
+        rewriter = exchange.rewriter
+        assert rewriter is not None
+        self.judged(exchange, Event(status=response.status, stream=False, closing=closing))
         try:
             body = await response.read(REWRITE_LIMIT)
         except UpstreamError as exc:
@@ -252,10 +258,9 @@ class Forwarder:
                 response = await self.upstream.send(ctx.method, ctx.target, ctx.headers, body)
             except UpstreamError as exc:
                 status = FAILURE_STATUS[exc.failure]
-                if self.unready is not None and exc.failure is Failure.CONNECT_REFUSED:
-                    await send_plain(ctx.send, status, self.unready, ctx.request_id, sniffed=True)
-                    return
-                await send_error(ctx.send, status, f"decode server: {exc}", ctx.request_id)
+                await self._answers.decode_failed(
+                    ctx.send, exc.failure, status, f"decode server: {exc}", ctx.request_id
+                )
                 return
             async with response:
                 head = response_headers(response.headers, ctx.request_id)

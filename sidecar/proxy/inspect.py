@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 
 from sidecar import params as params_mod
+from sidecar.decision.policy import SIDECAR, Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.proxy.body import Oversized, tail_params
 from sidecar.proxy.context import Exchange, RequestContext
-from sidecar.proxy.judge import SIDECAR, Policy
 from sidecar.proxy.trust import Trust
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.wire import VIEW_DECODER, lax_bool

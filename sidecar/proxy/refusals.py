@@ -22,13 +22,13 @@ import logging
 from sidecar import retries
 from sidecar.classify import Event, Failure
 from sidecar.config import Config
+from sidecar.decision.judge import Judge
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.answers import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.forward import Forwarder
 from sidecar.proxy.inspect import Inspector
-from sidecar.proxy.judge import Judge
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -88,7 +88,7 @@ class Refusals:
 
     async def inject(self, ctx: RequestContext, exchange: Exchange, status: int) -> None:
         """Answer an injected rejection; D never sees the request (``sidecar.proxy.inject``)."""
-        self._judge.judge(exchange, Event(failure=Failure.INJECTED), status=status)
+        self._forwarder.judged(exchange, Event(failure=Failure.INJECTED, answer=status))
         self._metrics.injected.labels(status_class(status)).inc()
         self._forwarder.count(exchange.route, status)
         message = "rejection injected by kv-release-sidecar (load test)"
@@ -99,7 +99,7 @@ class Refusals:
         self, ctx: RequestContext, exchange: Exchange, failure: Failure, message: str, close: bool = False
     ) -> None:
         """The sidecar answers itself; D never sees the request."""
-        self._judge.judge(exchange, Event(failure=failure))
+        self._forwarder.judged(exchange, Event(failure=failure))
         status = FAILURE_STATUS[failure]
         self._forwarder.count(exchange.route, status)
         extra = (*exchange.retry_headers(), *((CLOSE,) if close else ()))

@@ -12,7 +12,7 @@ are forwarded unchanged but never released (counted as ``untrusted``), and so
 are a client's own parameters while no allowlist vets the P they name
 (``prefill_allow_default = "routable"`` with neither ``prefill_allow`` nor
 ``inference_pool``: pd-sidecar's default; the router's own legs still release).
-Independently of the mode, ``sidecar.proxy.inflight`` vetoes releasing
+Independently of the mode, ``sidecar.decision.inflight`` vetoes releasing
 parameters D may still be reading.
 """
 

@@ -1,8 +1,10 @@
 """Release pipeline: the ``Releaser`` protocol, the queue that feeds it, one module per strategy.
 
-``make_releaser`` picks the strategy named by ``config.release``; strategy
-modules are imported only when chosen, so ``off``, ``dry-run`` and ``http`` never
-load ZMQ or NIXL (``auto`` loads both ``http`` and ``nixl``).
+``make_releaser`` picks the strategy named by ``config.release`` (``stub``: off
+and dry-run; ``nixl``, ``http``, ``auto``), wrapped by ``dryrun.DryRun`` with
+``dry_run``; strategy modules are imported only when chosen, so ``off``,
+``dry-run`` and ``http`` never load ZMQ or NIXL (``auto`` loads both ``http``
+and ``nixl``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.config import Config
 from sidecar.network.allowlist import Allowlist
 from sidecar.observability.tracing import OFF, Tracing
-from sidecar.release.base import Releaser
+from sidecar.release.base import LiveReleaser, Releaser
 
 DecodeVersion = Callable[[], Awaitable[str | None]]
 
@@ -26,16 +28,27 @@ def make_releaser(
     tracing: Tracing = OFF,
     allowlist: Allowlist | None = None,
 ) -> Releaser:
-    """The strategy named by ``config.release``; ``tracing`` reaches the NIXL handshakes and
-    ``allowlist`` (built once by the app) the NIXL target checks."""
-    if config.release == "off":
-        from sidecar.release.off import OffReleaser
+    """The strategy named by ``config.release`` (rehearsing, with ``dry_run``); ``tracing``
+    reaches the NIXL handshakes and ``allowlist`` (built once by the app) the NIXL target checks."""
+    if config.release in ("off", "dry-run"):
+        from sidecar.release.stub import StubReleaser
 
-        return OffReleaser()
-    if config.release == "dry-run":
-        from sidecar.release.dryrun import DryRunReleaser
+        return StubReleaser(config.release)
+    live = _live(config, decode_version, registry, tracing, allowlist)
+    if config.dry_run:
+        from sidecar.release.dryrun import DryRun
 
-        return DryRunReleaser()
+        return DryRun(live)
+    return live
+
+
+def _live(
+    config: Config,
+    decode_version: DecodeVersion,
+    registry: CollectorRegistry,
+    tracing: Tracing,
+    allowlist: Allowlist | None,
+) -> LiveReleaser:
     if config.release == "http":
         from sidecar.release.http import HttpReleaser
 

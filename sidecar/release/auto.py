@@ -18,7 +18,7 @@ Per job:
 * path ``nixl``: the ``nixl`` strategy.
 
 The judge decides what reaches the strategy (D's own fix, vLLM 0.21.0+, is
-applied before: ``sidecar.release.coverage``). ``kvr_releases_total`` counts every job under the strategy
+applied before: ``sidecar.decision.coverage``). ``kvr_releases_total`` counts every job under the strategy
 label ``auto``; ``kvr_auto_releases_total{path,result}`` says which path
 served it, ``kvr_release_path{path}`` is 1 for the current choice, and the
 sub-strategies' own ``kvr_control_*`` and ``kvr_nixl_*`` series count too.
@@ -36,7 +36,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sidecar.config import Config
 from sidecar.exceptions import Reason
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Releaser, Result, RetryableReleaseError
+from sidecar.release.base import (
+    LiveReleaser,
+    PermanentReleaseError,
+    ReleaseJob,
+    Result,
+    RetryableReleaseError,
+)
 from sidecar.release.http import NOT_DELIVERED, ControlUnreachable, HttpReleaser, Probe
 from sidecar.ttlmap import TTLMap
 
@@ -57,6 +63,8 @@ class ControlPath(Protocol):
     def ready(self) -> bool: ...
 
     async def release(self, job: ReleaseJob) -> Result: ...
+
+    async def rehearse(self, job: ReleaseJob) -> Result: ...
 
     def target(self, job: ReleaseJob) -> str: ...
 
@@ -84,6 +92,7 @@ class AutoReleaser:
 
     name = "auto"
     frees = True
+    checked = True
     keeps_raw = True
 
     def __init__(
@@ -93,7 +102,7 @@ class AutoReleaser:
         registry: CollectorRegistry | None = None,
         *,
         control: ControlPath | None = None,
-        nixl: Releaser | None = None,
+        nixl: LiveReleaser | None = None,
     ) -> None:
         self._interval = config.auto_probe_interval
         self.control: ControlPath = control or HttpReleaser(config, decode_version, registry)
@@ -184,20 +193,27 @@ class AutoReleaser:
     # --- one job ---------------------------------------------------------------------------
 
     async def release(self, job: ReleaseJob) -> Result:
+        return await self._release(job, rehearse=False)
+
+    async def rehearse(self, job: ReleaseJob) -> Result:
+        """The path a release would take, and that path's own checks; nothing is sent."""
+        return await self._release(job, rehearse=True)
+
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> Result:
         pinned = job.key in self._pinned
         if self._via_nixl(job):
-            return await self._through_nixl(job)
+            return await self._through_nixl(job, rehearse)
         try:
-            result = await self.control.release(job)
+            result = await (self.control.rehearse(job) if rehearse else self.control.release(job))
         except ControlUnreachable:
             if pinned:
                 raise  # an earlier attempt may have reached the engine: stay on this path
             self._count("control", Reason.UNREACHABLE)
-            return await self._through_nixl(job)
+            return await self._through_nixl(job, rehearse)
         except PermanentReleaseError as exc:
             if exc.reason in NOT_DELIVERED and not pinned:
                 self._set_path("nixl", exc.reason)
-                return await self._through_nixl(job)
+                return await self._through_nixl(job, rehearse)
             self._count("control", Result.REFUSED.value)
             raise
         except RetryableReleaseError:
@@ -208,14 +224,14 @@ class AutoReleaser:
         self._count("control", result.value)
         return result
 
-    async def _through_nixl(self, job: ReleaseJob) -> Result:
+    async def _through_nixl(self, job: ReleaseJob, rehearse: bool) -> Result:
         if not self._nixl_started or not self.nixl.ready():
             self._count("nixl", Result.REFUSED.value)
             raise PermanentReleaseError(
                 "NIXL is not available and D's control endpoint cannot help", Reason.NO_PATH
             )
         try:
-            result = await self.nixl.release(job)
+            result = await (self.nixl.rehearse(job) if rehearse else self.nixl.release(job))
         except PermanentReleaseError:
             self._count("nixl", Result.REFUSED.value)
             raise

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from sidecar.classify import Cause
-from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableReleaseError, Verdict
+from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableReleaseError, TargetHealth
 from sidecar.params import ReleaseParams
 
 
@@ -71,9 +71,7 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     # Not sent before this time.monotonic() value: D may have notified P itself, and the
     # sidecar's notification must not land between D's readers' messages.
     not_before: float = 0.0
-    # The judge's word on the strategy's part: a dry run (every check, nothing sent), and whether
-    # D answered at all (``auto`` cannot use D's control endpoint for a D it could not reach).
-    dry_run: bool = False
+    # Whether D answered at all (``auto`` cannot use D's control endpoint for a D it could not reach).
     decode_reachable: bool = True
 
     def but(self, **changes: Any) -> ReleaseJob:
@@ -95,7 +93,10 @@ class Releaser(Protocol):
     """A release strategy. One instance per process; the pipeline calls it from its workers."""
 
     name: str
-    frees: bool  # a release frees P's blocks (off and dry-run free nothing)
+    frees: bool  # a release frees P's blocks (off, dry-run and a --dry-run free nothing)
+    # D's own fix is checked before a job reaches it (a live strategy and its --dry-run; off and
+    # dry-run record every rejection as it is).
+    checked: bool
     keeps_raw: bool  # it hands P's parameters on as they came (the proxy keeps the raw JSON)
 
     async def start(self) -> None:
@@ -117,17 +118,27 @@ class Releaser(Protocol):
     async def release(self, job: ReleaseJob) -> Result:
         """Free P's blocks for ``job`` or raise a ``ReleaseError``.
 
-        Returns ``Result.SENT``, ``Result.DRY_RUN`` or ``Result.OFF``. Jobs D's engine
-        releases itself never reach a strategy (``ReleaseJob.covered``).
+        Returns ``Result.SENT``, ``Result.WOULD_SEND`` (``--dry-run``), ``Result.DRY_RUN``
+        or ``Result.OFF``. Jobs D's engine releases itself never reach a strategy
+        (``ReleaseJob.covered``).
         """
 
 
+class LiveReleaser(Releaser, Protocol):
+    """A strategy that sends (``nixl``, ``http``, ``auto``): it can also rehearse a release."""
+
+    async def rehearse(self, job: ReleaseJob) -> Result:
+        """Every check ``release`` makes, nothing sent: ``Result.WOULD_SEND`` or a ``ReleaseError``
+        (``sidecar.release.dryrun``)."""
+
+
 __all__ = [
+    "LiveReleaser",
     "PermanentReleaseError",
     "ReleaseError",
     "ReleaseJob",
     "Releaser",
     "Result",
     "RetryableReleaseError",
-    "Verdict",
+    "TargetHealth",
 ]

@@ -1,35 +1,43 @@
-"""The ``dry-run`` strategy: records every job it would send (for roll-outs and the demo)."""
+"""``--dry-run``: a live strategy wrapped so that it rehearses and never sends.
+
+``DryRun`` runs the wrapped strategy's own checks for each job (its
+parameters against the vLLM release, P's id, the target and the allowlist;
+for ``http``, what D's control endpoint would answer, from its health route)
+and ends the job ``would_send``. It frees nothing, so the proxy never spends
+a request's parameters and no answer changes, while the judge still applies
+D's own fix as it would for the live strategy (``checked``).
+"""
 
 from __future__ import annotations
 
-import collections
-
-from sidecar.release.base import ReleaseJob, Result
+from sidecar.release.base import LiveReleaser, ReleaseJob, Result
 
 
-class DryRunReleaser:
-    name = "dry-run"
+class DryRun:
+    """``Releaser`` rehearsing ``inner``'s releases (see the module docstring)."""
 
-    def __init__(self, keep: int = 1000, *, frees: bool = False, keeps_raw: bool = False) -> None:
-        # Tests record in place of a live strategy: the proxy then behaves as for that strategy.
-        self.frees, self.keeps_raw = frees, keeps_raw
-        self.recorded: collections.deque[ReleaseJob] = collections.deque(maxlen=keep)
+    frees = False
+    checked = True
+
+    def __init__(self, inner: LiveReleaser) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.keeps_raw = inner.keeps_raw
 
     async def start(self) -> None:
-        return None
+        await self.inner.start()
 
     async def close(self) -> None:
-        return None
+        await self.inner.close()
 
     def ready(self) -> bool:
-        return True
+        return self.inner.ready()
 
     def target(self, job: ReleaseJob) -> str:
-        return ""  # nothing is ever contacted
+        return self.inner.target(job)
 
     def detail(self) -> dict[str, object]:
-        return {}
+        return self.inner.detail()
 
     async def release(self, job: ReleaseJob) -> Result:
-        self.recorded.append(job)
-        return Result.DRY_RUN
+        return await self.inner.rehearse(job)

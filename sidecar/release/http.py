@@ -38,7 +38,13 @@ from sidecar import __version__
 from sidecar.config import Config
 from sidecar.exceptions import Reason
 from sidecar.nixl.versions import WireProfile, engine_request_id
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
+from sidecar.release.base import (
+    PermanentReleaseError,
+    ReleaseJob,
+    Result,
+    RetryableReleaseError,
+    TargetHealth,
+)
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
 log = logging.getLogger(__name__)
@@ -62,7 +68,7 @@ class ControlUnreachable(RetryableReleaseError):
     """The control endpoint could not be reached: the request was never delivered."""
 
     reason = Reason.UNREACHABLE
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 class ControlFailed(RetryableReleaseError):
@@ -71,7 +77,7 @@ class ControlFailed(RetryableReleaseError):
     def __init__(self, message: str, reason: Reason) -> None:
         super().__init__(message)
         self.reason = reason
-        self.verdict = Verdict.DOWN if reason is Reason.TIMEOUT else Verdict.UP
+        self.verdict = TargetHealth.DOWN if reason is Reason.TIMEOUT else TargetHealth.UP
 
 
 def answer_kind(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
@@ -132,6 +138,7 @@ class HttpReleaser:
 
     name = "http"
     frees = True
+    checked = True
     keeps_raw = True
 
     def __init__(
@@ -192,6 +199,13 @@ class HttpReleaser:
     # --- one job ---------------------------------------------------------------------------
 
     async def release(self, job: ReleaseJob) -> Result:
+        return await self._release(job, rehearse=False)
+
+    async def rehearse(self, job: ReleaseJob) -> Result:
+        """What a release would meet at D's control endpoint (``_rehearse``); nothing is sent."""
+        return await self._release(job, rehearse=True)
+
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> Result:
         if job.raw_params is None:
             raise PermanentReleaseError(
                 "the http strategy sends P's parameters as they came", Reason.NO_PARAMS
@@ -199,7 +213,7 @@ class HttpReleaser:
         text = self._config.vllm_version or await self._decode_version()
         profile = WireProfile.for_version(text) if text else None
         request_id = _request_id(profile, job)
-        if job.dry_run:
+        if rehearse:
             return await self._rehearse()
         body = Outgoing(
             request_id=request_id,
@@ -221,7 +235,7 @@ class HttpReleaser:
         if error is ControlFailed:
             raise ControlFailed(message, Reason(label))
         self._log_refusal(label, message)
-        raise PermanentReleaseError(message, Reason(label), Verdict.UP)  # the endpoint answered
+        raise PermanentReleaseError(message, Reason(label), TargetHealth.UP)  # the endpoint answered
 
     async def _send(self, body: Outgoing) -> tuple[int, bytes]:
         try:
@@ -246,7 +260,7 @@ class HttpReleaser:
         if reason is None:
             raise ControlFailed(message, Reason.SERVER_ERROR if probe == "no_engine" else Reason.TRANSPORT)
         self._log_refusal(reason, message)
-        raise PermanentReleaseError(message, reason, Verdict.UP)
+        raise PermanentReleaseError(message, reason, TargetHealth.UP)
 
     async def probe(self) -> Probe:
         """Whether D serves the control endpoint to this sidecar's token (``GET .../health``)."""

@@ -1,13 +1,16 @@
 """The ``nixl`` release strategy: free P's blocks by speaking D's part of the NIXL protocol.
 
-For one job (the judge has decided it is the sidecar's to send, and whether it
-is a dry run): learn P's vLLM release (``--vllm-version``, else D's ``GET
-/version`` through D's state; P and D run the same release), check
-``kv_transfer_params`` against it, check P's endpoint against the allowlist,
-handshake with every P worker (or reuse the cached handshake), refuse a P
-process that is not the one that held the blocks (``sidecar.nixl.lineage``)
-and send each worker one notification (``<id>:1``; ``<id>`` for 0.9.0). Nothing is ever sent by trial:
-an unknown or contradicted release is refused before any socket exists.
+One job (the judge decided it is the sidecar's to send) reads top to bottom:
+the version (P's vLLM release: ``--vllm-version``, else D's ``GET /version``
+through D's state; P and D run the same release), the parameters
+(``kv_transfer_params`` checked against that release, P's id for the request
+derived), the peers (P's workers through the NIXL session,
+``sidecar.nixl.session``: cached or handshaken, the target checked against the
+allowlist) and the notification (each worker once, ``<id>:1``; ``<id>`` for
+0.9.0, refused when P is not the process that held the blocks,
+``sidecar.nixl.lineage``). ``rehearse`` stops before the peers, after the
+target check (``sidecar.release.dryrun``). Nothing is ever sent by trial: an
+unknown or contradicted release is refused before any socket exists.
 Failures are typed (``sidecar.nixl``); the pipeline retries the retryable
 ones, and the ranks already notified for a job are remembered so a retry
 never notifies a rank twice.
@@ -15,33 +18,29 @@ never notifies a rank twice.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
 from sidecar.exceptions import Reason
 from sidecar.network.allowlist import Allowlist
-from sidecar.nixl import EngineMismatch, HandshakeTimeout, NixlError, PRestarted
-from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
-from sidecar.nixl.lineage import Lineage
+from sidecar.nixl import NixlError, PRestarted
+from sidecar.nixl.handshake import PeerSet, Rank, TargetCheck
 from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
+from sidecar.nixl.session import Session
 from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     PermanentReleaseError,
-    ReleaseError,
     ReleaseJob,
     Result,
     RetryableReleaseError,
-    Verdict,
 )
 from sidecar.ttlmap import TTLMap
 
@@ -66,6 +65,7 @@ class NixlReleaser:
 
     name = "nixl"
     frees = True
+    checked = True
     keeps_raw = False
 
     def __init__(
@@ -82,41 +82,29 @@ class NixlReleaser:
         self._tracing = tracing
         self._decode_version = decode_version
         self.metrics = NixlMetrics(registry)
-        self._check = check or TargetCheck(Allowlist(config.prefill_allow))
-        self.peer = peer or NixlPeer()
-        self._context: zmq.asyncio.Context | None = None
-        self._client: HandshakeClient | None = None
-        self._cache = HandshakeCache(config.handshake_cache_size, config.handshake_cache_ttl)
-        self._lineage = Lineage(config.handshake_cache_size, config.handshake_cache_ttl)
-        self._inflight: dict[str, asyncio.Future[PeerSet]] = {}
+        check = check or TargetCheck(Allowlist(config.prefill_allow))
+        self.session = Session(config, self.metrics, peer or NixlPeer(), check, tracing)
+        self.peer = self.session.peer
         # A job's retries end at its deadline, ``release_deadline`` after it was made.
         self._progress: TTLMap[tuple[str, str], _Progress] = TTLMap(PROGRESS_SIZE, config.release_deadline)
         self._profiles: dict[str, WireProfile | None] = {}
         self._logged: dict[str, float] = {}
-        self._loopback_warned: set[str] = set()
-        self._last_sweep = time.monotonic()
 
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if not self._check.allowlist:
+        if not self.session.check.allowlist:
             log.warning(
                 "--prefill-allow is empty: the nixl strategy contacts no P and releases nothing; "
                 "list P's side-channel hosts (e.g. 10.0.0.0/8:5600-5700)"
             )
-        self._context = zmq.asyncio.Context()
-        self._client = HandshakeClient(self._context, self._config.handshake_timeout)
-        await self.peer.start()
+        await self.session.start()
 
     async def close(self) -> None:
-        await self._drop(self._cache.drain(), "shutdown")
-        await self.peer.close()
-        if self._context is not None:
-            self._context.destroy(linger=0)
-            self._context = None
+        await self.session.close()
 
     def ready(self) -> bool:
-        return self._context is not None and self.peer.ready()
+        return self.session.ready()
 
     def detail(self) -> dict[str, object]:
         return {}
@@ -129,9 +117,17 @@ class NixlReleaser:
     # --- one job ---------------------------------------------------------------------------
 
     async def release(self, job: ReleaseJob) -> Result:
+        return await self._attempt(job, rehearse=False)
+
+    async def rehearse(self, job: ReleaseJob) -> Result:
+        """Every check ``release`` makes before it connects to P, the target's included; nothing
+        is sent (``sidecar.release.dryrun``)."""
+        return await self._attempt(job, rehearse=True)
+
+    async def _attempt(self, job: ReleaseJob, rehearse: bool) -> Result:
         started = time.perf_counter()
         try:
-            result, path = await self._release(job)
+            result, path = await self._release(job, rehearse)
         except PermanentReleaseError as exc:
             self.metrics.outcome("refused").inc()
             self.metrics.refused.labels(exc.reason).inc()
@@ -150,7 +146,7 @@ class NixlReleaser:
             self.metrics.seconds(path).observe(time.perf_counter() - started)
         return result
 
-    async def _release(self, job: ReleaseJob) -> tuple[Result, str]:
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> tuple[Result, str]:
         params = job.params
         engine_id, host, port = params.remote_engine_id, params.remote_host, params.remote_port
         profile = await self._profile()
@@ -174,32 +170,26 @@ class NixlReleaser:
                 Reason.NO_REQUEST_ID,
             )
         ranks = profile.ranks(params)
-        if job.dry_run:  # every check the live release makes before it connects to P
-            target = await self._check.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
-            self._warn_loopback(target)
+        if rehearse:  # every check the live release makes before it connects to P
+            await self.session.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
             return Result.WOULD_SEND, "dry_run"
         progress = self._progress_of(engine_id, request_id)
         if unsafe and progress.attempted:
             raise PermanentReleaseError(
                 "vLLM < 0.10.1: a send was attempted once, never twice", Reason.UNSAFE_RETRY
             )
-        await self._sweep()
+        if await self.session.sweep():
+            self._progress.expire()
         endpoint = (host, port)
         generation = params.remote_registration_generation
-        peers = self._cache.get(engine_id)
-        path = "warm"
-        if peers is None or not peers.serves(generation, endpoint, ranks):
-            self.metrics.lookup("miss").inc()
-            peers, path = await self._connect(engine_id, generation, endpoint, profile, ranks), "cold"
-        else:
-            self.metrics.lookup("hit").inc()
+        peers, path = await self.session.peers(engine_id, generation, endpoint, profile, ranks)
         message = notification(profile, request_id)
         progress.attempted = True
         failed = await self._send(peers, ranks, message, progress, job)
         if failed and not unsafe:
             # A cached agent may be gone (P restarted): handshake again, once.
-            await self._invalidate(peers, "send_failure")
-            peers = await self._connect(engine_id, generation, endpoint, profile, ranks)
+            await self.session.invalidate(peers, "send_failure")
+            peers = await self.session.connect(engine_id, generation, endpoint, profile, ranks)
             failed = await self._send(peers, ranks, message, progress, job)
         if failed:
             raise NixlError(f"notification to {len(failed)} P worker(s) failed: {failed[0]}")
@@ -212,7 +202,7 @@ class NixlReleaser:
         """Notify the ranks not notified yet; the failures' texts. Refused (``p_restarted``) when
         ``peers`` is a P process that came after the one that held the job's blocks."""
         agents = frozenset(peers.agents.values())
-        why = self._lineage.refusal(peers.endpoint, agents, job.detected_at)
+        why = self.session.lineage.refusal(peers.endpoint, agents, job.detected_at)
         if why is None and progress.sent and progress.agents != agents:
             why = "P restarted between the notifications of this request's ranks"
         if why is not None:
@@ -251,109 +241,7 @@ class NixlReleaser:
             )
         return profile
 
-    # --- handshakes and the cache ----------------------------------------------------------
-
-    async def _connect(
-        self,
-        engine_id: str,
-        generation: int | None,
-        endpoint: tuple[str, int],
-        profile: WireProfile,
-        ranks: list[Rank],
-    ) -> PeerSet:
-        pending = self._inflight.get(engine_id)
-        if pending is not None:
-            peers = await asyncio.shield(pending)
-            if peers.serves(generation, endpoint, ranks):
-                return peers
-        future: asyncio.Future[PeerSet] = asyncio.get_running_loop().create_future()
-        self._inflight[engine_id] = future
-        try:
-            # The span is made on the event loop around the await; the NIXL thread never sees it.
-            with self._tracing.handshake_span(engine_id, endpoint, ranks):
-                peers = await self._handshake(engine_id, generation, endpoint, profile, ranks)
-        except asyncio.CancelledError:
-            # The job that began it was cancelled (its deadline): the jobs waiting on this
-            # handshake get a timeout they retry, not a cancellation that is not theirs.
-            future.set_exception(HandshakeTimeout("the handshake was abandoned by the job that began it"))
-            future.exception()
-            raise
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved here; waiters re-raise it
-            raise
-        else:
-            future.set_result(peers)
-            return peers
-        finally:
-            if self._inflight.get(engine_id) is future:
-                del self._inflight[engine_id]
-
-    async def _handshake(
-        self,
-        engine_id: str,
-        generation: int | None,
-        endpoint: tuple[str, int],
-        profile: WireProfile,
-        ranks: list[Rank],
-    ) -> PeerSet:
-        assert self._client is not None, "start() first"
-        # The old set's agents go first: NIXL names an agent by the remote, so a re-add of
-        # the same P worker followed by removing the old entry would remove the new one.
-        for old in self._cache.take(engine_id):
-            if old.engine_id != engine_id:
-                await self._drop([old], "ttl")
-            else:
-                await self._drop([old], "generation" if old.generation != generation else "replaced")
-        host, base_port = endpoint
-        target = await self._check.target(host, sorted({profile.port(base_port, tp) for _, tp in ranks}))
-        self._warn_loopback(target)
-        started = time.perf_counter()
-        try:
-            try:
-                replies = await self._client.fetch(target, profile, ranks)
-            except ReleaseError as exc:
-                if exc.verdict is Verdict.DOWN:
-                    self._lineage.lost(endpoint)
-                raise
-            wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})
-            if wrong:
-                raise EngineMismatch(f"{host}:{base_port} serves engine {wrong[0]!r}, not {engine_id!r}")
-            agents: dict[Rank, str] = {}
-            try:
-                for rank in ranks:
-                    agents[rank] = await self.peer.add_remote(replies[rank].agent_metadata)
-            except ReleaseError:
-                await self.peer.remove_remote(list(agents.values()))
-                raise
-        except ReleaseError:
-            self.metrics.handshakes.labels("error").inc()
-            raise
-        self.metrics.handshakes.labels("ok").inc()
-        self.metrics.handshake_seconds.observe(time.perf_counter() - started)
-        peers = PeerSet(engine_id, generation, endpoint, agents)
-        self._lineage.seen(endpoint, agents.values())
-        await self._drop(self._cache.put(peers), "lru")
-        return peers
-
-    async def _invalidate(self, peers: PeerSet, reason: str) -> None:
-        if self._cache.pop(peers.engine_id, peers) is not None:
-            await self._drop([peers], reason)
-
-    async def _drop(self, entries: list[PeerSet], reason: str) -> None:
-        self.metrics.engines.set(len(self._cache))
-        if not entries:
-            return
-        self.metrics.evictions.labels(reason).inc(len(entries))
-        if self.peer.ready():
-            await self.peer.remove_remote([name for entry in entries for name in entry.agents.values()])
-
-    async def _sweep(self) -> None:
-        now = time.monotonic()
-        if now - self._last_sweep >= min(self._config.handshake_cache_ttl, 60.0):
-            self._last_sweep = now
-            await self._drop(self._cache.expire(), "ttl")
-            self._progress.expire()
+    # --- job progress ----------------------------------------------------------------------
 
     def _progress_of(self, engine_id: str, request_id: str) -> _Progress:
         key = (engine_id, request_id)
@@ -371,23 +259,6 @@ class NixlReleaser:
             log.warning("nixl release skipped: %s", exc, extra=_fields(job, reason=exc.reason))
         else:
             log.debug("nixl release skipped: %s", exc, extra=_fields(job, reason=exc.reason))
-
-    def _warn_loopback(self, target: Target) -> None:
-        if not target.loopback:
-            return
-        self.metrics.loopback.inc()
-        now = time.monotonic()
-        last = self._logged.get("loopback", -LOOPBACK_LOG_INTERVAL)
-        if target.host in self._loopback_warned or now - last < LOOPBACK_LOG_INTERVAL:
-            return
-        if len(self._loopback_warned) < 1024:
-            self._loopback_warned.add(target.host)
-        self._logged["loopback"] = now
-        log.warning(
-            "P's remote_host %r is a loopback address: P may have left VLLM_NIXL_SIDE_CHANNEL_HOST "
-            "at its default (localhost); the sidecar contacts its own host",
-            target.host,
-        )
 
 
 def _fields(job: ReleaseJob, **extra: str) -> dict[str, str]:

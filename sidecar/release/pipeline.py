@@ -36,11 +36,11 @@ from sidecar.release.base import (
     Releaser,
     Result,
     RetryableReleaseError,
-    Verdict,
+    TargetHealth,
 )
+from sidecar.release.hold import LEASE_SECONDS, block_seconds_saved
 from sidecar.release.ledger import Ledger
 from sidecar.release.targets import BreakerPolicy, Grant, Target, TargetDown, Targets
-from sidecar.release.value import LEASE_SECONDS, block_seconds_saved
 
 log = logging.getLogger("sidecar.release")
 
@@ -100,7 +100,7 @@ class Pipeline:
         self._retry = settings.retry
         self._ledger = ledger
         self._clock = clock
-        self._hold = settings.hold  # P's hold without a release (sidecar.release.value)
+        self._hold = settings.hold  # P's hold without a release (sidecar.release.hold)
         workers = settings.workers
         self._workers = asyncio.Semaphore(workers)
         cap = math.ceil(workers * settings.target_share)
@@ -241,7 +241,7 @@ class Pipeline:
         except TimeoutError:
             self._finish(live, Result.FAILED, "deadline passed before an attempt", reason=Reason.DEADLINE)
             return True
-        verdict = Verdict.UNTOUCHED
+        verdict = TargetHealth.UNTOUCHED
         try:
             result, verdict = await self._call(live, grant)
         except _Retry as exc:
@@ -258,7 +258,7 @@ class Pipeline:
             self._finish(live, result, "done")
         return True
 
-    async def _call(self, live: _Live, grant: Grant) -> tuple[Result | None, Verdict]:
+    async def _call(self, live: _Live, grant: Grant) -> tuple[Result | None, TargetHealth]:
         """The strategy's attempt under a worker, bounded by the deadline; raises ``_Retry``."""
         job = live.job
         try:
@@ -268,7 +268,7 @@ class Pipeline:
                     live.attempting = True
                     self._gauges()
                     result = await self.releaser.release(job)
-            return result, Verdict.UP if result is Result.SENT else Verdict.UNTOUCHED
+            return result, TargetHealth.UP if result is Result.SENT else TargetHealth.UNTOUCHED
         except PermanentReleaseError as exc:
             self._count_attempt(exc.reason)
             self._finish(live, Result.REFUSED, str(exc), reason=exc.reason)
@@ -282,7 +282,7 @@ class Pipeline:
             self._count_attempt(Reason.DEADLINE)
             reason = live.reason or Reason.DEADLINE
             self._finish(live, Result.FAILED, "deadline passed during an attempt", reason=reason)
-            return None, Verdict.DOWN if grant.probe else Verdict.UNTOUCHED
+            return None, TargetHealth.DOWN if grant.probe else TargetHealth.UNTOUCHED
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -290,12 +290,12 @@ class Pipeline:
             # A cancellation that is not ours (a shared handshake another job abandoned): retry.
             self._count_attempt(Reason.CANCELLED)
             live.reason = Reason.CANCELLED
-            raise _Retry(Verdict.UNTOUCHED) from None
+            raise _Retry(TargetHealth.UNTOUCHED) from None
         except Exception as exc:  # a strategy bug must not kill the job's task
             log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
             self._count_attempt(Reason.BUG)
             self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
-            return None, Verdict.UNTOUCHED
+            return None, TargetHealth.UNTOUCHED
 
     # --- accounting ------------------------------------------------------------------------
 
@@ -360,6 +360,6 @@ class Pipeline:
 class _Retry(Exception):
     """An attempt failed in a way worth retrying; carries what it said about the target."""
 
-    def __init__(self, verdict: Verdict) -> None:
+    def __init__(self, verdict: TargetHealth) -> None:
         super().__init__(verdict.value)
         self.verdict = verdict

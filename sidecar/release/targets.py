@@ -38,7 +38,7 @@ from enum import StrEnum
 
 from prometheus_client import Gauge
 
-from sidecar.release.base import Verdict
+from sidecar.release.base import TargetHealth
 
 log = logging.getLogger("sidecar.release")
 
@@ -140,18 +140,18 @@ class Target:
                 raise
             woken = True
 
-    def done(self, grant: Grant, verdict: Verdict) -> None:
+    def done(self, grant: Grant, verdict: TargetHealth) -> None:
         """Hand back ``grant`` with what the attempt said about the target."""
         self.running -= 1
         if grant.probe:
             self._probing = False
-        if verdict is Verdict.DOWN:
+        if verdict is TargetHealth.DOWN:
             self._failures += 1
             self._failed_at = self._owner.clock()
             if grant.probe or (self.state is State.CLOSED and self._failures >= self._policy.failures):
                 self._open()
                 return
-        elif verdict is Verdict.UP:
+        elif verdict is TargetHealth.UP:
             self._failures = 0
             if self.state is not State.CLOSED:
                 self._interval = self._policy.interval

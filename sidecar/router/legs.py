@@ -1,7 +1,8 @@
 """Router mode, one request: the prefill leg on P, then the decode leg on D with P's parameters.
 
-The decode leg goes through the proxy's ``Forwarder`` like any inspected
-request, with the router's ``Policy``: the judge then releases what the router
+The decode leg goes through the proxy's admission step
+(``sidecar.proxy.admit.Admission.admit``: draining, injection, then D) like
+any inspected request, with the router's ``Policy``: the judge then releases what the router
 aborted itself (header timeout, client gone) and, with ``decode_releases``,
 leaves D's answers to the decode sidecar. A failing P leg is tried once on
 another P; with none left the answer is 503, or with
@@ -20,15 +21,12 @@ from typing import Any
 import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB
-from sidecar.classify import Event, Failure
+from sidecar.decision.policy import router_policy
 from sidecar.params import Ineligible
+from sidecar.proxy.admit import Admission
 from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
-from sidecar.proxy.judge import Policy
-from sidecar.proxy.kit import Kit
-from sidecar.proxy.llmd_answers import FORBIDDEN, send_plain
-from sidecar.proxy.refusals import SHUTTING_DOWN
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
 from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
@@ -43,10 +41,10 @@ RETRIED = frozenset({502, 503, 504})  # P's answers a prefill leg is retried on,
 class Router:
     """Drives router-mode requests (see the module docstring)."""
 
-    def __init__(self, kit: Kit, pool: PrefillPool) -> None:
-        self._kit = kit
+    def __init__(self, proxy: Admission, pool: PrefillPool) -> None:
+        self._proxy = proxy  # the proxy's admission step: all router mode uses of the proxy
         self.pool = pool
-        self.policy = Policy(router=True, decode_releases=kit.config.decode_releases)
+        self.policy = router_policy(proxy.config.decode_releases)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -54,14 +52,14 @@ class Router:
     def routes(self, ctx: RequestContext) -> bool:
         """This request takes the router's path: a static P pool, or llm-d's prefiller header
         (unless ``prefill_leg = skip``, or the header is empty: D alone serves it, as llm-d)."""
-        named = bool(ctx.prefiller and ctx.prefiller.strip()) and self._kit.config.prefill_leg != "skip"
+        named = bool(ctx.prefiller and ctx.prefiller.strip()) and self._proxy.config.prefill_leg != "skip"
         return bool(self.pool.static) or named
 
     async def route(self, ctx: RequestContext, body: bytes) -> None:
-        kit = self._kit
-        if kit.config.prefill_leg == "refuse" and ctx.prefiller is not None:
+        proxy = self._proxy
+        if proxy.config.prefill_leg == "refuse" and ctx.prefiller is not None:
             assert ctx.route is not None
-            kit.forwarder.count(ctx.route, 501)
+            proxy.count(ctx.route, 501)
             message = "x-prefiller-host-port: the P/D protocol set by --kv-connector is not implemented here"
             await send_error(ctx.send, 501, message, ctx.request_id, "x-prefiller-host-port")
             return
@@ -70,10 +68,10 @@ class Router:
         except (msgspec.DecodeError, RecursionError):
             request = None
         if not isinstance(request, dict):  # D answers a body that is not a JSON object
-            await kit.forwarder.forward(ctx, kit.inspector.plain(ctx, stream=False), ctx.headers, body)
+            await proxy.alone(ctx, False, ctx.headers, body)
             return
         if request.pop("kv_transfer_params", None) is not None:
-            kit.metrics.ineligible.labels(Ineligible.CLIENT_PARAMS_DROPPED).inc()
+            proxy.metrics.ineligible.labels(Ineligible.CLIENT_PARAMS_DROPPED).inc()
         n = request.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             await self._multi_choice(ctx, request)
@@ -82,13 +80,10 @@ class Router:
             candidates = await self.pool.candidates(ctx.prefiller)
         except RouterError as exc:
             assert ctx.route is not None
-            kit.forwarder.count(ctx.route, exc.status)
+            proxy.count(ctx.route, exc.status)
             if exc.refused:
-                kit.metrics.prefill_refused.labels(exc.refused).inc()
-            if exc.status == 403 and kit.config.answers == "llm-d":
-                await send_plain(ctx.send, 403, FORBIDDEN, ctx.request_id)
-                return
-            await send_error(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
+                proxy.metrics.prefill_refused.labels(exc.refused).inc()
+            await proxy.answers.prefill_refused(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
             return
         watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB))
         try:
@@ -112,24 +107,13 @@ class Router:
         prefilled: PrefillResult,
         watcher: DisconnectWatcher,
     ) -> None:
-        kit = self._kit
+        proxy = self._proxy
         rewriter = UsageRewriter(prefilled.cached_tokens, lax_bool(request.get("stream")) is True)
-        exchange = kit.inspector.prefilled(ctx, prefilled.params, rewriter, self.policy, prefilled.answered)
-        if kit.refusals.stopping:
-            watcher.stop()
-            await kit.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
-            return
-        if kit.injector.enabled:
-            assert ctx.route is not None
-            status = kit.injector.status_for(ctx.route, ctx.marks, exchange.params is not None)
-            if status is not None:
-                watcher.stop()
-                await kit.refusals.inject(ctx, exchange, status)
-                return
+        exchange = proxy.prefilled(ctx, prefilled.params, rewriter, self.policy, prefilled.answered)
         decode = decode_body(request, prefilled.params)
         raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
-        signed = kit.trust.outgoing(ctx.request_id, raw) if raw else []
-        await kit.forwarder.forward(ctx, exchange, sized(ctx.headers, decode) + signed, decode, watcher)
+        signed = proxy.sign(ctx.request_id, raw) if raw else []
+        await proxy.admit(ctx, exchange, sized(ctx.headers, decode) + signed, decode, watcher)
 
     async def _prefill_leg(
         self,
@@ -157,29 +141,26 @@ class Router:
         if failed is not None:
             return None
         result = task.result()
-        exchange = self._kit.inspector.prefilled(ctx, result.params, None, self.policy, result.answered)
-        self._kit.judge.judge(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
-        self._kit.forwarder.count(exchange.route, -1)
+        self._proxy.abandoned(self._proxy.prefilled(ctx, result.params, None, self.policy, result.answered))
         return None
 
     def _release_unsent(self, ctx: RequestContext, exc: AnswerTooLarge) -> None:
         """P's answer was over ``prefill_answer_limit``: no decode leg is sent for it, so D never
         reads the blocks P kept; release them when their parameters were read at its end."""
         if exc.params is None:
-            self._kit.metrics.ineligible.labels(Ineligible.PREFILL_ANSWER_UNREAD).inc()
+            self._proxy.metrics.ineligible.labels(Ineligible.PREFILL_ANSWER_UNREAD).inc()
             return
-        exchange = self._kit.inspector.prefilled(ctx, exc.params, None, self.policy, exc.answered)
-        self._kit.judge.judge(exchange, Event(failure=Failure.PREFILL_ANSWER_TOO_LARGE))
+        self._proxy.unsent(self._proxy.prefilled(ctx, exc.params, None, self.policy, exc.answered))
 
     async def _try_prefill(
         self, ctx: RequestContext, candidates: list[str], request: dict[str, Any]
     ) -> PrefillResult:
         """One P, then one other; with ``answers = "llm-d"`` one P only, whose last answer is the client's."""
         assert ctx.route is not None
-        kit, route = self._kit, ctx.route
+        route = ctx.route
         body = prefill_body(request, route)
         p_headers = sized(prefill_headers(ctx.headers), body)
-        llmd = kit.config.answers == "llm-d"
+        llmd = self._proxy.answers.one_prefill
         last: Exception | None = None
         for url in candidates[: 1 if llmd else 2]:  # a failing P leg is tried once on another P
             try:
@@ -201,32 +182,32 @@ class Router:
     ) -> PrefillResult:
         """The prefill leg on ``url``, retried ``prefill_max_retries`` times while P answers 502, 503
         or 504 or cannot be reached, ``prefill_retry_backoff`` apart; raises the last failure."""
-        kit = self._kit
-        retries = kit.config.prefill_max_retries
+        proxy = self._proxy
+        retries = proxy.config.prefill_max_retries
         for attempt in range(retries + 1):
             started = time.monotonic()
             try:
                 result = await self._prefill(url, route, body, headers)
             except RouterError as exc:
                 if exc.status >= 500:
-                    kit.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
+                    proxy.metrics.leg_failures.labels("prefill", f"status_{exc.status // 100}xx").inc()
                 if exc.status not in RETRIED or attempt == retries or isinstance(exc, AnswerTooLarge):
                     raise
             except UpstreamError as exc:
-                kit.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
+                proxy.metrics.leg_failures.labels("prefill", exc.failure.value).inc()
                 if attempt == retries:
                     raise
             else:
-                kit.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
+                proxy.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
                 return result
-            await asyncio.sleep(kit.config.prefill_retry_backoff)
+            await asyncio.sleep(proxy.config.prefill_retry_backoff)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     async def _prefill(
         self, url: str, route: str, body: bytes, headers: list[tuple[str, str]]
     ) -> PrefillResult:
-        if self._kit.tracing.enabled:
-            with self._kit.tracing.leg_span("kvr.prefill", "POST", url + route, headers) as leg:
+        if self._proxy.tracing.enabled:
+            with self._proxy.tracing.leg_span("kvr.prefill", "POST", url + route, headers) as leg:
                 return await self.pool.prefill(url, route, body, leg.headers)
         return await self.pool.prefill(url, route, body, headers)
 
@@ -235,28 +216,27 @@ class Router:
         if isinstance(exc, AnswerTooLarge):
             self._release_unsent(ctx, exc)
         if exc.body is not None:  # P's own answer to a bad request
-            self._kit.forwarder.count(ctx.route, exc.status)
+            self._proxy.count(ctx.route, exc.status)
             await send_raw(ctx.send, exc.status, exc.body, ctx.request_id)
             return
-        if self._kit.config.decode_only_fallback:
-            self._kit.metrics.leg_failures.labels("prefill", "decode_only_fallback").inc()
+        if self._proxy.config.decode_only_fallback:
+            self._proxy.metrics.leg_failures.labels("prefill", "decode_only_fallback").inc()
             await self._decode_only(ctx, request)
             return
-        self._kit.forwarder.count(ctx.route, exc.status)
+        self._proxy.count(ctx.route, exc.status)
         await send_error(ctx.send, exc.status, str(exc), ctx.request_id)
 
     async def _multi_choice(self, ctx: RequestContext, request: dict[str, Any]) -> None:
         """``n > 1``: never on the P/D path (D reads P's blocks once per choice, docs/llm-d.md)."""
-        if self._kit.config.decode_only_fallback:
+        if self._proxy.config.decode_only_fallback:
             await self._decode_only(ctx, request)
             return
         assert ctx.route is not None
-        self._kit.forwarder.count(ctx.route, 400)
+        self._proxy.count(ctx.route, 400)
         message = "n > 1 is not supported on the prefill/decode path (set decode_only_fallback to allow it)"
         await send_error(ctx.send, 400, message, ctx.request_id, "n")
 
     async def _decode_only(self, ctx: RequestContext, request: dict[str, Any]) -> None:
         """D prefills itself: the request goes to D without kv_transfer_params."""
         body = decode_body(request, None)
-        exchange = self._kit.inspector.plain(ctx, stream=lax_bool(request.get("stream")) is True)
-        await self._kit.forwarder.forward(ctx, exchange, sized(ctx.headers, body), body)
+        await self._proxy.alone(ctx, lax_bool(request.get("stream")) is True, sized(ctx.headers, body), body)

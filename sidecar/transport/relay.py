@@ -32,7 +32,7 @@ RELAY = "kvr.relay"  # scope key: the request's ``ClientRelay``, from the server
 
 
 class Feed(Protocol):
-    """A filter on the relayed parts (``sidecar.router.bodies.UsageRewriter``)."""
+    """A filter on the relayed parts (``sidecar.proxy.usage.UsageRewriter``)."""
 
     def feed(self, chunk: bytes) -> bytes: ...
 

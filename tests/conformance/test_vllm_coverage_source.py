@@ -1,6 +1,6 @@
 """Conformance: every row of the coverage table, pinned to the vLLM code it comes from.
 
-``sidecar.release.coverage`` decides from D's answer whether D's own fix
+``sidecar.decision.coverage`` decides from D's answer whether D's own fix
 (vLLM 0.21.0+) already released a rejected request, and ``sidecar.classify``
 tells two in-stream 503s apart by their text. Each row rests on a reading of
 vLLM's serving code; these tests re-read it in the wheel of every release under
@@ -28,8 +28,8 @@ from sidecar.classify import (
     ADMISSION_OVERFLOW_TYPE,
     ENGINE_PAUSED_MESSAGE,
 )
+from sidecar.decision.coverage import COVERED, ENGINE_CORE_STREAMS, MAY_BE_COVERED, WRAPPED_ROUTES, Row
 from sidecar.nixl.versions import parse_version
-from sidecar.release.coverage import COVERED, ENGINE_CORE_STREAMS, MAY_BE_COVERED, WRAPPED_ROUTES, Row
 from tests.conformance.vllm_source import (
     Func,
     Source,

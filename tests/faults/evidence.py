@@ -213,7 +213,7 @@ class InProcessView:
         return {
             "queue": runtime.pipeline.depth,
             "progress": len(getattr(releaser, "_progress", ())),
-            "handshakes_in_flight": len(getattr(releaser, "_inflight", ())),
+            "handshakes_in_flight": len(getattr(getattr(releaser, "session", None), "pending", ())),
             "inflight_live": len(runtime.inflight._live),
             "inflight_admitted": len(runtime.inflight._admitted),
             "live_jobs": runtime.pipeline.live,

@@ -108,7 +108,7 @@ def test_d_flapping(cluster: Backends) -> None:
         flapper.start()
         # No handler rejection races the switch: one whose error body is cut has no error type left,
         # so D's own release of it cannot be recognised and the sidecar releases it too, by design
-        # (sidecar.release.coverage prefers a double release to a lost one).
+        # (sidecar.decision.coverage prefers a double release to a lost one).
         racing: list[Kind] = ["admit", "reject", "stream"]
         try:
             with ThreadPoolExecutor(4) as pool:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
-from sidecar.release.dryrun import DryRunReleaser
+from sidecar.release.stub import StubReleaser
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import server_options
 from tests.servers import ServerThread, serve
@@ -33,10 +33,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: 1 if item.get_closest_marker("netns") else 0)
 
 
+class Recording(StubReleaser):
+    """The ``dry-run`` recorder standing in for the configured strategy: the proxy behaves as for
+    that strategy (its releases free P's blocks, ``http`` and ``auto`` keep the raw parameters)."""
+
+    def __init__(self, keep: int, frees: bool, keeps_raw: bool) -> None:
+        super().__init__("dry-run", keep)
+        self.frees, self.checked, self.keeps_raw = frees, frees, keeps_raw  # type: ignore[misc]
+
+
 class Sidecar:
     """A running sidecar (proxy + admin on one loop) with a recording releaser."""
 
-    def __init__(self, server: ServerThread, app: ProxyApp, releaser: DryRunReleaser) -> None:
+    def __init__(self, server: ServerThread, app: ProxyApp, releaser: StubReleaser) -> None:
         self.server, self.app, self.releaser = server, app, releaser
         self.url, self.admin_url = server.urls[0], server.urls[1]
 
@@ -99,7 +108,7 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     settings = retried_statuses({"release": "dry-run", "log_level": "warning", **settings})
     config = Config(decode_url=decode_url, **settings)
     frees, keeps_raw = config.release in ("nixl", "http", "auto"), config.release in ("http", "auto")
-    releaser = DryRunReleaser(keep=100_000, frees=frees, keeps_raw=keeps_raw)
+    releaser = Recording(keep=100_000, frees=frees, keeps_raw=keeps_raw)
     injected = releaser if record or config.release == "dry-run" else None
     app = create_app(config, Deps(releaser=injected, registry=CollectorRegistry()))
     # The production protocol (httptools behind GuardedProtocol, sidecar.server.serve) on the proxy port,

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.params import MAX_BLOCK_IDS
-from sidecar.release.dryrun import DryRunReleaser
+from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import server_options
 from sidecar.sim.decode import create_decode_app

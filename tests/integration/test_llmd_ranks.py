@@ -20,10 +20,9 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.app.ranks import RankFront
 from sidecar.config import Config
-from sidecar.release.dryrun import DryRunReleaser
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.faults.cluster import until
-from tests.integration.conftest import kv_params
+from tests.integration.conftest import Recording, kv_params
 from tests.ranked import consecutive_free_ports, ranked
 from tests.servers import ServerThread
 
@@ -31,7 +30,7 @@ MODEL = "m"
 
 
 @contextmanager
-def two_ranks(d_base: int) -> Iterator[tuple[list[str], str, ProxyApp, DryRunReleaser]]:
+def two_ranks(d_base: int) -> Iterator[tuple[list[str], str, ProxyApp, Recording]]:
     """The sidecar with ranks 0 and 1 in front of D's ranks on ``d_base``; yields the serving URLs,
     the admin URL, the app and the releaser."""
     base = consecutive_free_ports(2)
@@ -43,7 +42,7 @@ def two_ranks(d_base: int) -> Iterator[tuple[list[str], str, ProxyApp, DryRunRel
         decode_health_interval=0.05,
         log_level="warning",
     )
-    releaser = DryRunReleaser(keep=100, frees=True)
+    releaser = Recording(keep=100, frees=True, keeps_raw=False)
     app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
     server = ServerThread(RankFront(app, 0, config), RankFront(app, 1, config), create_admin_app(app))
     try:

@@ -470,7 +470,7 @@ async def test_engine_mismatch_is_refused_and_not_cached(
     with pytest.raises(EngineMismatch) as info:
         await releaser.release(job)
     assert isinstance(info.value, PermanentReleaseError) and info.value.reason == "engine_mismatch"
-    assert len(releaser._cache) == 0 and all(not v for v in p.notifs.values())
+    assert len(releaser.session.cache) == 0 and all(not v for v in p.notifs.values())
 
 
 async def test_p_restarted_with_new_agents_rehandshakes(

@@ -30,7 +30,7 @@ from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.observability.tracing import build
 from sidecar.release.base import ReleaseJob, Result, RetryableReleaseError
-from sidecar.release.dryrun import DryRunReleaser
+from sidecar.release.stub import StubReleaser as DryRunReleaser
 from tests.integration.conftest import Sidecar, kv_params
 from tests.servers import ServerThread, free_port, serve
 
@@ -216,6 +216,7 @@ class FlakyReleaser:
 
     name = "flaky"
     frees = True
+    checked = True
     keeps_raw = False
 
     def detail(self) -> dict[str, object]:

@@ -26,7 +26,7 @@ from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob, Result
-from sidecar.release.dryrun import DryRunReleaser
+from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
@@ -226,6 +226,7 @@ class RecordingNixl:
 
     name = "nixl"
     frees = True
+    checked = True
     keeps_raw = False
 
     def __init__(self) -> None:

@@ -12,6 +12,7 @@ from sidecar.classify import (
     Cause,
     Event,
     Failure,
+    FirstEvent,
     Outcome,
     classify,
 )
@@ -24,9 +25,15 @@ events = st.builds(
     Event,
     status=statuses,
     stream=st.booleans(),
-    first_event_error=st.one_of(codes, st.just(503)),
-    first_event_type=st.one_of(st.none(), st.sampled_from(VLLM_TYPES), st.text(max_size=30)),
-    first_event_message=st.one_of(st.none(), st.sampled_from(VLLM_MESSAGES), st.text(max_size=120)),
+    first=st.one_of(
+        st.none(),
+        st.builds(
+            FirstEvent,
+            st.one_of(codes, st.just(503)),
+            st.one_of(st.none(), st.sampled_from(VLLM_TYPES), st.text(max_size=30)),
+            st.one_of(st.none(), st.sampled_from(VLLM_MESSAGES), st.text(max_size=120)),
+        ),
+    ),
     failure=st.one_of(st.none(), st.sampled_from(list(Failure))),
 )
 
@@ -62,7 +69,8 @@ def test_a_release_needs_a_rejection_d_never_admitted(event: Event) -> None:
         return
     status = event.status or 0
     if 200 <= status < 300:  # only an in-band error in a stream's first event: 4xx, or vLLM's own 503s
-        code, message = event.first_event_error, event.first_event_message
+        assert event.first is not None
+        code, message = event.first.error_code, event.first.error_message
         assert event.stream and code is not None
         assert 400 <= code < 500 or (code == 503 and message in VLLM_MESSAGES)
     else:
@@ -75,20 +83,23 @@ def test_statuses_outside_4xx_5xx_never_release_without_a_stream_error(
 ) -> None:
     if 400 <= status < 600:
         return
-    decision = classify(Event(status=status, stream=stream, first_event_error=code))
+    decision = classify(Event(status=status, stream=stream, first=FirstEvent(code, None)))
     if not (200 <= status < 300 and stream and code is not None and 400 <= code < 500):
         assert decision.outcome is not Outcome.RELEASE
 
 
 @given(st.sampled_from([502, 504]), st.booleans(), codes)
 def test_gateway_statuses_are_ambiguous(status: int, stream: bool, code: int | None) -> None:
-    assert classify(Event(status=status, stream=stream, first_event_error=code)).outcome is Outcome.AMBIGUOUS
+    assert (
+        classify(Event(status=status, stream=stream, first=FirstEvent(code, None))).outcome
+        is Outcome.AMBIGUOUS
+    )
 
 
 @given(st.sampled_from(list(Failure)), statuses, codes)
 def test_a_failure_decides_whatever_else_the_event_says(
     failure: Failure, status: int | None, code: int | None
 ) -> None:
-    assert classify(Event(status=status, first_event_error=code, failure=failure)) == classify(
+    assert classify(Event(status=status, first=FirstEvent(code, None), failure=failure)) == classify(
         Event(failure=failure)
     )

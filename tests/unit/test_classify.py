@@ -21,9 +21,7 @@ QUEUE_FULL, BACKLOG = sorted(ADMISSION_OVERFLOW_MESSAGES)
 
 def first(code: int, type_: str | None, message: str | None, stream: bool = True) -> Event:
     """A 200 whose first SSE event is vLLM's error."""
-    return Event(
-        status=200, stream=stream, first_event_error=code, first_event_type=type_, first_event_message=message
-    )
+    return Event(status=200, stream=stream, first=FirstEvent(code, type_, message))
 
 
 TABLE = [
@@ -46,8 +44,16 @@ TABLE = [
     (Event(failure=Failure.INJECTED), Outcome.RELEASE, Cause.INJECTED),
     (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
     (Event(failure=Failure.PREFILL_ANSWER_TOO_LARGE), Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
-    (Event(status=200, stream=True, first_event_error=400), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
-    (Event(status=200, stream=True, first_event_error=422), Outcome.RELEASE, Cause.STREAM_ADMISSION_ERROR),
+    (
+        Event(status=200, stream=True, first=FirstEvent(400, None)),
+        Outcome.RELEASE,
+        Cause.STREAM_ADMISSION_ERROR,
+    ),
+    (
+        Event(status=200, stream=True, first=FirstEvent(422, None)),
+        Outcome.RELEASE,
+        Cause.STREAM_ADMISSION_ERROR,
+    ),
     # vLLM 0.29.0+: AsyncLLM._add_request's queue limits, before the engine core has the request
     (first(503, "Service Unavailable", QUEUE_FULL), Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW),
     (first(503, "Service Unavailable", BACKLOG), Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW),
@@ -63,15 +69,15 @@ TABLE = [
     (Event(status=201), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=200, stream=True), Outcome.NO_RELEASE, Cause.ADMITTED),
     # an error field in a non-stream 200 body is not a stream admission failure
-    (Event(status=200, stream=False, first_event_error=400), Outcome.NO_RELEASE, Cause.ADMITTED),
+    (Event(status=200, stream=False, first=FirstEvent(400, None)), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=302), Outcome.NO_RELEASE, Cause.OTHER_STATUS),
     (Event(status=300), Outcome.NO_RELEASE, Cause.OTHER_STATUS),  # the edges of the 2xx and 5xx ranges
     (Event(status=299), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=599), Outcome.RELEASE, Cause.REJECTED_5XX),
     (Event(status=600), Outcome.NO_RELEASE, Cause.OTHER_STATUS),
     # ambiguous: D may have admitted it
-    (Event(status=200, stream=True, first_event_error=500), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
-    (Event(status=200, stream=True, first_event_error=503), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(500, None, None), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, None, None), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
     # the overflow and paused answers only when every field is vLLM's, to the letter
     (first(503, "Service Unavailable", QUEUE_FULL + " "), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
     (first(503, "Service Unavailable", "busy"), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
@@ -129,10 +135,4 @@ def test_release_ambiguous_setting(outcome: Outcome, flag: bool, expected: bool)
     ],
 )
 def test_a_streams_first_event_is_judged_as_a_200_with_that_event(first_event: FirstEvent) -> None:
-    assert stream_event(first_event) == Event(
-        status=200,
-        stream=True,
-        first_event_error=first_event.error_code,
-        first_event_type=first_event.error_type,
-        first_event_message=first_event.error_message,
-    )
+    assert stream_event(first_event) == Event(status=200, stream=True, first=first_event, started=True)

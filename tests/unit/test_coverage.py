@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from sidecar.decision.coverage import engine_covers, engine_may_cover, fix_version
 from sidecar.params import release_params
 from sidecar.release.base import ReleaseJob
-from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MSG, GEN = "/v1/messages", "/inference/v1/generate"

@@ -2,7 +2,7 @@
 
 ``tests/unit/test_proxy.py`` drives the judge through the request path; here
 ``Judge`` and ``StreamJudge`` are called directly with an ``Exchange``, so
-each step of the decision (module docstring of ``sidecar.proxy.judge``) shows
+each step of the decision (module docstring of ``sidecar.decision.judge``) shows
 in what it leaves behind: the job handed to the pipeline (every field), the
 in-flight veto's state, the metrics, and the decision reported to tracing.
 """
@@ -18,19 +18,20 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import Cause, Event, Failure, Outcome
 from sidecar.config import Config
+from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import Judge
+from sidecar.decision.policy import ROUTER, SIDECAR, Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.params import release_params
 from sidecar.proxy.context import Exchange
-from sidecar.proxy.inflight import InFlight
-from sidecar.proxy.judge import SIDECAR, Judge, Policy, StreamJudge
+from sidecar.proxy.stream import StreamJudge
 from sidecar.release.base import ReleaseJob
 from sidecar.upstream.client import Sent
 from tests.fakes import Facts
 from tests.unit.test_proxy import V033
 
 PARAMS = release_params(V033)
-ROUTER = Policy(router=True)
 REFUSAL = b'data: {"error": {"message": "bad", "type": "BadRequestError", "param": null, "code": 400}}\n\n'
 
 
@@ -38,13 +39,21 @@ class Frees:
     """The strategy as the judge sees it: one that frees P's blocks."""
 
     frees = True
+    checked = True
+
+
+class Rehearses:
+    """A live strategy's dry run as the judge sees it: checked, freeing nothing."""
+
+    frees = False
+    checked = True
 
 
 class Queue:
     """The pipeline's seam: ``submit`` records each job and answers ``queued``."""
 
-    def __init__(self, queued: bool = True) -> None:
-        self.releaser, self.jobs, self.queued = Frees(), list[ReleaseJob](), queued
+    def __init__(self, queued: bool = True, releaser: object = None) -> None:
+        self.releaser, self.jobs, self.queued = releaser or Frees(), list[ReleaseJob](), queued
 
     def submit(self, job: ReleaseJob) -> bool:
         self.jobs.append(job)
@@ -67,9 +76,11 @@ class Traces(Tracing):
 
 
 class Rig:
-    def __init__(self, queued: bool = True, facts: Facts | None = None, **settings: Any) -> None:
+    def __init__(
+        self, queued: bool = True, facts: Facts | None = None, releaser: object = None, **settings: Any
+    ) -> None:
         self.config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
-        self.queue, self.inflight, self.traces = Queue(queued), InFlight(100, 30), Traces()
+        self.queue, self.inflight, self.traces = Queue(queued, releaser), InFlight(100, 30), Traces()
         self.facts = facts or Facts(None)  # D's release unknown: no engine coverage unless asked
         self.metrics = Metrics(CollectorRegistry())
         self.judge = Judge(self.config, self.queue, self.metrics, self.inflight, self.facts, self.traces)  # type: ignore[arg-type]
@@ -156,7 +167,7 @@ def test_a_judged_rejection_no_longer_holds_its_parameters() -> None:
 
 
 def test_the_job_carries_what_the_strategies_need() -> None:
-    rig = Rig(dry_run=True, release_deadline=7.0)
+    rig = Rig(releaser=Rehearses(), release_deadline=7.0)
     made = exchange(
         route="/v1/chat/completions",
         raw_params=b'{"do_remote_prefill": true}',
@@ -164,13 +175,13 @@ def test_the_job_carries_what_the_strategies_need() -> None:
         data_parallel_rank=1,
         request_id_generated=True,
     )
-    rig.judge.judge(made, Event(status=404), "NotFoundError")
+    rig.judge.judge(made, Event(status=404, error_type="NotFoundError"))
     [job] = rig.queue.jobs
     assert (job.request_id, job.route, job.body_request_id) == ("req-1", "/v1/chat/completions", "body-1")
     assert (job.raw_params, job.data_parallel_rank) == (b'{"do_remote_prefill": true}', 1)
     assert job.request_id_generated is True and job.params == PARAMS
     assert (job.cause, job.status, job.error_type) == (Cause.REJECTED_4XX, 404, "NotFoundError")
-    assert job.injected is False and job.dry_run is True and job.decode_reachable is True
+    assert job.injected is False and job.decode_reachable is True
     assert job.trace_context == "the request's span"
     assert job.deadline - job.detected_at == pytest.approx(7.0)
     assert made.spent is False  # a dry run frees nothing
@@ -178,7 +189,7 @@ def test_the_job_carries_what_the_strategies_need() -> None:
 
 def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> None:
     rig = Rig(retried_statuses=("none",))
-    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED), status=429)
+    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED, answer=429))
     rig.judge.judge(
         exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
         Event(failure=Failure.CONNECT_REFUSED),
@@ -191,7 +202,7 @@ def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> Non
 
 def test_under_the_shipped_default_d_unreachable_is_left_to_the_retry() -> None:
     rig = Rig()  # Config's own retried_statuses: 502, 503, 504
-    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED), status=429)
+    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED, answer=429))
     rig.judge.judge(
         exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
         Event(failure=Failure.CONNECT_REFUSED),
@@ -236,7 +247,7 @@ def test_only_an_abort_of_a_request_d_had_keeps_the_parameters(
 def test_what_the_judge_is_told_of_d_reaches_ds_state() -> None:
     facts = Facts(None)
     rig = Rig(facts=facts)
-    rig.judge.observe(503, "down", closing=True)
+    rig.judge.judge(exchange(), Event(status=503, error_message="down", closing=True))
     assert facts.observed == [(503, "down", True)]
 
 

@@ -11,7 +11,13 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.observability.metrics import Metrics
 from sidecar.params import release_params
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result, RetryableReleaseError, Verdict
+from sidecar.release.base import (
+    PermanentReleaseError,
+    ReleaseJob,
+    Result,
+    RetryableReleaseError,
+    TargetHealth,
+)
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
@@ -21,7 +27,7 @@ class Down(RetryableReleaseError):
     """A connect-level failure, as PeerUnreachable is."""
 
     reason = "unreachable"
-    verdict = Verdict.DOWN
+    verdict = TargetHealth.DOWN
 
 
 class FakeReleaser:

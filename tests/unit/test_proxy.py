@@ -20,12 +20,13 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import Failure
 from sidecar.config import Config
+from sidecar.decision.inflight import InFlight
 from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.inflight import InFlight
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release.base import ReleaseJob, Result
+from sidecar.release.dryrun import DryRun
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
 from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
@@ -52,6 +53,7 @@ class Recorder:
 
     name = "fake"
     frees = True
+    checked = True
     keeps_raw = False
 
     def __init__(self) -> None:
@@ -72,6 +74,10 @@ class Recorder:
     async def release(self, job: ReleaseJob) -> Result:
         self.jobs.append(job)
         return Result.SENT
+
+    async def rehearse(self, job: ReleaseJob) -> Result:
+        self.jobs.append(job)
+        return Result.WOULD_SEND
 
 
 class Rig:
@@ -116,7 +122,8 @@ def proxy_parts(
 async def rig(d: FakeUpstream, facts: Facts | None = None, **settings: Any) -> AsyncIterator[Rig]:
     config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
     metrics, releaser = Metrics(CollectorRegistry()), Recorder()
-    pipeline = started_pipeline(releaser, metrics, queue_size=100, workers=4)
+    strategy = DryRun(releaser) if config.dry_run else releaser
+    pipeline = started_pipeline(strategy, metrics, queue_size=100, workers=4)
     parts = proxy_parts(config, d, pipeline, metrics, facts=facts or Facts())
     try:
         yield Rig(Proxy(config, parts), d, releaser, metrics)

@@ -7,7 +7,7 @@ import pytest
 from sidecar.classify import Outcome, classify, stream_event
 from sidecar.proxy.forward import _error
 from sidecar.proxy.sse import parse_event
-from sidecar.release.value import lease_seconds, release_by
+from sidecar.release.hold import lease_seconds, release_by
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from sidecar.release import targets as targets_module
-from sidecar.release.base import Verdict
+from sidecar.release.base import TargetHealth
 from sidecar.release.targets import BreakerPolicy, Grant, State, Target, TargetDown, Targets
 
 POLICY = BreakerPolicy(failures=3, interval=0.05, max_interval=0.2)
@@ -37,7 +37,7 @@ def never() -> None:
 async def fail(target: Target, times: int) -> None:
     for _ in range(times):
         grant = await target.acquire(time.monotonic() + 1, never)
-        target.done(grant, Verdict.DOWN)
+        target.done(grant, TargetHealth.DOWN)
 
 
 async def test_three_connect_failures_open_then_a_probe_closes() -> None:
@@ -58,7 +58,7 @@ async def test_three_connect_failures_open_then_a_probe_closes() -> None:
     second = asyncio.ensure_future(target.acquire(time.monotonic() + 1, lambda: None))
     await asyncio.sleep(0.02)
     assert not second.done()
-    target.done(probe, Verdict.UP)
+    target.done(probe, TargetHealth.UP)
     grant = await second
     assert not grant.probe and target.state is State.CLOSED
     assert counted(registry, "closed") == 1 and counted(registry, "half_open") == 0
@@ -89,11 +89,11 @@ async def test_a_job_made_after_the_last_failure_brings_the_probe_forward() -> N
     done, _ = await asyncio.wait([*jobs, fresh], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
     [probe] = [job.result() for job in done]
     assert probe.probe and target.state is State.HALF_OPEN
-    target.done(probe, Verdict.UP)
+    target.done(probe, TargetHealth.UP)
     waiting = [job for job in (*jobs, fresh) if job not in done]
     grants = await asyncio.wait_for(asyncio.gather(*waiting[:2]), 0.1)  # the cap's worth, at once
     assert target.state is State.CLOSED and not any(g.probe for g in grants)
-    target.done(grants[0], Verdict.UP)
+    target.done(grants[0], TargetHealth.UP)
     assert not (await asyncio.wait_for(waiting[2], 0.1)).probe
 
 
@@ -107,7 +107,7 @@ async def test_a_dead_p_costs_one_probe_per_gap_while_new_rejections_name_it() -
         grant = await target.acquire(time.monotonic() + 5, lambda: None, time.monotonic())
         assert grant.probe
         probes += 1
-        target.done(grant, Verdict.DOWN)
+        target.done(grant, TargetHealth.DOWN)
     assert 3 <= probes <= 6  # one per FRESH_GAP at most, never one per job
 
 
@@ -121,7 +121,7 @@ async def test_a_failed_probe_doubles_the_interval_up_to_the_cap() -> None:
         probe = await target.acquire(time.monotonic() + 2, lambda: None)
         waits.append(time.monotonic() - started)
         assert probe.probe
-        target.done(probe, Verdict.DOWN)
+        target.done(probe, TargetHealth.DOWN)
     # 0.05 (the first open), then 0.1, 0.2, 0.2 (capped)
     assert waits[0] < waits[1] < waits[2]
     assert waits[3] == pytest.approx(waits[2], abs=0.05)
@@ -135,7 +135,7 @@ async def test_an_untouched_probe_hands_the_probe_to_the_next_job() -> None:
     first = await target.acquire(time.monotonic() + 1, lambda: None)
     waiting = asyncio.ensure_future(target.acquire(time.monotonic() + 1, lambda: None))
     await asyncio.sleep(0.01)
-    target.done(first, Verdict.UNTOUCHED)  # refused before connecting: no news of the target
+    target.done(first, TargetHealth.UNTOUCHED)  # refused before connecting: no news of the target
     second = await waiting
     assert second.probe and target.state is State.HALF_OPEN
 
@@ -147,7 +147,7 @@ async def test_open_until_the_deadline_raises_target_down() -> None:
     holder = await target.acquire(time.monotonic() + 1, lambda: None)  # the probe, never returned
     with pytest.raises(TargetDown):
         await target.acquire(time.monotonic() + 0.05, lambda: None)
-    target.done(holder, Verdict.UP)
+    target.done(holder, TargetHealth.UP)
     assert not target.waiting  # the timed-out waiter left the line
 
 
@@ -165,14 +165,14 @@ async def test_the_cap_wakes_one_waiter_per_freed_slot_in_order() -> None:
     waiters = [asyncio.ensure_future(wait(i)) for i in range(5)]
     await asyncio.sleep(0.01)
     assert not order
-    target.done(grants[0], Verdict.UP)
+    target.done(grants[0], TargetHealth.UP)
     await asyncio.sleep(0.01)
     assert order == [0] and target.running == 2
     for i in range(4):
-        target.done(await waiters[i], Verdict.UP)
+        target.done(await waiters[i], TargetHealth.UP)
         await asyncio.sleep(0)
-    target.done(await waiters[4], Verdict.UP)
-    target.done(grants[1], Verdict.UP)
+    target.done(await waiters[4], TargetHealth.UP)
+    target.done(grants[1], TargetHealth.UP)
     assert order == [0, 1, 2, 3, 4] and target.running == 0
 
 
@@ -183,7 +183,7 @@ async def test_a_cancelled_waiter_leaves_the_line_and_passes_a_wake_up_on() -> N
     first = asyncio.ensure_future(target.acquire(time.monotonic() + 1, never))
     second = asyncio.ensure_future(target.acquire(time.monotonic() + 1, never))
     await asyncio.sleep(0.01)
-    target.done(grant, Verdict.UP)  # wakes ``first``...
+    target.done(grant, TargetHealth.UP)  # wakes ``first``...
     first.cancel()  # ...which is cancelled before it runs: ``second`` must get the slot
     assert (await second).probe is False
     assert target.running == 1 and not target.waiting
@@ -236,7 +236,7 @@ async def test_the_probe_is_due_when_its_timer_fires_even_if_the_clock_lags() ->
     frozen = Targets(2, gauge, POLICY, clock=lambda: 0.0)  # a clock that never reaches retry_at
     target = frozen.attach("p:5600")
     for _ in range(3):
-        target.done(await target.acquire(1.0, never), Verdict.DOWN)
+        target.done(await target.acquire(1.0, never), TargetHealth.DOWN)
     assert target.state is State.OPEN
     async with asyncio.timeout(1.0):
         probe = await target.acquire(1.0, lambda: None)

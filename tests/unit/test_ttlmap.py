@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from sidecar.decision.inflight import InFlight
 from sidecar.nixl.handshake import HandshakeCache, PeerSet
-from sidecar.proxy.inflight import InFlight
 from sidecar.release.ledger import Ledger
 from sidecar.ttlmap import TTLMap
 

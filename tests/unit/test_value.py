@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.release.value import block_seconds_saved, hold_seconds
+from sidecar.release.hold import block_seconds_saved, hold_seconds
 
 
 @pytest.mark.parametrize(

@@ -12,19 +12,17 @@ context length, markers; covered by vLLM 0.21.0+'s own cleanup, so
 ``GET /sim/log``; ``POST /sim/reset`` forgets them. ``POST /sim/engine`` makes D's
 engine dead or shutting down, or drops its KV connector (``decode_engine``); D
 then notifies P for nothing. The request flow lives in
-this module; rules, bodies, state, info routes and config live in the sibling
-``decode_*`` modules.
+this module; the command (``kv-release-sidecar sim-decode``) in ``command``;
+rules, rejections, bodies, state, info routes and config in the sibling
+modules of ``sidecar.sim.decode``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import importlib.util
 import logging
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -37,14 +35,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from sidecar.config import ConfigError
 from sidecar.sim.decode import anthropic
 from sidecar.sim.decode.bodies import DONE_EVENT, Answers, reply_for, sse_error_event
 from sidecar.sim.decode.config import (
     COMPLETION_ROUTES,
     DecodeSimConfig,
     add_arguments,
-    config_from_args,
 )
 from sidecar.sim.decode.engine import EngineState, engine_routes
 from sidecar.sim.decode.info import http_error, info_routes
@@ -89,7 +85,6 @@ __all__ = [
     "SimulatedDrop",
     "add_arguments",
     "create_decode_app",
-    "run",
 ]
 
 logger = logging.getLogger(__name__)
@@ -389,33 +384,3 @@ def _hooks_lifespan(hooks: DecodeHooks) -> Callable[[Starlette], AbstractAsyncCo
                 await close()
 
     return lifespan
-
-
-def run(args: argparse.Namespace) -> int:
-    """Serve the simulator until interrupted; 2 on a bad flag value."""
-    import uvicorn
-
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        print(f"sim-decode: {exc}", file=sys.stderr)
-        return 2
-    hooks: DecodeHooks | None = None
-    if config.vllm_d:
-        from sidecar.sim.decode.nixl import VllmDHooks
-
-        hooks = VllmDHooks(config.version)
-    uvicorn.run(
-        create_decode_app(config, hooks),
-        host=config.host,
-        port=config.port,
-        loop="uvloop" if _importable("uvloop") else "asyncio",
-        http="httptools" if _importable("httptools") else "h11",
-        log_level="warning",
-        access_log=False,
-    )
-    return 0
-
-
-def _importable(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None

@@ -1,7 +1,7 @@
 """The decode simulator's "vLLM D" mode: it frees P's blocks the way vLLM's D does.
 
 For an admitted remote-prefill request D's worker handshakes P and sends
-one notification per P rank after reading (``DecodeClient.release``), so P
+one notification per P rank after reading (``sidecar.sim.dclient.DecodeClient.release``), so P
 frees admitted requests the normal way and a test can tell a correct
 sidecar (which sends nothing for them) from one that double-releases. For
 releases that have vLLM's own fix (0.21.0+, ``notify_kv_transfer_request_rejected``), a

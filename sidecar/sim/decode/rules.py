@@ -4,7 +4,7 @@ Decoding and validating a body the way vLLM's pydantic models do (a 400
 ``"Bad Request"`` before the handler), counting its prompt (one token per
 whitespace-separated word), reading the ``[[...]]`` fault markers in the
 prompt, the handler's own checks (unknown model, context length, output
-budget) and vLLM 0.33.0's error bodies and types. Nothing here touches the
+budget; the error bodies are ``sidecar.sim.decode.rejections``). Nothing here touches the
 network, a clock or shared state, so every rule is tested with a table.
 """
 
@@ -13,50 +13,34 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from sidecar.sim.decode.fields import ROUTE_FIELDS, FieldError, check_fields
-from sidecar.wire import error_body
+from sidecar.sim.decode.fields import FieldError, check_fields
+from sidecar.sim.decode.rejections import (
+    HANDLER_ERROR_TYPES,
+    Origin,
+    Rejection,
+    handler_error_type,
+    handler_rejection,
+    in_model_order,
+    json_error,
+    rejection_of,
+    unsupported_media_type,
+    validation_error,
+    vllm_error_message,
+)
 
-Origin = Literal["pre_handler", "handler", "stream"]
-
-#: ``type`` of a handler error by status (0.33.0 ``create_error_response``).
-HANDLER_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    422: "UnprocessableEntityError",
-    500: "InternalServerError",
-    501: "NotImplementedError",
-    503: "ServiceUnavailableError",
-}
-
-
-def handler_error_type(status: int) -> str:
-    """The ``type`` vLLM gives a handler error with this status."""
-    return HANDLER_ERROR_TYPES.get(status, "BadRequestError")
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    """A non-200 answer: status, encoded body and where in vLLM it comes from."""
-
-    status: int
-    body: bytes
-    origin: Origin
-
-
-def handler_rejection(status: int, message: str, param: str | None = None, kind: str = "") -> Rejection:
-    """A rejection raised inside a completion handler (vLLM's cleanup wrapper sees it), typed
-    ``kind`` or by its status."""
-    body = error_body(message, status, kind or handler_error_type(status), param)
-    return Rejection(status, body, "handler")
-
-
-def vllm_error_message(message: str, parameter: str, value: object) -> str:
-    """``str()`` of a ``VLLMValidationError``: the message plus its parameter and value."""
-    return f"{message} (parameter={parameter}, value={value})"
+__all__ = [
+    "HANDLER_ERROR_TYPES",
+    "Origin",
+    "Rejection",
+    "handler_error_type",
+    "handler_rejection",
+    "unsupported_media_type",
+    "vllm_error_message",
+]
 
 
 class BodyView(msgspec.Struct):
@@ -143,14 +127,14 @@ def decode_view(body: bytes) -> BodyView | Rejection:
             value: Any = json.loads(body)
         except (ValueError, RecursionError):
             value = None
-        return _validation_error(
+        return validation_error(
             "model_attributes_type",
             "body",
             "Input should be a valid dictionary or object to extract fields from",
             value,
         )
     except (msgspec.DecodeError, RecursionError):  # vLLM's JSON parser refuses deep nesting too
-        return _json_error(body)
+        return json_error(body)
 
 
 def kv_params_of(view: BodyView) -> dict[str, Any] | None:
@@ -166,9 +150,9 @@ def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
     if isinstance(counted, Rejection):  # a model-level check: pydantic reports it alone
         return counted
     if isinstance(counted, FieldError):
-        return _rejection(_in_model_order(route, [counted, *errors]))
+        return rejection_of(in_model_order(route, [counted, *errors]))
     if errors:
-        return _rejection(errors)
+        return rejection_of(errors)
     tokens, text = counted
     max_tokens, param = _max_tokens(route, values)
     options = values.get("stream_options") or {}
@@ -305,7 +289,7 @@ def _count_completion_prompt(prompt: Any) -> PromptCount:
     if prompt is msgspec.UNSET or prompt is None or prompt == "" or prompt == []:
         message = "Either prompt or prompt_embeds must be provided and non-empty."
         msg = f"Value error, {message} (parameter=prompt)"
-        return _validation_error("value_error", "body", msg, None, param="prompt")
+        return validation_error("value_error", "body", msg, None, param="prompt")
     if isinstance(prompt, str):
         return len(prompt.split()), prompt
     if isinstance(prompt, list):
@@ -362,60 +346,3 @@ def _max_tokens(route: str, values: dict[str, Any]) -> tuple[int | None, str]:
     if route == "/v1/completions":
         return values.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS), "max_tokens"
     return values.get("max_tokens"), "max_tokens"
-
-
-def _in_model_order(route: str, errors: list[FieldError]) -> list[FieldError]:
-    """Errors in the order the route's model declares their fields, as pydantic reports them."""
-    order = [name for name, _ in ROUTE_FIELDS[route]]
-    return sorted(errors, key=lambda error: order.index(error.loc.split(".")[1]))
-
-
-def _summarize(value: Any) -> Any:
-    """The bounded stand-in vLLM 0.33.0 puts under a validation error's ``input``: containers
-    described, anything else as text of at most 200 characters."""
-    if isinstance(value, list | tuple | set | frozenset | dict):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    text = value if isinstance(value, str) or value is None else str(value)
-    if isinstance(text, str) and len(text) > 200:
-        return text[:200] + "...[truncated]"
-    return text
-
-
-def _rejection(errors: list[FieldError], param: str | None = None) -> Rejection:
-    """A 400 like vLLM's ``RequestValidationError`` handler: type is the HTTP phrase, ``param``
-    the first error's location, the message one line per error."""
-    lines = []
-    for error in errors:
-        shown: dict[str, Any] = {"type": error.type, "loc": error.loc, "msg": error.msg}
-        shown["input"] = _summarize(error.input)
-        if error.ctx is not None:
-            shown["ctx"] = error.ctx
-        lines.append(f"  {shown!r}")
-    label = "error" if len(errors) == 1 else "errors"
-    message = f"{len(errors)} validation {label}:\n" + "\n".join(lines)
-    return Rejection(400, error_body(message, 400, "Bad Request", param or errors[0].loc), "pre_handler")
-
-
-def _validation_error(
-    kind: str, loc: str, msg: str, value: Any, param: str | None = None, ctx: Any = None
-) -> Rejection:
-    """``_rejection`` of a single error."""
-    return _rejection([FieldError(kind, loc, msg, value, ctx)], param)
-
-
-def _json_error(body: bytes) -> Rejection:
-    try:
-        json.loads(body)
-    except json.JSONDecodeError as exc:
-        loc, ctx = f"body.{exc.pos}", {"error": exc.msg}
-    except (ValueError, RecursionError) as exc:  # not UTF-8, or nested past the parser's limit
-        loc, ctx = "body", {"error": str(exc)}
-    else:  # valid for json, not for msgspec (e.g. NaN): report it like a decode error
-        loc, ctx = "body", {"error": "Invalid JSON"}
-    return _validation_error("json_invalid", loc, "JSON decode error", {}, ctx=ctx)
-
-
-def unsupported_media_type() -> Rejection:
-    """vLLM's answer to a completion request whose Content-Type is not JSON."""
-    message = "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
-    return Rejection(400, error_body(message, 400, "Bad Request"), "pre_handler")

@@ -1,8 +1,12 @@
 """The one home of the release decision: from what happened to a request to what P gets.
 
-``Judge.judge`` takes an exchange and its ``Event`` (D's status, a stream's
-first event, or the failure that kept an answer from arriving) and decides,
-in this order, each step counted:
+``Judge.judge`` is the one entry: it takes an exchange and its ``Event``
+(D's status with its error type and message, a stream's first event, or the
+failure that kept an answer from arriving; whether the response had started;
+the sidecar's own answer) and returns the ``Decision``. It first tells D's
+state what the event shows of D (``DecodeFacts.observe``: a failure to reach
+it, an error answer, ``Connection: close``), then decides, in this order, each
+step counted:
 
 1. ``classify`` (a pure table): release, ambiguous or not;
 2. the exchange's ``Policy``: router mode releases what it aborted itself,
@@ -14,51 +18,47 @@ in this order, each step counted:
 5. the in-flight veto: parameters another request forwarded to D, which D
    may be reading, are never released;
    in router mode, a release that would reach P after its lease (counted
-   from P's answer, ``sidecar.release.value.release_by``) is skipped
+   from P's answer, ``sidecar.release.hold.release_by``) is skipped
    (``kvr_not_released_total{cause="lease_expired"}``): P has freed the
    blocks itself and would only log an error for an unknown request;
-6. D's own fix (``sidecar.release.coverage``): a rejection D's engine
+6. D's own fix (``sidecar.decision.coverage``): a rejection D's engine
    releases itself goes to the pipeline as ``covered`` (recorded, never
    sent), unless D cannot notify now; one D may or may not have released is
    sent only after D's own notifications would have gone out;
 7. the job is handed to the pipeline, which never blocks.
 
-``StreamJudge`` applies the same decision to a 200 stream from its first SSE
-event while the bytes pass through.
+``sidecar.proxy.stream.StreamJudge`` applies the same decision to a 200 stream
+from its first SSE event while the bytes pass through.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from sidecar import retries
 from sidecar.classify import (
+    D_FAILURES,
+    FAILURE_STATUS,
     ROUTER_RELEASES,
     Cause,
     Decision,
     Event,
     Failure,
-    FirstEvent,
     Outcome,
     classify,
-    stream_event,
 )
 from sidecar.config import Config
+from sidecar.decision.coverage import engine_covers, engine_may_cover, fix_version
+from sidecar.decision.inflight import InFlight
+from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
-from sidecar.proxy.answers import FAILURE_STATUS
-from sidecar.proxy.inflight import InFlight
-from sidecar.proxy.sse import FirstEventScanner
+from sidecar.params import ReleaseParams
 from sidecar.release.base import ReleaseJob
-from sidecar.release.coverage import engine_covers, engine_may_cover, fix_version
+from sidecar.release.hold import lease_seconds, release_by
 from sidecar.release.pipeline import Pipeline
-from sidecar.release.value import lease_seconds, release_by
-
-if TYPE_CHECKING:
-    from sidecar.proxy.context import Exchange
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -81,49 +81,28 @@ class DecodeFacts(Protocol):
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """How one mode reads an exchange's fate. Sidecar mode: as ``classify`` says."""
+class Case(Protocol):
+    """One exchange as the judge reads it (``sidecar.proxy.context.Exchange``)."""
 
-    router: bool = False
-    decode_releases: bool = False  # router mode: a decode sidecar judges D's answers itself
-
-    def decide(self, decision: Decision, event: Event) -> Decision:
-        if not self.router:
-            return decision
-        if self.decode_releases and event.failure is None:
-            # D's answer came back through the decode sidecar, which judged it and released what it
-            # had to: releasing here too would notify P twice.
-            return Decision(Outcome.NO_RELEASE, Cause.DELEGATED)
-        if decision.cause in ROUTER_RELEASES:
-            # The router holds P's parameters and closed its connection to D: D aborts the request.
-            return Decision(Outcome.RELEASE, decision.cause)
-        return decision
-
-    def decode_answered(self, metrics: Metrics, status: int, elapsed: float) -> None:
-        """The decode leg's answer (router mode counts its legs)."""
-        if self.router:
-            metrics.leg_latency.labels("decode").observe(elapsed)
-            if status >= 400:
-                metrics.leg_failures.labels("decode", f"status_{status // 100}xx").inc()
-
-    def decode_failed(self, metrics: Metrics, failure: Failure) -> None:
-        if self.router:
-            metrics.leg_failures.labels("decode", failure.value).inc()
-
-    def retried_elsewhere(self, answer: int | None, retried: frozenset[int]) -> bool:
-        """Whether a proxy in front may resend this request, P's parameters and all, to another
-        decode pod (sidecar mode). A router's client retries with a fresh prefill."""
-        return not self.router and answer in retried
+    request_id: str
+    route: str
+    params: ReleaseParams | None
+    policy: Policy
+    raw_params: bytes | None
+    body_request_id: str | None
+    data_parallel_rank: int | None
+    request_id_generated: bool
+    prefilled_at: float | None
+    decided: bool
+    spent: bool
 
     @property
-    def spends(self) -> bool:
-        """A released request's parameters are spent for the client (sidecar mode); a router's
-        client retries with a fresh prefill."""
-        return not self.router
+    def sent(self) -> object | None:
+        """Set once the request went to D's socket (None: it never left the sidecar)."""
 
-
-SIDECAR = Policy()
+    @property
+    def key(self) -> tuple[str, str]:
+        """The parameters' identity: (P engine, the id P knows the request by)."""
 
 
 class Judge:
@@ -144,33 +123,27 @@ class Judge:
         self._inflight = inflight
         self._facts = facts
         self._tracing = tracing
-        # The strategy's rules (D's own fix) apply to a live strategy and to its --dry-run.
-        self._checks = pipeline.releaser.frees
-        # Whether a release frees P's blocks now: off, dry-run and --dry-run free nothing, so a
+        # Whether a release frees P's blocks: off, dry-run and a --dry-run free nothing, so a
         # client's retry with the same parameters is never refused and answers never change.
-        self.frees = pipeline.releaser.frees and not config.dry_run
+        self.frees = pipeline.releaser.frees
         self.retried = retries.parse(config.retried_statuses)
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
-        """Tell what D answered (or how it failed) to what the judge knows of D, before judging."""
-        self._facts.observe(signal, message, closing=closing)
-
-    def forwarded(self, exchange: Exchange) -> None:
+    def forwarded(self, exchange: Case) -> None:
         """The exchange's parameters are on their way to D: D may read them until it is judged."""
         self._inflight.forwarded(exchange.key)
 
-    def judge(
-        self, exchange: Exchange, event: Event, error_type: str | None = None, status: int | None = None
-    ) -> Decision:
+    def judge(self, exchange: Case, event: Event) -> Decision:
+        """The one entry: what ``event`` means for the exchange's parameters, handed over."""
+        news = _news(event)
+        if news is not None:  # D's state first: the decision reads it (D's own fix)
+            self._facts.observe(*news, closing=event.closing)
         decision = exchange.policy.decide(classify(event), event)
         exchange.decided = True
         if exchange.params is None:
             self._traced(decision, "no_params")
             return decision
         releases = decision.releases(self._config.release_ambiguous)
-        # Once a response started (a 200 stream cut later) no proxy retries the request.
-        answer = None if exchange.responded else _answer(event, status)
-        left = releases and exchange.policy.retried_elsewhere(answer, self.retried)
+        left = releases and exchange.policy.retried_elsewhere(_answer(event), self.retried)
         key = exchange.key
         if exchange.sent is not None:
             # Left to a retry on another pod: D there may read them, as if admitted here.
@@ -205,7 +178,7 @@ class Judge:
             # later request with these parameters must not be released meanwhile.
             self._inflight.admitted(key)
         self._metrics.rejections.labels(decision.cause.value).inc()
-        job = self._job(exchange, decision, event, error_type, status)
+        job = self._job(exchange, decision, event)
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either
         queued = self._pipeline.submit(job)
@@ -213,9 +186,7 @@ class Judge:
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
 
-    def _job(
-        self, exchange: Exchange, decision: Decision, event: Event, error_type: str | None, status: int | None
-    ) -> ReleaseJob:
+    def _job(self, exchange: Case, decision: Decision, event: Event) -> ReleaseJob:
         assert exchange.params is not None
         now = time.monotonic()
         job = ReleaseJob(
@@ -225,22 +196,21 @@ class Judge:
             body_request_id=exchange.body_request_id,
             params=exchange.params,
             cause=decision.cause,
-            status=event.status if status is None else status,
-            error_type=error_type,
+            status=event.status if event.answer is None else event.answer,
+            error_type=event.first.error_type if event.first is not None else event.error_type,
             injected=event.failure is Failure.INJECTED,
             detected_at=now,
             deadline=now + self._config.release_deadline,
             raw_params=exchange.raw_params,
             data_parallel_rank=exchange.data_parallel_rank,
             trace_context=self._tracing.job_context() if self._tracing.enabled else None,
-            dry_run=self._config.dry_run,
             decode_reachable=decision.cause is not Cause.UNREACHABLE,
         )
         return self._covered(job, now)
 
     def _covered(self, job: ReleaseJob, now: float) -> ReleaseJob:
         """D's own fix: covered jobs are recorded, never sent; a job D may have released waits."""
-        if not self._checks:
+        if not self._pipeline.releaser.checked:
             return job  # off and dry-run record every rejection as it is: no checks
         version = fix_version(self._config.vllm_version or self._facts.version())
         if version is None or not self._facts.can_notify():
@@ -253,7 +223,7 @@ class Judge:
             return job.but(not_before=now + self._config.may_cover_delay)
         return job
 
-    def _lease_end(self, exchange: Exchange) -> float | None:
+    def _lease_end(self, exchange: Case) -> float | None:
         """Router mode: when a release would reach P past its lease; None without a lease."""
         if exchange.prefilled_at is None:
             return None
@@ -265,46 +235,29 @@ class Judge:
             self._tracing.decided(decision.outcome.value, decision.cause.value, release)
 
 
-def _answer(event: Event, status: int | None) -> int | None:
-    """The status the client sees (``status``: the sidecar's own answer, when it chose one)."""
-    if status is not None:
-        return status
+def _answer(event: Event) -> int | None:
+    """The status the client sees, while a proxy in front may still retry it: none once the
+    response started (a 200 stream cut later); the sidecar's own answer when it chose one."""
+    if event.started:
+        return None
+    if event.answer is not None:
+        return event.answer
     if event.failure is not None:
         return FAILURE_STATUS.get(event.failure)
     return event.status
 
 
-class StreamJudge:
-    """Judges a 200 stream from its first SSE event while the bytes pass through."""
-
-    __slots__ = ("_exchange", "_judge", "_scanner")
-
-    def __init__(self, judge: Judge, exchange: Exchange) -> None:
-        self._judge, self._exchange = judge, exchange
-        self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
-
-    @property
-    def decided(self) -> bool:
-        """The stream is judged: the rest of it needs no look."""
-        return self._exchange.decided
-
-    def feed(self, chunk: bytes) -> None:
-        if self._exchange.decided:
-            return
-        first = self._scanner.feed(chunk)
-        if first is not None:
-            self._judged(first)
-
-    def finish(self) -> None:
-        if not self._exchange.decided:
-            self._judged(self._scanner.finish())
-
-    def _judged(self, first: FirstEvent) -> None:
-        if first.error_code is not None:  # an error event: it may show D's engine dead
-            self._judge.observe(first.error_code, first.error_message)
-        self._judge.judge(self._exchange, stream_event(first), first.error_type)
-
-    def reset(self) -> None:
-        """D broke the stream before its first event ended: D may have admitted it."""
-        if not self._exchange.decided:
-            self._judge.judge(self._exchange, Event(failure=Failure.RESET_AFTER_SEND))
+def _news(event: Event) -> tuple[Failure | int, str | None] | None:
+    """What ``event`` tells of D itself: a failure to reach it before any answer, an error
+    answer (or a stream's error event), or an answer that said ``Connection: close``."""
+    if event.failure is not None:
+        if event.failure in D_FAILURES and not event.started:
+            return event.failure, None
+        return (200, None) if event.closing else None  # a 2xx stream that said so, then broke
+    first = event.first
+    if first is not None and first.error_code is not None:
+        return first.error_code, first.error_message
+    status = event.status or 0
+    if not 200 <= status < 300 or event.closing:
+        return status, event.error_message
+    return None
