@@ -25,32 +25,27 @@ What it relies on, each checked against the installed uvicorn by
   ``response_complete``, ``disconnected``, ``flow.write_paused``,
   ``waiting_for_100_continue``; written when a limit closes the connection:
   ``disconnected``, ``message_event``;
-* ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``), the latter
-  reading ``lifespan``, ``server_state``, ``config.http_protocol_class``, ``config.ssl`` and
-  writing ``servers`` (which ``shutdown`` closes and waits on) and ``started``;
-  ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
-
-Listening sockets are read by ``Acceptor``, not by the event loop's own server: the libuv that
-uvloop bundles accepts one connection per loop iteration, so a loop busy with thousands of
-streams (an iteration of tens of milliseconds) took new connections at tens a second.
+* ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``, its sockets read by
+  ``sidecar.server.accept``); ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
+import functools
 import gc
 import logging
 import socket
-from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
+from sidecar.server.accept import Acceptor
 from sidecar.server.limits import ServerLimits, marked_over_limit, raw_error
 from sidecar.transport.coalesce import CoalescingTransport
 from sidecar.transport.relay import RELAY, ClientRelay
@@ -343,101 +338,8 @@ def server_options(limits: ServerLimits) -> dict[str, object]:
     }
 
 
-# Accept errors that mean "out of a resource for now": stop accepting for a while, as asyncio does
-# (its ACCEPT_RETRY_DELAY), rather than spin on a socket that stays readable.
-_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-ACCEPT_RETRY_DELAY = 1.0
-
-
-class Acceptor:
-    """Serves one listening socket: each time it is readable, every connection waiting in the
-    kernel's queue (up to ``batch``) is accepted and handed to the loop as an accepted socket.
-
-    The event loop's own server (``loop.create_server``) is not used: uvloop 0.23's libuv takes
-    one connection per readiness (``uv__server_io``), so a busy loop accepted one connection per
-    iteration. The listening socket stays level-triggered, so more than ``batch`` waiting are
-    taken on the next iteration. Quacks as an ``asyncio.Server`` for uvicorn's ``shutdown``
-    (``close``, ``wait_closed``); the socket itself is closed by its owner.
-    """
-
-    batch = 1024
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        factory: Callable[[], asyncio.Protocol],
-        ssl: Any = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        self._sock, self._factory, self._ssl = sock, factory, ssl
-        self._tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
-        self._starting: set[asyncio.Task[Any]] = set()
-        self._reading = self._closed = False
-        self.accepted = 0  # connections taken off the queue (tests and the accept probe read it)
-        sock.setblocking(False)
-        self._read()
-
-    def _read(self) -> None:
-        if not self._closed and not self._reading:
-            self._loop.add_reader(self._sock.fileno(), self._ready)
-            self._reading = True
-
-    def _pause(self) -> None:
-        if self._reading:
-            self._loop.remove_reader(self._sock.fileno())
-            self._reading = False
-
-    def _ready(self) -> None:
-        for _ in range(self.batch):
-            try:
-                conn, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except ConnectionAbortedError:
-                continue  # the client left while queued
-            except OSError as exc:
-                if exc.errno in _SHORT_OF:
-                    log.error(
-                        "cannot accept connections, retrying in a second",
-                        extra={"detail": exc.strerror or str(exc)},
-                    )
-                    self._pause()
-                    self._loop.call_later(ACCEPT_RETRY_DELAY, self._read)
-                    return
-                raise
-            self.accepted += 1
-            self._start(conn)
-
-    def _start(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
-        if self._tcp:
-            with contextlib.suppress(OSError):  # as the loop's own server does for its connections
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn, ssl=self._ssl))
-        self._starting.add(task)
-        task.add_done_callback(self._started)
-
-    def _started(self, task: asyncio.Task[Any]) -> None:
-        self._starting.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            # A TLS handshake that failed or timed out, or a client gone before its transport
-            # existed: the connection is closed by the loop; nothing was served on it.
-            log.debug("connection not started", extra={"detail": repr(exc)})
-
-    def close(self) -> None:
-        """Stop accepting (connections already accepted carry on)."""
-        self._pause()
-        self._closed = True
-
-    async def wait_closed(self) -> None:
-        return None
-
-
 class Server(uvicorn.Server):
     """A uvicorn server whose signals and start-up failure are handled by ``serve``, not by itself.
-
-    Its listening sockets are served by ``Acceptor`` (every waiting connection per readiness).
 
     With ``freeze``, once started (the lifespan included) it moves every object then alive out of
     the cyclic garbage collector's sight (``gc.freeze``): what start-up built (modules, the app,
@@ -455,21 +357,13 @@ class Server(uvicorn.Server):
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        if sockets is None:
-            raise ValueError("Server serves the listening sockets it is given")
         await self.lifespan.startup()
         if self.lifespan.should_exit:  # uvicorn would end the process: stop this server only
             self.startup_failed = self.should_exit = True
             return
-        config, state, loop = self.config, self.server_state, asyncio.get_running_loop()
-
-        def protocol() -> asyncio.Protocol:
-            made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
-                config=config, server_state=state, app_state=self.lifespan.state, _loop=loop
-            )
-            return made
-
-        self.servers = [Acceptor(sock, protocol, config.ssl) for sock in sockets]  # type: ignore[misc]
+        config, state, kind = self.config, self.server_state, cast(Any, self.config.http_protocol_class)
+        protocol = functools.partial(kind, config=config, server_state=state, app_state=self.lifespan.state)
+        self.servers = [Acceptor(s, protocol, config.ssl) for s in sockets or ()]  # type: ignore[misc]
         self.started = True
         if self._freeze and not self.should_exit:
             gc.collect()  # start-up's garbage is freed, not frozen

@@ -19,8 +19,9 @@ import pytest
 import uvicorn
 import uvloop
 
+from sidecar.server.accept import Acceptor
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import Acceptor, Server, uvicorn_config
+from sidecar.server.protocol import Server, uvicorn_config
 
 WAITING = 300
 
