@@ -19,7 +19,10 @@ Core layout as in ``python -m bench``: the hops on the second CPU, one
 measured at a time; the load generator and fake D (``bench/streams.c``, in C:
 ``bench.cstreams``) and the fake P on the first. After each path's phase a
 smaller one (300 clients) runs on the same path at once: how fast its tail
-recovers. Every round measures every path of both modes, the order rotating;
+recovers. Then, in sidecar mode, the accept-burst step: the same clients streaming again and,
+a second into the window, ``burst`` new clients (500) connecting at once, each with one stream;
+their time to first token includes the wait in the hop's accept queue. Every round measures
+every path of both modes, the order rotating;
 each round is reported on its own. The load average and the busiest other
 processes are read at the start and the end, and the other processes' CPU on
 each core during every phase.
@@ -99,12 +102,16 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Above 0: also a sidecar with --limit-concurrency at this many requests (sidecar mode), which
     # answers the rest 503 before admission; its clients come back a second later.
     limit: int = 0
+    # The accept-burst step (sidecar mode): this many new connections at once, ``burst_at`` seconds
+    # into a window of the clients' streams (0: no such step).
+    burst: int = 500
+    burst_at: float = 1.0
 
 
 FULL = StreamsSettings()
 QUICK = StreamsSettings(
     clients=50, events=8, duration=0.3, seconds=1.0, ramp=0.2, rounds=1, recovery_clients=10,
-    recovery_seconds=0.5, quiet_wait=0.0,
+    recovery_seconds=0.5, quiet_wait=0.0, burst=20, burst_at=0.2,
 )  # fmt: skip
 
 
@@ -264,7 +271,33 @@ class Measurer:
             mode, path, hop, settings.recovery_clients, settings.recovery_seconds, min(0.5, settings.ramp)
         )
         main.load.waited_s, main.load.others_before = waited
-        return PathRun(sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile)
+        burst = await self.burst(mode, path, hop) if settings.burst and mode == "sidecar" else None
+        return PathRun(
+            sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile, burst=burst
+        )
+
+    async def burst(self, mode: Mode, path: str, hop: Hop) -> cstreams.StreamsSample:
+        """The accept-burst step: ``clients`` streaming, and ``burst`` new clients connecting at once
+        ``burst_at`` seconds into their window, one stream each; the new clients' figures."""
+        settings = self.settings
+        body, prefill = bodies(mode, path, settings.events)
+
+        def phase(clients: int, seconds: float, ramp: float) -> cstreams.Phase:
+            return cstreams.Phase(
+                port=hop.port, clients=clients, seconds=seconds, ramp=ramp, events=settings.events,
+                body=body, prefill_port=hop.prefill_port, prefill_body=prefill, drain=settings.duration + 10,
+            )  # fmt: skip
+
+        running = phase(settings.clients, settings.burst_at + settings.duration + 1.0, settings.ramp)
+        # A window shorter than one stream: each new client runs one, started as its connect completes.
+        arriving = phase(settings.burst, settings.duration / 2, 0.0)
+
+        async def later() -> cstreams.StreamsSample:
+            await asyncio.sleep(settings.ramp + settings.burst_at)
+            return await cstreams.run_client(self._binary, self._plan.load, arriving)
+
+        _, new = await asyncio.gather(cstreams.run_client(self._binary, self._plan.load, running), later())
+        return new
 
     async def phase(
         self, mode: Mode, path: str, hop: Hop, clients: int, seconds: float, ramp: float
@@ -364,6 +397,12 @@ async def _round(
             f"{result.load.decode_cores:.2f}, others {result.load.other_load_core:.2f}/"
             f"{result.load.other_hop_core:.2f}" + (f"; first errors: {s.first_errors}" if s.errors else "")
         )
+        if (b := result.burst) is not None:
+            progress(
+                f"round {round_} {mode:<7} {path:<7} burst of {b.clients} new connections: {b.streams} "
+                f"streams, {b.errors} errors, TTFT p50 {b.ttft_p50_ms:.1f} p99 {b.ttft_p99_ms:.1f} "
+                f"max {b.ttft_max_ms:.1f} ms"
+            )
     direct = runs["direct"].sample
     if not direct.streams:  # the machine stalled the direct path: nothing to add to (shown as is)
         progress(f"round {round_}, {mode} mode: no stream completed on the direct path")
@@ -384,6 +423,7 @@ def settings(args: argparse.Namespace) -> StreamsSettings:
         "baseline": args.baseline,
         "profile": args.profile,
         "limit": args.limit,
+        "burst": args.burst,
         "quiet_wait": args.quiet_wait,
         "modes": tuple(args.modes.split(",")) if args.modes else None,
         "paths": tuple(args.paths.split(",")) if args.paths else None,

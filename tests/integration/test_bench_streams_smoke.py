@@ -44,6 +44,14 @@ def test_every_path_of_both_modes_ran_without_an_error(report: dict[str, Any]) -
                 assert phase["statuses"] == {}
             # the short phase right after may see none start in its window on a stalled machine
             assert entry["sample"]["streams"] > 0
+            burst = entry["burst"]
+            if run["mode"] == "router":
+                assert burst is None  # the accept-burst step runs in sidecar mode
+                continue
+            # every new connection was accepted and ran its one stream whole
+            assert burst["streams"] == burst["clients"] == report["settings"]["burst"]
+            assert burst["errors"] == 0 and burst["statuses"] == {}
+            assert 0 < burst["ttft_p50_ms"] <= burst["ttft_p99_ms"] <= burst["ttft_max_ms"]
     assert ("nginx: no nginx binary" in " ".join(report["skipped"])) is not NGINX
 
 
@@ -90,4 +98,5 @@ def test_what_a_hop_adds_and_the_targets_follow_from_the_figures(report: dict[st
     for run in report["runs"]:
         assert f"round {run['round']}, {run['mode']} mode" in report["stdout"]
     verdicts = sum(len(run["targets"]) for run in report["runs"])
+    verdicts += NGINX * sum(run["mode"] == "sidecar" for run in report["runs"])  # the burst's, beside nginx
     assert report["stdout"].count("  PASS") + report["stdout"].count("  MISS") == verdicts
