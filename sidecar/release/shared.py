@@ -67,7 +67,8 @@ class SharedTable:
         self.path = path
         self._fd = os.open(path, os.O_RDWR)
         self._map = mmap.mmap(self._fd, 0)
-        magic, self._buckets, _, _ = _HEADER.unpack_from(self._map, 0)
+        magic, buckets, _, _ = _HEADER.unpack_from(self._map, 0)
+        self._buckets = int(buckets)
         if magic != _MAGIC:
             raise ValueError(f"{path}: not a shared ledger table")
         self._clock = clock

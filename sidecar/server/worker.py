@@ -1,0 +1,68 @@
+"""``python -m sidecar.server.worker``: one worker process of ``workers`` (``sidecar.server.workers``).
+
+Reads its ``WorkerSpec`` from standard input, takes the listening sockets it
+inherited, serves its admin app on its Unix socket, and runs ``serve`` as one
+sidecar does, its ledger and veto on the shared table. It gets SIGTERM if the
+supervisor dies, so no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import msgspec
+
+from sidecar.app import Deps, Worker
+from sidecar.observability import logs
+from sidecar.proxy.trust import Trust
+from sidecar.release.shared import SharedTable
+from sidecar.server import memory
+from sidecar.server.serve import Serving, StartupFailed, preflight, raise_file_limit, serve
+from sidecar.server.workers import WorkerSpec
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main() -> int:
+    _die_with_parent()
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
+    config = spec.config
+    sockets = {name: [socket.socket(fileno=fd) for fd in fds] for name, fds in spec.sockets.items()}
+    admin = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    admin.bind(spec.admin_socket)
+    admin.listen(64)
+    sockets["admin_port"] = [admin]
+    logs.setup(config.log_level, config.log_format, config.access_log)
+    memory.release_large_buffers()
+    raise_file_limit(config.pool_size)
+    trust = Trust(config)
+    tls = preflight(config)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    table = SharedTable(Path(spec.table))
+    deps = Deps(trust=trust, shared=Worker(spec.index, table))
+    try:
+        asyncio.run(serve(config, sockets=sockets, deps=deps, tls=Serving(tls.proxy, None)))
+    except StartupFailed as exc:
+        print(f"kv-release-sidecar worker {spec.index}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        table.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
