@@ -76,7 +76,9 @@ __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 
 # In their base order; "baseline" is the sidecar of another checkout (``--baseline``), "limited"
 # the sidecar with ``--limit-concurrency`` (``--limit``, sidecar mode).
-PATHS = ("direct", "sidecar", "limited", "baseline", "relay", "nginx")
+# "sidecar-w2" and "nginx-w2" (``--workers 1,2``): the sidecar with ``--workers 2`` and nginx with
+# ``worker_processes 2``, each free to run on both CPUs (the load side's one included).
+PATHS = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2")
 
 
 class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +108,8 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     # into a window of the clients' streams (0: no such step).
     burst: int = 500
     burst_at: float = 1.0
+    # The workers axis: 2 adds the sidecar with --workers 2 and nginx with worker_processes 2.
+    workers: int = 1
 
 
 FULL = StreamsSettings()
@@ -177,19 +181,34 @@ def launched(
         checkout = Path(settings.baseline)
         hop.append(_sidecar("baseline", d_url, base, free_port(), checkout=checkout))
         hop.append(_sidecar("baseline-router", d_url, base_router, free_port(), *router, checkout=checkout))
+    wide, many = [], ("--workers", str(settings.workers))
+    sw, swr, nwd, nwp = (free_port() for _ in range(4))
+    if settings.workers > 1:
+        wide = [
+            _sidecar("sidecar-w2", d_url, sw, free_port(), *many),
+            _sidecar("sidecar-w2-router", d_url, swr, free_port(), *router, *many),
+        ]
     with starting("kvr-bench-streams-") as (log_dir, start):
         ready: dict[Child, str] = {}
         started: dict[str, Child] = {}
-        for specs, cpus in ((load, plan.load), (hop, plan.sidecar)):
+        both = plan.load | plan.sidecar
+        for specs, cpus in ((load, plan.load), (hop, plan.sidecar), (wide, both)):
             for name, argv, url in specs:
                 child = start(name, argv, cpus)
                 ready[child], started[name] = url, child
-        if nginx is not None:
-            listeners = {nd: f"{HOST}:{d}", np_: f"{HOST}:{p}"}
+        nginxes = [("nginx", log_dir, nd, np_, 1, plan.sidecar)]
+        if settings.workers > 1:
+            nginxes.append(("nginx-w2", log_dir / "w2", nwd, nwp, settings.workers, both))
+        for name, directory, port_d, port_p, processes, cpus in nginxes if nginx is not None else []:
+            assert nginx is not None
+            directory.mkdir(exist_ok=True)
+            listeners = {port_d: f"{HOST}:{d}", port_p: f"{HOST}:{p}"}
             conns = 4 * settings.clients + 256  # each stream: the client's and D's (router: and P's)
-            conf = nginx_config(nginx, log_dir, listeners, connections=conns, keepalive=settings.clients)
-            child = start("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar)
-            ready[child], started["nginx"] = f"http://{HOST}:{nd}/health", child
+            conf = nginx_config(
+                nginx, directory, listeners, connections=conns, keepalive=settings.clients, workers=processes
+            )
+            child = start(name, [nginx, "-p", f"{directory}/", "-c", str(conf)], cpus)
+            ready[child], started[name] = f"http://{HOST}:{port_d}/health", child
         relays = (started["relay-decode"], started["relay-prefill"])
         hops: dict[tuple[Mode, str], Hop] = {
             ("sidecar", "direct"): Hop(d, 0, ()),
@@ -207,6 +226,12 @@ def launched(
         if "nginx" in started:
             hops["sidecar", "nginx"] = Hop(nd, 0, (started["nginx"],))
             hops["router", "nginx"] = Hop(nd, np_, (started["nginx"],))
+        if "sidecar-w2" in started:
+            hops["sidecar", "sidecar-w2"] = Hop(sw, 0, (started["sidecar-w2"],))
+            hops["router", "sidecar-w2"] = Hop(swr, 0, (started["sidecar-w2-router"],))
+        if "nginx-w2" in started:
+            hops["sidecar", "nginx-w2"] = Hop(nwd, 0, (started["nginx-w2"],))
+            hops["router", "nginx-w2"] = Hop(nwd, nwp, (started["nginx-w2"],))
         yield StreamServers(started["fake-decode"], started["fake-prefill"], hops), ready
 
 
@@ -216,7 +241,7 @@ def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
         return request_body(True, events).replace(b'"bench-request"', b'"@ID@"'), b""
     plain = msgspec.json.decode(request_body(True, events))
     del plain["kv_transfer_params"]
-    if path in ("sidecar", "baseline"):  # the router runs both legs
+    if path in ("sidecar", "sidecar-w2", "baseline"):  # the router runs both legs
         return msgspec.json.encode(plain), b""
     stream = msgspec.json.encode({**plain, "kv_transfer_params": "@PARAMS@"}).replace(
         b'"@PARAMS@"', b"@PARAMS@"
@@ -258,7 +283,7 @@ class Measurer:
             own = lambda: time.process_time() + _cpu(children)  # noqa: E731
             waited = await wait_quiet(self._plan, own, settings.quiet, settings.quiet_wait)
         sampled = None
-        if settings.profile and path in ("sidecar", "limited", "baseline"):
+        if settings.profile and path in ("sidecar", "sidecar-w2", "limited", "baseline"):
             out = Path(settings.profile) / f"profile-{mode}-{path}-round{round_}.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
             seconds = settings.ramp + settings.seconds
@@ -424,6 +449,7 @@ def settings(args: argparse.Namespace) -> StreamsSettings:
         "profile": args.profile,
         "limit": args.limit,
         "burst": args.burst,
+        "workers": max(int(n) for n in args.workers.split(",")) if args.workers else None,
         "quiet_wait": args.quiet_wait,
         "modes": tuple(args.modes.split(",")) if args.modes else None,
         "paths": tuple(args.paths.split(",")) if args.paths else None,

@@ -182,7 +182,8 @@ ROWS = [
 
 
 def _table(run: RoundMode) -> list[str]:
-    paths = [p for p in ("direct", "sidecar", "limited", "baseline", "relay", "nginx") if p in run.paths]
+    order = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2")
+    paths = [p for p in order if p in run.paths]
     columns = [[p, *_cells(run.paths[p], run.added.get(p))] for p in paths]
     labels = ["path", *ROWS]
     width = max(len(label) for label in labels)
