@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -111,6 +112,7 @@ class Workers:
 
     def __init__(self, process: subprocess.Popen[bytes], log: Path, url: str, admin: str) -> None:
         self.process, self.log, self.url, self.admin = process, log, url, admin
+        self.verify: ssl.SSLContext | bool = True
 
     def lines(self) -> list[dict[str, Any]]:
         found = []
@@ -133,7 +135,7 @@ class Workers:
         while True:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
-                response = httpx.get(self.admin + "/readyz", timeout=5)
+                response = httpx.get(self.admin + "/readyz", timeout=5, verify=self.verify)
                 if response.status_code == 200:
                     body: dict[str, Any] = response.json()
                     return body
@@ -191,7 +193,9 @@ def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
         fake.control_gate.set()
 
 
-def start_workers(decode_url: str, tmp_path: Path, *flags: str) -> Iterator[Workers]:
+def start_workers(
+    decode_url: str, tmp_path: Path, *flags: str, verify: ssl.SSLContext | None = None
+) -> Iterator[Workers]:
     port, admin = free_port(), free_port()
     log = tmp_path / "sidecar.log"
     argv = [sys.executable, "-m", "sidecar", "serve", "--workers", "2", "--release", "http",
@@ -202,7 +206,9 @@ def start_workers(decode_url: str, tmp_path: Path, *flags: str) -> Iterator[Work
     with log.open("wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        workers = Workers(process, log, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}")
+        scheme = "http" if verify is None else "https"
+        workers = Workers(process, log, f"{scheme}://127.0.0.1:{port}", f"{scheme}://127.0.0.1:{admin}")
+        workers.verify = verify or True
         workers.ready()
         wait_until(lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged")
         yield workers
@@ -339,3 +345,32 @@ def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
 def _swallow(call: Callable[[], Any]) -> None:
     with contextlib.suppress(httpx.HTTPError):
         call()
+
+
+def test_tls_is_served_by_every_worker_and_the_admin_port(
+    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+) -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    (certs / "tls.crt").write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    (certs / "tls.key").write_bytes(issued.private_key_pem.bytes())
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    verify = ssl.create_default_context(cafile=str(ca_file))
+    flags = ("--tls", "--tls-cert-dir", str(certs), "--admin-tls-cert-dir", str(certs))
+    with contextlib.contextmanager(start_workers)(decode[1].url, tmp_path, *flags, verify=verify) as workers:
+        answered: list[int] = []
+
+        def ask(i: int) -> None:
+            body = {"model": "m", "prompt": "ok", "max_tokens": 4, "kv_transfer_params": kv_params(f"t{i}")}
+            response = httpx.post(workers.url + "/v1/completions", json=body, timeout=HANG, verify=verify)
+            answered.append(response.status_code)
+
+        sent = workers.until_each_worker("kvr_requests_total", ask, status_class="2xx")
+        assert answered == [200] * sent  # each worker served TLS with the directory's certificate
+        assert httpx.get(workers.admin + "/readyz", timeout=5, verify=verify).status_code == 200
+        workers.process.send_signal(signal.SIGTERM)
+        assert workers.process.wait(HANG) == 0
