@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import signal
 import socket
 import sys
@@ -34,6 +35,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class _Worker(logging.Filter):
+    """Every log line of this process names its worker (``worker``), unless it names one itself."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "worker"):
+            record.worker = self.index
+        return True
+
+
 def main() -> int:
     _die_with_parent()
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
@@ -44,6 +58,8 @@ def main() -> int:
     admin.listen(64)
     sockets["admin_port"] = [admin]
     logs.setup(config.log_level, config.log_format, config.access_log)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_Worker(spec.index))
     memory.release_large_buffers()
     raise_file_limit(config.pool_size)
     trust = Trust(config)

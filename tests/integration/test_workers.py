@@ -126,8 +126,7 @@ class Workers:
         found: dict[int, str] = {}
         for line in self.lines():
             if line.get("msg") == "listening" and line.get("setting") == "admin_port":
-                path = line["addresses"][0]
-                found[int(Path(path).stem.split("-")[1])] = path
+                found[line["worker"]] = line["addresses"][0]  # each worker's lines name it
         return found
 
     def ready(self) -> dict[str, Any]:
