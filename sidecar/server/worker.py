@@ -24,10 +24,15 @@ from sidecar.observability import logs
 from sidecar.proxy.trust import Trust
 from sidecar.release.shared import SharedTable
 from sidecar.server import memory
+from sidecar.server.accept import Acceptor
 from sidecar.server.serve import Serving, StartupFailed, preflight, raise_file_limit, serve
 from sidecar.server.workers import WorkerSpec
 
 PR_SET_PDEATHSIG = 1
+# Every worker reads the one accept queue, and the kernel wakes each of them when it fills: each
+# takes at most this many per wake-up, so a burst is spread over the workers awake rather than
+# taken whole by the first (a busier worker comes back to the queue later, and so takes fewer).
+SHARED_QUEUE_BATCH = 64
 
 
 def _die_with_parent() -> None:
@@ -50,6 +55,7 @@ class _Worker(logging.Filter):
 
 def main() -> int:
     _die_with_parent()
+    Acceptor.batch = SHARED_QUEUE_BATCH
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
     config = spec.config
     sockets = {name: [socket.socket(fileno=fd) for fd in fds] for name, fds in spec.sockets.items()}
