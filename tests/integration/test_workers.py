@@ -279,10 +279,16 @@ def test_metrics_totals_are_the_sum_of_every_workers_work(
     assert workers.sample("kvr_ready") == 1
 
 
+@pytest.fixture
+def patient(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+    """Workers whose flush waits long enough for a loaded machine (the test bounds the wait)."""
+    yield from start_workers(decode[1].url, tmp_path, "--flush-timeout", "60")
+
+
 def test_sigterm_drains_every_worker_and_flushes_pending_releases(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    decode: tuple[FakeDecode, ServerThread], patient: Workers
 ) -> None:
-    fake = decode[0]
+    fake, workers = decode[0], patient
     fake.control_gate.clear()  # the release waits at D's control endpoint: pending at SIGTERM
     assert workers.complete("flushed", "reject").status_code == 400
     results: list[int] = []
