@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,11 +58,12 @@ class Member:
 
 
 class Fleet(Protocol):
-    """What the admin port reads of the supervisor."""
+    """What the admin port reads of the supervisor (``registry``: its own metrics)."""
 
     size: int
     draining: bool
     totals: Totals
+    registry: CollectorRegistry
 
     def members(self) -> Sequence[Member]: ...
 
@@ -188,7 +189,8 @@ def create_fleet_admin_app(fleet: Fleet) -> Starlette:
             for m, a in zip(members, answers, strict=True)
             if not isinstance(a, BaseException) and a[0] == 200
         }
-        return Response(fleet.totals.merge(texts), media_type=CONTENT_TYPE_LATEST)
+        own = generate_latest(fleet.registry)
+        return Response(fleet.totals.merge(texts) + own, media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)]
     return Starlette(routes=routes)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sidecar.app.fleet import Fleet, Member, Totals, create_fleet_admin_app
 from sidecar.config import Config
@@ -121,6 +122,11 @@ class Supervisor(Fleet):
         self._slots = [_Slot(i, str(self._dir / f"worker-{i}.sock")) for i in range(size)]
         self._stop = asyncio.Event()
         self.failed = 0
+        self.registry = CollectorRegistry()
+        self._running = Gauge("kvr_workers", "Worker processes running.", registry=self.registry)
+        self._restarts = Counter(
+            "kvr_worker_restarts", "Workers restarted after they exited.", ["worker"], registry=self.registry
+        )
 
     def members(self) -> list[Member]:
         return [
@@ -148,12 +154,14 @@ class Supervisor(Fleet):
         process.stdin.close()
         slot.process, slot.started_at, slot.alive = process, time.monotonic(), True
         slot.starts += 1
+        self._running.inc()
         log.info("worker started", extra={"worker": slot.index, "pid": process.pid})
 
     async def _watch(self, slot: _Slot) -> None:
         while slot.process is not None:
             code = await slot.process.wait()
             slot.alive = False
+            self._running.dec()
             if self.draining:
                 return
             if slot.starts == 1 and code in START_FAILURES:
@@ -169,6 +177,7 @@ class Supervisor(Fleet):
             )
             if time.monotonic() - slot.started_at < RESTART_BACKOFF:
                 await asyncio.sleep(RESTART_BACKOFF)  # a crash loop restarts once a second at most
+            self._restarts.labels(str(slot.index)).inc()
             await self._spawn(slot)
 
     async def run(self) -> int:

@@ -335,6 +335,8 @@ def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
     assert after[victim] != before[victim] and after[1 - victim] == before[1 - victim]
     exited = next(line for line in workers.lines() if line.get("msg", "").startswith("worker exited"))
     assert exited["worker"] == victim and exited["returncode"] == -signal.SIGKILL and exited["vetoed"] == 1
+    assert workers.sample("kvr_worker_restarts_total", worker=str(victim)) == 1
+    assert workers.sample("kvr_workers") == 2
     fake.gate.set()  # D now rejects the orphan: no worker is left to judge it
     # The same parameters again, rejected at once: D may still be reading them for the dead
     # worker's request (it aborts it), so whichever worker judges this one must not release.
