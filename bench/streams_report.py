@@ -216,6 +216,7 @@ def render(report: StreamsReport) -> str:
             value = f"{target.value:,.1f}"
             lines.append(f"  target {target.figure} <= {target.limit:g}: sidecar {value}{nginx}  {verdict}")
         lines += _burst_verdict(run)
+        lines += _ratios(run)
     for run in report.runs:
         for path, entry in run.paths.items():
             if entry.profile is not None:
@@ -223,6 +224,23 @@ def render(report: StreamsReport) -> str:
     if report.skipped:
         lines.append("skipped: " + "; ".join(report.skipped))
     return "\n".join(lines)
+
+
+def _ratios(run: RoundMode) -> list[str]:
+    """Each sidecar's cost against nginx's with as many processes, in this round: CPU per event
+    and TTFT p99 added over direct."""
+    found = []
+    for ours, theirs in (("sidecar", "nginx"), ("sidecar-w2", "nginx-w2")):
+        mine, ref = run.paths.get(ours), run.paths.get(theirs)
+        if mine is None or ref is None or not ref.load.hop_us_per_event:
+            continue
+        cpu = mine.load.hop_us_per_event / ref.load.hop_us_per_event
+        text = f"  {ours} / {theirs}: CPU per event {cpu:.2f}x"
+        add, ref_add = run.added.get(ours), run.added.get(theirs)
+        if add is not None and ref_add is not None and ref_add.ttft_p99_ms > 0:
+            text += f", TTFT p99 added {add.ttft_p99_ms / ref_add.ttft_p99_ms:.2f}x"
+        found.append(text)
+    return found
 
 
 def _burst_verdict(run: RoundMode) -> list[str]:
