@@ -2,7 +2,8 @@
 
 The smoke run builds the C load generator and fake D, starts the fake P, both
 sidecars, the relays (and nginx when the machine has it), and runs every path
-of both modes with a few dozen clients. It checks that every stream was
+of both modes with a few dozen clients, the sidecar and nginx each also with two
+processes. It checks that every stream was
 answered whole (the bench counts anything else as an error), that each
 figure is consistent with the others and with the run's shape, and that the
 derived ones (added over direct, targets) follow from the measured ones.
@@ -19,7 +20,8 @@ import pytest
 from tests.integration.bench_runs import run_bench
 
 NGINX = shutil.which("nginx") is not None
-PATHS = ["direct", "sidecar", "relay"] + (["nginx"] if NGINX else [])
+# The workers axis (--workers 1,2): the sidecar with two workers, and nginx with two processes.
+PATHS = ["direct", "sidecar", "sidecar-w2", "relay"] + (["nginx", "nginx-w2"] if NGINX else [])
 
 # serial: the bench loads the machine (make test runs it alone)
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler"), pytest.mark.serial]
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C c
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("streams") / "streams.json"
-    data, stdout = run_bench(out, "--workload", "streams", "--quick")
+    data, stdout = run_bench(out, "--workload", "streams", "--quick", "--workers", "1,2")
     data["stdout"] = stdout
     return data
 
