@@ -381,3 +381,17 @@ def test_tls_is_served_by_every_worker_and_the_admin_port(
         assert httpx.get(workers.admin + "/readyz", timeout=5, verify=verify).status_code == 200
         workers.process.send_signal(signal.SIGTERM)
         assert workers.process.wait(HANG) == 0
+
+
+def test_workers_that_cannot_start_stop_the_supervisor_with_their_status(
+    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+) -> None:
+    """As one process exits 1 when its start-up fails, so do the workers' supervisor, at once."""
+    argv = [sys.executable, "-m", "sidecar", "serve", "--workers", "2", "--release", "http",
+            "--control-token-file", str(tmp_path / "missing"), "--decode-url", decode[1].url,
+            "--host", "127.0.0.1", "--port", str(free_port()), "--admin-host", "127.0.0.1",
+            "--admin-port", str(free_port()), "--log-format", "json"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, timeout=HANG, check=False)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stderr.decode().splitlines() if line.startswith("{")]
+    assert any(line["msg"] == "worker failed to start" for line in lines)
