@@ -215,6 +215,10 @@ class Supervisor(Fleet):
     async def _drain(self) -> None:
         self.draining = True
         log.info("shutting down: readiness off, every worker draining")
+        for name, socks in self._sockets.items():
+            if name != "admin_port":  # no worker starts again: once the workers close theirs, the
+                for sock in socks:  # port refuses new connections, as one process's does
+                    sock.close()
         running = [s for s in self._slots if s.process is not None and s.process.returncode is None]
         for slot in running:
             assert slot.process is not None

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -281,8 +282,9 @@ def test_metrics_totals_are_the_sum_of_every_workers_work(
 
 @pytest.fixture
 def patient(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
-    """Workers whose flush waits long enough for a loaded machine (the test bounds the wait)."""
-    yield from start_workers(decode[1].url, tmp_path, "--flush-timeout", "60")
+    """Workers whose flush, and whose release held at the control endpoint, wait long enough for a
+    loaded machine (the test bounds the wait): one attempt, never timed out and retried."""
+    yield from start_workers(decode[1].url, tmp_path, "--flush-timeout", "60", "--control-timeout", "60")
 
 
 def test_sigterm_drains_every_worker_and_flushes_pending_releases(
@@ -305,6 +307,7 @@ def test_sigterm_drains_every_worker_and_flushes_pending_releases(
     workers.until_each_worker("kvr_inflight_requests", hold)  # every worker has a request at D
     workers.process.send_signal(signal.SIGTERM)
     wait_until(lambda: httpx.get(workers.admin + "/readyz", timeout=5).status_code == 503, "readiness off")
+    wait_until(lambda: _refused(workers.url), "new connections refused while the workers drain")
     fake.gate.set()
     for thread in threads:
         thread.join(HANG)
@@ -347,6 +350,16 @@ def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
     )
     assert workers.sample("kvr_not_released_total") == 1
     assert fake.releases == []
+
+
+def _refused(url: str) -> bool:
+    """A new connection to ``url``'s port is refused (no listener left), rather than queued."""
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
 
 
 def _swallow(call: Callable[[], Any]) -> None:
