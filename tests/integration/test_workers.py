@@ -282,9 +282,10 @@ def test_metrics_totals_are_the_sum_of_every_workers_work(
 
 @pytest.fixture
 def patient(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
-    """Workers whose flush, and whose release held at the control endpoint, wait long enough for a
+    """Workers whose drain, flush and release held at the control endpoint wait long enough for a
     loaded machine (the test bounds the wait): one attempt, never timed out and retried."""
-    yield from start_workers(decode[1].url, tmp_path, "--flush-timeout", "60", "--control-timeout", "60")
+    flags = ("--drain-timeout", "120", "--flush-timeout", "60", "--control-timeout", "60")
+    yield from start_workers(decode[1].url, tmp_path, *flags)
 
 
 def test_sigterm_drains_every_worker_and_flushes_pending_releases(
@@ -319,10 +320,17 @@ def test_sigterm_drains_every_worker_and_flushes_pending_releases(
     assert [line["releases_flushed"] for line in stopped] == [True, True]
 
 
+@pytest.fixture
+def leased(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+    """Workers whose release deadline (the veto's hold on a dead worker's requests) outlasts a
+    worker's restart on a loaded machine."""
+    yield from start_workers(decode[1].url, tmp_path, "--release-deadline", "300")
+
+
 def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    decode: tuple[FakeDecode, ServerThread], leased: Workers
 ) -> None:
-    fake = decode[0]
+    fake, workers = decode[0], leased
     before = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
     client = threading.Thread(target=lambda: _swallow(lambda: workers.complete("orphan", "hold-reject")))
     client.start()
