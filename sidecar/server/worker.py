@@ -26,7 +26,7 @@ from sidecar.release.shared import SharedTable
 from sidecar.server import memory
 from sidecar.server.accept import Acceptor
 from sidecar.server.serve import Serving, StartupFailed, preflight, raise_file_limit, serve
-from sidecar.server.workers import WorkerSpec
+from sidecar.server.workers import STARTUP_FAILED, WorkerSpec
 
 PR_SET_PDEATHSIG = 1
 # Every worker reads the one accept queue, and the kernel wakes each of them when it fills: each
@@ -80,7 +80,7 @@ def main() -> int:
         asyncio.run(serve(config, sockets=sockets, deps=deps, tls=Serving(tls.proxy, None)))
     except StartupFailed as exc:
         print(f"kv-release-sidecar worker {spec.index}: {exc}", file=sys.stderr)
-        return 1
+        return STARTUP_FAILED
     finally:
         table.close()
     return 0

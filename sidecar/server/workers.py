@@ -25,8 +25,8 @@ flush_timeout`` and a margin, then SIGKILL), and exits. A worker that exits
 otherwise is logged and restarted (after a second if it lived less than
 that); its requests at D stay vetoed for the lease (``SharedTable.reap``) and
 nothing is released for them: the dead worker cannot, and no other worker
-judged them. A worker that fails to start the first time (a bad certificate,
-an extra missing) stops the supervisor with the worker's exit status.
+judged them. A worker whose start-up fails the first time (an unreadable
+token file, say) stops the supervisor, which exits 1 as one process does.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ log = logging.getLogger("sidecar.serve")
 
 RESTART_BACKOFF = 1.0
 STOP_MARGIN = 10.0
-# Exit statuses of a worker that could not start: the config or a port (2), its lifespan (1).
-START_FAILURES = (1, 2)
+# A worker's exit status when its lifespan failed to start (1 would be any unhandled error, which
+# is restarted); the supervisor then exits 1, as one process does.
+STARTUP_FAILED = 3
 
 
 def count(setting: str, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -164,9 +165,9 @@ class Supervisor(Fleet):
             self._running.dec()
             if self.draining:
                 return
-            if slot.starts == 1 and code in START_FAILURES:
+            if slot.starts == 1 and code == STARTUP_FAILED:
                 log.error("worker failed to start", extra={"worker": slot.index, "returncode": code})
-                self.failed = code
+                self.failed = 1
                 self._stop.set()
                 return
             vetoed = self.table.reap(slot.index, self.config.release_deadline)
