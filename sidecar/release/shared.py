@@ -4,7 +4,7 @@ With more than one serving process, a replay of released parameters may reach
 any of them, two copies of one rejected request may be judged by two of them
 at once, and a request one of them forwarded to D must veto a release that
 another would make. So the ledger (``sidecar.release.ledger``) and the veto
-(``sidecar.proxy.inflight``, ``sidecar.app.shared``) keep their entries in one table in shared memory:
+(``sidecar.decision.inflight``, ``sidecar.app.shared``) keep their entries in one table in shared memory:
 a file the supervisor creates in a private directory (``/dev/shm`` when there
 is one), mapped by every worker, each operation taken under an exclusive
 ``flock`` of the file (the kernel lets go of it if a worker dies holding it).
