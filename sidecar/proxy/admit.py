@@ -136,6 +136,8 @@ class Admission:
 class Routed(Protocol):
     """Router mode as the proxy sees it (``sidecar.router.legs.Router``)."""
 
+    policy: Policy  # router mode's, picked once
+
     def routes(self, ctx: RequestContext) -> bool:
         """Whether this request takes the router's path."""
 

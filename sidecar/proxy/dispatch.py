@@ -25,6 +25,7 @@ from sidecar.asgi import Receive, Scope, Send, over_limit
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
 from sidecar.decision.judge import DecodeFacts, Judge
+from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.proxy.admit import Admission, Collaborators, Routed
@@ -112,9 +113,10 @@ class Proxy:
 
     async def _handle(self, ctx: RequestContext) -> None:
         kit = self.kit
-        routed = self.router is not None and self.router.routes(ctx)
+        router = self.router if self.router is not None and self.router.routes(ctx) else None
+        policy = router.policy if router is not None else SIDECAR  # the mode of this request
         if over_limit(ctx.scope):
-            await kit.refusals.over_limit(ctx, routed)
+            await kit.refusals.over_limit(ctx, policy)
             return
         if ctx.route is None:
             await kit.forwarder.passthrough(ctx)
@@ -126,10 +128,9 @@ class Proxy:
             kit.forwarder.count(ctx.route, -1)
             return
         if isinstance(body, Oversized):
-            await kit.refusals.too_large(ctx, body, routed)
-        elif routed:
-            assert self.router is not None
-            await self.router.route(ctx, body)
+            await kit.refusals.too_large(ctx, body, policy)
+        elif router is not None:
+            await router.route(ctx, body)
         else:
             await self._inspected(ctx, body)
 

@@ -99,12 +99,13 @@ class Inspector:
             prefilled_at=prefilled_at,
         )
 
-    def oversized(self, ctx: RequestContext, body: Oversized, routed: bool) -> Exchange:
-        """A body over the cap: the parameters a router appended last, if trusted (sidecar mode)."""
+    def oversized(self, ctx: RequestContext, body: Oversized, policy: Policy) -> Exchange:
+        """A body over the cap: the parameters a router appended last, if trusted and ``policy``
+        reads the client's parameters (sidecar mode)."""
         assert ctx.route is not None
         raw = tail_params(body.tail) if body.complete else None
         found = params_mod.check(raw).params if raw else None
-        if found is not None and routed:
+        if found is not None and not policy.client_params:
             found = None  # router mode drops client parameters: they could name any P's blocks
         if found is not None and raw and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
