@@ -125,7 +125,7 @@ class Tracing:
         """One attempt of the current job ended (``ok`` or a failure reason)."""
 
     def release_finished(self, result: str, reason: str, detail: str) -> None:
-        """The current job's decision (``sidecar.release.base.Result``)."""
+        """The current job's decision (``sidecar.release.base.JobResult``)."""
 
     def handshake_span(
         self, engine_id: str, endpoint: tuple[str, int], ranks: list[tuple[int, int]]

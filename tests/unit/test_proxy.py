@@ -25,7 +25,7 @@ from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.trust import Trust
-from sidecar.release.base import ReleaseJob, Result
+from sidecar.release.base import JobResult, ReleaseJob
 from sidecar.release.dryrun import DryRun
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
@@ -71,13 +71,13 @@ class Recorder:
     def target(self, job: ReleaseJob) -> str:
         return "p"
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        return Result.SENT
+        return JobResult.SENT
 
-    async def rehearse(self, job: ReleaseJob) -> Result:
+    async def rehearse(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        return Result.WOULD_SEND
+        return JobResult.WOULD_SEND
 
 
 class Rig:
