@@ -35,7 +35,7 @@ from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.admit import Admission, Routed
+from sidecar.proxy.admit import Admission, RouterMode
 from sidecar.proxy.headers import request_headers
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.style import STYLES
@@ -133,7 +133,7 @@ class ProxyApp:
             trust=deps.trust or Trust(config),
             inflight=inflight,
             injector=deps.injector or Injector(config),
-            facts=decode,
+            decode=decode,
             routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill, self.answers)),
             tracing=tracing,
         )
@@ -205,7 +205,7 @@ def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
     return ProxyApp(config, deps)
 
 
-def _routing(pool: PrefillPool | None) -> Callable[[Admission], Routed] | None:
+def _routing(pool: PrefillPool | None) -> Callable[[Admission], RouterMode] | None:
     """Router mode, built on each proxy's admission, when there is a P pool (or llm-d's header)."""
     return None if pool is None else lambda admission: Router(admission, pool)
 

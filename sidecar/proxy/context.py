@@ -44,7 +44,7 @@ class RequestContext:
     headers: list[tuple[str, str]]  # for D: hop-by-hop headers gone, x-request-id present
     request_id: str
     generated: bool  # the sidecar made the id up: no other server knows it
-    marks: dict[bytes, bytes]  # the request headers the proxy reads (first of each; P's: all, joined)
+    headers_read: dict[bytes, bytes]  # the request headers the proxy reads (first of each; P's: all, joined)
     has_body: bool
     dp_rank: int | None
     started: float = field(default_factory=time.monotonic)
@@ -55,16 +55,16 @@ class RequestContext:
         route = path if scope["method"] == "POST" and path in ROUTES else None
         raw: list[tuple[bytes, bytes]] = scope["headers"]
         headers, request_id, generated = request_headers(raw)
-        marks: dict[bytes, bytes] = {}
+        headers_read: dict[bytes, bytes] = {}
         framing: tuple[bytes, bytes] | None = None
         for name, value in raw:
-            if name == PREFILLER_HEADER and name in marks:  # every line counts, as in llm-d
-                marks[name] += b"," + bytes(value)
+            if name == PREFILLER_HEADER and name in headers_read:  # every line counts, as in llm-d
+                headers_read[name] += b"," + bytes(value)
             elif name in _READ:
-                marks.setdefault(name, bytes(value))
+                headers_read.setdefault(name, bytes(value))
             elif framing is None and name in _FRAMING:
                 framing = (name, value)
-        rank = marks.get(DATA_PARALLEL_RANK)
+        rank = headers_read.get(DATA_PARALLEL_RANK)
         return cls(
             scope=scope,
             receive=receive,
@@ -73,7 +73,7 @@ class RequestContext:
             headers=headers,
             request_id=request_id,
             generated=generated,
-            marks=marks,
+            headers_read=headers_read,
             has_body=_has_body(framing),
             dp_rank=data_parallel_rank([(DATA_PARALLEL_RANK, rank)]) if rank is not None else None,
         )
@@ -93,7 +93,7 @@ class RequestContext:
 
     @property
     def prefiller(self) -> bytes | None:
-        return self.marks.get(PREFILLER_HEADER)
+        return self.headers_read.get(PREFILLER_HEADER)
 
 
 def _has_body(framing: tuple[bytes, bytes] | None) -> bool:

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from sidecar.asgi import Receive, Scope, Send, over_limit
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
-from sidecar.decision.judge import DecodeFacts, Judge
+from sidecar.decision.judge import DecodeWatch, Judge
 from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing
-from sidecar.proxy.admit import Admission, Collaborators, Routed
+from sidecar.proxy.admit import Admission, Collaborators, RouterMode
 from sidecar.proxy.answers import send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import RequestContext
@@ -53,8 +53,8 @@ class ProxyParts:
     trust: Trust
     inflight: InFlight
     injector: Injector
-    facts: DecodeFacts
-    routing: Callable[[Admission], Routed] | None = None  # router mode, built on the proxy's admission
+    decode: DecodeWatch
+    routing: Callable[[Admission], RouterMode] | None = None  # router mode, built on the proxy's admission
     tracing: Tracing = OFF
 
 
@@ -62,7 +62,7 @@ class Proxy:
     """The proxy's ASGI handler for ``http`` scopes."""
 
     def __init__(self, config: Config, parts: ProxyParts) -> None:
-        judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.facts, parts.tracing)
+        judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.decode, parts.tracing)
         inspector = Inspector(parts.metrics, parts.trust, parts.pipeline.releaser.keeps_raw)
         answers = STYLES[config.answers]  # the style of the sidecar's own answers, picked once
         forwarder = Forwarder(parts.upstream, judge, parts.metrics, parts.tracing, answers)
