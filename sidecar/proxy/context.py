@@ -24,7 +24,6 @@ from sidecar.proxy.inject import HEADER as INJECT_HEADER
 from sidecar.proxy.trust import SIGNATURE_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
-    from sidecar.observability.tracing import Leg
     from sidecar.proxy.usage import UsageRewriter
     from sidecar.upstream import Sent
 
@@ -120,7 +119,6 @@ class Exchange:
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
     prefilled_at: float | None = None  # router mode: when P's answer arrived (P's lease began)
     sent: Sent | None = None  # learns whether the request reached D's socket
-    leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
     responded: bool = False  # http.response.start was sent
     decided: bool = False  # judged (at most once)
     # Its parameters went to a release: an error answer says x-should-retry: false (a retry with
