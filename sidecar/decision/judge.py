@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar import retries
@@ -82,6 +83,15 @@ class DecodeWatch(Protocol):
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """What the judge made of one exchange (at most once): its decision, and whether its
+    parameters went to a release that frees them (then a client's retry with them is refused)."""
+
+    decision: Decision
+    spent: bool = False
+
+
 class Case(Protocol):
     """One exchange as the judge reads it (``sidecar.proxy.context.Exchange``)."""
 
@@ -94,8 +104,7 @@ class Case(Protocol):
     data_parallel_rank: int | None
     request_id_generated: bool
     prefilled_at: float | None
-    decided: bool
-    spent: bool
+    judged: Judged | None
 
     @property
     def sent(self) -> object | None:
@@ -139,7 +148,7 @@ class Judge:
         if news is not None:  # D's state first: the decision reads it (D's own fix)
             self._decode.observe(*news, closing=event.closing)
         decision = exchange.policy.decide(classify(event), event)
-        exchange.decided = True
+        exchange.judged = Judged(decision)
         if exchange.params is None:
             self._traced(decision, "no_params")
             return decision
@@ -183,7 +192,7 @@ class Judge:
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either
         queued = self._pipeline.submit(job)
-        exchange.spent = self.frees and exchange.policy.spends
+        exchange.judged = Judged(decision, spent=self.frees and exchange.policy.spends)
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.decision.judge import Judged
 from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import ROUTES
 from sidecar.params import ReleaseParams
@@ -120,10 +121,7 @@ class Exchange:
     prefilled_at: float | None = None  # router mode: when P's answer arrived (P's lease began)
     sent: Sent | None = None  # learns whether the request reached D's socket
     responded: bool = False  # http.response.start was sent
-    decided: bool = False  # judged (at most once)
-    # Its parameters went to a release: an error answer says x-should-retry: false (a retry with
-    # them would be refused with 409).
-    spent: bool = False
+    judged: Judged | None = None  # what the judge made of it (at most once)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -131,6 +129,16 @@ class Exchange:
         params = self.params
         assert params is not None
         return (params.remote_engine_id, params.remote_request_id or self.request_id)
+
+    @property
+    def decided(self) -> bool:
+        return self.judged is not None
+
+    @property
+    def spent(self) -> bool:
+        """Its parameters went to a release that frees them: an error answer says
+        x-should-retry: false (a retry with them would be refused with 409)."""
+        return self.judged is not None and self.judged.spent
 
     def retry_headers(self) -> tuple[Header, ...]:
         return (NO_RETRY,) if self.spent else ()

@@ -126,7 +126,8 @@ def test_each_decision_is_traced_with_what_became_of_the_blocks(
     rig = Rig(queued, **settings)
     made = exchange()
     decision = rig.judge.judge(made, event)
-    assert made.decided is True
+    assert made.decided is True and made.judged is not None and made.judged.decision == decision
+    assert made.spent is (traced[2] in ("queued", "duplicate"))  # handed to a strategy that frees
     assert rig.traces.decisions == [traced]
     assert (decision.outcome.value, decision.cause.value) == traced[:2]
     assert len(rig.queue.jobs) == (traced[2] in ("queued", "duplicate"))
