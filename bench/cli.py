@@ -62,6 +62,11 @@ WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
         {"metavar": "DIR", "help": "streams, releases: py-spy on the sidecars, stacks written to DIR"},
     ),
     ("--limit", {"type": int, "help": "streams: also a sidecar with --limit-concurrency N"}),
+    ("--workers", {"help": "streams: 1,2 adds the sidecar with --workers 2 and nginx with 2 processes"}),
+    (
+        "--burst",
+        {"type": int, "help": "streams: new connections at once amid the clients' streams (500; 0: none)"},
+    ),
     ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
     ("--modes", {"help": "streams: sidecar,router (default both)"}),
     ("--paths", {"help": "streams: which hops, e.g. sidecar,nginx (default all; direct always)"}),

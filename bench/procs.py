@@ -315,15 +315,21 @@ def launched(
 
 
 def nginx_config(
-    nginx: str, directory: Path, listeners: Mapping[int, str], connections: int = 1024, keepalive: int = 64
+    nginx: str,
+    directory: Path,
+    listeners: Mapping[int, str],
+    connections: int = 1024,
+    keepalive: int = 64,
+    workers: int = 1,
 ) -> Path:
     """Write nginx's configuration into ``directory`` and return its path.
 
-    ``listeners``: each port nginx listens on, and the ``HOST:PORT`` it proxies to. One
-    worker allowed ``connections`` connections (clients and upstreams together; its open-files
-    limit raised to match), the log and every temporary path inside ``directory``, no access
-    log, HTTP/1.1 keep-alive connections to each target (``keepalive`` kept idle) that are never
-    closed after a number of requests (nor are the client's), and no buffering either way, so
+    ``listeners``: each port nginx listens on, and the ``HOST:PORT`` it proxies to. ``workers``
+    worker processes (1 unless given), each allowed ``connections`` connections (clients and
+    upstreams together; its open-files limit raised to match), the log and every temporary path
+    inside ``directory``, no access log, HTTP/1.1 keep-alive connections to each target
+    (``keepalive`` kept idle) that are never closed after a number of requests (nor are the
+    client's), and no buffering either way, so
     stream events pass as they come. The temporary path directives of the modules this binary
     was built without are left out (they would not parse).
     """
@@ -350,7 +356,7 @@ def nginx_config(
     )
     conf = directory / "nginx.conf"
     conf.write_text(
-        f"""worker_processes 1;
+        f"""worker_processes {workers};
 worker_rlimit_nofile {2 * connections + 64};
 daemon off;
 pid {directory}/nginx.pid;

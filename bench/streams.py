@@ -19,7 +19,10 @@ Core layout as in ``python -m bench``: the hops on the second CPU, one
 measured at a time; the load generator and fake D (``bench/streams.c``, in C:
 ``bench.cstreams``) and the fake P on the first. After each path's phase a
 smaller one (300 clients) runs on the same path at once: how fast its tail
-recovers. Every round measures every path of both modes, the order rotating;
+recovers. Then, in sidecar mode, the accept-burst step: the same clients streaming again and,
+a second into the window, ``burst`` new clients (500) connecting at once, each with one stream;
+their time to first token includes the wait in the hop's accept queue. Every round measures
+every path of both modes, the order rotating;
 each round is reported on its own. The load average and the busiest other
 processes are read at the start and the end, and the other processes' CPU on
 each core during every phase.
@@ -73,7 +76,9 @@ __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 
 # In their base order; "baseline" is the sidecar of another checkout (``--baseline``), "limited"
 # the sidecar with ``--limit-concurrency`` (``--limit``, sidecar mode).
-PATHS = ("direct", "sidecar", "limited", "baseline", "relay", "nginx")
+# "sidecar-w2" and "nginx-w2" (``--workers 1,2``): the sidecar with ``--workers 2`` and nginx with
+# ``worker_processes 2``, each free to run on both CPUs (the load side's one included).
+PATHS = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2")
 
 
 class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,12 +104,18 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Above 0: also a sidecar with --limit-concurrency at this many requests (sidecar mode), which
     # answers the rest 503 before admission; its clients come back a second later.
     limit: int = 0
+    # The accept-burst step (sidecar mode): this many new connections at once, ``burst_at`` seconds
+    # into a window of the clients' streams (0: no such step).
+    burst: int = 500
+    burst_at: float = 1.0
+    # The workers axis: 2 adds the sidecar with --workers 2 and nginx with worker_processes 2.
+    workers: int = 1
 
 
 FULL = StreamsSettings()
 QUICK = StreamsSettings(
     clients=50, events=8, duration=0.3, seconds=1.0, ramp=0.2, rounds=1, recovery_clients=10,
-    recovery_seconds=0.5, quiet_wait=0.0,
+    recovery_seconds=0.5, quiet_wait=0.0, burst=20, burst_at=0.2,
 )  # fmt: skip
 
 
@@ -170,19 +181,34 @@ def launched(
         checkout = Path(settings.baseline)
         hop.append(_sidecar("baseline", d_url, base, free_port(), checkout=checkout))
         hop.append(_sidecar("baseline-router", d_url, base_router, free_port(), *router, checkout=checkout))
+    wide, many = [], ("--workers", str(settings.workers))
+    sw, swr, nwd, nwp = (free_port() for _ in range(4))
+    if settings.workers > 1:
+        wide = [
+            _sidecar("sidecar-w2", d_url, sw, free_port(), *many),
+            _sidecar("sidecar-w2-router", d_url, swr, free_port(), *router, *many),
+        ]
     with starting("kvr-bench-streams-") as (log_dir, start):
         ready: dict[Child, str] = {}
         started: dict[str, Child] = {}
-        for specs, cpus in ((load, plan.load), (hop, plan.sidecar)):
+        both = plan.load | plan.sidecar
+        for specs, cpus in ((load, plan.load), (hop, plan.sidecar), (wide, both)):
             for name, argv, url in specs:
                 child = start(name, argv, cpus)
                 ready[child], started[name] = url, child
-        if nginx is not None:
-            listeners = {nd: f"{HOST}:{d}", np_: f"{HOST}:{p}"}
+        nginxes = [("nginx", log_dir, nd, np_, 1, plan.sidecar)]
+        if settings.workers > 1:
+            nginxes.append(("nginx-w2", log_dir / "w2", nwd, nwp, settings.workers, both))
+        for name, directory, port_d, port_p, processes, cpus in nginxes if nginx is not None else []:
+            assert nginx is not None
+            directory.mkdir(exist_ok=True)
+            listeners = {port_d: f"{HOST}:{d}", port_p: f"{HOST}:{p}"}
             conns = 4 * settings.clients + 256  # each stream: the client's and D's (router: and P's)
-            conf = nginx_config(nginx, log_dir, listeners, connections=conns, keepalive=settings.clients)
-            child = start("nginx", [nginx, "-p", f"{log_dir}/", "-c", str(conf)], plan.sidecar)
-            ready[child], started["nginx"] = f"http://{HOST}:{nd}/health", child
+            conf = nginx_config(
+                nginx, directory, listeners, connections=conns, keepalive=settings.clients, workers=processes
+            )
+            child = start(name, [nginx, "-p", f"{directory}/", "-c", str(conf)], cpus)
+            ready[child], started[name] = f"http://{HOST}:{port_d}/health", child
         relays = (started["relay-decode"], started["relay-prefill"])
         hops: dict[tuple[Mode, str], Hop] = {
             ("sidecar", "direct"): Hop(d, 0, ()),
@@ -200,6 +226,12 @@ def launched(
         if "nginx" in started:
             hops["sidecar", "nginx"] = Hop(nd, 0, (started["nginx"],))
             hops["router", "nginx"] = Hop(nd, np_, (started["nginx"],))
+        if "sidecar-w2" in started:
+            hops["sidecar", "sidecar-w2"] = Hop(sw, 0, (started["sidecar-w2"],))
+            hops["router", "sidecar-w2"] = Hop(swr, 0, (started["sidecar-w2-router"],))
+        if "nginx-w2" in started:
+            hops["sidecar", "nginx-w2"] = Hop(nwd, 0, (started["nginx-w2"],))
+            hops["router", "nginx-w2"] = Hop(nwd, nwp, (started["nginx-w2"],))
         yield StreamServers(started["fake-decode"], started["fake-prefill"], hops), ready
 
 
@@ -209,7 +241,7 @@ def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
         return request_body(True, events).replace(b'"bench-request"', b'"@ID@"'), b""
     plain = msgspec.json.decode(request_body(True, events))
     del plain["kv_transfer_params"]
-    if path in ("sidecar", "baseline"):  # the router runs both legs
+    if path in ("sidecar", "sidecar-w2", "baseline"):  # the router runs both legs
         return msgspec.json.encode(plain), b""
     stream = msgspec.json.encode({**plain, "kv_transfer_params": "@PARAMS@"}).replace(
         b'"@PARAMS@"', b"@PARAMS@"
@@ -251,7 +283,7 @@ class Measurer:
             own = lambda: time.process_time() + _cpu(children)  # noqa: E731
             waited = await wait_quiet(self._plan, own, settings.quiet, settings.quiet_wait)
         sampled = None
-        if settings.profile and path in ("sidecar", "limited", "baseline"):
+        if settings.profile and path in ("sidecar", "sidecar-w2", "limited", "baseline"):
             out = Path(settings.profile) / f"profile-{mode}-{path}-round{round_}.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
             seconds = settings.ramp + settings.seconds
@@ -264,7 +296,33 @@ class Measurer:
             mode, path, hop, settings.recovery_clients, settings.recovery_seconds, min(0.5, settings.ramp)
         )
         main.load.waited_s, main.load.others_before = waited
-        return PathRun(sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile)
+        burst = await self.burst(mode, path, hop) if settings.burst and mode == "sidecar" else None
+        return PathRun(
+            sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile, burst=burst
+        )
+
+    async def burst(self, mode: Mode, path: str, hop: Hop) -> cstreams.StreamsSample:
+        """The accept-burst step: ``clients`` streaming, and ``burst`` new clients connecting at once
+        ``burst_at`` seconds into their window, one stream each; the new clients' figures."""
+        settings = self.settings
+        body, prefill = bodies(mode, path, settings.events)
+
+        def phase(clients: int, seconds: float, ramp: float) -> cstreams.Phase:
+            return cstreams.Phase(
+                port=hop.port, clients=clients, seconds=seconds, ramp=ramp, events=settings.events,
+                body=body, prefill_port=hop.prefill_port, prefill_body=prefill, drain=settings.duration + 10,
+            )  # fmt: skip
+
+        running = phase(settings.clients, settings.burst_at + settings.duration + 1.0, settings.ramp)
+        # A window shorter than one stream: each new client runs one, started as its connect completes.
+        arriving = phase(settings.burst, settings.duration / 2, 0.0)
+
+        async def later() -> cstreams.StreamsSample:
+            await asyncio.sleep(settings.ramp + settings.burst_at)
+            return await cstreams.run_client(self._binary, self._plan.load, arriving)
+
+        _, new = await asyncio.gather(cstreams.run_client(self._binary, self._plan.load, running), later())
+        return new
 
     async def phase(
         self, mode: Mode, path: str, hop: Hop, clients: int, seconds: float, ramp: float
@@ -364,6 +422,12 @@ async def _round(
             f"{result.load.decode_cores:.2f}, others {result.load.other_load_core:.2f}/"
             f"{result.load.other_hop_core:.2f}" + (f"; first errors: {s.first_errors}" if s.errors else "")
         )
+        if (b := result.burst) is not None:
+            progress(
+                f"round {round_} {mode:<7} {path:<7} burst of {b.clients} new connections: {b.streams} "
+                f"streams, {b.errors} errors, TTFT p50 {b.ttft_p50_ms:.1f} p99 {b.ttft_p99_ms:.1f} "
+                f"max {b.ttft_max_ms:.1f} ms"
+            )
     direct = runs["direct"].sample
     if not direct.streams:  # the machine stalled the direct path: nothing to add to (shown as is)
         progress(f"round {round_}, {mode} mode: no stream completed on the direct path")
@@ -384,6 +448,8 @@ def settings(args: argparse.Namespace) -> StreamsSettings:
         "baseline": args.baseline,
         "profile": args.profile,
         "limit": args.limit,
+        "burst": args.burst,
+        "workers": max(int(n) for n in args.workers.split(",")) if args.workers else None,
         "quiet_wait": args.quiet_wait,
         "modes": tuple(args.modes.split(",")) if args.modes else None,
         "paths": tuple(args.paths.split(",")) if args.paths else None,

@@ -43,6 +43,7 @@ class PathRun(msgspec.Struct, kw_only=True):
     load: HopLoad
     recovery: StreamsSample | None = None  # a smaller phase right after, on the same path
     profile: Profile | None = None  # where a sidecar's CPU went (``--profile``)
+    burst: StreamsSample | None = None  # the accept-burst step's new clients (sidecar mode)
 
 
 class Added(msgspec.Struct, kw_only=True):
@@ -153,7 +154,13 @@ def _cells(run: PathRun, add: Added | None) -> list[str]:
         f"{load.waited_s:.0f} s, {load.others_before:.2f}",
         "-" if after is None else f"{_ms(after.ttft_p50_ms)}/{_ms(after.ttft_p99_ms)}",
         "-" if after is None else " ".join(f"{p99:.0f}" for _, _, p99 in after.timeline[:5]),
+        "-" if run.burst is None else f"{run.burst.streams:,} ({run.burst.errors})",
+        "-" if run.burst is None else "/".join(_ms(v) for v in _ttfts(run.burst)),
     ]
+
+
+def _ttfts(s: StreamsSample) -> tuple[float, float, float]:
+    return s.ttft_p50_ms, s.ttft_p99_ms, s.ttft_max_ms
 
 
 ROWS = [
@@ -169,11 +176,14 @@ ROWS = [
     "waited for quiet, others then",
     "after: TTFT p50 / p99 ms",
     "after: p99 per second ms",
+    "burst: new streams (errors)",
+    "burst: TTFT p50 / p99 / max ms",
 ]
 
 
 def _table(run: RoundMode) -> list[str]:
-    paths = [p for p in ("direct", "sidecar", "limited", "baseline", "relay", "nginx") if p in run.paths]
+    order = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2")
+    paths = [p for p in order if p in run.paths]
     columns = [[p, *_cells(run.paths[p], run.added.get(p))] for p in paths]
     labels = ["path", *ROWS]
     width = max(len(label) for label in labels)
@@ -191,7 +201,8 @@ def render(report: StreamsReport) -> str:
         f"many streams ({'quick' if report.quick else 'full'} run, {report.seconds:.0f} s; {report.cores})",
         f"{settings['clients']} clients, each a closed loop of streams of {settings['events']} events over "
         f"{settings['duration']} s; measured {settings['seconds']} s after a {settings['ramp']} s ramp; "
-        f"'after': {settings['recovery_clients']} clients right after",
+        f"'after': {settings['recovery_clients']} clients right after; 'burst': {settings['burst']} new "
+        f"connections at once {settings['burst_at']} s into the clients' streams (sidecar mode)",
         f"machine: loadavg {report.machine.loadavg_start} -> {report.machine.loadavg_end}; busiest others "
         f"at start {_busy(report.machine.busiest_start)}, at end {_busy(report.machine.busiest_end)}",
     ]
@@ -204,6 +215,8 @@ def render(report: StreamsReport) -> str:
             nginx = "" if target.nginx is None else f"; nginx {target.nginx:,.1f}"
             value = f"{target.value:,.1f}"
             lines.append(f"  target {target.figure} <= {target.limit:g}: sidecar {value}{nginx}  {verdict}")
+        lines += _burst_verdict(run)
+        lines += _ratios(run)
     for run in report.runs:
         for path, entry in run.paths.items():
             if entry.profile is not None:
@@ -211,6 +224,33 @@ def render(report: StreamsReport) -> str:
     if report.skipped:
         lines.append("skipped: " + "; ".join(report.skipped))
     return "\n".join(lines)
+
+
+def _ratios(run: RoundMode) -> list[str]:
+    """Each sidecar's cost against nginx's with as many processes, in this round: CPU per event
+    and TTFT p99 added over direct."""
+    found = []
+    for ours, theirs in (("sidecar", "nginx"), ("sidecar-w2", "nginx-w2")):
+        mine, ref = run.paths.get(ours), run.paths.get(theirs)
+        if mine is None or ref is None or not ref.load.hop_us_per_event:
+            continue
+        cpu = mine.load.hop_us_per_event / ref.load.hop_us_per_event
+        text = f"  {ours} / {theirs}: CPU per event {cpu:.2f}x"
+        add, ref_add = run.added.get(ours), run.added.get(theirs)
+        if add is not None and ref_add is not None and ref_add.ttft_p99_ms > 0:
+            text += f", TTFT p99 added {add.ttft_p99_ms / ref_add.ttft_p99_ms:.2f}x"
+        found.append(text)
+    return found
+
+
+def _burst_verdict(run: RoundMode) -> list[str]:
+    """The burst's TTFT p99 against nginx's in the same round (the goal: no worse)."""
+    ours, nginx = run.paths.get("sidecar"), run.paths.get("nginx")
+    if ours is None or ours.burst is None or nginx is None or nginx.burst is None:
+        return []
+    mine, theirs = ours.burst.ttft_p99_ms, nginx.burst.ttft_p99_ms
+    verdict = "PASS" if mine <= theirs else "MISS"
+    return [f"  burst TTFT p99 <= nginx's: sidecar {mine:,.1f}; nginx {theirs:,.1f}  {verdict}"]
 
 
 def _busy(found: list[tuple[str, float]]) -> str:

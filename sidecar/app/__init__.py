@@ -6,6 +6,6 @@ from __future__ import annotations
 
 from sidecar.app.admin import create_admin_app
 from sidecar.app.core import ProxyApp, create_app
-from sidecar.app.runtime import Deps, Runtime
+from sidecar.app.runtime import Deps, Runtime, Worker
 
-__all__ = ["Deps", "ProxyApp", "Runtime", "create_admin_app", "create_app"]
+__all__ = ["Deps", "ProxyApp", "Runtime", "Worker", "create_admin_app", "create_app"]

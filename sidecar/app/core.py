@@ -26,6 +26,7 @@ from sidecar import retries
 from sidecar.app.decode_ranks import start_ranks
 from sidecar.app.ranks import RANK, rank_url
 from sidecar.app.runtime import Deps, Runtime
+from sidecar.app.shared import SharedInFlight
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
 from sidecar.decision.inflight import InFlight
@@ -45,6 +46,7 @@ from sidecar.release.base import Releaser
 from sidecar.release.hold import hold_seconds
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
+from sidecar.release.shared import SharedLedger
 from sidecar.release.targets import BreakerPolicy
 from sidecar.router.legs import Router
 from sidecar.router.pool import PrefillPool
@@ -123,9 +125,13 @@ class ProxyApp:
             config, decode.decode_version, metrics.registry, tracing, lists.release
         )
         await releaser.start()
-        pipeline = _pipeline(config, releaser, metrics, tracing, deps.clock, _hold(config, decode))
+        pipeline = _pipeline(config, releaser, metrics, tracing, deps, _hold(config, decode))
         pipeline.start()
-        inflight = InFlight(config.ledger_size, config.release_deadline)
+        inflight = (
+            InFlight(config.ledger_size, config.release_deadline)
+            if deps.shared is None
+            else SharedInFlight(deps.shared.table, deps.shared.index, config.release_deadline)
+        )
         parts = ProxyParts(
             upstream=upstream,
             pipeline=pipeline,
@@ -184,7 +190,7 @@ def _pipeline(
     releaser: Releaser,
     metrics: Metrics,
     tracing: Tracing,
-    clock: Callable[[], float],
+    deps: Deps,
     hold: Callable[[], float],
 ) -> Pipeline:
     settings = Settings(
@@ -195,9 +201,12 @@ def _pipeline(
         breaker=BreakerPolicy(failures=config.release_target_failures),
         hold=hold,
     )
-    return Pipeline(
-        releaser, metrics, Ledger(config.ledger_size, config.ledger_ttl, clock), settings, clock, tracing
+    ledger = (
+        Ledger(config.ledger_size, config.ledger_ttl, deps.clock)
+        if deps.shared is None
+        else SharedLedger(deps.shared.table, config.ledger_ttl)
     )
+    return Pipeline(releaser, metrics, ledger, settings, deps.clock, tracing)
 
 
 def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:

@@ -27,6 +27,7 @@ from sidecar.proxy.inject import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release.base import Releaser
 from sidecar.release.pipeline import Pipeline
+from sidecar.release.shared import SharedTable
 from sidecar.router.pool import PrefillPool
 from sidecar.upstream import Client
 
@@ -43,6 +44,16 @@ class Deps:
     trust: Trust | None = None  # built once by ``serve`` (it reads the secret files)
     injector: Injector | None = None
     pool: PrefillPool | None = None  # router mode's P servers
+    # One of several worker processes (``workers``): the ledger and the veto on the shared table.
+    shared: Worker | None = None
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This worker process's place among its siblings: its index and the table they share."""
+
+    index: int
+    table: SharedTable
 
 
 @dataclass

@@ -135,6 +135,10 @@ HELP: dict[str, tuple[str, str]] = {
         "data-parallel ranks: listeners on port..port+N-1, rank r forwarding to decode_url's port + r",
         "ranks",
     ),
+    "workers": (
+        "serving processes sharing the ports, the ledger and the admin port; auto: the CPU quota's cores",
+        "processes, or auto",
+    ),
     "pod_ip": (
         "this pod's address in x-data-parallel-host-port (POD_IP:port picks the rank on that port)",
         "",

@@ -153,7 +153,13 @@ def _path_error(parts: SplitResult) -> str:
     return ""
 
 
+MAX_WORKERS = 32  # sidecar.release.shared's table has a column per worker
+
+
 def _numbers(config: Config) -> None:
+    workers = config.workers
+    if workers != "auto" and not (workers.isdigit() and 1 <= int(workers) <= MAX_WORKERS):
+        raise ConfigError("workers", config.workers, f"must be auto or a number of processes 1-{MAX_WORKERS}")
     for name in POSITIVE:
         value = getattr(config, name)
         if value <= 0:

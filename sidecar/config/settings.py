@@ -162,8 +162,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     decode_tls_insecure: bool = False
     prefill_tls: bool = False
     prefill_tls_insecure: bool = False
-    # Data-parallel ranks: listeners on port..port+N-1, rank r forwarding to decode_url's port + r.
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1  # ranks: listeners on port..port+N-1, rank r to decode_url's port + r
+    workers: str = "1"  # serving processes (sidecar.server.workers); auto: the CPU quota's cores
     pod_ip: str = ""  # this pod's address as x-data-parallel-host-port names a rank (llm-d: POD_IP)
     # P hosts allowed: the pods an InferencePool selects, watched from the Kubernetes API (sidecar.k8s).
     inference_pool: str = ""  # namespace/name

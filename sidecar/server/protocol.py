@@ -25,25 +25,27 @@ What it relies on, each checked against the installed uvicorn by
   ``response_complete``, ``disconnected``, ``flow.write_paused``,
   ``waiting_for_100_continue``; written when a limit closes the connection:
   ``disconnected``, ``message_event``;
-* ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``);
-  ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
+* ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``, its sockets read by
+  ``sidecar.server.accept``); ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import socket
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
+from sidecar.server.accept import Acceptor
 from sidecar.server.limits import ServerLimits, marked_over_limit, raw_error
 from sidecar.transport.coalesce import CoalescingTransport
 from sidecar.transport.relay import RELAY, ClientRelay
@@ -355,11 +357,14 @@ class Server(uvicorn.Server):
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets=sockets)
-        except SystemExit:  # uvicorn would end the process from inside a task: stop this server only
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:  # uvicorn would end the process: stop this server only
             self.startup_failed = self.should_exit = True
             return
+        config, state, kind = self.config, self.server_state, cast(Any, self.config.http_protocol_class)
+        protocol = functools.partial(kind, config=config, server_state=state, app_state=self.lifespan.state)
+        self.servers = [Acceptor(s, protocol, config.ssl) for s in sockets or ()]  # type: ignore[misc]
+        self.started = True
         if self._freeze and not self.should_exit:
             gc.collect()  # start-up's garbage is freed, not frozen
             gc.freeze()

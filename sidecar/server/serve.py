@@ -29,7 +29,7 @@ from sidecar.exceptions import SidecarError
 from sidecar.k8s.account import check_service_account
 from sidecar.observability import logs, tracing
 from sidecar.proxy.trust import Trust
-from sidecar.server import memory
+from sidecar.server import memory, workers
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS, TLSFileError, serving
@@ -81,6 +81,10 @@ def start(config: config_mod.Config, sources: dict[str, str]) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
+    size = workers.count(config.workers)
+    if size > 1:
+        log.info("starting workers", extra={"workers": size, "setting": config.workers})
+        return workers.supervise(config, sockets, size, tls.admin)
     try:
         asyncio.run(serve(config, sockets=sockets, deps=Deps(trust=trust), tls=tls))
     except StartupFailed as exc:
@@ -267,5 +271,8 @@ def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: Serve
 
 
 def _shown(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
+    name = sock.getsockname()
+    if isinstance(name, str):
+        return name  # a worker's admin app on its Unix socket
+    host, port = name[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

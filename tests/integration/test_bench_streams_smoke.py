@@ -2,7 +2,8 @@
 
 The smoke run builds the C load generator and fake D, starts the fake P, both
 sidecars, the relays (and nginx when the machine has it), and runs every path
-of both modes with a few dozen clients. It checks that every stream was
+of both modes with a few dozen clients, the sidecar and nginx each also with two
+processes. It checks that every stream was
 answered whole (the bench counts anything else as an error), that each
 figure is consistent with the others and with the run's shape, and that the
 derived ones (added over direct, targets) follow from the measured ones.
@@ -19,7 +20,8 @@ import pytest
 from tests.integration.bench_runs import run_bench
 
 NGINX = shutil.which("nginx") is not None
-PATHS = ["direct", "sidecar", "relay"] + (["nginx"] if NGINX else [])
+# The workers axis (--workers 1,2): the sidecar with two workers, and nginx with two processes.
+PATHS = ["direct", "sidecar", "sidecar-w2", "relay"] + (["nginx", "nginx-w2"] if NGINX else [])
 
 # serial: the bench loads the machine (make test runs it alone)
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler"), pytest.mark.serial]
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C c
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("streams") / "streams.json"
-    data, stdout = run_bench(out, "--workload", "streams", "--quick")
+    data, stdout = run_bench(out, "--workload", "streams", "--quick", "--workers", "1,2")
     data["stdout"] = stdout
     return data
 
@@ -44,6 +46,14 @@ def test_every_path_of_both_modes_ran_without_an_error(report: dict[str, Any]) -
                 assert phase["statuses"] == {}
             # the short phase right after may see none start in its window on a stalled machine
             assert entry["sample"]["streams"] > 0
+            burst = entry["burst"]
+            if run["mode"] == "router":
+                assert burst is None  # the accept-burst step runs in sidecar mode
+                continue
+            # every new connection was accepted and ran its one stream whole
+            assert burst["streams"] == burst["clients"] == report["settings"]["burst"]
+            assert burst["errors"] == 0 and burst["statuses"] == {}
+            assert 0 < burst["ttft_p50_ms"] <= burst["ttft_p99_ms"] <= burst["ttft_max_ms"]
     assert ("nginx: no nginx binary" in " ".join(report["skipped"])) is not NGINX
 
 
@@ -90,4 +100,5 @@ def test_what_a_hop_adds_and_the_targets_follow_from_the_figures(report: dict[st
     for run in report["runs"]:
         assert f"round {run['round']}, {run['mode']} mode" in report["stdout"]
     verdicts = sum(len(run["targets"]) for run in report["runs"])
+    verdicts += NGINX * sum(run["mode"] == "sidecar" for run in report["runs"])  # the burst's, beside nginx
     assert report["stdout"].count("  PASS") + report["stdout"].count("  MISS") == verdicts

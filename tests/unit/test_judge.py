@@ -20,7 +20,7 @@ from sidecar.classify import Cause, Event, Failure, Outcome
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
 from sidecar.decision.judge import Judge
-from sidecar.decision.policy import ROUTER, SIDECAR, Policy
+from sidecar.decision.policy import ROUTER, SIDECAR, Policy, router_policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.params import release_params
@@ -306,6 +306,101 @@ def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
     stream = StreamJudge(rig.judge, exchange(stream=True, route="/v1/responses"))
     stream.feed(lead + REFUSAL)
     assert [job.cause for job in rig.queue.jobs] == [Cause.STREAM_ADMISSION_ERROR]
+
+
+@pytest.mark.parametrize(
+    ("event", "told"),
+    [
+        (Event(failure=Failure.CONNECT_REFUSED), [(Failure.CONNECT_REFUSED, None, False)]),
+        (Event(failure=Failure.INJECTED, answer=429), []),  # the sidecar's own answer: D said nothing
+        (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), []),
+        (Event(failure=Failure.RESET_AFTER_SEND, started=True), []),  # D answered 200, then broke
+        (Event(failure=Failure.RESET_AFTER_SEND, started=True, closing=True), [(200, None, True)]),
+        (Event(status=200), []),
+        (Event(status=200, closing=True), [(200, None, True)]),
+        (Event(status=299), []),
+        (Event(status=300, error_message="moved"), [(300, "moved", False)]),
+        (Event(status=400, error_message="bad"), [(400, "bad", False)]),
+    ],
+    ids=[
+        "unreachable",
+        "injected",
+        "client-gone",
+        "cut-stream",
+        "cut-closing-stream",
+        "2xx",
+        "2xx-closing",
+        "last-2xx",
+        "3xx",
+        "4xx",
+    ],
+)
+def test_what_each_event_tells_of_d(event: Event, told: list[tuple[Failure | int, str | None, bool]]) -> None:
+    facts = Facts(None)
+    Rig(facts=facts).judge.judge(exchange(), event)
+    assert facts.observed == told
+
+
+def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged() -> None:
+    refused = Facts(None)
+    StreamJudge(Rig(facts=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
+    assert refused.observed == [(400, "bad", True)]
+    ended = Facts(None)
+    stream = StreamJudge(Rig(facts=ended).judge, exchange(stream=True), closing=True)
+    stream.feed(b'data: {"choices": [{"text": "hi"}]}')
+    stream.finish()
+    assert ended.observed == [(200, None, True)]
+    cut = Facts(None)
+    rig = Rig(facts=cut)
+    stream = StreamJudge(rig.judge, exchange(stream=True), closing=True)
+    stream.reset()
+    assert cut.observed == [(200, None, True)]
+    assert rig.traces.decisions == [("ambiguous", "reset_after_send", "not_released")]
+
+
+def test_a_stream_whose_error_event_ends_unterminated_is_judged_on_that_event() -> None:
+    facts = Facts(None)
+    rig = Rig(facts=facts)
+    stream = StreamJudge(rig.judge, exchange(stream=True))
+    stream.feed(REFUSAL.rstrip(b"\n"))  # no blank line: the event never ended before the stream did
+    assert not stream.decided
+    stream.finish()
+    [job] = rig.queue.jobs
+    assert (job.cause, job.error_type) == (Cause.STREAM_ADMISSION_ERROR, "BadRequestError")
+    assert facts.observed == [(400, "bad", False)]
+
+
+def test_router_mode_releases_its_own_aborts_and_leaves_ds_answers_only_to_a_decode_sidecar() -> None:
+    # router_policy() is called here, not read from ROUTER: each of its defaults is under test.
+    for policy, answers_released in ((router_policy(), True), (router_policy(decode_releases=True), False)):
+        rig = Rig()
+        refused = rig.judge.judge(exchange(policy, request_id="refused"), Event(status=400))
+        assert (refused.outcome, refused.cause) == (
+            (Outcome.RELEASE, Cause.REJECTED_4XX)
+            if answers_released
+            else (Outcome.NO_RELEASE, Cause.DELEGATED)
+        )
+        other = release_params({**V033, "remote_request_id": "aborted"})
+        aborted = rig.judge.judge(
+            exchange(policy, request_id="aborted", params=other),
+            Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD),
+        )
+        assert (aborted.outcome, aborted.cause) == (Outcome.RELEASE, Cause.CLIENT_GONE_AFTER_FORWARD)
+        expected = ["refused", "aborted"] if answers_released else ["aborted"]
+        assert [job.request_id for job in rig.queue.jobs] == expected
+
+
+def test_router_mode_counts_ds_answers_under_the_decode_leg() -> None:
+    metrics = Metrics(CollectorRegistry())
+    policy = router_policy()
+    policy.decode_answered(metrics, 503, 0.25)
+    policy.decode_failed(metrics, Failure.HEADER_TIMEOUT)
+    registry = metrics.registry
+    assert registry.get_sample_value("kvr_leg_latency_seconds_count", {"leg": "decode"}) == 1
+    assert registry.get_sample_value("kvr_leg_failures_total", {"leg": "decode", "cause": "status_5xx"}) == 1
+    assert (
+        registry.get_sample_value("kvr_leg_failures_total", {"leg": "decode", "cause": "header_timeout"}) == 1
+    )
 
 
 def _router_rejection(rig: Rig, prefilled_ago: float | None) -> list[ReleaseJob]:

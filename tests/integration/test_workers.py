@@ -1,0 +1,418 @@
+"""``serve --workers 2``: every guarantee of one sidecar holds across its worker processes.
+
+Real processes on loopback: ``python -m sidecar serve --workers 2 --release http``
+(a supervisor and two workers sharing the proxy port's listening socket) in front
+of a fake D run here, which also serves D's control endpoint and records every
+release it is asked for. Which worker takes a connection is the kernel's choice,
+so each test sends over fresh connections until every worker has had its share,
+reading each worker's own ``/metrics`` on its Unix socket (named in its log).
+Readiness is polled; no wall-clock bound is asserted beyond a generous one for a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sidecar.wire import error_body
+from tests.integration.conftest import kv_params
+from tests.servers import ServerThread, free_port, serve
+
+pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
+HANG = 60.0  # a bound for a hang, not a measure
+VALIDATION = error_body(
+    "1 validation error:\n  {'type': 'int_parsing', 'loc': ('body', 'max_tokens'), "
+    "'msg': 'Input should be a valid integer', 'input': 'x'}",
+    400,
+    "Bad Request",
+    "body.max_tokens",
+)
+
+
+class FakeDecode:
+    """D and its control endpoint. A completion's prompt says what D does: ``reject`` (vLLM's
+    400 for a body failing validation, before its handler: the sidecar releases), ``hold``
+    (answer 200 once ``gate`` opens), ``hold-reject`` (the 400 once ``gate`` opens), else 200."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.control_gate = threading.Event()
+        self.control_gate.set()
+        self.releases: list[str] = []  # the remote_request_id of every release asked for
+        self.completions: list[str] = []
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def app(self) -> Starlette:
+        async def health(request: Request) -> Response:
+            return Response(b"")
+
+        async def version(request: Request) -> Response:
+            return JSONResponse({"version": "0.33.0"})
+
+        async def completions(request: Request) -> Response:
+            body = await request.json()
+            rid = body["kv_transfer_params"]["remote_request_id"]
+            with self._lock:
+                self.completions.append(rid)
+            prompt = body["prompt"]
+            if prompt.startswith("hold"):
+                with self._lock:
+                    self.held += 1
+                await asyncio.to_thread(self.gate.wait, HANG)
+            if prompt.endswith("reject"):
+                return Response(VALIDATION, status_code=400, media_type="application/json")
+            answer = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+                      "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}  # fmt: skip
+            return JSONResponse(answer)
+
+        async def release(request: Request) -> Response:
+            body = await request.json()
+            await asyncio.to_thread(self.control_gate.wait, HANG)
+            with self._lock:
+                self.releases.append(body["kv_transfer_params"]["remote_request_id"])
+            return JSONResponse({"request_id": body["request_id"]})
+
+        async def control_health(request: Request) -> Response:
+            return JSONResponse({})
+
+        return Starlette(
+            routes=[
+                Route("/health", health),
+                Route("/version", version),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/kv_release/v1/release", release, methods=["POST"]),
+                Route("/kv_release/v1/health", control_health),
+            ]
+        )
+
+
+class Workers:
+    """A running ``serve --workers 2`` and what its log says."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log: Path, url: str, admin: str) -> None:
+        self.process, self.log, self.url, self.admin = process, log, url, admin
+        self.verify: ssl.SSLContext | bool = True
+
+    def lines(self) -> list[dict[str, Any]]:
+        found = []
+        for line in self.log.read_text().splitlines():
+            if line.startswith("{"):
+                found.append(json.loads(line))
+        return found
+
+    def sockets(self) -> dict[int, str]:
+        """Each worker's admin socket, by index (the last one logged: a restarted worker's)."""
+        found: dict[int, str] = {}
+        for line in self.lines():
+            if line.get("msg") == "listening" and line.get("setting") == "admin_port":
+                found[line["worker"]] = line["addresses"][0]  # each worker's lines name it
+        return found
+
+    def ready(self) -> dict[str, Any]:
+        deadline = time.monotonic() + HANG
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                response = httpx.get(self.admin + "/readyz", timeout=5, verify=self.verify)
+                if response.status_code == 200:
+                    body: dict[str, Any] = response.json()
+                    return body
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+
+    def worker_sample(self, index: int, name: str, **labels: str) -> float:
+        socket = self.sockets()[index]
+        with httpx.Client(transport=httpx.HTTPTransport(uds=socket), timeout=5) as client:
+            text = client.get("http://worker/metrics").text
+        return sample(text, name, **labels)
+
+    def sample(self, name: str, **labels: str) -> float:
+        return sample(httpx.get(self.admin + "/metrics", timeout=5).text, name, **labels)
+
+    def complete(self, rid: str, prompt: str = "say ok") -> httpx.Response:
+        """One completion over a connection of its own."""
+        body = {"model": "m", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": kv_params(rid)}
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=HANG)
+
+    def until_each_worker(self, name: str, send: Callable[[int], object], **labels: str) -> int:
+        """Call ``send(i)`` (i = 0, 1, ...) until metric ``name`` counts at least one on every worker;
+        how many calls that took."""
+        for i in range(400):
+            send(i)
+            if all(self.worker_sample(w, name, **labels) >= 1 for w in (0, 1)):
+                return i + 1
+        raise AssertionError("the kernel gave every connection to one worker 400 times")
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + HANG
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
+    fake = FakeDecode()
+    with serve(fake.app()) as server:
+        yield fake, server
+        fake.gate.set()
+        fake.control_gate.set()
+
+
+def start_workers(
+    decode_url: str, tmp_path: Path, *flags: str, verify: ssl.SSLContext | None = None
+) -> Iterator[Workers]:
+    port, admin = free_port(), free_port()
+    log = tmp_path / "sidecar.log"
+    argv = [sys.executable, "-m", "sidecar", "serve", "--workers", "2", "--release", "http",
+            "--control-token", "t", "--decode-url", decode_url, "--decode-kv-connector", "yes",
+            "--vllm-version", "0.33.0", "--host", "127.0.0.1", "--port", str(port),
+            "--admin-host", "127.0.0.1", "--admin-port", str(admin), "--log-format", "json",
+            *flags]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        scheme = "http" if verify is None else "https"
+        workers = Workers(process, log, f"{scheme}://127.0.0.1:{port}", f"{scheme}://127.0.0.1:{admin}")
+        workers.verify = verify or True
+        workers.ready()
+        wait_until(lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged")
+        yield workers
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(HANG)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def workers(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+    yield from start_workers(decode[1].url, tmp_path)
+
+
+def test_a_replay_is_refused_on_every_worker(
+    decode: tuple[FakeDecode, ServerThread], workers: Workers
+) -> None:
+    fake = decode[0]
+    assert workers.complete("spent-1", "reject").status_code == 400
+    wait_until(lambda: fake.releases == ["spent-1"], "the rejection released")
+    answers: list[int] = []
+    sent = workers.until_each_worker(
+        "kvr_released_replays_total",
+        lambda i: answers.append(workers.complete("spent-1").status_code),
+        action="refused",
+    )
+    assert answers == [409] * sent  # refused whichever worker took the connection
+    assert fake.completions == ["spent-1"]  # no replay reached D
+    assert workers.sample("kvr_released_replays_total", action="refused") == sent
+    assert fake.releases == ["spent-1"]
+
+
+def test_exactly_one_release_per_rejection(decode: tuple[FakeDecode, ServerThread], workers: Workers) -> None:
+    """Three copies of each rejected request at once, on connections of their own: whichever
+    workers judge them, P's blocks are released once."""
+    fake = decode[0]
+    rids = [f"dup-{i}" for i in range(20)]
+    with ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(lambda rid: workers.complete(rid, "reject").status_code, rids * 3))
+    assert set(statuses) <= {400, 409}  # D's rejection, or the replay refused once released
+    wait_until(lambda: workers.sample("kvr_inflight_requests") == 0, "every request judged")
+    for worker in (0, 1):
+        assert workers.worker_sample(worker, "kvr_release_queue_depth") == 0
+    wait_until(lambda: len(fake.releases) >= len(rids), "every rejection released")
+    assert sorted(fake.releases) == sorted(rids)  # once each, never twice
+    assert workers.sample("kvr_releases_total", result="sent") == len(rids)
+    assert all(workers.worker_sample(w, "kvr_requests_total") > 0 for w in (0, 1))
+
+
+def test_metrics_totals_are_the_sum_of_every_workers_work(
+    decode: tuple[FakeDecode, ServerThread], workers: Workers
+) -> None:
+    def answered(i: int) -> None:
+        assert workers.complete(f"ok-{i}").status_code == 200
+
+    sent = workers.until_each_worker("kvr_requests_total", answered, status_class="2xx")
+    sent += 10
+    for i in range(10):
+        answered(1000 + i)
+    per_worker = [workers.worker_sample(w, "kvr_requests_total", status_class="2xx") for w in (0, 1)]
+    assert sum(per_worker) == sent and min(per_worker) >= 1
+    assert workers.sample("kvr_requests_total", status_class="2xx") == sent
+    latency = [workers.worker_sample(w, "kvr_upstream_latency_seconds_count") for w in (0, 1)]
+    assert workers.sample("kvr_upstream_latency_seconds_count") == sum(latency) == sent
+    assert workers.sample("kvr_ready") == 1
+
+
+@pytest.fixture
+def patient(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+    """Workers whose drain, flush and release held at the control endpoint wait long enough for a
+    loaded machine (the test bounds the wait): one attempt, never timed out and retried."""
+    flags = ("--drain-timeout", "120", "--flush-timeout", "60", "--control-timeout", "60")
+    yield from start_workers(decode[1].url, tmp_path, *flags)
+
+
+def test_sigterm_drains_every_worker_and_flushes_pending_releases(
+    decode: tuple[FakeDecode, ServerThread], patient: Workers
+) -> None:
+    fake, workers = decode[0], patient
+    fake.control_gate.clear()  # the release waits at D's control endpoint: pending at SIGTERM
+    assert workers.complete("flushed", "reject").status_code == 400
+    results: list[int] = []
+    threads: list[threading.Thread] = []
+
+    def hold(i: int) -> None:
+        thread = threading.Thread(
+            target=lambda: results.append(workers.complete(f"held-{i}", "hold").status_code)
+        )
+        thread.start()
+        threads.append(thread)
+        wait_until(lambda: fake.held == len(threads), "the request held at D")
+
+    workers.until_each_worker("kvr_inflight_requests", hold)  # every worker has a request at D
+    workers.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(workers.admin + "/readyz", timeout=5).status_code == 503, "readiness off")
+    wait_until(lambda: _refused(workers.url), "new connections refused while the workers drain")
+    fake.gate.set()
+    for thread in threads:
+        thread.join(HANG)
+    assert results == [200] * len(threads)  # drained: each answered in full
+    fake.control_gate.set()
+    assert workers.process.wait(HANG) == 0
+    assert fake.releases == ["flushed"]  # flushed before the worker exited
+    stopped = [line for line in workers.lines() if line.get("msg") == "sidecar stopped"]
+    assert [line["releases_flushed"] for line in stopped] == [True, True]
+
+
+@pytest.fixture
+def leased(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+    """Workers whose release deadline (the veto's hold on a dead worker's requests) outlasts a
+    worker's restart on a loaded machine."""
+    yield from start_workers(decode[1].url, tmp_path, "--release-deadline", "300")
+
+
+def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
+    decode: tuple[FakeDecode, ServerThread], leased: Workers
+) -> None:
+    fake, workers = decode[0], leased
+    before = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
+    client = threading.Thread(target=lambda: _swallow(lambda: workers.complete("orphan", "hold-reject")))
+    client.start()
+    wait_until(lambda: fake.held == 1, "the request at D")
+    victim = next(w for w in (0, 1) if workers.worker_sample(w, "kvr_inflight_requests") == 1)
+    os.kill(before[victim], signal.SIGKILL)
+    client.join(HANG)  # its client saw the connection drop
+    wait_until(
+        lambda: any(line.get("msg", "").startswith("worker exited") for line in workers.lines()),
+        "the death logged",
+    )
+    after = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
+    assert after[victim] != before[victim] and after[1 - victim] == before[1 - victim]
+    exited = next(line for line in workers.lines() if line.get("msg", "").startswith("worker exited"))
+    assert exited["worker"] == victim and exited["returncode"] == -signal.SIGKILL and exited["vetoed"] == 1
+    assert workers.sample("kvr_worker_restarts_total", worker=str(victim)) == 1
+    assert workers.sample("kvr_workers") == 2
+    fake.gate.set()  # D now rejects the orphan: no worker is left to judge it
+    # The same parameters again, rejected at once: D may still be reading them for the dead
+    # worker's request (it aborts it), so whichever worker judges this one must not release.
+    assert workers.complete("orphan", "reject").status_code == 400
+    wait_until(
+        lambda: workers.sample("kvr_not_released_total", cause="params_in_use") >= 1,
+        "the replay judged",
+    )
+    assert workers.sample("kvr_not_released_total") == 1
+    assert fake.releases == []
+
+
+def _refused(url: str) -> bool:
+    """A new connection to ``url``'s port is refused (no listener left), rather than queued."""
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _swallow(call: Callable[[], Any]) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        call()
+
+
+def test_tls_is_served_by_every_worker_and_the_admin_port(
+    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+) -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    (certs / "tls.crt").write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    (certs / "tls.key").write_bytes(issued.private_key_pem.bytes())
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    verify = ssl.create_default_context(cafile=str(ca_file))
+    flags = ("--tls", "--tls-cert-dir", str(certs), "--admin-tls-cert-dir", str(certs))
+    with contextlib.contextmanager(start_workers)(decode[1].url, tmp_path, *flags, verify=verify) as workers:
+        answered: list[int] = []
+
+        def ask(i: int) -> None:
+            body = {"model": "m", "prompt": "ok", "max_tokens": 4, "kv_transfer_params": kv_params(f"t{i}")}
+            response = httpx.post(workers.url + "/v1/completions", json=body, timeout=HANG, verify=verify)
+            answered.append(response.status_code)
+
+        sent = workers.until_each_worker("kvr_requests_total", ask, status_class="2xx")
+        assert answered == [200] * sent  # each worker served TLS with the directory's certificate
+        assert httpx.get(workers.admin + "/readyz", timeout=5, verify=verify).status_code == 200
+        workers.process.send_signal(signal.SIGTERM)
+        assert workers.process.wait(HANG) == 0
+
+
+def test_workers_that_cannot_start_stop_the_supervisor_with_their_status(
+    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+) -> None:
+    """As one process exits 1 when its start-up fails, so do the workers' supervisor, at once."""
+    argv = [sys.executable, "-m", "sidecar", "serve", "--workers", "2", "--release", "http",
+            "--control-token-file", str(tmp_path / "missing"), "--decode-url", decode[1].url,
+            "--host", "127.0.0.1", "--port", str(free_port()), "--admin-host", "127.0.0.1",
+            "--admin-port", str(free_port()), "--log-format", "json"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, timeout=HANG, check=False)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stderr.decode().splitlines() if line.startswith("{")]
+    assert any(line["msg"] == "worker failed to start" for line in lines)

@@ -1,0 +1,128 @@
+"""The ledger and the in-flight veto on the table worker processes share (``sidecar.release.shared``).
+
+Each test maps the one file twice, as two workers do (or runs real processes
+against it), and checks what one mapping sees of the other's writes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.app.shared import SharedInFlight
+from sidecar.release.shared import SharedLedger, SharedTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def tables(tmp_path: Path, clock: Clock) -> Iterator[tuple[SharedTable, SharedTable]]:
+    path = tmp_path / "table"
+    SharedTable.create(path, 1000).close()
+    one, two = SharedTable(path, clock), SharedTable(path, clock)
+    yield one, two
+    one.close()
+    two.close()
+
+
+def test_a_key_spent_through_one_mapping_is_a_duplicate_through_the_other(
+    tables: tuple[SharedTable, SharedTable], clock: Clock
+) -> None:
+    first, second = SharedLedger(tables[0], 600.0), SharedLedger(tables[1], 600.0)
+    assert first.add(("engine", "r1"))
+    assert ("engine", "r1") in second
+    assert not second.add(("engine", "r1"))
+    assert ("engine", "r2") not in second and second.add(("engine", "r2"))
+    assert len(first) == len(second) == 2
+    clock.now += 601  # past the TTL: a new request may use them again
+    assert ("engine", "r1") not in first
+    assert second.add(("engine", "r1"))
+    second.discard(("engine", "r1"))  # a job not sent: forgotten
+    assert ("engine", "r1") not in first and first.add(("engine", "r1"))
+
+
+def test_a_request_at_d_on_one_worker_vetoes_the_release_on_another(
+    tables: tuple[SharedTable, SharedTable], clock: Clock
+) -> None:
+    zero, one = SharedInFlight(tables[0], 0, 30.0), SharedInFlight(tables[1], 1, 30.0)
+    key = ("engine", "r1")
+    zero.forwarded(key)
+    zero.forwarded(key)
+    assert one.may_be_read(key)
+    zero.finished(key, admitted=False)
+    assert one.may_be_read(key)  # the second copy is still at D
+    zero.finished(key, admitted=False)
+    assert not one.may_be_read(key)
+    one.forwarded(key)
+    one.finished(key, admitted=True)  # D admitted it: readable for the lease
+    assert zero.may_be_read(key)
+    clock.now += 31
+    assert not zero.may_be_read(key)
+
+
+def test_a_dead_workers_requests_at_d_stay_vetoed_for_the_lease(
+    tables: tuple[SharedTable, SharedTable], clock: Clock
+) -> None:
+    dead, alive = SharedInFlight(tables[0], 3, 30.0), SharedInFlight(tables[1], 1, 30.0)
+    dead.forwarded(("engine", "r1"))
+    dead.forwarded(("engine", "r2"))
+    alive.forwarded(("engine", "r3"))
+    assert tables[1].reap(3, 30.0) == 2
+    assert alive.may_be_read(("engine", "r1")) and alive.may_be_read(("engine", "r2"))
+    alive.finished(("engine", "r3"), admitted=False)
+    assert not alive.may_be_read(("engine", "r3"))
+    clock.now += 31  # the lease over: D has let go of them
+    assert not alive.may_be_read(("engine", "r1"))
+    assert tables[1].reap(3, 30.0) == 0
+
+
+def test_a_full_bucket_never_forgets_a_request_at_d(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "tiny"
+    SharedTable.create(path, 1).close()  # 16 buckets of 8 slots
+    table = SharedTable(path, clock)
+    veto = SharedInFlight(table, 0, 30.0)
+    keys = [("engine", f"r{i}") for i in range(400)]  # more than every slot: some bucket overflows
+    for key in keys:
+        veto.forwarded(key)
+    assert all(veto.may_be_read(key) for key in keys)
+    assert veto.may_be_read(("engine", "never-forwarded"))  # held: the veto cannot tell
+    for key in keys:
+        veto.finished(key, admitted=False)
+    assert not veto.may_be_read(("engine", "never-forwarded"))  # all left D: nothing held
+    ledger = SharedLedger(table, 600.0)
+    assert all(ledger.add(key) for key in keys)  # spent entries evict one another, none at D
+    table.close()
+
+
+def _spend_all(path: str, keys: int, out: multiprocessing.Queue[int]) -> None:
+    table = SharedTable(Path(path))
+    ledger = SharedLedger(table, 600.0)
+    out.put(sum(ledger.add(("engine", f"r{i}")) for i in range(keys)))
+
+
+def test_two_processes_spending_the_same_keys_at_once_spend_each_once(tmp_path: Path) -> None:
+    path = tmp_path / "table"
+    SharedTable.create(path, 20_000).close()
+    context = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue[int] = context.Queue()
+    workers = [context.Process(target=_spend_all, args=(str(path), 5000, out)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    counts = [out.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+    assert sum(counts) == 5000  # every key added exactly once across the two
