@@ -336,22 +336,22 @@ def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
     ],
 )
 def test_what_each_event_tells_of_d(event: Event, told: list[tuple[Failure | int, str | None, bool]]) -> None:
-    facts = Facts(None)
-    Rig(facts=facts).judge.judge(exchange(), event)
-    assert facts.observed == told
+    decode = FakeDecode(None)
+    Rig(decode=decode).judge.judge(exchange(), event)
+    assert decode.observed == told
 
 
 def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged() -> None:
-    refused = Facts(None)
-    StreamJudge(Rig(facts=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
+    refused = FakeDecode(None)
+    StreamJudge(Rig(decode=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
     assert refused.observed == [(400, "bad", True)]
-    ended = Facts(None)
-    stream = StreamJudge(Rig(facts=ended).judge, exchange(stream=True), closing=True)
+    ended = FakeDecode(None)
+    stream = StreamJudge(Rig(decode=ended).judge, exchange(stream=True), closing=True)
     stream.feed(b'data: {"choices": [{"text": "hi"}]}')
     stream.finish()
     assert ended.observed == [(200, None, True)]
-    cut = Facts(None)
-    rig = Rig(facts=cut)
+    cut = FakeDecode(None)
+    rig = Rig(decode=cut)
     stream = StreamJudge(rig.judge, exchange(stream=True), closing=True)
     stream.reset()
     assert cut.observed == [(200, None, True)]
@@ -359,15 +359,15 @@ def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged(
 
 
 def test_a_stream_whose_error_event_ends_unterminated_is_judged_on_that_event() -> None:
-    facts = Facts(None)
-    rig = Rig(facts=facts)
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
     stream = StreamJudge(rig.judge, exchange(stream=True))
     stream.feed(REFUSAL.rstrip(b"\n"))  # no blank line: the event never ended before the stream did
     assert not stream.decided
     stream.finish()
     [job] = rig.queue.jobs
     assert (job.cause, job.error_type) == (Cause.STREAM_ADMISSION_ERROR, "BadRequestError")
-    assert facts.observed == [(400, "bad", False)]
+    assert decode.observed == [(400, "bad", False)]
 
 
 def test_router_mode_releases_its_own_aborts_and_leaves_ds_answers_only_to_a_decode_sidecar() -> None:
