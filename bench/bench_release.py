@@ -121,7 +121,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
     from prometheus_client import CollectorRegistry
 
     from sidecar.config import Config
-    from sidecar.release.base import Result
+    from sidecar.release.base import JobResult
     from sidecar.release.nixl import NixlReleaser
     from tests.integration.test_nixl_release import make_job, params_for
 
@@ -147,7 +147,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
             if before_each is not None:
                 await before_each()
             submitted[rid] = time.monotonic_ns()
-            assert await releaser.release(job(rid)) is Result.SENT
+            assert await releaser.release(job(rid)) is JobResult.SENT
             calls[kind].append((time.monotonic_ns() - submitted[rid]) / 1e6)  # the sidecar's part
             await asyncio.sleep(0.001)  # one at a time: latency, not queueing
         arrived = await asyncio.to_thread(p.collect, set(rids))
@@ -169,7 +169,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
                 rid = f"tput-{w}-{i}"
                 i += 1
                 rids.add(rid)
-                assert await releaser.release(job(rid)) is Result.SENT
+                assert await releaser.release(job(rid)) is JobResult.SENT
                 count += 1
 
         await asyncio.gather(*(worker(w) for w in range(inflight)))

@@ -155,18 +155,17 @@ def disabled_hook_ns(loops: int = 200_000) -> float:
 
     A sidecar-mode request passes ``Proxy.__call__`` (``route is not None and
     tracing.enabled``), ``Forwarder.forward`` (``tracing.enabled``), ``_respond``
-    and the end of ``forward`` (``exchange.leg is not None``, twice) and
+    and the end of ``forward`` (``leg is not None``, a local, twice) and
     ``Judge.judge`` (``tracing.enabled``, once): the same guards, against the
     same objects, timed against the same function without them.
     """
-    from sidecar.decision.policy import SIDECAR
-    from sidecar.observability.tracing import OFF
-    from sidecar.proxy.context import Exchange
+    from sidecar.observability.tracing import OFF, Leg
 
     class Holder:
         tracing = OFF
 
-    proxy, exchange, route = Holder(), Exchange("r", "/v1/chat/completions", None, False, 0.0, SIDECAR), "/x"
+    proxy, route = Holder(), "/x"
+    leg: Leg | None = None
 
     def guarded() -> int:
         n = 0
@@ -174,9 +173,9 @@ def disabled_hook_ns(loops: int = 200_000) -> float:
             n += 1
         if proxy.tracing.enabled:
             n += 1
-        if exchange.leg is not None:
+        if leg is not None:
             n += 1
-        if exchange.leg is not None:
+        if leg is not None:
             n += 1
         if proxy.tracing.enabled:
             n += 1

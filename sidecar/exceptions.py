@@ -90,7 +90,7 @@ class ReleaseError(SidecarError):
     """Base of every error a strategy raises for one job."""
 
     reason: Reason = Reason.RETRYABLE  # the metric label
-    verdict: TargetHealth = TargetHealth.UP  # what the failure says about the target
+    health: TargetHealth = TargetHealth.UP  # what the failure says about the target
 
 
 class RetryableReleaseError(ReleaseError):
@@ -103,12 +103,12 @@ class PermanentReleaseError(ReleaseError):
     """Retrying cannot help: target not allowed, unknown vLLM release, bad parameters."""
 
     reason = Reason.PERMANENT
-    verdict = TargetHealth.UNTOUCHED  # most are decided before connecting; those after say UP
+    health = TargetHealth.UNTOUCHED  # most are decided before connecting; those after say UP
 
     def __init__(
-        self, message: str, reason: Reason = Reason.PERMANENT, verdict: TargetHealth | None = None
+        self, message: str, reason: Reason = Reason.PERMANENT, health: TargetHealth | None = None
     ) -> None:
         super().__init__(message)
         self.reason = reason
-        if verdict is not None:
-            self.verdict = verdict
+        if health is not None:
+            self.health = health

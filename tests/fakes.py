@@ -1,5 +1,6 @@
-"""Fakes at the proxy's seams, for unit tests: the upstream client, D's facts, a recording releaser;
-and for tests that drive a protocol by hand: its transport, and a loop counting timers.
+"""Fakes at the proxy's seams, for unit tests: the upstream client, D as the judge reads it, a
+recording releaser; and for tests that drive a protocol by hand: its transport, and a loop
+counting timers.
 
 ``FakeUpstream`` speaks ``sidecar.upstream.Client``, as httpx's ``MockTransport``
 speaks a transport: every request goes to a handler that returns a
@@ -134,8 +135,8 @@ def refused(request: FakeRequest) -> FakeResponse:
     raise UpstreamError(Failure.CONNECT_REFUSED, "connection refused")
 
 
-class Facts:
-    """``DecodeFacts``: D's release and whether its engine can notify, set by the test."""
+class FakeDecode:
+    """``DecodeWatch``: D's release and whether its engine can notify, set by the test."""
 
     def __init__(self, version: str | None = "0.33.0", can_notify: bool = True) -> None:
         self._version, self._can_notify = version, can_notify

@@ -36,11 +36,10 @@ from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.admit import Admission, Routed
-from sidecar.proxy.answers import send_error
+from sidecar.proxy.admit import Admission, RouterMode
 from sidecar.proxy.headers import request_headers
 from sidecar.proxy.inject import Injector
-from sidecar.proxy.llmd_answers import send_plain
+from sidecar.proxy.style import STYLES
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
@@ -57,11 +56,6 @@ from sidecar.upstream import Client, Upstream
 log = logging.getLogger("sidecar.app")
 
 NOT_STARTED = "the sidecar is starting: its InferencePool is not listed yet; retry shortly"
-NOT_STARTED_LLMD = (
-    b'{"object":"error","message":"'
-    + NOT_STARTED.encode()
-    + b'","type":"ServiceUnavailable","param":"","code":503}'
-)
 
 
 class ProxyApp:
@@ -70,6 +64,7 @@ class ProxyApp:
     def __init__(self, config: Config, deps: Deps | None = None) -> None:
         self.config = config
         self.deps = deps or Deps()
+        self.answers = STYLES[config.answers]  # the style of the sidecar's own answers, picked once
         self.runtime: Runtime | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,11 +99,7 @@ class ProxyApp:
 
     async def _not_started(self, scope: Scope, send: Send) -> None:
         """503 while the InferencePool is first listed, in the answers' shape (the body unread)."""
-        request_id = request_headers(scope["headers"])[1]
-        if self.config.answers == "llm-d":  # llm-d's flat error shape, sent as Go sends an untyped body
-            await send_plain(send, 503, NOT_STARTED_LLMD, request_id, sniffed=True)
-        else:
-            await send_error(send, 503, NOT_STARTED, request_id)
+        await self.answers.unavailable(send, NOT_STARTED, request_headers(scope["headers"])[1])
 
     async def startup(self) -> Runtime:
         config, deps = self.config, self.deps
@@ -148,8 +139,8 @@ class ProxyApp:
             trust=deps.trust or Trust(config),
             inflight=inflight,
             injector=deps.injector or Injector(config),
-            facts=decode,
-            routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill)),
+            decode=decode,
+            routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill, self.answers)),
             tracing=tracing,
         )
         proxy = Proxy(config, parts)
@@ -223,7 +214,7 @@ def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
     return ProxyApp(config, deps)
 
 
-def _routing(pool: PrefillPool | None) -> Callable[[Admission], Routed] | None:
+def _routing(pool: PrefillPool | None) -> Callable[[Admission], RouterMode] | None:
     """Router mode, built on each proxy's admission, when there is a P pool (or llm-d's header)."""
     return None if pool is None else lambda admission: Router(admission, pool)
 

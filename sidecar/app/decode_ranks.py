@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from sidecar.classify import Failure
 from sidecar.config import Config
-from sidecar.decision.judge import DecodeFacts
+from sidecar.decision.judge import DecodeWatch
 from sidecar.decode.state import DecodeState
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.upstream import Client
@@ -29,10 +29,10 @@ from sidecar.upstream import Client
 Connect = Callable[[Config, int, "int | None"], Client]  # (config, rank, pool size) -> client to D
 
 
-class RankFacts:
-    """``DecodeFacts`` for one rank's judge: that rank's D state."""
+class RankDecode:
+    """``DecodeWatch`` for one rank's judge: that rank's D state."""
 
-    def __init__(self, state: DecodeState, rank0: DecodeFacts) -> None:
+    def __init__(self, state: DecodeState, rank0: DecodeWatch) -> None:
         self._state, self._rank0 = state, rank0
 
     def version(self) -> str | None:
@@ -78,8 +78,8 @@ async def start_ranks(config: Config, parts: ProxyParts, connect: Connect) -> li
         await probes.start()
         interval, kv = config.decode_health_interval, config.decode_kv_connector
         state = DecodeState(probes, interval=interval, kv_connector=kv)
-        facts = RankFacts(state, parts.facts)
-        proxy = Proxy(config, dataclasses.replace(parts, upstream=upstream, facts=facts))
+        decode = RankDecode(state, parts.decode)
+        proxy = Proxy(config, dataclasses.replace(parts, upstream=upstream, decode=decode))
         ranks.append(Rank(number, proxy, upstream, state, probes))
     await asyncio.gather(*(r.state.start() for r in ranks))
     return ranks

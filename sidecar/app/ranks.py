@@ -5,7 +5,7 @@ the listener of rank r forwards to D's rank r, ``decode_url``'s port + r (vLLM's
 data-parallel ranks each serve their own API port; ``sidecar.app.decode_ranks``
 holds each rank's client and D's state). ``RankFront`` wraps the proxy app once
 per listener: it names the rank in the request's scope, and with
-``answers = "llm-d"`` serves llm-d's ``GET /health`` (and ``HEAD``, as Go's
+llm-d's answers (``sidecar.proxy.style``) serves llm-d's ``GET /health`` (and ``HEAD``, as Go's
 router matches it).
 
 Rank 0's listener honours llm-d's deprecated ``x-data-parallel-host-port`` as
@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config
+from sidecar.proxy.style import STYLES
 
 #: The scope key naming the request's data-parallel rank (0 when absent).
 RANK = "kvr.data_parallel_rank"
@@ -56,9 +57,10 @@ class RankFront:
 
     def __init__(self, app: ASGIApp, rank: int, config: Config) -> None:
         self.app, self.rank = app, rank
-        self._health = config.answers == "llm-d"
+        answers = STYLES[config.answers]
+        self._health = answers.serves_health
         # llm-d's rank 0 server always keeps the table, a single rank included.
-        routes = rank == 0 and (config.data_parallel_size > 1 or config.answers == "llm-d")
+        routes = rank == 0 and (config.data_parallel_size > 1 or answers.keeps_rank_table)
         ranks = range(config.data_parallel_size) if routes else range(0)
         self._ranks = {host_port(config.pod_ip, config.port + r).encode("latin-1"): r for r in ranks}
 

@@ -63,7 +63,7 @@ class Runtime:
     config: Config
     metrics: Metrics
     upstream: Client
-    decode: DecodeState  # D's state: the judge's facts, the strategies' release of D, /readyz
+    decode: DecodeState  # D's state: what the judge reads of D, the strategies' release of D, /readyz
     probes: Client | None  # DecodeState's own connection to D (None: it shares ``upstream``)
     releaser: Releaser
     pipeline: Pipeline

@@ -4,7 +4,7 @@
 (D's status with its error type and message, a stream's first event, or the
 failure that kept an answer from arriving; whether the response had started;
 the sidecar's own answer) and returns the ``Decision``. It first tells D's
-state what the event shows of D (``DecodeFacts.observe``: a failure to reach
+state what the event shows of D (``DecodeWatch.observe``: a failure to reach
 it, an error answer, ``Connection: close``), then decides, in this order, each
 step counted:
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar import retries
@@ -68,8 +69,9 @@ LEASE_EXPIRED = "lease_expired"
 RETRYABLE = "retryable"
 
 
-class DecodeFacts(Protocol):
-    """What the judge needs to know of D now (cheap: read on every rejection)."""
+class DecodeWatch(Protocol):
+    """D as the judge watches it: its release, whether its engine can notify now, and what the
+    request path saw of it (cheap: read on every rejection)."""
 
     def version(self) -> str | None:
         """D's vLLM release (P runs the same), when known."""
@@ -79,6 +81,15 @@ class DecodeFacts(Protocol):
 
     def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """What the judge made of one exchange (at most once): its decision, and whether its
+    parameters went to a release that frees them (then a client's retry with them is refused)."""
+
+    decision: Decision
+    spent: bool = False
 
 
 class Case(Protocol):
@@ -93,8 +104,7 @@ class Case(Protocol):
     data_parallel_rank: int | None
     request_id_generated: bool
     prefilled_at: float | None
-    decided: bool
-    spent: bool
+    judged: Judged | None
 
     @property
     def sent(self) -> object | None:
@@ -114,14 +124,14 @@ class Judge:
         pipeline: Pipeline,
         metrics: Metrics,
         inflight: InFlight,
-        facts: DecodeFacts,
+        decode: DecodeWatch,
         tracing: Tracing,
     ) -> None:
         self._config = config
         self._pipeline = pipeline
         self._metrics = metrics
         self._inflight = inflight
-        self._facts = facts
+        self._decode = decode
         self._tracing = tracing
         # Whether a release frees P's blocks: off, dry-run and a --dry-run free nothing, so a
         # client's retry with the same parameters is never refused and answers never change.
@@ -136,9 +146,9 @@ class Judge:
         """The one entry: what ``event`` means for the exchange's parameters, handed over."""
         news = _news(event)
         if news is not None:  # D's state first: the decision reads it (D's own fix)
-            self._facts.observe(*news, closing=event.closing)
+            self._decode.observe(*news, closing=event.closing)
         decision = exchange.policy.decide(classify(event), event)
-        exchange.decided = True
+        exchange.judged = Judged(decision)
         if exchange.params is None:
             self._traced(decision, "no_params")
             return decision
@@ -182,7 +192,7 @@ class Judge:
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either
         queued = self._pipeline.submit(job)
-        exchange.spent = self.frees and exchange.policy.spends
+        exchange.judged = Judged(decision, spent=self.frees and exchange.policy.spends)
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
 
@@ -212,8 +222,8 @@ class Judge:
         """D's own fix: covered jobs are recorded, never sent; a job D may have released waits."""
         if not self._pipeline.releaser.checked:
             return job  # off and dry-run record every rejection as it is: no checks
-        version = fix_version(self._config.vllm_version or self._facts.version())
-        if version is None or not self._facts.can_notify():
+        version = fix_version(self._config.vllm_version or self._decode.version())
+        if version is None or not self._decode.can_notify():
             return job  # unknown release, or D cannot send now: the sidecar releases
         if engine_covers(version, job):
             return job.but(covered=True)
@@ -227,7 +237,9 @@ class Judge:
         """Router mode: when a release would reach P past its lease; None without a lease."""
         if exchange.prefilled_at is None:
             return None
-        lease = lease_seconds(self._config.vllm_version or self._facts.version(), self._config.p_hold_seconds)
+        lease = lease_seconds(
+            self._config.vllm_version or self._decode.version(), self._config.p_hold_seconds
+        )
         return None if lease is None else release_by(exchange.prefilled_at, lease)
 
     def _traced(self, decision: Decision, release: str) -> None:

@@ -26,6 +26,9 @@ class Policy:
     retried_in_front: bool = True  # a proxy in front may resend the request to another decode pod
     spends: bool = True  # a released request's parameters are spent for the client
     leg: str | None = None  # the leg its answers from D are counted under (kvr_leg_*)
+    # The client's own kv_transfer_params are read (sidecar mode); router mode drops them: they
+    # could name any P's blocks, and the router sends P's own on the decode leg.
+    client_params: bool = True
 
     def decide(self, decision: Decision, event: Event) -> Decision:
         if self.delegates and event.failure is None:
@@ -67,6 +70,7 @@ def router_policy(decode_releases: bool = False) -> Policy:
         retried_in_front=False,
         spends=False,
         leg="decode",
+        client_params=False,
     )
 
 

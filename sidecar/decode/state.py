@@ -142,7 +142,7 @@ class DecodeState:
         """The current view (sync, O(1): one attribute read)."""
         return self._view
 
-    # --- what the judge reads (sidecar.decision.judge.DecodeFacts) --------------------------------
+    # --- what the judge reads (sidecar.decision.judge.DecodeWatch) --------------------------------
 
     def version(self) -> str | None:
         """D's vLLM release as last read (P runs the same)."""

@@ -50,7 +50,7 @@ class ResolveFailed(RetryableReleaseError):
     """The resolver gave no answer now (a DNS server down or slow): worth retrying."""
 
     reason = Reason.DNS_FAILURE
-    verdict = TargetHealth.DOWN
+    health = TargetHealth.DOWN
 
 
 async def system_lookup(host: str, port: int) -> list[str]:

@@ -46,14 +46,14 @@ class PeerUnreachable(RetryableReleaseError):
     """P's side channel refused or dropped the connection, or its name did not resolve."""
 
     reason = Reason.UNREACHABLE
-    verdict = TargetHealth.DOWN
+    health = TargetHealth.DOWN
 
 
 class HandshakeTimeout(RetryableReleaseError):
     """P's side channel did not answer within the handshake timeout."""
 
     reason = Reason.HANDSHAKE_TIMEOUT
-    verdict = TargetHealth.DOWN
+    health = TargetHealth.DOWN
 
 
 class BadReply(RetryableReleaseError):
@@ -70,7 +70,7 @@ class EngineMismatch(PermanentReleaseError):
     load that P's side channel with handshakes until the deadline.
     """
 
-    verdict = TargetHealth.UP  # something answered there: the endpoint itself is alive
+    health = TargetHealth.UP  # something answered there: the endpoint itself is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.ENGINE_MISMATCH)
@@ -80,7 +80,7 @@ class PRestarted(PermanentReleaseError):
     """The P process that held the request's blocks is gone, and a new one answers at its address
     (``sidecar.nixl.lineage``): its notification would name an id the new P never held."""
 
-    verdict = TargetHealth.UP  # the new P answered: the endpoint is alive
+    health = TargetHealth.UP  # the new P answered: the endpoint is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.P_RESTARTED)

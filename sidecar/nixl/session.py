@@ -149,7 +149,7 @@ class Session:
             try:
                 replies = await self._client.fetch(target, profile, ranks)
             except ReleaseError as exc:
-                if exc.verdict is TargetHealth.DOWN:
+                if exc.health is TargetHealth.DOWN:
                     self.lineage.lost(endpoint)
                 raise
             wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})

@@ -1,4 +1,4 @@
-"""``Tracing`` backed by the OpenTelemetry SDK (imported only when tracing is on; see ``tracing``).
+"""``Tracing`` backed by the OpenTelemetry SDK (imported only when tracing is on: ``tracing.build``).
 
 Attribute names follow the OpenTelemetry HTTP semantic conventions
 (``http.request.method``, ``url.path``, ``server.address``,
@@ -31,7 +31,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from sidecar import __version__
 from sidecar.asgi import Message, Scope, Send
 from sidecar.config import Config
-from sidecar.observability.tracing import (
+from sidecar.observability.spans import (
     TRACE_HEADERS,
     Headers,
     Leg,

@@ -6,7 +6,7 @@ injected rejection (load tests), else forwarded to D and judged. The
 sidecar path calls it after its replay check (``sidecar.proxy.dispatch``);
 router mode calls it for its decode leg (``sidecar.router.legs``) and uses
 nothing else of the proxy but the few steps ``Admission`` offers beside it.
-``Routed`` is router mode as the proxy sees it: the app builds it on the
+``RouterMode`` is router mode as the proxy sees it: the app builds it on the
 proxy's ``Admission`` (``ProxyParts.routing``), so the request path never
 imports router mode.
 """
@@ -89,7 +89,7 @@ class Admission:
             return
         if parts.injector.enabled:
             assert ctx.route is not None
-            status = parts.injector.status_for(ctx.route, ctx.marks, exchange.params is not None)
+            status = parts.injector.status_for(ctx.route, ctx.headers_read, exchange.params is not None)
             if status is not None:
                 if watcher is not None:
                     watcher.stop()
@@ -133,8 +133,10 @@ class Admission:
         return self._parts.trust.outgoing(request_id, raw)
 
 
-class Routed(Protocol):
+class RouterMode(Protocol):
     """Router mode as the proxy sees it (``sidecar.router.legs.Router``)."""
+
+    policy: Policy  # router mode's, picked once
 
     def routes(self, ctx: RequestContext) -> bool:
         """Whether this request takes the router's path."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.decision.judge import Judged
 from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import ROUTES
 from sidecar.params import ReleaseParams
@@ -24,7 +25,6 @@ from sidecar.proxy.inject import HEADER as INJECT_HEADER
 from sidecar.proxy.trust import SIGNATURE_HEADER, TOKEN_HEADER
 
 if TYPE_CHECKING:
-    from sidecar.observability.tracing import Leg
     from sidecar.proxy.usage import UsageRewriter
     from sidecar.upstream import Sent
 
@@ -44,7 +44,7 @@ class RequestContext:
     headers: list[tuple[str, str]]  # for D: hop-by-hop headers gone, x-request-id present
     request_id: str
     generated: bool  # the sidecar made the id up: no other server knows it
-    marks: dict[bytes, bytes]  # the request headers the proxy reads (first of each; P's: all, joined)
+    headers_read: dict[bytes, bytes]  # the request headers the proxy reads (first of each; P's: all, joined)
     has_body: bool
     dp_rank: int | None
     started: float = field(default_factory=time.monotonic)
@@ -55,16 +55,16 @@ class RequestContext:
         route = path if scope["method"] == "POST" and path in ROUTES else None
         raw: list[tuple[bytes, bytes]] = scope["headers"]
         headers, request_id, generated = request_headers(raw)
-        marks: dict[bytes, bytes] = {}
+        headers_read: dict[bytes, bytes] = {}
         framing: tuple[bytes, bytes] | None = None
         for name, value in raw:
-            if name == PREFILLER_HEADER and name in marks:  # every line counts, as in llm-d
-                marks[name] += b"," + bytes(value)
+            if name == PREFILLER_HEADER and name in headers_read:  # every line counts, as in llm-d
+                headers_read[name] += b"," + bytes(value)
             elif name in _READ:
-                marks.setdefault(name, bytes(value))
+                headers_read.setdefault(name, bytes(value))
             elif framing is None and name in _FRAMING:
                 framing = (name, value)
-        rank = marks.get(DATA_PARALLEL_RANK)
+        rank = headers_read.get(DATA_PARALLEL_RANK)
         return cls(
             scope=scope,
             receive=receive,
@@ -73,7 +73,7 @@ class RequestContext:
             headers=headers,
             request_id=request_id,
             generated=generated,
-            marks=marks,
+            headers_read=headers_read,
             has_body=_has_body(framing),
             dp_rank=data_parallel_rank([(DATA_PARALLEL_RANK, rank)]) if rank is not None else None,
         )
@@ -93,7 +93,7 @@ class RequestContext:
 
     @property
     def prefiller(self) -> bytes | None:
-        return self.marks.get(PREFILLER_HEADER)
+        return self.headers_read.get(PREFILLER_HEADER)
 
 
 def _has_body(framing: tuple[bytes, bytes] | None) -> bool:
@@ -120,12 +120,8 @@ class Exchange:
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
     prefilled_at: float | None = None  # router mode: when P's answer arrived (P's lease began)
     sent: Sent | None = None  # learns whether the request reached D's socket
-    leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
     responded: bool = False  # http.response.start was sent
-    decided: bool = False  # judged (at most once)
-    # Its parameters went to a release: an error answer says x-should-retry: false (a retry with
-    # them would be refused with 409).
-    spent: bool = False
+    judged: Judged | None = None  # what the judge made of it (at most once)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -133,6 +129,16 @@ class Exchange:
         params = self.params
         assert params is not None
         return (params.remote_engine_id, params.remote_request_id or self.request_id)
+
+    @property
+    def decided(self) -> bool:
+        return self.judged is not None
+
+    @property
+    def spent(self) -> bool:
+        """Its parameters went to a release that frees them: an error answer says
+        x-should-retry: false (a retry with them would be refused with 409)."""
+        return self.judged is not None and self.judged.spent
 
     def retry_headers(self) -> tuple[Header, ...]:
         return (NO_RETRY,) if self.spent else ()

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from sidecar.asgi import Receive, Scope, Send, over_limit
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
-from sidecar.decision.judge import DecodeFacts, Judge
+from sidecar.decision.judge import DecodeWatch, Judge
+from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing
-from sidecar.proxy.admit import Admission, Collaborators, Routed
+from sidecar.proxy.admit import Admission, Collaborators, RouterMode
 from sidecar.proxy.answers import send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import RequestContext
@@ -52,8 +53,8 @@ class ProxyParts:
     trust: Trust
     inflight: InFlight
     injector: Injector
-    facts: DecodeFacts
-    routing: Callable[[Admission], Routed] | None = None  # router mode, built on the proxy's admission
+    decode: DecodeWatch
+    routing: Callable[[Admission], RouterMode] | None = None  # router mode, built on the proxy's admission
     tracing: Tracing = OFF
 
 
@@ -61,7 +62,7 @@ class Proxy:
     """The proxy's ASGI handler for ``http`` scopes."""
 
     def __init__(self, config: Config, parts: ProxyParts) -> None:
-        judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.facts, parts.tracing)
+        judge = Judge(config, parts.pipeline, parts.metrics, parts.inflight, parts.decode, parts.tracing)
         inspector = Inspector(parts.metrics, parts.trust, parts.pipeline.releaser.keeps_raw)
         answers = STYLES[config.answers]  # the style of the sidecar's own answers, picked once
         forwarder = Forwarder(parts.upstream, judge, parts.metrics, parts.tracing, answers)
@@ -112,9 +113,10 @@ class Proxy:
 
     async def _handle(self, ctx: RequestContext) -> None:
         kit = self.kit
-        routed = self.router is not None and self.router.routes(ctx)
+        router = self.router if self.router is not None and self.router.routes(ctx) else None
+        policy = router.policy if router is not None else SIDECAR  # the mode of this request
         if over_limit(ctx.scope):
-            await kit.refusals.over_limit(ctx, routed)
+            await kit.refusals.over_limit(ctx, policy)
             return
         if ctx.route is None:
             await kit.forwarder.passthrough(ctx)
@@ -126,10 +128,9 @@ class Proxy:
             kit.forwarder.count(ctx.route, -1)
             return
         if isinstance(body, Oversized):
-            await kit.refusals.too_large(ctx, body, routed)
-        elif routed:
-            assert self.router is not None
-            await self.router.route(ctx, body)
+            await kit.refusals.too_large(ctx, body, policy)
+        elif router is not None:
+            await router.route(ctx, body)
         else:
             await self._inspected(ctx, body)
 

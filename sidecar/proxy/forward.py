@@ -25,7 +25,7 @@ from sidecar.classify import Event
 from sidecar.decision.judge import Judge
 from sidecar.decode.probes import says_close
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
-from sidecar.observability.tracing import Tracing
+from sidecar.observability.tracing import Leg, Tracing
 from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
@@ -80,12 +80,12 @@ class Forwarder:
         exchange.sent = Sent()
         if exchange.params is not None:
             self._judge.forwarded(exchange)
+        leg: Leg | None = None  # the kvr.decode span while the leg to D runs (tracing on)
         if self._tracing.enabled:
-            url = self.upstream.base_url + ctx.target
-            exchange.leg = self._tracing.leg("kvr.decode", ctx.method, url, headers)
-            headers = exchange.leg.headers
+            leg = self._tracing.leg("kvr.decode", ctx.method, self.upstream.base_url + ctx.target, headers)
+            headers = leg.headers
         try:
-            await self._exchange(ctx, exchange, headers, body)
+            await self._exchange(ctx, exchange, headers, body, leg)
         except asyncio.CancelledError:
             if not watcher.fired:
                 raise
@@ -93,33 +93,38 @@ class Forwarder:
             if not exchange.decided:
                 self.judged(exchange, client_gone(exchange))
                 self.count(exchange.route, -1)
-            if exchange.leg is not None:
-                exchange.leg.failed("client_gone", "the client disconnected")
+            if leg is not None:
+                leg.failed("client_gone", "the client disconnected")
         except Exception as exc:
-            if exchange.leg is not None:
+            if leg is not None:
                 failure = exc.failure.value if isinstance(exc, UpstreamError) else type(exc).__name__
-                exchange.leg.failed(failure, str(exc))
+                leg.failed(failure, str(exc))
             raise
         finally:
             watcher.stop()
-            if exchange.leg is not None:
-                exchange.leg.end()
+            if leg is not None:
+                leg.end()
 
     async def _exchange(
-        self, ctx: RequestContext, exchange: Exchange, headers: list[tuple[str, str]], body: bytes
+        self,
+        ctx: RequestContext,
+        exchange: Exchange,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        leg: Leg | None,
     ) -> None:
         try:
             response = await self.upstream.send(ctx.method, ctx.target, headers, body, sent=exchange.sent)
         except UpstreamError as exc:
-            await self._failed(ctx.send, exchange, exc)
+            await self._failed(ctx.send, exchange, exc, leg)
             return
         self._metrics.latency_for(ROUTES[exchange.route]).observe(time.monotonic() - exchange.started)
         async with response:
-            await self._respond(ctx.send, response, exchange, ctx.scope.get(RELAY))
+            await self._respond(ctx.send, response, exchange, ctx.scope.get(RELAY), leg)
 
-    async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError) -> None:
-        if exchange.leg is not None:
-            exchange.leg.failed(exc.failure.value, str(exc))
+    async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError, leg: Leg | None) -> None:
+        if leg is not None:
+            leg.failed(exc.failure.value, str(exc))
         self.judged(exchange, Event(failure=exc.failure))
         exchange.policy.decode_failed(self._metrics, exc.failure)
         status = FAILURE_STATUS[exc.failure]
@@ -134,12 +139,12 @@ class Forwarder:
         )
 
     async def _respond(
-        self, send: Send, response: Response, exchange: Exchange, relay: ClientRelay | None
+        self, send: Send, response: Response, exchange: Exchange, relay: ClientRelay | None, leg: Leg | None
     ) -> None:
         status = response.status
         self.count(exchange.route, status)
-        if exchange.leg is not None:
-            exchange.leg.status(status)
+        if leg is not None:
+            leg.status(status)
         exchange.policy.decode_answered(self._metrics, status, time.monotonic() - exchange.started)
         head = response_headers(response.headers, exchange.request_id)
         closing = says_close(response.headers)

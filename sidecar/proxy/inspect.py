@@ -56,7 +56,7 @@ class Inspector:
             return self.plain(ctx, stream=False)
         raw = bytes(view.kv_transfer_params)
         params = self._eligible(raw, ctx.request_id)
-        if params is not None and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
+        if params is not None and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
             params = None
@@ -99,14 +99,15 @@ class Inspector:
             prefilled_at=prefilled_at,
         )
 
-    def oversized(self, ctx: RequestContext, body: Oversized, routed: bool) -> Exchange:
-        """A body over the cap: the parameters a router appended last, if trusted (sidecar mode)."""
+    def oversized(self, ctx: RequestContext, body: Oversized, policy: Policy) -> Exchange:
+        """A body over the cap: the parameters a router appended last, if trusted and ``policy``
+        reads the client's parameters (sidecar mode)."""
         assert ctx.route is not None
         raw = tail_params(body.tail) if body.complete else None
         found = params_mod.check(raw).params if raw else None
-        if found is not None and routed:
+        if found is not None and not policy.client_params:
             found = None  # router mode drops client parameters: they could name any P's blocks
-        if found is not None and raw and not self._trust.trusted(ctx.marks, ctx.request_id, raw):
+        if found is not None and raw and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
             found = None
         exchange = self.plain(ctx, stream=False)

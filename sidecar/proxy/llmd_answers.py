@@ -16,8 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from sidecar.asgi import Send
 from sidecar.proxy.answers import Header
+
+
+def flat_error(message: str) -> bytes:
+    """A 503 body in llm-d's flat error shape (vLLM's older one), as ``DECODE_NOT_READY``."""
+    return (
+        b'{"object":"error","message":'
+        + msgspec.json.encode(message)
+        + b',"type":"ServiceUnavailable","param":"","code":503}'
+    )
+
 
 FORBIDDEN = b"Forbidden: prefill target not allowed by SSRF protection\n"
 DECODE_NOT_READY = (

@@ -23,6 +23,7 @@ from sidecar import retries
 from sidecar.classify import Event, Failure
 from sidecar.config import Config
 from sidecar.decision.judge import Judge
+from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.proxy.answers import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
@@ -105,21 +106,25 @@ class Refusals:
         extra = (*exchange.retry_headers(), *((CLOSE,) if close else ()))
         await send_error(ctx.send, status, message, exchange.request_id, extra=extra)
 
-    async def too_large(self, ctx: RequestContext, body: Oversized, routed: bool) -> None:
-        exchange = self._inspector.oversized(ctx, body, routed)
+    async def too_large(self, ctx: RequestContext, body: Oversized, policy: Policy) -> None:
+        exchange = self._inspector.oversized(ctx, body, policy)
         message = f"request body of {body.size} bytes exceeds the limit of {self._config.max_body_bytes}"
         # Past scan_limit the rest of the body is unread: shed the connection rather than have the
         # server read and discard an unbounded remainder outside limit_concurrency.
         await self.refuse(ctx, exchange, Failure.BODY_TOO_LARGE, message, close=not body.complete)
 
-    async def over_limit(self, ctx: RequestContext, routed: bool) -> None:
+    async def over_limit(self, ctx: RequestContext, policy: Policy) -> None:
         """Above ``limit_concurrency``: 503 and the connection shed (see the module docstring).
 
         A passthrough request, a router-mode request (no prefill ran yet; client parameters are
         dropped there) and any past the cap are refused unread.
         """
         message = "the sidecar is at its concurrency limit"
-        unread = routed or self._over_limit_unread or self._over_limit_reads >= self._over_limit_cap
+        unread = (
+            not policy.client_params
+            or self._over_limit_unread
+            or self._over_limit_reads >= self._over_limit_cap
+        )
         if ctx.route is None or unread:
             if ctx.route is not None:
                 self._forwarder.count(ctx.route, 503)
@@ -134,7 +139,7 @@ class Refusals:
         finally:
             self._over_limit_reads -= 1
         if isinstance(body, Oversized):
-            await self.too_large(ctx, body, routed)
+            await self.too_large(ctx, body, policy)
             return
         exchange = self._inspector.inspected(ctx, body)
         await self.refuse(ctx, exchange, Failure.OVERLOADED, message, close=True)

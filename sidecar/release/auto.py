@@ -37,10 +37,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from sidecar.config import Config
 from sidecar.exceptions import Reason
 from sidecar.release.base import (
+    JobResult,
     LiveReleaser,
     PermanentReleaseError,
     ReleaseJob,
-    Result,
     RetryableReleaseError,
 )
 from sidecar.release.http import NOT_DELIVERED, ControlUnreachable, HttpReleaser, Probe
@@ -62,9 +62,9 @@ class ControlPath(Protocol):
 
     def ready(self) -> bool: ...
 
-    async def release(self, job: ReleaseJob) -> Result: ...
+    async def release(self, job: ReleaseJob) -> JobResult: ...
 
-    async def rehearse(self, job: ReleaseJob) -> Result: ...
+    async def rehearse(self, job: ReleaseJob) -> JobResult: ...
 
     def target(self, job: ReleaseJob) -> str: ...
 
@@ -192,14 +192,14 @@ class AutoReleaser:
 
     # --- one job ---------------------------------------------------------------------------
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         return await self._release(job, rehearse=False)
 
-    async def rehearse(self, job: ReleaseJob) -> Result:
+    async def rehearse(self, job: ReleaseJob) -> JobResult:
         """The path a release would take, and that path's own checks; nothing is sent."""
         return await self._release(job, rehearse=True)
 
-    async def _release(self, job: ReleaseJob, rehearse: bool) -> Result:
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> JobResult:
         pinned = job.key in self._pinned
         if self._via_nixl(job):
             return await self._through_nixl(job, rehearse)
@@ -214,7 +214,7 @@ class AutoReleaser:
             if exc.reason in NOT_DELIVERED and not pinned:
                 self._set_path("nixl", exc.reason)
                 return await self._through_nixl(job, rehearse)
-            self._count("control", Result.REFUSED.value)
+            self._count("control", JobResult.REFUSED.value)
             raise
         except RetryableReleaseError:
             self._pin(job)
@@ -224,16 +224,16 @@ class AutoReleaser:
         self._count("control", result.value)
         return result
 
-    async def _through_nixl(self, job: ReleaseJob, rehearse: bool) -> Result:
+    async def _through_nixl(self, job: ReleaseJob, rehearse: bool) -> JobResult:
         if not self._nixl_started or not self.nixl.ready():
-            self._count("nixl", Result.REFUSED.value)
+            self._count("nixl", JobResult.REFUSED.value)
             raise PermanentReleaseError(
                 "NIXL is not available and D's control endpoint cannot help", Reason.NO_PATH
             )
         try:
             result = await (self.nixl.rehearse(job) if rehearse else self.nixl.release(job))
         except PermanentReleaseError:
-            self._count("nixl", Result.REFUSED.value)
+            self._count("nixl", JobResult.REFUSED.value)
             raise
         except RetryableReleaseError:
             self._count("nixl", "error")

@@ -21,7 +21,7 @@ from sidecar.exceptions import PermanentReleaseError, ReleaseError, RetryableRel
 from sidecar.params import ReleaseParams
 
 
-class Result(StrEnum):
+class JobResult(StrEnum):
     """The ``result`` label of ``kvr_releases_total``: one per finished job."""
 
     SENT = "sent"  # the strategy delivered every message
@@ -115,11 +115,11 @@ class Releaser(Protocol):
     def detail(self) -> dict[str, object]:
         """What /readyz shows of the strategy (``{}`` when there is nothing to add)."""
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         """Free P's blocks for ``job`` or raise a ``ReleaseError``.
 
-        Returns ``Result.SENT``, ``Result.WOULD_SEND`` (``--dry-run``), ``Result.DRY_RUN``
-        or ``Result.OFF``. Jobs D's engine releases itself never reach a strategy
+        Returns ``JobResult.SENT``, ``JobResult.WOULD_SEND`` (``--dry-run``), ``JobResult.DRY_RUN``
+        or ``JobResult.OFF``. Jobs D's engine releases itself never reach a strategy
         (``ReleaseJob.covered``).
         """
 
@@ -127,18 +127,18 @@ class Releaser(Protocol):
 class LiveReleaser(Releaser, Protocol):
     """A strategy that sends (``nixl``, ``http``, ``auto``): it can also rehearse a release."""
 
-    async def rehearse(self, job: ReleaseJob) -> Result:
-        """Every check ``release`` makes, nothing sent: ``Result.WOULD_SEND`` or a ``ReleaseError``
+    async def rehearse(self, job: ReleaseJob) -> JobResult:
+        """Every check ``release`` makes, nothing sent: ``JobResult.WOULD_SEND`` or a ``ReleaseError``
         (``sidecar.release.dryrun``)."""
 
 
 __all__ = [
+    "JobResult",
     "LiveReleaser",
     "PermanentReleaseError",
     "ReleaseError",
     "ReleaseJob",
     "Releaser",
-    "Result",
     "RetryableReleaseError",
     "TargetHealth",
 ]

@@ -10,7 +10,7 @@ D's own fix as it would for the live strategy (``checked``).
 
 from __future__ import annotations
 
-from sidecar.release.base import LiveReleaser, ReleaseJob, Result
+from sidecar.release.base import JobResult, LiveReleaser, ReleaseJob
 
 
 class DryRun:
@@ -39,5 +39,5 @@ class DryRun:
     def detail(self) -> dict[str, object]:
         return self.inner.detail()
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         return await self.inner.rehearse(job)

@@ -39,9 +39,9 @@ from sidecar.config import Config
 from sidecar.exceptions import Reason
 from sidecar.nixl.versions import WireProfile, engine_request_id
 from sidecar.release.base import (
+    JobResult,
     PermanentReleaseError,
     ReleaseJob,
-    Result,
     RetryableReleaseError,
     TargetHealth,
 )
@@ -68,7 +68,7 @@ class ControlUnreachable(RetryableReleaseError):
     """The control endpoint could not be reached: the request was never delivered."""
 
     reason = Reason.UNREACHABLE
-    verdict = TargetHealth.DOWN
+    health = TargetHealth.DOWN
 
 
 class ControlFailed(RetryableReleaseError):
@@ -77,7 +77,7 @@ class ControlFailed(RetryableReleaseError):
     def __init__(self, message: str, reason: Reason) -> None:
         super().__init__(message)
         self.reason = reason
-        self.verdict = TargetHealth.DOWN if reason is Reason.TIMEOUT else TargetHealth.UP
+        self.health = TargetHealth.DOWN if reason is Reason.TIMEOUT else TargetHealth.UP
 
 
 def answer_kind(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
@@ -198,14 +198,14 @@ class HttpReleaser:
 
     # --- one job ---------------------------------------------------------------------------
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         return await self._release(job, rehearse=False)
 
-    async def rehearse(self, job: ReleaseJob) -> Result:
+    async def rehearse(self, job: ReleaseJob) -> JobResult:
         """What a release would meet at D's control endpoint (``_rehearse``); nothing is sent."""
         return await self._release(job, rehearse=True)
 
-    async def _release(self, job: ReleaseJob, rehearse: bool) -> Result:
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> JobResult:
         if job.raw_params is None:
             raise PermanentReleaseError(
                 "the http strategy sends P's parameters as they came", Reason.NO_PARAMS
@@ -230,7 +230,7 @@ class HttpReleaser:
         self.metrics.requests.labels(label).inc()
         if error is None:
             self._log_accepted(job, content)
-            return Result.SENT
+            return JobResult.SENT
         message = f"control endpoint answered {status}: {_error_message(content)}"
         if error is ControlFailed:
             raise ControlFailed(message, Reason(label))
@@ -244,7 +244,7 @@ class HttpReleaser:
             self.metrics.requests.labels(exc.reason).inc()
             raise
 
-    async def _rehearse(self) -> Result:
+    async def _rehearse(self) -> JobResult:
         """``--dry-run``: what a release would meet at D's control endpoint, from its health
         route (probed at most every ``REHEARSAL_PROBE`` seconds), never its release route."""
         now = time.monotonic()
@@ -252,7 +252,7 @@ class HttpReleaser:
             self._probed = (now, await self.probe())
         probe = self._probed[1]
         if probe == "present":
-            return Result.WOULD_SEND
+            return JobResult.WOULD_SEND
         if probe == "unreachable":
             raise ControlUnreachable("control endpoint unreachable (dry run: its health route)")
         reason = REHEARSAL_REASONS.get(probe)

@@ -37,9 +37,9 @@ from sidecar.nixl.session import Session
 from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
+    JobResult,
     PermanentReleaseError,
     ReleaseJob,
-    Result,
     RetryableReleaseError,
 )
 from sidecar.ttlmap import TTLMap
@@ -116,15 +116,15 @@ class NixlReleaser:
 
     # --- one job ---------------------------------------------------------------------------
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         return await self._attempt(job, rehearse=False)
 
-    async def rehearse(self, job: ReleaseJob) -> Result:
+    async def rehearse(self, job: ReleaseJob) -> JobResult:
         """Every check ``release`` makes before it connects to P, the target's included; nothing
         is sent (``sidecar.release.dryrun``)."""
         return await self._attempt(job, rehearse=True)
 
-    async def _attempt(self, job: ReleaseJob, rehearse: bool) -> Result:
+    async def _attempt(self, job: ReleaseJob, rehearse: bool) -> JobResult:
         started = time.perf_counter()
         try:
             result, path = await self._release(job, rehearse)
@@ -142,11 +142,11 @@ class NixlReleaser:
             )
             raise
         self.metrics.outcome(result.value).inc()
-        if result is Result.SENT:
+        if result is JobResult.SENT:
             self.metrics.seconds(path).observe(time.perf_counter() - started)
         return result
 
-    async def _release(self, job: ReleaseJob, rehearse: bool) -> tuple[Result, str]:
+    async def _release(self, job: ReleaseJob, rehearse: bool) -> tuple[JobResult, str]:
         params = job.params
         engine_id, host, port = params.remote_engine_id, params.remote_host, params.remote_port
         profile = await self._profile()
@@ -172,7 +172,7 @@ class NixlReleaser:
         ranks = profile.ranks(params)
         if rehearse:  # every check the live release makes before it connects to P
             await self.session.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
-            return Result.WOULD_SEND, "dry_run"
+            return JobResult.WOULD_SEND, "dry_run"
         progress = self._progress_of(engine_id, request_id)
         if unsafe and progress.attempted:
             raise PermanentReleaseError(
@@ -194,7 +194,7 @@ class NixlReleaser:
         if failed:
             raise NixlError(f"notification to {len(failed)} P worker(s) failed: {failed[0]}")
         self._progress.pop((engine_id, request_id), None)
-        return Result.SENT, path
+        return JobResult.SENT, path
 
     async def _send(
         self, peers: PeerSet, ranks: list[Rank], message: bytes, progress: _Progress, job: ReleaseJob

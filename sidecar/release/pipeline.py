@@ -31,10 +31,10 @@ from sidecar.exceptions import Reason
 from sidecar.observability.metrics import Children, Metrics
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
+    JobResult,
     PermanentReleaseError,
     ReleaseJob,
     Releaser,
-    Result,
     RetryableReleaseError,
     TargetHealth,
 )
@@ -44,7 +44,7 @@ from sidecar.release.targets import BreakerPolicy, Grant, Target, TargetDown, Ta
 
 log = logging.getLogger("sidecar.release")
 
-NOT_SENT = (Result.DROPPED, Result.REFUSED)  # nothing reached P: the parameters stay usable
+NOT_SENT = (JobResult.DROPPED, JobResult.REFUSED)  # nothing reached P: the parameters stay usable
 
 
 @dataclass(slots=True)
@@ -139,10 +139,10 @@ class Pipeline:
     def submit(self, job: ReleaseJob) -> bool:
         """Start ``job`` unless its key was seen before. Never blocks."""
         if not self._ledger.add(job.key):
-            self._finish(_Live(job), Result.DUPLICATE, "duplicate of an earlier release")
+            self._finish(_Live(job), JobResult.DUPLICATE, "duplicate of an earlier release")
             return False
         if job.covered:  # D's engine releases it: recorded (the key held), never sent
-            self._finish(_Live(job), Result.COVERED_BY_ENGINE, "D's engine releases it itself")
+            self._finish(_Live(job), JobResult.COVERED_BY_ENGINE, "D's engine releases it itself")
             return True
         if self.depth >= self._queue_size:
             self._drop_oldest()
@@ -158,7 +158,7 @@ class Pipeline:
         for seq, live in self._jobs.items():
             if not live.attempting:
                 del self._jobs[seq]
-                self._finish(live, Result.DROPPED, "release queue full, oldest job dropped")
+                self._finish(live, JobResult.DROPPED, "release queue full, oldest job dropped")
                 if live.task is not None:
                     live.task.cancel()
                 return
@@ -199,10 +199,10 @@ class Pipeline:
             else:
                 await self._run(live)
         except asyncio.CancelledError:
-            self._finish(live, Result.DROPPED, "sidecar stopped before the release was sent")
+            self._finish(live, JobResult.DROPPED, "sidecar stopped before the release was sent")
         except Exception as exc:  # a pipeline bug must not leave the job undecided
             log.exception("release job failed unexpectedly", extra={"request_id": live.job.request_id})
-            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
+            self._finish(live, JobResult.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
         finally:
             self._jobs.pop(seq, None)
             if not self._jobs:
@@ -220,7 +220,7 @@ class Pipeline:
             while not await self._attempt(live, target):
                 delay = self._retry.delay(attempt)
                 if self._clock() + delay >= job.deadline:
-                    self._finish(live, Result.FAILED, "gave up at the deadline", reason=live.reason)
+                    self._finish(live, JobResult.FAILED, "gave up at the deadline", reason=live.reason)
                     return
                 await asyncio.sleep(delay)  # holds no worker and no target slot
                 attempt += 1
@@ -236,29 +236,29 @@ class Pipeline:
             )
         except TargetDown:
             detail = "P's endpoint stayed unreachable (its breaker open) until the deadline"
-            self._finish(live, Result.FAILED, detail, reason=Reason.TARGET_DOWN)
+            self._finish(live, JobResult.FAILED, detail, reason=Reason.TARGET_DOWN)
             return True
         except TimeoutError:
-            self._finish(live, Result.FAILED, "deadline passed before an attempt", reason=Reason.DEADLINE)
+            self._finish(live, JobResult.FAILED, "deadline passed before an attempt", reason=Reason.DEADLINE)
             return True
-        verdict = TargetHealth.UNTOUCHED
+        health = TargetHealth.UNTOUCHED
         try:
-            result, verdict = await self._call(live, grant)
+            result, health = await self._call(live, grant)
         except _Retry as exc:
-            verdict = exc.verdict
+            health = exc.health
             return False
         finally:
             if live.attempting:
                 live.attempting = False
                 self._attempting -= 1
-            target.done(grant, verdict)
+            target.done(grant, health)
             self._gauges()
         if result is not None:
             self._count_attempt("ok")
             self._finish(live, result, "done")
         return True
 
-    async def _call(self, live: _Live, grant: Grant) -> tuple[Result | None, TargetHealth]:
+    async def _call(self, live: _Live, grant: Grant) -> tuple[JobResult | None, TargetHealth]:
         """The strategy's attempt under a worker, bounded by the deadline; raises ``_Retry``."""
         job = live.job
         try:
@@ -268,20 +268,20 @@ class Pipeline:
                     live.attempting = True
                     self._gauges()
                     result = await self.releaser.release(job)
-            return result, TargetHealth.UP if result is Result.SENT else TargetHealth.UNTOUCHED
+            return result, TargetHealth.UP if result is JobResult.SENT else TargetHealth.UNTOUCHED
         except PermanentReleaseError as exc:
             self._count_attempt(exc.reason)
-            self._finish(live, Result.REFUSED, str(exc), reason=exc.reason)
-            return None, exc.verdict
+            self._finish(live, JobResult.REFUSED, str(exc), reason=exc.reason)
+            return None, exc.health
         except RetryableReleaseError as exc:
             self._count_attempt(exc.reason)
             live.reason = exc.reason
             log.debug("release attempt failed", extra={"request_id": job.request_id, "error": str(exc)})
-            raise _Retry(exc.verdict) from exc
+            raise _Retry(exc.health) from exc
         except TimeoutError:
             self._count_attempt(Reason.DEADLINE)
             reason = live.reason or Reason.DEADLINE
-            self._finish(live, Result.FAILED, "deadline passed during an attempt", reason=reason)
+            self._finish(live, JobResult.FAILED, "deadline passed during an attempt", reason=reason)
             return None, TargetHealth.DOWN if grant.probe else TargetHealth.UNTOUCHED
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -294,7 +294,7 @@ class Pipeline:
         except Exception as exc:  # a strategy bug must not kill the job's task
             log.exception("release strategy raised unexpectedly", extra={"request_id": job.request_id})
             self._count_attempt(Reason.BUG)
-            self._finish(live, Result.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
+            self._finish(live, JobResult.FAILED, f"unexpected error: {exc!r}", reason=Reason.BUG)
             return None, TargetHealth.UNTOUCHED
 
     # --- accounting ------------------------------------------------------------------------
@@ -316,7 +316,7 @@ class Pipeline:
         self._metrics.queue_depth.set(self.depth)
         self._metrics.ledger_size.set(len(self._ledger))
 
-    def _finish(self, live: _Live, result: Result, detail: str, reason: str = "") -> None:
+    def _finish(self, live: _Live, result: JobResult, detail: str, reason: str = "") -> None:
         if live.finished:
             return
         live.finished = True
@@ -326,9 +326,9 @@ class Pipeline:
         self._released(strategy, result.value).inc()
         if self._tracing.enabled:
             self._tracing.release_finished(result.value, reason, detail)
-        if result in (Result.SENT, Result.DRY_RUN):
+        if result in (JobResult.SENT, JobResult.DRY_RUN):
             self._count_value(job, result)
-        level = logging.INFO if result not in (Result.FAILED, Result.DROPPED) else logging.WARNING
+        level = logging.INFO if result not in (JobResult.FAILED, JobResult.DROPPED) else logging.WARNING
         if not log.isEnabledFor(level):
             return
         log.log(
@@ -347,11 +347,11 @@ class Pipeline:
             },
         )
 
-    def _count_value(self, job: ReleaseJob, result: Result) -> None:
+    def _count_value(self, job: ReleaseJob, result: JobResult) -> None:
         strategy = self.releaser.name
         took = self._clock() - job.detected_at
         self._latency(strategy).observe(took)
-        if result is Result.SENT:
+        if result is JobResult.SENT:
             blocks = job.params.blocks
             self._blocks(strategy).inc(blocks)
             self._saved(strategy).inc(block_seconds_saved(blocks, self._hold(), took))
@@ -360,6 +360,6 @@ class Pipeline:
 class _Retry(Exception):
     """An attempt failed in a way worth retrying; carries what it said about the target."""
 
-    def __init__(self, verdict: TargetHealth) -> None:
-        super().__init__(verdict.value)
-        self.verdict = verdict
+    def __init__(self, health: TargetHealth) -> None:
+        super().__init__(health.value)
+        self.health = health

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Literal
 
-from sidecar.release.base import ReleaseJob, Result
+from sidecar.release.base import JobResult, ReleaseJob
 
 
 class StubReleaser:
@@ -22,7 +22,7 @@ class StubReleaser:
 
     def __init__(self, name: Literal["off", "dry-run"] = "dry-run", keep: int = 1000) -> None:
         self.name: str = name
-        self._result = Result.OFF if name == "off" else Result.DRY_RUN
+        self._result = JobResult.OFF if name == "off" else JobResult.DRY_RUN
         kept = keep if name == "dry-run" else 0  # off records nothing
         self.recorded: collections.deque[ReleaseJob] = collections.deque(maxlen=kept)
 
@@ -41,6 +41,6 @@ class StubReleaser:
     def detail(self) -> dict[str, object]:
         return {}
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.recorded.append(job)
         return self._result

@@ -47,7 +47,9 @@ LOG_BURST = 5
 FRESH_GAP = 0.5  # seconds after a failure before a job made since may probe
 
 
-class State(StrEnum):
+class BreakerState(StrEnum):
+    """Where one target's circuit breaker is: closed (attempts run), open (held), half open (one probe)."""
+
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -76,7 +78,7 @@ class Target:
 
     def __init__(self, key: str, cap: int, policy: BreakerPolicy, owner: Targets) -> None:
         self.key = key
-        self.state = State.CLOSED
+        self.state = BreakerState.CLOSED
         self._cap = cap
         self._policy = policy
         self._owner = owner
@@ -95,14 +97,14 @@ class Target:
         return self.jobs == 0 and self.running == 0 and not self.waiting
 
     def _try(self, created: float) -> Grant | None:
-        if self.state is State.OPEN and created > self._failed_at:
+        if self.state is BreakerState.OPEN and created > self._failed_at:
             self._soon(self._failed_at + FRESH_GAP)  # a request P prefilled since it failed
-        if self.state is State.OPEN and self._owner.clock() >= self._retry_at:
-            self._set(State.HALF_OPEN)
-        if self.state is State.CLOSED and self.running < self._cap:
+        if self.state is BreakerState.OPEN and self._owner.clock() >= self._retry_at:
+            self._set(BreakerState.HALF_OPEN)
+        if self.state is BreakerState.CLOSED and self.running < self._cap:
             self.running += 1
             return Grant(probe=False)
-        if self.state is State.HALF_OPEN and not self._probing:
+        if self.state is BreakerState.HALF_OPEN and not self._probing:
             self._probing = True
             self.running += 1
             return Grant(probe=True)
@@ -119,7 +121,7 @@ class Target:
             grant = self._try(created)
             if grant is not None:
                 return grant
-            if self.state is not State.CLOSED and not blocked:
+            if self.state is not BreakerState.CLOSED and not blocked:
                 blocked = True
                 on_blocked()
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -135,37 +137,37 @@ class Target:
                     waiter.cancel()
                     with contextlib.suppress(ValueError):
                         self.waiting.remove(waiter)
-                if isinstance(exc, TimeoutError) and self.state is not State.CLOSED:
+                if isinstance(exc, TimeoutError) and self.state is not BreakerState.CLOSED:
                     raise TargetDown(f"{self.key} is {self.state.value}") from None
                 raise
             woken = True
 
-    def done(self, grant: Grant, verdict: TargetHealth) -> None:
+    def done(self, grant: Grant, health: TargetHealth) -> None:
         """Hand back ``grant`` with what the attempt said about the target."""
         self.running -= 1
         if grant.probe:
             self._probing = False
-        if verdict is TargetHealth.DOWN:
+        if health is TargetHealth.DOWN:
             self._failures += 1
             self._failed_at = self._owner.clock()
-            if grant.probe or (self.state is State.CLOSED and self._failures >= self._policy.failures):
+            if grant.probe or (self.state is BreakerState.CLOSED and self._failures >= self._policy.failures):
                 self._open()
                 return
-        elif verdict is TargetHealth.UP:
+        elif health is TargetHealth.UP:
             self._failures = 0
-            if self.state is not State.CLOSED:
+            if self.state is not BreakerState.CLOSED:
                 self._interval = self._policy.interval
-                self._set(State.CLOSED)
+                self._set(BreakerState.CLOSED)
                 self.wake(self._cap)  # as many as the cap lets run; each done wakes the next
                 return
         self.wake(1)
 
     def _open(self) -> None:
-        was_open = self.state is not State.CLOSED
+        was_open = self.state is not BreakerState.CLOSED
         if was_open:
             self._interval = min(self._interval * 2, self._policy.max_interval)
         self._retry_at = self._owner.clock() + self._interval
-        self._set(State.OPEN)
+        self._set(BreakerState.OPEN)
         self._schedule()
 
     def _soon(self, at: float) -> None:
@@ -185,7 +187,7 @@ class Target:
         """Take a shorter ``policy``; an open breaker probes within its new interval."""
         self._policy = policy
         self._interval = min(self._interval, policy.max_interval)
-        if self.state is State.OPEN:
+        if self.state is BreakerState.OPEN:
             self._retry_at = min(self._retry_at, self._owner.clock() + self._interval)
             self._schedule()
 
@@ -202,7 +204,7 @@ class Target:
                 waiter.set_result(None)
                 count -= 1
 
-    def _set(self, state: State) -> None:
+    def _set(self, state: BreakerState) -> None:
         if state is self.state:
             return
         old, self.state = self.state, state
@@ -229,12 +231,14 @@ class Targets:
         self._policy = policy or BreakerPolicy()
         self._size = size
         self.clock = clock
-        self._gauges = {state: gauge.labels(state.value) for state in State}
+        self._gauges = {state: gauge.labels(state.value) for state in BreakerState}
         self._targets: dict[str, Target] = {}
-        self._counts = collections.Counter({State.CLOSED: 0, State.OPEN: 0, State.HALF_OPEN: 0})
+        self._counts = collections.Counter(
+            {BreakerState.CLOSED: 0, BreakerState.OPEN: 0, BreakerState.HALF_OPEN: 0}
+        )
         self._log_times: collections.deque[float] = collections.deque()
         self._suppressed = 0
-        for state in State:
+        for state in BreakerState:
             self._publish(state)
 
     def __len__(self) -> int:
@@ -246,8 +250,8 @@ class Targets:
             if len(self._targets) >= self._size:
                 self._evict()
             target = self._targets[key] = Target(key, self._cap, self._policy, self)
-            self._counts[State.CLOSED] += 1
-            self._publish(State.CLOSED)
+            self._counts[BreakerState.CLOSED] += 1
+            self._publish(BreakerState.CLOSED)
         return target
 
     def attach(self, key: str) -> Target:
@@ -266,7 +270,7 @@ class Targets:
     def _evict(self) -> None:
         """Make room: the idle targets go, closed ones first (an open breaker is worth keeping)."""
         idle = sorted(
-            (t for t in self._targets.values() if t.idle), key=lambda t: t.state is not State.CLOSED
+            (t for t in self._targets.values() if t.idle), key=lambda t: t.state is not BreakerState.CLOSED
         )
         for target in idle[: max(1, len(idle) // 2)]:
             self._forget(target)
@@ -277,17 +281,17 @@ class Targets:
         self._counts[target.state] -= 1
         self._publish(target.state)
 
-    def changed(self, target: Target, old: State) -> None:
+    def changed(self, target: Target, old: BreakerState) -> None:
         self._counts[old] -= 1
         self._counts[target.state] += 1
         self._publish(old)
         self._publish(target.state)
         self._log(target, old)
 
-    def _publish(self, state: State) -> None:
+    def _publish(self, state: BreakerState) -> None:
         self._gauges[state].set(self._counts[state])
 
-    def _log(self, target: Target, old: State) -> None:
+    def _log(self, target: Target, old: BreakerState) -> None:
         now = self.clock()
         while self._log_times and self._log_times[0] <= now - LOG_WINDOW:
             self._log_times.popleft()
@@ -296,7 +300,7 @@ class Targets:
             return
         self._log_times.append(now)
         suppressed, self._suppressed = self._suppressed, 0
-        level = logging.WARNING if target.state is State.OPEN else logging.INFO
+        level = logging.WARNING if target.state is BreakerState.OPEN else logging.INFO
         log.log(
             level,
             "release target %s: %s -> %s",

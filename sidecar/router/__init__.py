@@ -2,7 +2,7 @@
 
 ``pool`` chooses P and runs the prefill leg's HTTP call, ``bodies`` builds both
 legs' bodies (``sidecar.proxy.usage`` corrects D's answer), ``legs`` (built on
-the proxy's admission step by the app, ``sidecar.proxy.admit.Routed``) drives
+the proxy's admission step by the app, ``sidecar.proxy.admit.RouterMode``) drives
 one request through both legs and gives the judge the router's policy:
 because the router holds P's parameters itself, it releases when the client
 leaves or the decode leg times out before headers (it closes its connection

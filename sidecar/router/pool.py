@@ -33,6 +33,7 @@ from sidecar.exceptions import SidecarError
 from sidecar.network.allowlist import Allowlist, ip_or_none, split_host_port
 from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.network.routable import RoutableAllowlist
+from sidecar.proxy.style import AnswerStyle
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Response, Upstream, UpstreamError
 
@@ -156,12 +157,12 @@ class PrefillPool:
         self._rotation = itertools.count()
 
     @classmethod
-    def of(cls, config: Config, allowlist: Allowlist) -> PrefillPool | None:
+    def of(cls, config: Config, allowlist: Allowlist, answers: AnswerStyle) -> PrefillPool | None:
         """Router mode's P servers: a static pool, or llm-d's header checked against ``allowlist``
         (``prefill_allow``, or an InferencePool's pods); None when neither is configured, unless
-        the sidecar gives llm-d's answers: llm-d's header then always takes the router's path."""
+        the ``answers`` are llm-d's: llm-d's header then always takes the router's path."""
         unlisted = not config.prefill and not config.prefill_allow and not config.inference_pool
-        if unlisted and config.answers != "llm-d":
+        if unlisted and not answers.routes_unlisted:
             return None
         if unlisted and isinstance(allowlist, RoutableAllowlist):
             log.warning(

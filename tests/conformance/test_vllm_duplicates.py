@@ -39,7 +39,7 @@ import zmq.asyncio
 from sidecar.nixl.handshake import HandshakeClient, Target
 from sidecar.nixl.peer import NixlPeer
 from sidecar.nixl.versions import WireProfile
-from sidecar.release.base import Result
+from sidecar.release.base import JobResult
 from tests.conformance.duplicate_orders import (
     ORDERS,
     P_TP,
@@ -94,7 +94,7 @@ async def prefill(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, PP
         for reader in readers:
             await reader.connect(version, p)
         await p.hold(p_request_id(version, "warm"))
-        assert await sidecar.release(job(version, p, "warm")) is Result.SENT
+        assert await sidecar.release(job(version, p, "warm")) is JobResult.SENT
         await p.await_(lambda: len(p.finished(p_request_id(version, "warm"))) == p.tp, "warm-up freed")
         yield version, p, readers, sidecar
     finally:
@@ -118,7 +118,7 @@ async def freed_after(
         if sender == "D":
             await next(pending).send(messages["D"])
         else:
-            assert await sidecar.release(job(version, p, name)) is Result.SENT
+            assert await sidecar.release(job(version, p, name)) is JobResult.SENT
         await p.await_(lambda m=messages[sender], n=arrived: len(p.received(m)) == n + len(ranks), "arrival")
         await p.settle()
         if freed is None and p.finished(rid) == ranks:

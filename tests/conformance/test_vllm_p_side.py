@@ -530,7 +530,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from sidecar.config import Config  # noqa: E402
 from sidecar.nixl.versions import WireProfile  # noqa: E402
 from sidecar.params import release_params  # noqa: E402
-from sidecar.release.base import ReleaseJob, Result  # noqa: E402
+from sidecar.release.base import JobResult, ReleaseJob  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
 from tests.conformance.wheels import fetch_wheel  # noqa: E402
 
@@ -615,12 +615,12 @@ async def test_release_frees_the_request_on_every_rank(prefill: Any) -> None:
     await p.hold(second)
     sidecar = await releaser(version)
     try:
-        assert await sidecar.release(job(version, p, "a")) is Result.SENT
+        assert await sidecar.release(job(version, p, "a")) is JobResult.SENT
         await p.await_(lambda: p.finished(first) == ranks, f"{first} freed on every rank")
         # A second sidecar (fresh agent, no cache) handshakes again: the listener survived.
         other = await releaser(version)
         try:
-            assert await other.release(job(version, p, "b")) is Result.SENT
+            assert await other.release(job(version, p, "b")) is JobResult.SENT
             await p.await_(lambda: p.finished(second) == ranks, f"{second} freed on every rank")
         finally:
             await other.close()
@@ -643,7 +643,7 @@ async def test_late_release_after_expiry_is_only_logged(prefill: Any) -> None:
     assert p.logs("Releasing expired KV blocks")
     sidecar = await releaser(version)
     try:
-        assert await sidecar.release(job(version, p, "late")) is Result.SENT
+        assert await sidecar.release(job(version, p, "late")) is JobResult.SENT
         await p.await_(lambda: len(p.logs("unrecognized request")) >= len(ranks), "unknown id logged")
         assert p.finished(rid) == ranks and not [e for e in p.events if "error" in e]
     finally:

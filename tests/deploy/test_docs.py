@@ -24,7 +24,7 @@ from sidecar.config import ReleaseStrategy
 from sidecar.config.settings import OffReason
 from sidecar.network.routable import REFUSALS as ADDRESS_REFUSALS
 from sidecar.nixl import REFUSALS
-from sidecar.release.base import Result
+from sidecar.release.base import JobResult
 from tests.deploy.manifests import DOCS, ROOT
 
 ALERTS = DOCS / "alerts.yaml"
@@ -34,7 +34,7 @@ OPERATIONS = DOCS / "operations.md"
 TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint", "service"}
 # Label values the code produces from an enumeration: (metric, label) -> values.
 ENUM_VALUES: dict[tuple[str, str], set[str]] = {
-    ("kvr_releases", "result"): {r.value for r in Result},
+    ("kvr_releases", "result"): {r.value for r in JobResult},
     ("kvr_rejections", "cause"): {c.value for c in Cause},
     ("kvr_not_released", "cause"): {c.value for c in Cause},
     ("kvr_not_released", "outcome"): {o.value for o in Outcome},

@@ -30,7 +30,7 @@ from sidecar.nixl.messages import HandshakePayload, agent_metadata_layout
 from sidecar.nixl.peer import import_nixl
 from sidecar.nixl.versions import WireProfile
 from sidecar.params import ReleaseParams, release_params
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
+from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.nixl import NixlReleaser
 
 pytestmark = pytest.mark.nixl
@@ -291,7 +291,7 @@ async def test_release_notifies_every_rank_exactly_once(
     route = "/v1/completions"
     first = await releaser.release(make_job(p.params("req-1"), "req-1", route))
     second = await releaser.release(make_job(p.params("req-2"), "req-2", route))
-    assert (first, second) == (Result.SENT, Result.SENT)
+    assert (first, second) == (JobResult.SENT, JobResult.SENT)
     wire_id = "req-{}" if p.profile.wire.has_remote_request_id else "cmpl-req-{}-0"
     # req-2 arrives after req-1 on every rank, so req-1's count is final once req-2 is seen.
     await p.received(f"{wire_id.format(2)}:1".encode())
@@ -308,7 +308,7 @@ async def test_pp_ranks_beyond_rank_zero_are_not_queried_before_029(
     # 0.26.0-0.28.x pull: D reads no pp_size and queries PP rank 0 only (vLLM's rank addressing).
     p = start(prefills, "0.28.0", 1, 2)
     releaser = await releaser_factory(config(vllm_version="0.28.0"))
-    assert await releaser.release(make_job(p.params("r"), "r")) is Result.SENT
+    assert await releaser.release(make_job(p.params("r"), "r")) is JobResult.SENT
     await p.wait(lambda: b"r:1" in p.notifs[(0, 0)])
     assert p.notifs[(1, 0)] == [] and p.requests == 1 and p.dead == []
 
@@ -319,7 +319,7 @@ async def test_cached_handshake_is_reused(
     p = start(prefills, "0.33.0", 2, 1)
     releaser = await releaser_factory(config(vllm_version="0.33.0"))
     for i in range(5):
-        assert await releaser.release(make_job(p.params(f"r{i}"), f"r{i}")) is Result.SENT
+        assert await releaser.release(make_job(p.params(f"r{i}"), f"r{i}")) is JobResult.SENT
     await p.received(b"r4:1")
     assert p.requests == 2
     assert sample(releaser, "kvr_nixl_handshakes_total", result="ok") == 1
@@ -334,7 +334,7 @@ async def test_concurrent_first_contact_handshakes_once(
     results = await asyncio.gather(
         *(releaser.release(make_job(p.params(f"c{i}"), f"c{i}")) for i in range(8))
     )
-    assert results == [Result.SENT] * 8
+    assert results == [JobResult.SENT] * 8
     await p.wait(lambda: all(len(v) == 8 for v in p.notifs.values()))
     assert p.requests == 2
 
@@ -422,7 +422,7 @@ async def test_unsafe_release_refused_unless_allowed_then_sent_once(
         await strict.release(make_job(p.params("a"), "a"))
     assert info.value.reason == "unsafe_version" and p.requests == 0
     loose = await releaser_factory(config(vllm_version="0.10.0", allow_unsafe_vllm=True))
-    assert await loose.release(make_job(p.params("a"), "a")) is Result.SENT
+    assert await loose.release(make_job(p.params("a"), "a")) is JobResult.SENT
     assert await p.received(b"chatcmpl-a:1") == {(0, 0): 1}
 
 
@@ -478,14 +478,14 @@ async def test_p_restarted_with_new_agents_rehandshakes(
 ) -> None:
     first = start(prefills, "0.33.0", 2, 1)
     releaser = await releaser_factory(config(vllm_version="0.33.0"))
-    assert await releaser.release(make_job(first.params("before"), "before")) is Result.SENT
+    assert await releaser.release(make_job(first.params("before"), "before")) is JobResult.SENT
     await first.received(b"before:1")
     port, engine = first.port, first.engine_id
     first.stop()
     prefills.remove(first)
     first.agents.clear()  # the old workers' agents die with them
     second = start(prefills, "0.33.0", 2, 1, engine_id=engine, port=port)
-    assert await releaser.release(make_job(second.params("after"), "after")) is Result.SENT
+    assert await releaser.release(make_job(second.params("after"), "after")) is JobResult.SENT
     assert await second.received(b"after:1") == {(0, 0): 1, (0, 1): 1}
     assert second.requests == 2
     # The cached agents were the dead ones: the send failed and one re-handshake followed.

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.observability.tracing import build
-from sidecar.release.base import ReleaseJob, Result, RetryableReleaseError
+from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from tests.integration.conftest import Sidecar, kv_params
 from tests.servers import ServerThread, free_port, serve
@@ -237,11 +237,11 @@ class FlakyReleaser:
     def target(self, job: ReleaseJob) -> str:
         return "p"
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.calls += 1
         if self.calls == 1:
             raise RetryableReleaseError("P unreachable (test)")
-        return Result.SENT
+        return JobResult.SENT
 
 
 def test_release_span_counts_attempts_and_records_failed_ones() -> None:

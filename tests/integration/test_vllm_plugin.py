@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.release.auto import AutoReleaser
-from sidecar.release.base import ReleaseJob, Result
+from sidecar.release.base import JobResult, ReleaseJob
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
@@ -247,9 +247,9 @@ class RecordingNixl:
     def target(self, job: ReleaseJob) -> str:
         return f"{self.name}:{job.params.remote_host}"
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        return Result.SENT
+        return JobResult.SENT
 
 
 @contextmanager

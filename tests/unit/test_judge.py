@@ -28,7 +28,7 @@ from sidecar.proxy.context import Exchange
 from sidecar.proxy.stream import StreamJudge
 from sidecar.release.base import ReleaseJob
 from sidecar.upstream.client import Sent
-from tests.fakes import Facts
+from tests.fakes import FakeDecode
 from tests.unit.test_proxy import V033
 
 PARAMS = release_params(V033)
@@ -77,13 +77,13 @@ class Traces(Tracing):
 
 class Rig:
     def __init__(
-        self, queued: bool = True, facts: Facts | None = None, releaser: object = None, **settings: Any
+        self, queued: bool = True, decode: FakeDecode | None = None, releaser: object = None, **settings: Any
     ) -> None:
         self.config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
         self.queue, self.inflight, self.traces = Queue(queued, releaser), InFlight(100, 30), Traces()
-        self.facts = facts or Facts(None)  # D's release unknown: no engine coverage unless asked
+        self.decode = decode or FakeDecode(None)  # D's release unknown: no engine coverage unless asked
         self.metrics = Metrics(CollectorRegistry())
-        self.judge = Judge(self.config, self.queue, self.metrics, self.inflight, self.facts, self.traces)  # type: ignore[arg-type]
+        self.judge = Judge(self.config, self.queue, self.metrics, self.inflight, self.decode, self.traces)  # type: ignore[arg-type]
 
     def sample(self, name: str, **labels: str) -> float:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
@@ -126,7 +126,8 @@ def test_each_decision_is_traced_with_what_became_of_the_blocks(
     rig = Rig(queued, **settings)
     made = exchange()
     decision = rig.judge.judge(made, event)
-    assert made.decided is True
+    assert made.decided is True and made.judged is not None and made.judged.decision == decision
+    assert made.spent is (traced[2] in ("queued", "duplicate"))  # handed to a strategy that frees
     assert rig.traces.decisions == [traced]
     assert (decision.outcome.value, decision.cause.value) == traced[:2]
     assert len(rig.queue.jobs) == (traced[2] in ("queued", "duplicate"))
@@ -245,10 +246,10 @@ def test_only_an_abort_of_a_request_d_had_keeps_the_parameters(
 
 
 def test_what_the_judge_is_told_of_d_reaches_ds_state() -> None:
-    facts = Facts(None)
-    rig = Rig(facts=facts)
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
     rig.judge.judge(exchange(), Event(status=503, error_message="down", closing=True))
-    assert facts.observed == [(503, "down", True)]
+    assert decode.observed == [(503, "down", True)]
 
 
 @pytest.mark.parametrize(("status", "cause"), [(503, "status_5xx"), (400, "status_4xx"), (404, "status_4xx")])
@@ -267,8 +268,8 @@ def test_a_routers_decode_leg_counts_its_answers(status: int, cause: str) -> Non
 
 
 def test_a_stream_is_judged_on_its_first_event_with_its_error_type() -> None:
-    facts = Facts(None)
-    rig = Rig(facts=facts)
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
     made = exchange(stream=True)
     stream = StreamJudge(rig.judge, made)
     stream.feed(REFUSAL[:20])
@@ -277,21 +278,21 @@ def test_a_stream_is_judged_on_its_first_event_with_its_error_type() -> None:
     assert stream.decided
     [job] = rig.queue.jobs
     assert (job.cause, job.status, job.error_type) == (Cause.STREAM_ADMISSION_ERROR, 200, "BadRequestError")
-    assert facts.observed == [(400, "bad", False)]
+    assert decode.observed == [(400, "bad", False)]
     stream.feed(REFUSAL)  # the rest passes unread
     stream.finish()
     assert len(rig.queue.jobs) == 1 and len(rig.traces.decisions) == 1
 
 
 def test_a_stream_that_ends_before_its_first_event_is_whole_is_judged_on_what_came() -> None:
-    facts = Facts(None)
-    rig = Rig(facts=facts)
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
     stream = StreamJudge(rig.judge, exchange(stream=True))
     stream.feed(b'data: {"choices": [{"text": "hi"}]}')
     assert not stream.decided
     stream.finish()
     assert stream.decided and rig.traces.decisions == [("no_release", "admitted", "not_released")]
-    assert facts.observed == []  # not an error event: nothing learnt of D
+    assert decode.observed == []  # not an error event: nothing learnt of D
 
 
 def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
@@ -335,22 +336,22 @@ def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
     ],
 )
 def test_what_each_event_tells_of_d(event: Event, told: list[tuple[Failure | int, str | None, bool]]) -> None:
-    facts = Facts(None)
-    Rig(facts=facts).judge.judge(exchange(), event)
-    assert facts.observed == told
+    decode = FakeDecode(None)
+    Rig(decode=decode).judge.judge(exchange(), event)
+    assert decode.observed == told
 
 
 def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged() -> None:
-    refused = Facts(None)
-    StreamJudge(Rig(facts=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
+    refused = FakeDecode(None)
+    StreamJudge(Rig(decode=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
     assert refused.observed == [(400, "bad", True)]
-    ended = Facts(None)
-    stream = StreamJudge(Rig(facts=ended).judge, exchange(stream=True), closing=True)
+    ended = FakeDecode(None)
+    stream = StreamJudge(Rig(decode=ended).judge, exchange(stream=True), closing=True)
     stream.feed(b'data: {"choices": [{"text": "hi"}]}')
     stream.finish()
     assert ended.observed == [(200, None, True)]
-    cut = Facts(None)
-    rig = Rig(facts=cut)
+    cut = FakeDecode(None)
+    rig = Rig(decode=cut)
     stream = StreamJudge(rig.judge, exchange(stream=True), closing=True)
     stream.reset()
     assert cut.observed == [(200, None, True)]
@@ -358,15 +359,15 @@ def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged(
 
 
 def test_a_stream_whose_error_event_ends_unterminated_is_judged_on_that_event() -> None:
-    facts = Facts(None)
-    rig = Rig(facts=facts)
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
     stream = StreamJudge(rig.judge, exchange(stream=True))
     stream.feed(REFUSAL.rstrip(b"\n"))  # no blank line: the event never ended before the stream did
     assert not stream.decided
     stream.finish()
     [job] = rig.queue.jobs
     assert (job.cause, job.error_type) == (Cause.STREAM_ADMISSION_ERROR, "BadRequestError")
-    assert facts.observed == [(400, "bad", False)]
+    assert decode.observed == [(400, "bad", False)]
 
 
 def test_router_mode_releases_its_own_aborts_and_leaves_ds_answers_only_to_a_decode_sidecar() -> None:
@@ -410,17 +411,17 @@ def _router_rejection(rig: Rig, prefilled_ago: float | None) -> list[ReleaseJob]
 
 
 @pytest.mark.parametrize(
-    ("settings", "facts"),
+    ("settings", "decode"),
     [
-        ({"vllm_version": "0.33.0"}, Facts(None)),  # the configured release: a 30 s lease
-        ({}, Facts("0.33.0")),  # D's release as observed
-        ({"p_hold_seconds": 30.0}, Facts(None)),  # the configured hold
+        ({"vllm_version": "0.33.0"}, FakeDecode(None)),  # the configured release: a 30 s lease
+        ({}, FakeDecode("0.33.0")),  # D's release as observed
+        ({"p_hold_seconds": 30.0}, FakeDecode(None)),  # the configured hold
     ],
 )
 def test_a_router_skips_a_release_past_ps_lease(
-    settings: dict[str, Any], facts: Facts, caplog: pytest.LogCaptureFixture
+    settings: dict[str, Any], decode: FakeDecode, caplog: pytest.LogCaptureFixture
 ) -> None:
-    rig = Rig(facts=facts, **settings)
+    rig = Rig(decode=decode, **settings)
     with caplog.at_level(logging.DEBUG, logger="sidecar"):
         assert _router_rejection(rig, prefilled_ago=100.0) == []
     [record] = [r for r in caplog.records if "lease" in r.getMessage()]

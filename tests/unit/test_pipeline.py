@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from sidecar.observability.metrics import Metrics
 from sidecar.params import release_params
 from sidecar.release.base import (
+    JobResult,
     PermanentReleaseError,
     ReleaseJob,
-    Result,
     RetryableReleaseError,
     TargetHealth,
 )
@@ -27,7 +27,7 @@ class Down(RetryableReleaseError):
     """A connect-level failure, as PeerUnreachable is."""
 
     reason = "unreachable"
-    verdict = TargetHealth.DOWN
+    health = TargetHealth.DOWN
 
 
 class FakeReleaser:
@@ -59,7 +59,7 @@ class FakeReleaser:
     def target(self, job: ReleaseJob) -> str:
         return job.params.remote_host or ""
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         host = self.target(job)
         self.running[host] += 1
         self.peak[host] = max(self.peak[host], self.running[host])
@@ -68,7 +68,7 @@ class FakeReleaser:
         finally:
             self.running[host] -= 1
 
-    async def _release(self, job: ReleaseJob, host: str) -> Result:
+    async def _release(self, job: ReleaseJob, host: str) -> JobResult:
         self.calls.append(job.params.remote_request_id or "")
         if self.gate is not None:
             await self.gate.wait()
@@ -80,7 +80,7 @@ class FakeReleaser:
             self.failures -= 1
             raise RetryableReleaseError("P answered badly")
         self.done_at[job.params.remote_request_id or ""] = time.monotonic()
-        return Result.SENT
+        return JobResult.SENT
 
 
 def job(rid: str, deadline: float = 5.0, engine: str = "e", host: str = "127.0.0.1") -> ReleaseJob:
@@ -125,7 +125,7 @@ def make(
     return pipeline, metrics
 
 
-def count(metrics: Metrics, result: Result) -> float:
+def count(metrics: Metrics, result: JobResult) -> float:
     value = metrics.registry.get_sample_value(
         "kvr_releases_total", {"strategy": "fake", "result": result.value}
     )
@@ -143,8 +143,8 @@ async def test_each_job_released_once_and_duplicates_counted() -> None:
     assert await pipeline.flush(2)
     await pipeline.stop()
     assert sorted(releaser.calls) == ["a", "a", "b"]
-    assert count(metrics, Result.SENT) == 3
-    assert count(metrics, Result.DUPLICATE) == 1
+    assert count(metrics, JobResult.SENT) == 3
+    assert count(metrics, JobResult.DUPLICATE) == 1
 
 
 async def test_retries_until_success() -> None:
@@ -155,7 +155,7 @@ async def test_retries_until_success() -> None:
     assert await pipeline.flush(2)
     await pipeline.stop()
     assert releaser.calls == ["a"] * 4
-    assert count(metrics, Result.SENT) == 1
+    assert count(metrics, JobResult.SENT) == 1
 
 
 async def test_gives_up_at_deadline() -> None:
@@ -171,8 +171,8 @@ async def test_gives_up_at_deadline() -> None:
     await pipeline.stop()
     assert time.monotonic() - started >= 0.2 - FAST.cap
     assert len(releaser.calls) >= 3
-    assert count(metrics, Result.FAILED) == 1
-    assert count(metrics, Result.SENT) == 0
+    assert count(metrics, JobResult.FAILED) == 1
+    assert count(metrics, JobResult.SENT) == 0
 
 
 async def test_permanent_error_is_not_retried() -> None:
@@ -183,7 +183,7 @@ async def test_permanent_error_is_not_retried() -> None:
     assert await pipeline.flush(2)
     await pipeline.stop()
     assert releaser.calls == ["a"]
-    assert count(metrics, Result.REFUSED) == 1
+    assert count(metrics, JobResult.REFUSED) == 1
 
 
 async def test_full_queue_drops_oldest_and_never_blocks() -> None:
@@ -198,12 +198,12 @@ async def test_full_queue_drops_oldest_and_never_blocks() -> None:
     assert all(pipeline.submit(job(f"q{i}")) for i in range(6))
     assert releaser.calls == ["running"] and not gate.is_set()
     assert pipeline.depth == 3
-    assert count(metrics, Result.DROPPED) == 3  # dropped within submit, before any worker ran
+    assert count(metrics, JobResult.DROPPED) == 3  # dropped within submit, before any worker ran
     gate.set()
     assert await pipeline.flush(2)
     await pipeline.stop()
     assert releaser.calls == ["running", "q3", "q4", "q5"]
-    assert count(metrics, Result.DROPPED) == 3
+    assert count(metrics, JobResult.DROPPED) == 3
     # a dropped job's key left the ledger: a retry of it can still be released
     assert pipeline.submit(job("q0"))
 
@@ -245,7 +245,7 @@ async def test_flush_times_out_and_stop_drops_the_rest() -> None:
     pipeline.submit(job("queued"))
     assert not await pipeline.flush(0.05)
     await pipeline.stop()
-    assert count(metrics, Result.DROPPED) == 2  # the stuck job and the queued one both end counted
+    assert count(metrics, JobResult.DROPPED) == 2  # the stuck job and the queued one both end counted
 
 
 def test_ledger_ttl_and_size() -> None:
@@ -372,8 +372,8 @@ async def test_a_dead_target_opens_its_breaker_and_never_delays_a_live_one() -> 
     total_dead_calls = sum(1 for c in releaser.calls if c.startswith("dead"))
     assert dead_calls <= 4 and total_dead_calls <= 3 + 8, (dead_calls, total_dead_calls)
     assert releaser.peak["10.0.0.1"] == 1  # at most the cap, and only one probe at a time once open
-    assert count(metrics, Result.FAILED) == 40
-    assert count(metrics, Result.SENT) == 20
+    assert count(metrics, JobResult.FAILED) == 40
+    assert count(metrics, JobResult.SENT) == 20
     assert attempts(metrics, "target_down") >= 36  # every job that found it open said so, once
     assert attempts(metrics, "unreachable") == total_dead_calls
 
@@ -393,7 +393,7 @@ async def test_a_probe_that_connects_closes_the_breaker_and_frees_the_waiting_jo
     assert calls_while_down >= 3 and attempts(metrics, "unreachable") == calls_while_down
     assert await pipeline.flush(2)
     await pipeline.stop()
-    assert count(metrics, Result.SENT) == 10
+    assert count(metrics, JobResult.SENT) == 10
     assert targets(metrics, "open") == 0 and targets(metrics, "half_open") == 0
     assert len(releaser.calls) == calls_while_down + 10  # one probe, then every waiting job once
 

@@ -25,11 +25,11 @@ from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.trust import Trust
-from sidecar.release.base import ReleaseJob, Result
+from sidecar.release.base import JobResult, ReleaseJob
 from sidecar.release.dryrun import DryRun
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
-from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
 
 V033 = {
     "do_remote_prefill": True,
@@ -71,13 +71,13 @@ class Recorder:
     def target(self, job: ReleaseJob) -> str:
         return "p"
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        return Result.SENT
+        return JobResult.SENT
 
-    async def rehearse(self, job: ReleaseJob) -> Result:
+    async def rehearse(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        return Result.WOULD_SEND
+        return JobResult.WOULD_SEND
 
 
 class Rig:
@@ -106,7 +106,7 @@ def started_pipeline(releaser: Recorder, metrics: Metrics, queue_size: int, work
 def proxy_parts(
     config: Config, d: FakeUpstream, pipeline: Pipeline, metrics: Metrics, **more: Any
 ) -> ProxyParts:
-    """The proxy's parts around the fake upstream ``d``; ``more``: facts, pool."""
+    """The proxy's parts around the fake upstream ``d``; ``more``: decode, pool."""
     return ProxyParts(
         upstream=d,  # type: ignore[arg-type]
         pipeline=pipeline,
@@ -119,12 +119,12 @@ def proxy_parts(
 
 
 @asynccontextmanager
-async def rig(d: FakeUpstream, facts: Facts | None = None, **settings: Any) -> AsyncIterator[Rig]:
+async def rig(d: FakeUpstream, decode: FakeDecode | None = None, **settings: Any) -> AsyncIterator[Rig]:
     config = Config(**{"release": "nixl", "may_cover_delay": 0.05, **settings})
     metrics, releaser = Metrics(CollectorRegistry()), Recorder()
     strategy = DryRun(releaser) if config.dry_run else releaser
     pipeline = started_pipeline(strategy, metrics, queue_size=100, workers=4)
-    parts = proxy_parts(config, d, pipeline, metrics, facts=facts or Facts())
+    parts = proxy_parts(config, d, pipeline, metrics, decode=decode or FakeDecode())
     try:
         yield Rig(Proxy(config, parts), d, releaser, metrics)
     finally:
@@ -182,7 +182,9 @@ async def test_d_down_is_answered_503_and_released_when_nothing_in_front_retries
 async def test_a_rejection_from_ds_handler_is_left_to_d_only_while_d_can_notify(
     can_notify: bool, sent: int, covered: int
 ) -> None:
-    async with rig(FakeUpstream(lambda r: error(404, "NotFoundError")), Facts("0.33.0", can_notify)) as r:
+    async with rig(
+        FakeUpstream(lambda r: error(404, "NotFoundError")), FakeDecode("0.33.0", can_notify)
+    ) as r:
         client = await r.call(Client(body=completion(V033)))
         assert client.status == 404
         assert len(r.releaser.jobs) == sent and r.result("covered_by_engine") == covered
@@ -191,7 +193,7 @@ async def test_a_rejection_from_ds_handler_is_left_to_d_only_while_d_can_notify(
 
 
 async def test_an_unknown_release_of_d_is_released_whatever_the_answer() -> None:
-    async with rig(FakeUpstream(lambda r: error(404, "NotFoundError")), Facts(None)) as r:
+    async with rig(FakeUpstream(lambda r: error(404, "NotFoundError")), FakeDecode(None)) as r:
         await r.call(Client(body=completion(V033)))
         assert len(r.releaser.jobs) == 1
 
@@ -240,12 +242,12 @@ async def test_a_dry_run_applies_the_strategys_rules_and_never_changes_an_answer
 
 
 async def test_what_the_proxy_sees_of_d_reaches_ds_state_before_the_judge() -> None:
-    facts = Facts("0.33.0")
-    async with rig(FakeUpstream(lambda r: error(404, "NotFoundError")), facts) as r:
+    decode = FakeDecode("0.33.0")
+    async with rig(FakeUpstream(lambda r: error(404, "NotFoundError")), decode) as r:
         await r.call(Client(body=completion(V033)))
-    async with rig(FakeUpstream(refused, reached=False), facts) as r:
+    async with rig(FakeUpstream(refused, reached=False), decode) as r:
         await r.call(Client(body=completion(V033)))
-    assert facts.observed == [(404, "no", False), (Failure.CONNECT_REFUSED, None, False)]
+    assert decode.observed == [(404, "no", False), (Failure.CONNECT_REFUSED, None, False)]
 
 
 async def test_other_paths_pass_through_unjudged() -> None:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.config import Config
 from sidecar.params import release_params
 from sidecar.release.auto import AutoReleaser
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
+from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.http import ControlFailed, ControlUnreachable, Probe
 
 
@@ -23,7 +23,7 @@ class FakeControl:
 
     def __init__(self) -> None:
         self.probe_answer: Probe = "present"
-        self.outcomes: list[Result | Exception] = []
+        self.outcomes: list[JobResult | Exception] = []
         self.jobs: list[ReleaseJob] = []
         self.probes = 0
         self.started = self.closed = False
@@ -44,9 +44,9 @@ class FakeControl:
     def target(self, job: ReleaseJob) -> str:
         return f"{self.name}:{job.params.remote_host}"
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        outcome = self.outcomes.pop(0) if self.outcomes else Result.SENT
+        outcome = self.outcomes.pop(0) if self.outcomes else JobResult.SENT
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -74,9 +74,9 @@ class FakeNixl:
     def target(self, job: ReleaseJob) -> str:
         return f"{self.name}:{job.params.remote_host}"
 
-    async def release(self, job: ReleaseJob) -> Result:
+    async def release(self, job: ReleaseJob) -> JobResult:
         self.jobs.append(job)
-        return Result.SENT
+        return JobResult.SENT
 
 
 def job(rid: str = "r1", cause: str = "rejected_4xx") -> ReleaseJob:
@@ -135,7 +135,7 @@ async def test_present_endpoint_selects_control(
 ) -> None:
     auto, control, nixl = parts
     assert path_of(auto) == "control" and auto.ready()
-    assert await auto.release(job()) is Result.SENT
+    assert await auto.release(job()) is JobResult.SENT
     assert len(control.jobs) == 1 and nixl.jobs == []
     assert sample(registry, "kvr_release_path", path="control") == 1
     assert sample(registry, "kvr_release_path", path="nixl") == 0
@@ -153,7 +153,7 @@ async def test_unreachable_d_goes_to_nixl_even_with_control(
     parts: tuple[AutoReleaser, FakeControl, FakeNixl],
 ) -> None:
     auto, control, nixl = parts
-    assert await auto.release(job(cause="unreachable")) is Result.SENT
+    assert await auto.release(job(cause="unreachable")) is JobResult.SENT
     assert control.jobs == [] and len(nixl.jobs) == 1
 
 
@@ -195,7 +195,7 @@ async def test_undelivered_attempt_falls_back_to_nixl_for_that_job(
 ) -> None:
     auto, control, nixl = parts
     control.outcomes = [ControlUnreachable("refused")]
-    assert await auto.release(job()) is Result.SENT
+    assert await auto.release(job()) is JobResult.SENT
     assert len(control.jobs) == 1 and len(nixl.jobs) == 1
     assert path_of(auto) == "control"  # D may be restarting: the next probe decides
     assert sample(registry, "kvr_auto_releases_total", path="nixl", result="sent") == 1
@@ -207,7 +207,7 @@ async def test_route_gone_switches_to_nixl(
 ) -> None:
     auto, control, nixl = parts
     control.outcomes = [PermanentReleaseError("gone", reason)]
-    assert await auto.release(job()) is Result.SENT
+    assert await auto.release(job()) is JobResult.SENT
     assert len(nixl.jobs) == 1 and path_of(auto) == "nixl"
     await auto.release(job("r2"))
     assert len(control.jobs) == 1 and len(nixl.jobs) == 2
@@ -226,7 +226,11 @@ async def test_maybe_delivered_job_is_pinned_to_control(
 ) -> None:
     auto, control, nixl = parts
     the_job = job()
-    control.outcomes = [ControlFailed("timed out", "timeout"), ControlUnreachable("D went away"), Result.SENT]
+    control.outcomes = [
+        ControlFailed("timed out", "timeout"),
+        ControlUnreachable("D went away"),
+        JobResult.SENT,
+    ]
     with pytest.raises(ControlFailed):
         await auto.release(the_job)
     control.probe_answer = "absent"
@@ -234,7 +238,7 @@ async def test_maybe_delivered_job_is_pinned_to_control(
     assert path_of(auto) == "nixl"
     with pytest.raises(ControlUnreachable):  # no switch to NIXL: D's engine may have acted
         await auto.release(the_job)
-    assert await auto.release(the_job) is Result.SENT
+    assert await auto.release(the_job) is JobResult.SENT
     assert len(control.jobs) == 3 and nixl.jobs == []
     await auto.release(the_job)  # unpinned after success: the path applies again
     assert len(nixl.jobs) == 1
@@ -246,7 +250,7 @@ async def test_nixl_failure_at_start_leaves_control(registry: CollectorRegistry)
     await auto.start()
     try:
         assert path_of(auto) == "control" and auto.ready()
-        assert await auto.release(job()) is Result.SENT
+        assert await auto.release(job()) is JobResult.SENT
         with pytest.raises(PermanentReleaseError) as caught:
             await auto.release(job("r2", cause="unreachable"))
         assert caught.value.reason == "no_path"

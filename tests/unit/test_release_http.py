@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
 from sidecar.params import ReleaseParams, release_params
-from sidecar.release.base import PermanentReleaseError, ReleaseJob, Result
+from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.http import (
     ControlFailed,
     ControlUnreachable,
@@ -122,7 +122,7 @@ def test_urls() -> None:
 @respx.mock(assert_all_called=True)
 async def test_accepted_posts_the_job(releaser: HttpReleaser, respx_mock: respx.MockRouter) -> None:
     route = respx_mock.post(RELEASE).respond(202, json=ACCEPTED)
-    assert await releaser.release(job()) is Result.SENT
+    assert await releaser.release(job()) is JobResult.SENT
     request = route.calls.last.request
     assert request.headers["authorization"] == f"Bearer {TOKEN}"
     assert request.headers["content-type"] == "application/json"
@@ -141,7 +141,7 @@ async def test_raw_params_and_dp_rank_reach_the_engine(
     """Fields this sidecar does not know (a newer vLLM's) and the request's DP rank are kept."""
     raw = json.dumps({**params(), "future_field": {"x": 1}}).encode()
     route = respx_mock.post(RELEASE).respond(202, json=ACCEPTED)
-    assert await releaser.release(job(raw_params=raw, data_parallel_rank=3)) is Result.SENT
+    assert await releaser.release(job(raw_params=raw, data_parallel_rank=3)) is JobResult.SENT
     body = json.loads(route.calls.last.request.content)
     assert body["kv_transfer_params"] == json.loads(raw)
     assert body["data_parallel_rank"] == 3
@@ -156,7 +156,7 @@ async def test_a_rank_d_refuses_is_retried_on_the_default_rank(
     route = respx_mock.post(RELEASE).mock(
         side_effect=[httpx.Response(400, json=refused), httpx.Response(202, json=ACCEPTED)]
     )
-    assert await releaser.release(job(data_parallel_rank=9)) is Result.SENT
+    assert await releaser.release(job(data_parallel_rank=9)) is JobResult.SENT
     ranks = [json.loads(call.request.content)["data_parallel_rank"] for call in route.calls]
     assert ranks == [9, None]
 
@@ -253,7 +253,7 @@ async def test_request_id_per_release(d_version: str | None, the_job: ReleaseJob
             result = await http.release(the_job)
     finally:
         await http.close()
-    assert result is Result.SENT
+    assert result is JobResult.SENT
     assert json.loads(route.calls.last.request.content)["request_id"] == sent_id
 
 

@@ -70,7 +70,7 @@ async def test_a_temporary_failure_is_retryable_counts_against_the_target_and_is
     resolver = Resolver(lookup=dns, clock=clock)
     with pytest.raises(ResolveFailed) as caught:
         await resolver.resolve("p.svc", 5600)
-    assert caught.value.verdict is TargetHealth.DOWN
+    assert caught.value.health is TargetHealth.DOWN
     with pytest.raises(ResolveFailed):
         await resolver.resolve("p.svc", 5600)
     assert len(dns.calls) == 1

@@ -21,7 +21,7 @@ from sidecar.proxy import Proxy
 from sidecar.router import PREFILL_PARAMS, PrefillPool
 from sidecar.router.legs import Router
 from sidecar.router.pool import TAIL_BYTES
-from tests.fakes import Client, Facts, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
 from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
@@ -54,7 +54,9 @@ async def router(
     metrics, releaser = Metrics(CollectorRegistry()), Recorder()
     pipeline = started_pipeline(releaser, metrics, queue_size=10, workers=2)
     pool = PrefillPool(config, connect=lambda url: ps[url])  # type: ignore[arg-type,return-value]
-    parts = proxy_parts(config, d, pipeline, metrics, facts=Facts(), routing=lambda kit: Router(kit, pool))
+    parts = proxy_parts(
+        config, d, pipeline, metrics, decode=FakeDecode(), routing=lambda kit: Router(kit, pool)
+    )
     try:
         yield Rig(Proxy(config, parts), d, ps, releaser)
     finally:

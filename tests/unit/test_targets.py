@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from sidecar.release import targets as targets_module
 from sidecar.release.base import TargetHealth
-from sidecar.release.targets import BreakerPolicy, Grant, State, Target, TargetDown, Targets
+from sidecar.release.targets import BreakerPolicy, BreakerState, Grant, Target, TargetDown, Targets
 
 POLICY = BreakerPolicy(failures=3, interval=0.05, max_interval=0.2)
 
@@ -44,23 +44,23 @@ async def test_three_connect_failures_open_then_a_probe_closes() -> None:
     targets, registry = make()
     target = targets.attach("p:5600")
     await fail(target, 2)
-    assert target.state is State.CLOSED  # two are not enough
+    assert target.state is BreakerState.CLOSED  # two are not enough
     await fail(target, 1)
-    assert target.state is State.OPEN
+    assert target.state is BreakerState.OPEN
     assert counted(registry, "open") == 1 and counted(registry, "closed") == 0
     blocked: list[int] = []
     started = time.monotonic()
     probe = await target.acquire(time.monotonic() + 1, lambda: blocked.append(1))
     assert probe.probe and blocked == [1]  # it waited for the interval, then probed
     assert time.monotonic() - started >= POLICY.interval * 0.9
-    assert target.state is State.HALF_OPEN
+    assert target.state is BreakerState.HALF_OPEN
     # While the probe runs nobody else connects.
     second = asyncio.ensure_future(target.acquire(time.monotonic() + 1, lambda: None))
     await asyncio.sleep(0.02)
     assert not second.done()
     target.done(probe, TargetHealth.UP)
     grant = await second
-    assert not grant.probe and target.state is State.CLOSED
+    assert not grant.probe and target.state is BreakerState.CLOSED
     assert counted(registry, "closed") == 1 and counted(registry, "half_open") == 0
 
 
@@ -81,18 +81,18 @@ async def test_a_job_made_after_the_last_failure_brings_the_probe_forward() -> N
     before = time.monotonic()
     await fail(target, 3)
     failed = time.monotonic()
-    assert target.state is State.OPEN
+    assert target.state is BreakerState.OPEN
     jobs = [asyncio.ensure_future(target.acquire(failed + 5, lambda: None, before)) for _ in range(3)]
     await asyncio.sleep(GAP * 2)
     assert not any(job.done() for job in jobs)  # made before the failure: the interval holds them
     fresh = asyncio.ensure_future(target.acquire(failed + 5, lambda: None, time.monotonic()))
     done, _ = await asyncio.wait([*jobs, fresh], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
     [probe] = [job.result() for job in done]
-    assert probe.probe and target.state is State.HALF_OPEN
+    assert probe.probe and target.state is BreakerState.HALF_OPEN
     target.done(probe, TargetHealth.UP)
     waiting = [job for job in (*jobs, fresh) if job not in done]
     grants = await asyncio.wait_for(asyncio.gather(*waiting[:2]), 0.1)  # the cap's worth, at once
-    assert target.state is State.CLOSED and not any(g.probe for g in grants)
+    assert target.state is BreakerState.CLOSED and not any(g.probe for g in grants)
     target.done(grants[0], TargetHealth.UP)
     assert not (await asyncio.wait_for(waiting[2], 0.1)).probe
 
@@ -137,7 +137,7 @@ async def test_an_untouched_probe_hands_the_probe_to_the_next_job() -> None:
     await asyncio.sleep(0.01)
     target.done(first, TargetHealth.UNTOUCHED)  # refused before connecting: no news of the target
     second = await waiting
-    assert second.probe and target.state is State.HALF_OPEN
+    assert second.probe and target.state is BreakerState.HALF_OPEN
 
 
 async def test_open_until_the_deadline_raises_target_down() -> None:
@@ -220,7 +220,7 @@ async def test_hurry_brings_an_open_breakers_probe_forward() -> None:
     slow = BreakerPolicy(failures=1, interval=60.0, max_interval=60.0)
     target.hurry(slow)
     await fail(target, 1)
-    assert target.state is State.OPEN
+    assert target.state is BreakerState.OPEN
     targets.hurry(0.05)  # shutdown: the flush is short
     # acquire raises TargetDown at its deadline (30 s), half the slow policy's interval: a grant
     # at all shows the probe was brought forward; the rest of the 30 s is the loaded machine's margin.
@@ -237,7 +237,7 @@ async def test_the_probe_is_due_when_its_timer_fires_even_if_the_clock_lags() ->
     target = frozen.attach("p:5600")
     for _ in range(3):
         target.done(await target.acquire(1.0, never), TargetHealth.DOWN)
-    assert target.state is State.OPEN
+    assert target.state is BreakerState.OPEN
     async with asyncio.timeout(1.0):
         probe = await target.acquire(1.0, lambda: None)
     assert probe.probe
