@@ -254,9 +254,9 @@ def preflight(config: config_mod.Config) -> Serving:
 
 def _rank_server(app: ProxyApp, config: config_mod.Config, rank: int, tls: ServerTLS | None) -> Server:
     """The uvicorn server of one data-parallel rank's listener; rank 0 runs the app's lifespan."""
-    front = (
-        app if config.data_parallel_size == 1 and config.answers == "vllm" else RankFront(app, rank, config)
-    )
+    # One rank whose answers need nothing of the rank front (llm-d's /health, its rank table) is the app.
+    alone = config.data_parallel_size == 1 and not (app.answers.serves_health or app.answers.keeps_rank_table)
+    front = app if alone else RankFront(app, rank, config)
     options: dict[str, object] = {"lifespan": "on" if rank == 0 else "off", "backlog": BACKLOG}
     uv = uvicorn_config(
         front,
