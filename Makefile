@@ -8,10 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance faults soak e2e image clean tools mutate
+.PHONY: help demo test lint bench conformance faults soak e2e image clean tools mutate loaded
 
 help:
-	@echo "make demo | test | lint | bench | conformance | faults | soak | e2e | mutate | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | faults | soak | e2e | mutate | loaded | image | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -24,13 +24,18 @@ $(STAMP): $(UV) pyproject.toml uv.lock
 demo: $(STAMP)
 	$(UV) run --frozen --no-sync kv-release-sidecar demo
 
-# Two pytest runs: the suite on TEST_WORKERS processes (pytest-xdist), then, alone, the tests marked
-# serial (they measure CPU or time, or load the machine). Exit 5 (PYTEST_ARGS selected no test of a
-# run) is not a failure; every other exit code is.
+# Three pytest runs: the suite on TEST_WORKERS processes (pytest-xdist); then the tests marked serial
+# (they measure CPU or time, or load the machine), on two processes and away from the rest: the fault
+# scenarios one after another in one, each other module whole in either; last, alone, the tests that
+# add network interfaces (netns). Exit 5 (PYTEST_ARGS selected no test of a run) is not a failure;
+# every other exit code is.
 TEST_WORKERS ?= 4
+SERIAL_WORKERS ?= 2
 test: $(STAMP) tools
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(UV) run --frozen --no-sync pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns" \
+		$(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(UV) run --frozen --no-sync pytest -q -m netns $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The real proxies the tests run (nginx and haproxy retrying in front of two decode pods) and the
 # bench's load generator: Debian's packages, installed when missing and this is root on Debian.
@@ -78,6 +83,11 @@ mutate: $(STAMP)
 	rm -rf mutants
 	$(UV) run --frozen --no-sync mutmut run --max-children $(MUTATE_CHILDREN)
 	$(UV) run --frozen --no-sync python -m tests.mutation_report
+
+# The tests whose time bounds a loaded machine once broke, 20 times in a row beside a busy loop per CPU
+# (tests/loaded.py lists them).
+loaded: $(STAMP)
+	$(UV) run --frozen --no-sync python -m tests.loaded
 
 # A bounded soak through the simulators with random faults (about 15 minutes; stops by itself).
 soak: $(STAMP)

@@ -124,6 +124,7 @@ async def step(
             after = snapshot_of(plan, load1, cpu1)
             m1 = await scrape.metrics()
             freed = await _collect(servers, {rid for rid, _ in bodies}, settle)
+            m2 = await scrape.metrics()  # the releases' ends: those P recorded were all counted by now
     finally:
         sender.close()
     if sender.errors:
@@ -132,7 +133,7 @@ async def step(
     other.add(before, after)
     latencies = [freed[rid] - answered for rid, answered in sender.answered.items() if rid in freed]
     result = _step(
-        rate, wall, bodies, sender, latencies, (m0, m1), (cpu1 - cpu0, load1 - load0), peak[0], other
+        rate, wall, bodies, sender, latencies, (m0, m1, m2), (cpu1 - cpu0, load1 - load0), peak[0], other
     )
     result.hop = hop.name
     return result
@@ -140,9 +141,10 @@ async def step(
 
 def _step(
     rate: float, wall: float, bodies: list[tuple[str, bytes]], sender: OpenLoop, latencies: list[float],
-    metrics: tuple[Samples, Samples], cpu: tuple[float, float], peak: int, other: Other,
+    metrics: tuple[Samples, Samples, Samples], cpu: tuple[float, float], peak: int, other: Other,
 ) -> Step:  # fmt: skip
-    m0, m1 = metrics
+    """``metrics``: the sidecar's before the step, as it ended, and once P's records settled."""
+    m0, m1, m2 = metrics
     results = ("dropped", "failed", "refused", "duplicate", "covered_by_engine")
     freed_p99 = ms(percentile(latencies, 99)) if latencies else float("inf")
     kept_up = len(latencies) >= 0.99 * len(bodies) and freed_p99 <= ms(LATE)
@@ -159,10 +161,10 @@ def _step(
         freed_p50_ms=ms(percentile(lat, 50)),
         freed_p99_ms=freed_p99,
         freed_max_ms=ms(max(lat)),
-        sidecar_sent=released(m0, m1, "sent"),
+        sidecar_sent=released(m0, m2, "sent"),
         sidecar_latency_p50_ms=release_latency_ms(m0, m1, 0.5),
         sidecar_latency_p99_ms=release_latency_ms(m0, m1, 0.99),
-        sidecar_other={r: released(m0, m1, r) for r in results},
+        sidecar_other={r: released(m0, m2, r) for r in results},
         backlog_end=int(sample(m1, "kvr_release_queue_depth")),
         sidecar_cores=cpu[0] / wall,
         sidecar_rss_peak_mb=peak / MB,

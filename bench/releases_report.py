@@ -27,7 +27,7 @@ class Step(msgspec.Struct, kw_only=True):
     freed_p50_ms: float  # from the client having D's answer to P having freed the blocks
     freed_p99_ms: float
     freed_max_ms: float
-    sidecar_sent: int  # releases the sidecar counted as sent
+    sidecar_sent: int  # releases the sidecar counted as sent, once P's records settled (or ``settle`` passed)
     # The sidecar's own part: from D's answer reaching it to the release sent (its histogram).
     sidecar_latency_p50_ms: float
     sidecar_latency_p99_ms: float

@@ -31,12 +31,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: the serial marker added here counts
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Every scenario judges P's evidence against deadlines and leases: beside other test processes
-    # on two cores, D's reads and the sidecar's releases came late. make test runs them alone.
+    # Every scenario judges P's evidence against deadlines and leases: beside the parallel part's
+    # test processes on two cores, D's reads and the sidecar's releases came late. make test runs
+    # them in its serial part, one after another in one process (one xdist group) beside at most
+    # one other serial test; they share one set of simulators (``cluster``).
     here = Path(__file__).parent
     for item in items:
         if here in item.path.parents:
             item.add_marker(pytest.mark.serial)
+            item.add_marker(pytest.mark.xdist_group("faults"))
     if SLOW in (config.getoption("markexpr", "") or ""):
         # The network-namespace partition goes first: UCX in a process keeps the network
         # interfaces it saw when the process's first UCX context was made (observed here), so a

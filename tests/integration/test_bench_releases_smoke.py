@@ -30,8 +30,10 @@ def test_quick_release_workload_reports_what_p_freed(tmp_path: Path) -> None:
     assert report["prepared"] == sum(round(rate * secs) for rate, secs in planned)
     for step, (rate, seconds) in zip(report["steps"], planned, strict=False):
         assert step["sent"] == round(rate * seconds) == step["answered"]  # every one a 400 from D
-        assert step["sidecar_sent"] == step["sent"]  # and released by the sidecar
-        assert 0 < step["freed"] <= step["sent"]  # as P recorded it
+        # released by the sidecar: every release P recorded, the sidecar counted sent; on a loaded
+        # machine some may still be queued when the step's settle time ends, none counted twice
+        assert 0 < step["freed"] <= step["sidecar_sent"] <= step["sent"]  # as P recorded it
+        assert step["sidecar_sent"] + sum(step["sidecar_other"].values()) <= step["sent"]
         assert 0 <= step["freed_p50_ms"] <= step["freed_p99_ms"] <= step["freed_max_ms"]
         assert step["answer_p50_ms"] <= step["answer_p99_ms"]
         assert 0 <= step["sidecar_latency_p50_ms"] <= step["sidecar_latency_p99_ms"]  # its own histogram
