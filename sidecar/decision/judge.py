@@ -46,7 +46,7 @@ from sidecar.classify import (
     Cause,
     Decision,
     Event,
-    Failure,
+    NoAnswer,
     Outcome,
     classify,
 )
@@ -79,7 +79,7 @@ class DecodeWatch(Protocol):
     def can_notify(self) -> bool:
         """D's engine could send its own release now (alive, not shutting down, a KV connector)."""
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+    def observe(self, signal: NoAnswer | int, message: str | None = None, *, closing: bool = False) -> None:
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
@@ -208,7 +208,7 @@ class Judge:
             cause=decision.cause,
             status=event.status if event.answer is None else event.answer,
             error_type=event.first.error_type if event.first is not None else event.error_type,
-            injected=event.failure is Failure.INJECTED,
+            injected=event.failure is NoAnswer.INJECTED,
             detected_at=now,
             deadline=now + self._config.release_deadline,
             raw_params=exchange.raw_params,
@@ -259,7 +259,7 @@ def _answer(event: Event) -> int | None:
     return event.status
 
 
-def _news(event: Event) -> tuple[Failure | int, str | None] | None:
+def _news(event: Event) -> tuple[NoAnswer | int, str | None] | None:
     """What ``event`` tells of D itself: a failure to reach it before any answer, an error
     answer (or a stream's error event), or an answer that said ``Connection: close``."""
     if event.failure is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome
+from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, NoAnswer, Outcome
 from sidecar.observability.metrics import Metrics
 
 
@@ -47,7 +47,7 @@ class Policy:
             if status >= 400:
                 metrics.leg_failures.labels(self.leg, f"status_{status // 100}xx").inc()
 
-    def decode_failed(self, metrics: Metrics, failure: Failure) -> None:
+    def decode_failed(self, metrics: Metrics, failure: NoAnswer) -> None:
         if self.leg is not None:
             metrics.leg_failures.labels(self.leg, failure.value).inc()
 

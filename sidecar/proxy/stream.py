@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.classify import Event, Failure, stream_event
+from sidecar.classify import Event, NoAnswer, stream_event
 from sidecar.decision.judge import Judge
 from sidecar.proxy.context import Exchange
 from sidecar.proxy.sse import FirstEventScanner
@@ -37,7 +37,7 @@ class StreamJudge:
     def reset(self) -> None:
         """D broke the stream before its first event ended: D may have admitted it."""
         if not self._exchange.decided:
-            self._judged(Event(failure=Failure.RESET_AFTER_SEND, closing=self._closing, started=True))
+            self._judged(Event(failure=NoAnswer.RESET_AFTER_SEND, closing=self._closing, started=True))
 
     def _judged(self, event: Event) -> None:
         self._judge.judge(self._exchange, event)
