@@ -164,7 +164,9 @@ class Event:
     first SSE event; ``error_type`` and ``error_message`` are those of D's error
     answer; ``closing``: D's answer said ``Connection: close``; ``started``: the
     response to the client had started; ``answer``: the status the sidecar
-    answered with itself, when it chose one (an injected rejection's).
+    answered with itself, when it chose one (an injected rejection's);
+    ``pending``: the head of a 200 stream whose first event decides later (the
+    judge tells D's state what the head shows, at once, and decides nothing).
     """
 
     status: int | None = None
@@ -176,6 +178,7 @@ class Event:
     closing: bool = False
     started: bool = False
     answer: int | None = None
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +246,9 @@ def classify(event: Event) -> Decision:
     return Decision(Outcome.NO_RELEASE, Cause.OTHER_STATUS)
 
 
-def stream_event(first: FirstEvent, *, closing: bool = False) -> Event:
+def stream_event(first: FirstEvent) -> Event:
     """The event of a 200 stream whose first SSE event was scanned (its response started)."""
-    return Event(status=200, stream=True, first=first, closing=closing, started=True)
+    return Event(status=200, stream=True, first=first, started=True)
 
 
 def _classify_admitted(event: Event) -> Decision:

@@ -5,8 +5,10 @@
 failure that kept an answer from arriving; whether the response had started;
 the sidecar's own answer) and returns the ``Decision``. It first tells D's
 state what the event shows of D (``DecodeWatch.observe``: a failure to reach
-it, an error answer, ``Connection: close``), then decides, in this order, each
-step counted:
+it, an error answer, ``Connection: close``); a 200 stream's head
+(``Event.pending``) stops there, so D's state learns of its ``Connection:
+close`` when it arrives and the stream's first event decides. Otherwise it
+decides, in this order, each step counted:
 
 1. ``classify`` (a pure table): release, ambiguous or not;
 2. the exchange's ``Policy``: router mode releases what it aborted itself,
@@ -142,11 +144,14 @@ class Judge:
         """The exchange's parameters are on their way to D: D may read them until it is judged."""
         self._inflight.forwarded(exchange.key)
 
-    def judge(self, exchange: Case, event: Event) -> Decision:
-        """The one entry: what ``event`` means for the exchange's parameters, handed over."""
+    def judge(self, exchange: Case, event: Event) -> Decision | None:
+        """The one entry: what ``event`` means for the exchange's parameters, handed over; None
+        for a stream's head (``Event.pending``), which only tells D's state what it shows."""
         news = _news(event)
         if news is not None:  # D's state first: the decision reads it (D's own fix)
             self._decode.observe(*news, closing=event.closing)
+        if event.pending:  # the stream's first event decides
+            return None
         decision = exchange.policy.decide(classify(event), event)
         exchange.judged = Judged(decision)
         if exchange.params is None:

@@ -343,21 +343,47 @@ def test_what_each_event_tells_of_d(
     assert decode.observed == told
 
 
-def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged() -> None:
+CLOSING_HEAD = Event(status=200, stream=True, closing=True, pending=True)
+
+
+def test_a_closing_streams_head_tells_d_at_once_and_its_first_event_decides() -> None:
+    """A 200 stream's head that says ``Connection: close`` tells D's state when it arrives, and
+    decides nothing (the exchange stays at D, unjudged); the stream's events then tell only what
+    they show themselves, however the stream is judged."""
     refused = FakeDecode(None)
-    StreamJudge(Rig(decode=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
-    assert refused.observed == [(400, "bad", True)]
+    rig = Rig(decode=refused)
+    made = exchange(stream=True)
+    rig.judge.forwarded(made)
+    assert rig.judge.judge(made, CLOSING_HEAD) is None
+    assert refused.observed == [(200, None, True)]
+    assert not made.decided and rig.inflight.may_be_read(made.key) and rig.traces.decisions == []
+    StreamJudge(rig.judge, made).feed(REFUSAL)
+    assert refused.observed == [(200, None, True), (400, "bad", False)]
+    assert [job.cause for job in rig.queue.jobs] == [Cause.STREAM_ADMISSION_ERROR]
     ended = FakeDecode(None)
-    stream = StreamJudge(Rig(decode=ended).judge, exchange(stream=True), closing=True)
+    rig = Rig(decode=ended)
+    made = exchange(stream=True)
+    rig.judge.judge(made, CLOSING_HEAD)
+    stream = StreamJudge(rig.judge, made)
     stream.feed(b'data: {"choices": [{"text": "hi"}]}')
     stream.finish()
     assert ended.observed == [(200, None, True)]
     cut = FakeDecode(None)
     rig = Rig(decode=cut)
-    stream = StreamJudge(rig.judge, exchange(stream=True), closing=True)
-    stream.reset()
+    made = exchange(stream=True)
+    rig.judge.judge(made, CLOSING_HEAD)
+    StreamJudge(rig.judge, made).reset()
     assert cut.observed == [(200, None, True)]
     assert rig.traces.decisions == [("ambiguous", "reset_after_send", "not_released")]
+
+
+def test_a_streams_head_without_news_of_d_tells_nothing_and_decides_nothing() -> None:
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
+    made = exchange(stream=True)
+    assert rig.judge.judge(made, Event(status=200, stream=True, pending=True)) is None
+    assert decode.observed == [] and not made.decided and rig.traces.decisions == []
+    assert rig.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 0
 
 
 def test_a_stream_whose_error_event_ends_unterminated_is_judged_on_that_event() -> None:
