@@ -137,7 +137,7 @@ class Judge:
         self._tracing = tracing
         # Whether a release frees P's blocks: off, dry-run and a --dry-run free nothing, so a
         # client's retry with the same parameters is never refused and answers never change.
-        self.frees = pipeline.releaser.frees
+        self.release_frees = pipeline.releaser.frees
         self.retried = retries.parse(config.retried_statuses)
 
     def forwarded(self, exchange: Case) -> None:
@@ -197,7 +197,7 @@ class Judge:
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either
         queued = self._pipeline.submit(job)
-        exchange.judged = Judged(decision, spent=self.frees and exchange.policy.spends)
+        exchange.judged = Judged(decision, spent=self.release_frees and exchange.policy.spends_params)
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
 
@@ -206,7 +206,7 @@ class Judge:
         now = time.monotonic()
         job = ReleaseJob(
             request_id=exchange.request_id,
-            request_id_generated=exchange.request_id_generated and exchange.policy.spends,
+            request_id_generated=exchange.request_id_generated and exchange.policy.spends_params,
             route=exchange.route,
             body_request_id=exchange.body_request_id,
             params=exchange.params,

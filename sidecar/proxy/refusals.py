@@ -68,7 +68,7 @@ class Refusals:
         and the caller must prefill again. With a strategy that frees nothing (``off``,
         ``dry-run``) the request is forwarded and only counted. True when answered here.
         """
-        if not self._judge.frees:
+        if not self._judge.release_frees:
             self._metrics.replays.labels("forwarded").inc()
             log.warning(
                 "request reuses parameters of a released request (forwarded: the strategy frees nothing)",
