@@ -59,23 +59,57 @@ class FirstEvent:
 
 
 class Outcome(StrEnum):
+    """What a decision means for P's blocks: the ``outcome`` label of ``kvr_not_released_total``."""
+
     RELEASE = "release"
     NO_RELEASE = "no_release"
     AMBIGUOUS = "ambiguous"  # D may have admitted it; released only if configured
 
 
-class Cause(StrEnum):
-    # definite rejections: D never admitted the request
-    REJECTED_4XX = "rejected_4xx"
-    REJECTED_5XX = "rejected_5xx"
-    UNREACHABLE = "unreachable"
+class NoAnswer(StrEnum):
+    """Why no answer from D reached the client: D's connection failed, the sidecar answered
+    itself, or the client left: the ``failure`` of an ``Event`` and of an ``UpstreamError``. Its
+    value is the ``failure`` field of the log line and the tracing span that report it, and router
+    mode's ``kvr_leg_failures_total{cause}``."""
+
+    # D's connection failed before the request was sent (all of them classify as ``unreachable``)
+    CONNECT_REFUSED = "connect_refused"
+    DNS = "dns"
+    CONNECT_TIMEOUT = "connect_timeout"
+    TLS_FAILED = "tls_failed"  # the TLS handshake with D failed: nothing was sent
+    POOL_TIMEOUT = "pool_timeout"
+    # D's connection failed after the request was sent: D may have it
+    HEADER_TIMEOUT = "header_timeout"
+    RESET_AFTER_SEND = "reset_after_send"
+    # the sidecar answered itself
     BODY_TOO_LARGE = "body_too_large"
     SHUTTING_DOWN = "shutting_down"
     OVERLOADED = "overloaded"  # over the sidecar's own limit_concurrency
     INJECTED = "injected"
+    PREFILL_ANSWER_TOO_LARGE = "prefill_answer_too_large"  # router mode: no decode leg was sent
+    # the client left
     CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
-    # router mode: P's answer to the prefill leg was over prefill_answer_limit; no decode leg
-    PREFILL_ANSWER_TOO_LARGE = "prefill_answer_too_large"
+    CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
+
+
+class Cause(StrEnum):
+    """Why a decision is what it is: the ``cause`` label of the release metrics and logs.
+
+    Where no answer from D arrived, the cause is the ``NoAnswer`` itself (the same value), except
+    that D's connection failures before sending are all ``unreachable``; the other causes read
+    D's answer.
+    """
+
+    # definite rejections: D never admitted the request
+    REJECTED_4XX = "rejected_4xx"
+    REJECTED_5XX = "rejected_5xx"
+    UNREACHABLE = "unreachable"
+    BODY_TOO_LARGE = NoAnswer.BODY_TOO_LARGE.value
+    SHUTTING_DOWN = NoAnswer.SHUTTING_DOWN.value
+    OVERLOADED = NoAnswer.OVERLOADED.value
+    INJECTED = NoAnswer.INJECTED.value
+    CLIENT_GONE_BEFORE_FORWARD = NoAnswer.CLIENT_GONE_BEFORE_FORWARD.value
+    PREFILL_ANSWER_TOO_LARGE = NoAnswer.PREFILL_ANSWER_TOO_LARGE.value
     STREAM_ADMISSION_ERROR = "stream_admission_error"
     STREAM_ADMISSION_OVERFLOW = "stream_admission_overflow"  # vLLM 0.29.0+ queue limits
     STREAM_ENGINE_PAUSED = "stream_engine_paused"  # vLLM 0.33.0: D's engine core notifies P
@@ -83,61 +117,42 @@ class Cause(StrEnum):
     ADMITTED = "admitted"
     OTHER_STATUS = "other_status"
     # ambiguous: D may have received and admitted it
-    HEADER_TIMEOUT = "header_timeout"
-    RESET_AFTER_SEND = "reset_after_send"
+    HEADER_TIMEOUT = NoAnswer.HEADER_TIMEOUT.value
+    RESET_AFTER_SEND = NoAnswer.RESET_AFTER_SEND.value
     GATEWAY_ERROR = "gateway_error"
     STREAM_ERROR_5XX = "stream_error_5xx"
-    CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
+    CLIENT_GONE_AFTER_FORWARD = NoAnswer.CLIENT_GONE_AFTER_FORWARD.value
     # router mode with decode_releases: the decode sidecar judged D's answer and releases it
     DELEGATED = "delegated"
-
-
-class Failure(StrEnum):
-    """Why no status arrived from D (or why the sidecar answered itself)."""
-
-    CONNECT_REFUSED = "connect_refused"
-    DNS = "dns"
-    CONNECT_TIMEOUT = "connect_timeout"
-    TLS_FAILED = "tls_failed"  # the TLS handshake with D failed: nothing was sent
-    POOL_TIMEOUT = "pool_timeout"
-    HEADER_TIMEOUT = "header_timeout"
-    RESET_AFTER_SEND = "reset_after_send"
-    BODY_TOO_LARGE = "body_too_large"
-    SHUTTING_DOWN = "shutting_down"
-    OVERLOADED = "overloaded"
-    INJECTED = "injected"
-    CLIENT_GONE_BEFORE_FORWARD = "client_gone_before_forward"
-    CLIENT_GONE_AFTER_FORWARD = "client_gone_after_forward"
-    PREFILL_ANSWER_TOO_LARGE = "prefill_answer_too_large"  # router mode: no decode leg was sent
 
 
 #: The failures of D's connection (``sidecar.upstream`` reports them); the others are the
 #: sidecar's own answers, and a client leaving.
 D_FAILURES = frozenset(
     {
-        Failure.CONNECT_REFUSED,
-        Failure.DNS,
-        Failure.CONNECT_TIMEOUT,
-        Failure.TLS_FAILED,
-        Failure.POOL_TIMEOUT,
-        Failure.HEADER_TIMEOUT,
-        Failure.RESET_AFTER_SEND,
+        NoAnswer.CONNECT_REFUSED,
+        NoAnswer.DNS,
+        NoAnswer.CONNECT_TIMEOUT,
+        NoAnswer.TLS_FAILED,
+        NoAnswer.POOL_TIMEOUT,
+        NoAnswer.HEADER_TIMEOUT,
+        NoAnswer.RESET_AFTER_SEND,
     }
 )
 
 #: The status the client sees when D produced no headers.
 FAILURE_STATUS = {
-    Failure.CONNECT_REFUSED: 503,
-    Failure.DNS: 503,
-    Failure.CONNECT_TIMEOUT: 503,
-    Failure.TLS_FAILED: 503,
-    Failure.POOL_TIMEOUT: 503,
-    Failure.HEADER_TIMEOUT: 504,
-    Failure.RESET_AFTER_SEND: 502,
-    Failure.BODY_TOO_LARGE: 413,
-    Failure.SHUTTING_DOWN: 503,
-    Failure.OVERLOADED: 503,
-    Failure.PREFILL_ANSWER_TOO_LARGE: 502,
+    NoAnswer.CONNECT_REFUSED: 503,
+    NoAnswer.DNS: 503,
+    NoAnswer.CONNECT_TIMEOUT: 503,
+    NoAnswer.TLS_FAILED: 503,
+    NoAnswer.POOL_TIMEOUT: 503,
+    NoAnswer.HEADER_TIMEOUT: 504,
+    NoAnswer.RESET_AFTER_SEND: 502,
+    NoAnswer.BODY_TOO_LARGE: 413,
+    NoAnswer.SHUTTING_DOWN: 503,
+    NoAnswer.OVERLOADED: 503,
+    NoAnswer.PREFILL_ANSWER_TOO_LARGE: 502,
 }
 
 
@@ -149,18 +164,21 @@ class Event:
     first SSE event; ``error_type`` and ``error_message`` are those of D's error
     answer; ``closing``: D's answer said ``Connection: close``; ``started``: the
     response to the client had started; ``answer``: the status the sidecar
-    answered with itself, when it chose one (an injected rejection's).
+    answered with itself, when it chose one (an injected rejection's);
+    ``pending``: the head of a 200 stream whose first event decides later (the
+    judge tells D's state what the head shows, at once, and decides nothing).
     """
 
     status: int | None = None
     stream: bool = False
-    failure: Failure | None = None
+    failure: NoAnswer | None = None
     first: FirstEvent | None = None
     error_type: str | None = None
     error_message: str | None = None
     closing: bool = False
     started: bool = False
     answer: int | None = None
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,21 +190,21 @@ class Decision:
         return self.outcome is Outcome.RELEASE or (release_ambiguous and self.outcome is Outcome.AMBIGUOUS)
 
 
-_FAILURES: dict[Failure, Decision] = {
-    Failure.CONNECT_REFUSED: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
-    Failure.DNS: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
-    Failure.CONNECT_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
-    Failure.TLS_FAILED: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
-    Failure.POOL_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
-    Failure.BODY_TOO_LARGE: Decision(Outcome.RELEASE, Cause.BODY_TOO_LARGE),
-    Failure.SHUTTING_DOWN: Decision(Outcome.RELEASE, Cause.SHUTTING_DOWN),
-    Failure.OVERLOADED: Decision(Outcome.RELEASE, Cause.OVERLOADED),
-    Failure.INJECTED: Decision(Outcome.RELEASE, Cause.INJECTED),
-    Failure.CLIENT_GONE_BEFORE_FORWARD: Decision(Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
-    Failure.PREFILL_ANSWER_TOO_LARGE: Decision(Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
-    Failure.HEADER_TIMEOUT: Decision(Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),
-    Failure.RESET_AFTER_SEND: Decision(Outcome.AMBIGUOUS, Cause.RESET_AFTER_SEND),
-    Failure.CLIENT_GONE_AFTER_FORWARD: Decision(Outcome.AMBIGUOUS, Cause.CLIENT_GONE_AFTER_FORWARD),
+_NO_ANSWER: dict[NoAnswer, Decision] = {
+    NoAnswer.CONNECT_REFUSED: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
+    NoAnswer.DNS: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
+    NoAnswer.CONNECT_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
+    NoAnswer.TLS_FAILED: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
+    NoAnswer.POOL_TIMEOUT: Decision(Outcome.RELEASE, Cause.UNREACHABLE),
+    NoAnswer.BODY_TOO_LARGE: Decision(Outcome.RELEASE, Cause.BODY_TOO_LARGE),
+    NoAnswer.SHUTTING_DOWN: Decision(Outcome.RELEASE, Cause.SHUTTING_DOWN),
+    NoAnswer.OVERLOADED: Decision(Outcome.RELEASE, Cause.OVERLOADED),
+    NoAnswer.INJECTED: Decision(Outcome.RELEASE, Cause.INJECTED),
+    NoAnswer.CLIENT_GONE_BEFORE_FORWARD: Decision(Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
+    NoAnswer.PREFILL_ANSWER_TOO_LARGE: Decision(Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
+    NoAnswer.HEADER_TIMEOUT: Decision(Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),
+    NoAnswer.RESET_AFTER_SEND: Decision(Outcome.AMBIGUOUS, Cause.RESET_AFTER_SEND),
+    NoAnswer.CLIENT_GONE_AFTER_FORWARD: Decision(Outcome.AMBIGUOUS, Cause.CLIENT_GONE_AFTER_FORWARD),
 }
 
 _GATEWAY = frozenset({502, 504})
@@ -214,7 +232,7 @@ ROUTER_RELEASES = frozenset({Cause.HEADER_TIMEOUT, Cause.CLIENT_GONE_AFTER_FORWA
 def classify(event: Event) -> Decision:
     """The outcome of one inspected request (see the module docstring)."""
     if event.failure is not None:
-        return _FAILURES[event.failure]
+        return _NO_ANSWER[event.failure]
     status = event.status or 0
     if 200 <= status < 300:
         return _classify_admitted(event)
@@ -228,9 +246,9 @@ def classify(event: Event) -> Decision:
     return Decision(Outcome.NO_RELEASE, Cause.OTHER_STATUS)
 
 
-def stream_event(first: FirstEvent, *, closing: bool = False) -> Event:
+def stream_event(first: FirstEvent) -> Event:
     """The event of a 200 stream whose first SSE event was scanned (its response started)."""
-    return Event(status=200, stream=True, first=first, closing=closing, started=True)
+    return Event(status=200, stream=True, first=first, started=True)
 
 
 def _classify_admitted(event: Event) -> Decision:

@@ -9,7 +9,7 @@ the boundary that handles it::
     |   +-- FileError                          the config file or a secret file cannot be read
     +-- ListenError (sidecar.server.serve)            a port cannot be bound: exit 1
     +-- UpstreamError (sidecar.upstream)       no response headers from D, or a body D broke off;
-    |                                          carries a classify.Failure (the proxy judges it)
+    |                                          carries a classify.NoAnswer (the proxy judges it)
     +-- ProtocolError (sidecar.upstream.http1)          D's bytes are not HTTP/1.1 (becomes UpstreamError)
     +-- BodyError (sidecar.upstream.http1)              the request body to D failed (becomes UpstreamError)
     +-- ClientGone (sidecar.proxy.body)              the client left while its body was being read

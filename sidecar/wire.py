@@ -32,7 +32,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     """``kv_transfer_params`` as P emits them and D consumes them (vLLM 0.9.0-0.33.0).
 
     Unknown keys are ignored (newer releases append fields). Required-for-release
-    fields are optional here; ``sidecar.params.validate`` decides whether a
+    fields are optional here; ``sidecar.params.check`` decides whether a
     request can be released and says why not.
     """
 

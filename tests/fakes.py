@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.upstream import Sent, UpstreamError
 
 
@@ -70,7 +70,7 @@ class FakeResponse:
             self.taken += 1
             yield self.body[self.taken - 1]
         if self.broken:
-            raise UpstreamError(Failure.RESET_AFTER_SEND, "D broke the stream")
+            raise UpstreamError(NoAnswer.RESET_AFTER_SEND, "D broke the stream")
 
     async def read(self, limit: int) -> bytes:
         """As ``UpstreamResponse.read``: whole chunks until ``limit`` bytes or more were taken."""
@@ -132,7 +132,7 @@ class FakeUpstream:
 
 def refused(request: FakeRequest) -> FakeResponse:
     """D is down: nothing listens."""
-    raise UpstreamError(Failure.CONNECT_REFUSED, "connection refused")
+    raise UpstreamError(NoAnswer.CONNECT_REFUSED, "connection refused")
 
 
 class FakeDecode:
@@ -140,7 +140,7 @@ class FakeDecode:
 
     def __init__(self, version: str | None = "0.33.0", can_notify: bool = True) -> None:
         self._version, self._can_notify = version, can_notify
-        self.observed: list[tuple[Failure | int, str | None, bool]] = []  # what the proxy saw of D
+        self.observed: list[tuple[NoAnswer | int, str | None, bool]] = []  # what the proxy saw of D
 
     def version(self) -> str | None:
         return self._version
@@ -148,7 +148,7 @@ class FakeDecode:
     def can_notify(self) -> bool:
         return self._can_notify
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+    def observe(self, signal: NoAnswer | int, message: str | None = None, *, closing: bool = False) -> None:
         self.observed.append((signal, message, closing))
 
 

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.config import Config
 from sidecar.decision.judge import DecodeWatch
 from sidecar.decode.state import DecodeState
@@ -41,7 +41,7 @@ class RankDecode:
     def can_notify(self) -> bool:
         return self._state.view().can_notify
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+    def observe(self, signal: NoAnswer | int, message: str | None = None, *, closing: bool = False) -> None:
         self._state.observe(signal, message, closing=closing)
 
 

@@ -5,8 +5,10 @@
 failure that kept an answer from arriving; whether the response had started;
 the sidecar's own answer) and returns the ``Decision``. It first tells D's
 state what the event shows of D (``DecodeWatch.observe``: a failure to reach
-it, an error answer, ``Connection: close``), then decides, in this order, each
-step counted:
+it, an error answer, ``Connection: close``); a 200 stream's head
+(``Event.pending``) stops there, so D's state learns of its ``Connection:
+close`` when it arrives and the stream's first event decides. Otherwise it
+decides, in this order, each step counted:
 
 1. ``classify`` (a pure table): release, ambiguous or not;
 2. the exchange's ``Policy``: router mode releases what it aborted itself,
@@ -46,7 +48,7 @@ from sidecar.classify import (
     Cause,
     Decision,
     Event,
-    Failure,
+    NoAnswer,
     Outcome,
     classify,
 )
@@ -79,7 +81,7 @@ class DecodeWatch(Protocol):
     def can_notify(self) -> bool:
         """D's engine could send its own release now (alive, not shutting down, a KV connector)."""
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+    def observe(self, signal: NoAnswer | int, message: str | None = None, *, closing: bool = False) -> None:
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
@@ -135,18 +137,21 @@ class Judge:
         self._tracing = tracing
         # Whether a release frees P's blocks: off, dry-run and a --dry-run free nothing, so a
         # client's retry with the same parameters is never refused and answers never change.
-        self.frees = pipeline.releaser.frees
+        self.release_frees = pipeline.releaser.frees
         self.retried = retries.parse(config.retried_statuses)
 
     def forwarded(self, exchange: Case) -> None:
         """The exchange's parameters are on their way to D: D may read them until it is judged."""
         self._inflight.forwarded(exchange.key)
 
-    def judge(self, exchange: Case, event: Event) -> Decision:
-        """The one entry: what ``event`` means for the exchange's parameters, handed over."""
+    def judge(self, exchange: Case, event: Event) -> Decision | None:
+        """The one entry: what ``event`` means for the exchange's parameters, handed over; None
+        for a stream's head (``Event.pending``), which only tells D's state what it shows."""
         news = _news(event)
         if news is not None:  # D's state first: the decision reads it (D's own fix)
             self._decode.observe(*news, closing=event.closing)
+        if event.pending:  # the stream's first event decides
+            return None
         decision = exchange.policy.decide(classify(event), event)
         exchange.judged = Judged(decision)
         if exchange.params is None:
@@ -192,7 +197,7 @@ class Judge:
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either
         queued = self._pipeline.submit(job)
-        exchange.judged = Judged(decision, spent=self.frees and exchange.policy.spends)
+        exchange.judged = Judged(decision, spent=self.release_frees and exchange.policy.spends_params)
         self._traced(decision, "queued" if queued else "duplicate")
         return decision
 
@@ -201,14 +206,14 @@ class Judge:
         now = time.monotonic()
         job = ReleaseJob(
             request_id=exchange.request_id,
-            request_id_generated=exchange.request_id_generated and exchange.policy.spends,
+            request_id_generated=exchange.request_id_generated and exchange.policy.spends_params,
             route=exchange.route,
             body_request_id=exchange.body_request_id,
             params=exchange.params,
             cause=decision.cause,
             status=event.status if event.answer is None else event.answer,
             error_type=event.first.error_type if event.first is not None else event.error_type,
-            injected=event.failure is Failure.INJECTED,
+            injected=event.failure is NoAnswer.INJECTED,
             detected_at=now,
             deadline=now + self._config.release_deadline,
             raw_params=exchange.raw_params,
@@ -259,7 +264,7 @@ def _answer(event: Event) -> int | None:
     return event.status
 
 
-def _news(event: Event) -> tuple[Failure | int, str | None] | None:
+def _news(event: Event) -> tuple[NoAnswer | int, str | None] | None:
     """What ``event`` tells of D itself: a failure to reach it before any answer, an error
     answer (or a stream's error event), or an answer that said ``Connection: close``."""
     if event.failure is not None:

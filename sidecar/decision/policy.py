@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, Failure, Outcome
+from sidecar.classify import ROUTER_RELEASES, Cause, Decision, Event, NoAnswer, Outcome
 from sidecar.observability.metrics import Metrics
 
 
@@ -24,7 +24,7 @@ class Policy:
     releases: frozenset[Cause] = frozenset()  # released whatever classify says: the mode's own aborts
     delegates: bool = False  # D's answers come through a decode sidecar, which judges them itself
     retried_in_front: bool = True  # a proxy in front may resend the request to another decode pod
-    spends: bool = True  # a released request's parameters are spent for the client
+    spends_params: bool = True  # a released request's parameters are spent for the client
     leg: str | None = None  # the leg its answers from D are counted under (kvr_leg_*)
     # The client's own kv_transfer_params are read (sidecar mode); router mode drops them: they
     # could name any P's blocks, and the router sends P's own on the decode leg.
@@ -47,7 +47,7 @@ class Policy:
             if status >= 400:
                 metrics.leg_failures.labels(self.leg, f"status_{status // 100}xx").inc()
 
-    def decode_failed(self, metrics: Metrics, failure: Failure) -> None:
+    def decode_failed(self, metrics: Metrics, failure: NoAnswer) -> None:
         if self.leg is not None:
             metrics.leg_failures.labels(self.leg, failure.value).inc()
 
@@ -68,7 +68,7 @@ def router_policy(decode_releases: bool = False) -> Policy:
         releases=ROUTER_RELEASES,
         delegates=decode_releases,
         retried_in_front=False,
-        spends=False,
+        spends_params=False,
         leg="decode",
         client_params=False,
     )

@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.upstream import Client, UpstreamError
 
 Engine = Literal["alive", "dead", "unknown"]
@@ -122,17 +122,17 @@ async def unreachable_cause(upstream: Client) -> str | None:
     return None
 
 
-def likely_cause(failure: Failure, detail: str, url: str) -> str:
+def likely_cause(failure: NoAnswer, detail: str, url: str) -> str:
     """``failure`` reaching D at ``url`` as a cause an operator can act on."""
     https = url.startswith("https://")
     causes = {
-        Failure.CONNECT_REFUSED: f"nothing accepts connections at {url}: D not started yet, a wrong port, "
+        NoAnswer.CONNECT_REFUSED: f"nothing accepts connections at {url}: D not started yet, a wrong port, "
         "or D listening on another address (localhost may be ::1 for one and 127.0.0.1 for the other)",
-        Failure.DNS: f"the host of {url} does not resolve",
-        Failure.CONNECT_TIMEOUT: f"no answer to a connection to {url}: a wrong host, or a firewall",
-        Failure.TLS_FAILED: f"the TLS handshake with {url} failed: D serves plain http? (use http:// in "
+        NoAnswer.DNS: f"the host of {url} does not resolve",
+        NoAnswer.CONNECT_TIMEOUT: f"no answer to a connection to {url}: a wrong host, or a firewall",
+        NoAnswer.TLS_FAILED: f"the TLS handshake with {url} failed: D serves plain http? (use http:// in "
         "decode_url), or its certificate is not trusted (tls_ca_file, decode_tls_insecure)",
-        Failure.HEADER_TIMEOUT: f"{url} accepted the connection but did not answer GET /health in time",
+        NoAnswer.HEADER_TIMEOUT: f"{url} accepted the connection but did not answer GET /health in time",
     }
     cause = causes.get(failure)
     if cause is None:

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.config import KvConnectorSetting
 from sidecar.decode.probes import Engine, probe_health, read_kv_connector, read_version, unreachable_cause
 from sidecar.upstream import Client
@@ -69,11 +69,11 @@ ENGINE_DEAD_MESSAGES = frozenset(
 #: Failures that leave D's engine unknown: nothing listens, or D dropped the connection.
 UNREACHABLE = frozenset(
     {
-        Failure.CONNECT_REFUSED,
-        Failure.DNS,
-        Failure.CONNECT_TIMEOUT,
-        Failure.TLS_FAILED,
-        Failure.RESET_AFTER_SEND,
+        NoAnswer.CONNECT_REFUSED,
+        NoAnswer.DNS,
+        NoAnswer.CONNECT_TIMEOUT,
+        NoAnswer.TLS_FAILED,
+        NoAnswer.RESET_AFTER_SEND,
     }
 )
 
@@ -181,7 +181,7 @@ class DecodeState:
         self._draining = True
         self._publish()
 
-    def observe(self, signal: Failure | int, message: str | None = None, *, closing: bool = False) -> None:
+    def observe(self, signal: NoAnswer | int, message: str | None = None, *, closing: bool = False) -> None:
         """A passive signal from the request path: the failure that kept D's answer from arriving,
         or D's status (or a stream's first error code) with its error message; ``closing``: the
         answer said ``Connection: close``.
@@ -193,7 +193,7 @@ class DecodeState:
         rejection D's own fix has just released would be sent again by the sidecar.
         """
         now = self._clock()
-        if isinstance(signal, Failure):
+        if isinstance(signal, NoAnswer):
             if signal in UNREACHABLE:
                 self._engine, self._engine_at = "unknown", now
         elif engine_dead_answer(signal, message):

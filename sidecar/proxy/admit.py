@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sidecar.classify import Event, Failure
+from sidecar.classify import Event, NoAnswer
 from sidecar.config import Config
 from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import Metrics
@@ -85,7 +85,7 @@ class Admission:
         if parts.refusals.stopping:
             if watcher is not None:
                 watcher.stop()
-            await parts.refusals.refuse(ctx, exchange, Failure.SHUTTING_DOWN, SHUTTING_DOWN)
+            await parts.refusals.refuse(ctx, exchange, NoAnswer.SHUTTING_DOWN, SHUTTING_DOWN)
             return
         if parts.injector.enabled:
             assert ctx.route is not None
@@ -117,12 +117,12 @@ class Admission:
 
     def abandoned(self, exchange: Exchange) -> None:
         """The client left before the request went to D: released, counted as gone."""
-        self._parts.forwarder.judged(exchange, Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD))
+        self._parts.forwarder.judged(exchange, Event(failure=NoAnswer.CLIENT_GONE_BEFORE_FORWARD))
         self.count(exchange.route, -1)
 
     def unsent(self, exchange: Exchange) -> None:
         """P's answer was over ``prefill_answer_limit``: no decode leg goes to D, so it is released."""
-        self._parts.forwarder.judged(exchange, Event(failure=Failure.PREFILL_ANSWER_TOO_LARGE))
+        self._parts.forwarder.judged(exchange, Event(failure=NoAnswer.PREFILL_ANSWER_TOO_LARGE))
 
     def count(self, route: str, status: int) -> None:
         """``kvr_requests_total`` for one answer (``status`` < 0: the client left)."""

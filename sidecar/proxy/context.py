@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sidecar.asgi import Receive, Scope, Send
+from sidecar.asgi import Message, Receive, Scope, Send
 from sidecar.decision.judge import Judged
 from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import ROUTES
@@ -120,7 +120,7 @@ class Exchange:
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
     prefilled_at: float | None = None  # router mode: when P's answer arrived (P's lease began)
     sent: Sent | None = None  # learns whether the request reached D's socket
-    responded: bool = False  # http.response.start was sent
+    responded: bool = False  # http.response.start was sent (set by ``responding`` only)
     judged: Judged | None = None  # what the judge made of it (at most once)
 
     @property
@@ -142,3 +142,15 @@ class Exchange:
 
     def retry_headers(self) -> tuple[Header, ...]:
         return (NO_RETRY,) if self.spent else ()
+
+    def responding(self, send: Send) -> Send:
+        """``send`` that marks this exchange ``responded`` as the response starts: the one place
+        that does, so no answer goes out unmarked (as starlette's ``ServerErrorMiddleware``
+        tracks ``response_started`` in one wrapper)."""
+
+        async def send_marked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.responded = True
+            await send(message)
+
+        return send_marked

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from sidecar.asgi import DisconnectHub, Receive
-from sidecar.classify import Event, Failure
+from sidecar.classify import Event, NoAnswer
 from sidecar.proxy.body import ClientGone
 from sidecar.proxy.context import Exchange
 
@@ -97,8 +97,8 @@ def client_gone(exchange: Exchange) -> Event:
     if exchange.responded:  # D answered 200 and streams: it has the request
         return Event(status=200, stream=True)
     if exchange.sent is not None and exchange.sent.may_have_reached_d:  # D may have admitted it
-        return Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD)
-    return Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD)
+        return Event(failure=NoAnswer.CLIENT_GONE_AFTER_FORWARD)
+    return Event(failure=NoAnswer.CLIENT_GONE_BEFORE_FORWARD)
 
 
 def uncancel() -> None:

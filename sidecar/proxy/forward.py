@@ -85,7 +85,7 @@ class Forwarder:
             leg = self._tracing.leg("kvr.decode", ctx.method, self.upstream.base_url + ctx.target, headers)
             headers = leg.headers
         try:
-            await self._exchange(ctx, exchange, headers, body, leg)
+            await self._exchange(ctx, exchange.responding(ctx.send), exchange, headers, body, leg)
         except asyncio.CancelledError:
             if not watcher.fired:
                 raise
@@ -108,6 +108,7 @@ class Forwarder:
     async def _exchange(
         self,
         ctx: RequestContext,
+        send: Send,
         exchange: Exchange,
         headers: list[tuple[str, str]],
         body: bytes,
@@ -116,11 +117,11 @@ class Forwarder:
         try:
             response = await self.upstream.send(ctx.method, ctx.target, headers, body, sent=exchange.sent)
         except UpstreamError as exc:
-            await self._failed(ctx.send, exchange, exc, leg)
+            await self._failed(send, exchange, exc, leg)
             return
         self._metrics.latency_for(ROUTES[exchange.route]).observe(time.monotonic() - exchange.started)
         async with response:
-            await self._respond(ctx.send, response, exchange, ctx.scope.get(RELAY), leg)
+            await self._respond(send, response, exchange, ctx.scope.get(RELAY), leg)
 
     async def _failed(self, send: Send, exchange: Exchange, exc: UpstreamError, leg: Leg | None) -> None:
         if leg is not None:
@@ -158,13 +159,13 @@ class Forwarder:
         if rewriter is not None and not streamed and not _encoded(head):
             await self._rewritten(send, response, exchange, head, closing)
             return
-        exchange.responded = True
+        # Judged as the head arrives, before it goes out: D's state learns of Connection: close at
+        # once. A stream with parameters is decided by its first event (its head is pending).
+        judge = StreamJudge(self._judge, exchange) if streamed and exchange.params is not None else None
+        self.judged(
+            exchange, Event(status=status, stream=streamed, closing=closing, pending=judge is not None)
+        )
         await send({"type": "http.response.start", "status": status, "headers": head})
-        judge = None
-        if streamed and exchange.params is not None:
-            judge = StreamJudge(self._judge, exchange, closing)
-        else:
-            self.judged(exchange, Event(status=status, stream=streamed, closing=closing))
         await self.pump(send, response, judge, rewriter, relay)
 
     async def _refused(
@@ -186,7 +187,6 @@ class Forwarder:
             status, exchange.stream, error_type=error_type, error_message=error_message, closing=closing
         )
         self.judged(exchange, event)
-        exchange.responded = True
         head.extend(exchange.retry_headers())
         await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -209,7 +209,6 @@ class Forwarder:
             log.warning("decode server broke off its answer", extra={"detail": str(exc)})
             await send_error(send, 502, f"decode server broke off its answer: {exc}", exchange.request_id)
             return
-        exchange.responded = True
         if len(body) >= REWRITE_LIMIT:  # more may follow: forwarded as it is
             await send({"type": "http.response.start", "status": response.status, "headers": head})
             await send({"type": "http.response.body", "body": body, "more_body": True})

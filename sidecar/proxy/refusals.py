@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from sidecar import retries
-from sidecar.classify import Event, Failure
+from sidecar.classify import Event, NoAnswer
 from sidecar.config import Config
 from sidecar.decision.judge import Judge
 from sidecar.decision.policy import Policy
@@ -58,7 +58,7 @@ class Refusals:
         self._over_limit_reads = 0
         # The spent-parameters answer is one no proxy in front retries on another pod.
         self._replay_status = retries.replay_status(judge.retried)
-        self._over_limit_unread = FAILURE_STATUS[Failure.OVERLOADED] in judge.retried
+        self._over_limit_unread = FAILURE_STATUS[NoAnswer.OVERLOADED] in judge.retried
         self.stopping = False  # set once the drain began: new inspected requests are refused
 
     async def replay(self, ctx: RequestContext, exchange: Exchange) -> bool:
@@ -68,7 +68,7 @@ class Refusals:
         and the caller must prefill again. With a strategy that frees nothing (``off``,
         ``dry-run``) the request is forwarded and only counted. True when answered here.
         """
-        if not self._judge.frees:
+        if not self._judge.release_frees:
             self._metrics.replays.labels("forwarded").inc()
             log.warning(
                 "request reuses parameters of a released request (forwarded: the strategy frees nothing)",
@@ -89,7 +89,7 @@ class Refusals:
 
     async def inject(self, ctx: RequestContext, exchange: Exchange, status: int) -> None:
         """Answer an injected rejection; D never sees the request (``sidecar.proxy.inject``)."""
-        self._forwarder.judged(exchange, Event(failure=Failure.INJECTED, answer=status))
+        self._forwarder.judged(exchange, Event(failure=NoAnswer.INJECTED, answer=status))
         self._metrics.injected.labels(status_class(status)).inc()
         self._forwarder.count(exchange.route, status)
         message = "rejection injected by kv-release-sidecar (load test)"
@@ -97,7 +97,7 @@ class Refusals:
         await send_error(ctx.send, status, message, exchange.request_id, extra=extra)
 
     async def refuse(
-        self, ctx: RequestContext, exchange: Exchange, failure: Failure, message: str, close: bool = False
+        self, ctx: RequestContext, exchange: Exchange, failure: NoAnswer, message: str, close: bool = False
     ) -> None:
         """The sidecar answers itself; D never sees the request."""
         self._forwarder.judged(exchange, Event(failure=failure))
@@ -111,7 +111,7 @@ class Refusals:
         message = f"request body of {body.size} bytes exceeds the limit of {self._config.max_body_bytes}"
         # Past scan_limit the rest of the body is unread: shed the connection rather than have the
         # server read and discard an unbounded remainder outside limit_concurrency.
-        await self.refuse(ctx, exchange, Failure.BODY_TOO_LARGE, message, close=not body.complete)
+        await self.refuse(ctx, exchange, NoAnswer.BODY_TOO_LARGE, message, close=not body.complete)
 
     async def over_limit(self, ctx: RequestContext, policy: Policy) -> None:
         """Above ``limit_concurrency``: 503 and the connection shed (see the module docstring).
@@ -142,4 +142,4 @@ class Refusals:
             await self.too_large(ctx, body, policy)
             return
         exchange = self._inspector.inspected(ctx, body)
-        await self.refuse(ctx, exchange, Failure.OVERLOADED, message, close=True)
+        await self.refuse(ctx, exchange, NoAnswer.OVERLOADED, message, close=True)

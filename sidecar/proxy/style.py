@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sidecar.asgi import Send
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.proxy.answers import Header, send_error
 from sidecar.proxy.llmd_answers import DECODE_NOT_READY, FORBIDDEN, flat_error, send_plain
 
@@ -40,14 +40,14 @@ class AnswerStyle:
     async def decode_failed(
         self,
         send: Send,
-        failure: Failure,
+        failure: NoAnswer,
         status: int,
         message: str,
         request_id: str,
         extra: Sequence[Header] = (),
     ) -> None:
         """D gave no answer (``failure``): the client's ``status`` with ``message``."""
-        if self.decode_not_ready is not None and failure is Failure.CONNECT_REFUSED:
+        if self.decode_not_ready is not None and failure is NoAnswer.CONNECT_REFUSED:
             await send_plain(send, status, self.decode_not_ready, request_id, extra, sniffed=True)
             return
         await send_error(send, status, message, request_id, extra=extra)

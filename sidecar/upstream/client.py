@@ -15,7 +15,7 @@ benchmark's proxy CPU per 1,000 JSON requests fell from 0.21-0.25 s to
 ``Upstream.send`` returns an ``UpstreamResponse`` whose body is an async
 iterator of the raw bytes D sent (de-chunked, never decompressed, buffered
 only up to a bound). Transport errors are translated here, once, into
-``UpstreamError`` carrying a ``classify.Failure``: whether the request may
+``UpstreamError`` carrying a ``classify.NoAnswer``: whether the request may
 have reached D is decided at this boundary and nowhere else.
 """
 
@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.exceptions import SidecarError
 from sidecar.transport.relay import ClientRelay, Feed
 from sidecar.upstream.framing import encode_head
@@ -59,7 +59,7 @@ class Sent:
 class UpstreamError(SidecarError):
     """A request to D that produced no response headers, or a body D broke off."""
 
-    def __init__(self, failure: Failure, detail: str) -> None:
+    def __init__(self, failure: NoAnswer, detail: str) -> None:
         super().__init__(detail)
         self.failure = failure
 
@@ -157,9 +157,9 @@ class UpstreamResponse:
         except TimeoutError as exc:
             assert timeout is not None
             if not conn.relay_paused and conn.last_body + timeout <= asyncio.get_running_loop().time():
-                raise UpstreamError(Failure.HEADER_TIMEOUT, "D stalled mid-body") from exc
+                raise UpstreamError(NoAnswer.HEADER_TIMEOUT, "D stalled mid-body") from exc
         except (OSError, ProtocolError, BodyError) as exc:
-            raise UpstreamError(Failure.RESET_AFTER_SEND, f"D reset mid-body: {exc!r}") from exc
+            raise UpstreamError(NoAnswer.RESET_AFTER_SEND, f"D reset mid-body: {exc!r}") from exc
 
     async def _next(self) -> bytes:
         conn = self._conn
@@ -170,9 +170,9 @@ class UpstreamResponse:
             try:
                 await conn.wait_body(self._read_timeout)
             except TimeoutError as exc:
-                raise UpstreamError(Failure.HEADER_TIMEOUT, "D stalled mid-body") from exc
+                raise UpstreamError(NoAnswer.HEADER_TIMEOUT, "D stalled mid-body") from exc
             except (OSError, ProtocolError, BodyError) as exc:
-                raise UpstreamError(Failure.RESET_AFTER_SEND, f"D reset mid-body: {exc!r}") from exc
+                raise UpstreamError(NoAnswer.RESET_AFTER_SEND, f"D reset mid-body: {exc!r}") from exc
         return b""
 
     def close(self) -> None:
@@ -265,7 +265,7 @@ class Upstream:
         loop = self._loop
         assert loop is not None, "Upstream.start() was not called"
         if self._closed:
-            raise UpstreamError(Failure.CONNECT_REFUSED, "the upstream client is closed")
+            raise UpstreamError(NoAnswer.CONNECT_REFUSED, "the upstream client is closed")
         if self._gate.locked():
             await self._wait_for_slot()
         else:
@@ -287,9 +287,9 @@ class Upstream:
             conn.abort()
             self._gate.release()
             if isinstance(exc, TimeoutError):
-                raise UpstreamError(Failure.HEADER_TIMEOUT, "no response headers from D in time") from exc
+                raise UpstreamError(NoAnswer.HEADER_TIMEOUT, "no response headers from D in time") from exc
             if isinstance(exc, OSError | ProtocolError | BodyError):
-                raise UpstreamError(Failure.RESET_AFTER_SEND, f"D closed the connection: {exc!r}") from exc
+                raise UpstreamError(NoAnswer.RESET_AFTER_SEND, f"D closed the connection: {exc!r}") from exc
             raise
         return UpstreamResponse(conn, self, self._read_timeout)
 
@@ -303,7 +303,7 @@ class Upstream:
         sent: Sent | None,
     ) -> None:
         if not conn.usable:  # a new connection D closed at once: nothing was written
-            raise UpstreamError(Failure.CONNECT_REFUSED, "D closed the connection before the request")
+            raise UpstreamError(NoAnswer.CONNECT_REFUSED, "D closed the connection before the request")
         path = self._prefix + target
         head_only = method == "HEAD"
         if body is None or isinstance(body, bytes):
@@ -335,16 +335,16 @@ class Upstream:
                     lambda: Connection(loop, self._forget), self._host, self._port, ssl=self._ssl
                 )
         except TimeoutError as exc:
-            raise UpstreamError(Failure.CONNECT_TIMEOUT, "connecting to D timed out") from exc
+            raise UpstreamError(NoAnswer.CONNECT_TIMEOUT, "connecting to D timed out") from exc
         except socket.gaierror as exc:
-            raise UpstreamError(Failure.DNS, f"cannot resolve D ({self._host}): {exc}") from exc
+            raise UpstreamError(NoAnswer.DNS, f"cannot resolve D ({self._host}): {exc}") from exc
         except ssl.SSLError as exc:
-            raise UpstreamError(Failure.TLS_FAILED, f"the TLS handshake with D failed: {exc}") from exc
+            raise UpstreamError(NoAnswer.TLS_FAILED, f"the TLS handshake with D failed: {exc}") from exc
         except OSError as exc:
-            raise UpstreamError(Failure.CONNECT_REFUSED, f"cannot connect to D: {exc}") from exc
+            raise UpstreamError(NoAnswer.CONNECT_REFUSED, f"cannot connect to D: {exc}") from exc
         if self._closed:
             conn.abort()
-            raise UpstreamError(Failure.CONNECT_REFUSED, "the upstream client is closed")
+            raise UpstreamError(NoAnswer.CONNECT_REFUSED, "the upstream client is closed")
         self._conns.add(conn)
         return conn
 
@@ -354,7 +354,7 @@ class Upstream:
             async with asyncio.timeout(self._pool_timeout):
                 await self._gate.acquire()
         except TimeoutError as exc:
-            raise UpstreamError(Failure.POOL_TIMEOUT, "no free connection to D in time") from exc
+            raise UpstreamError(NoAnswer.POOL_TIMEOUT, "no free connection to D in time") from exc
 
     def _release(self, conn: Connection) -> None:
         """The response is closed: pool its connection if it can carry another request."""

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.upstream.http1 import HIGH_WATER
 from tests.fakes import CountingLoop
@@ -335,7 +335,7 @@ async def test_each_wait_for_d_keeps_its_own_limit_on_the_shared_timer() -> None
         sent_at = time.monotonic()
         with pytest.raises(UpstreamError) as caught:  # the timer is now set 5 s out: 0.2 s moves it
             await client.send("GET", "/", [], None, header_timeout=0.2)
-        assert caught.value.failure is Failure.HEADER_TIMEOUT
+        assert caught.value.failure is NoAnswer.HEADER_TIMEOUT
         # Left where it was, the timer would fire about 4.4 s after sent_at: the bound keeps 0.4 s of
         # that and gives the 0.2 s wait 3.8 s of margin on a loaded machine.
         assert time.monotonic() - sent_at < 4.0
@@ -442,7 +442,7 @@ async def test_close_racing_the_send_is_reset_after_send_and_never_retried() -> 
         sent = Sent()
         with pytest.raises(UpstreamError) as caught:
             await client.send("POST", "/", [], b"2", sent=sent)
-        assert caught.value.failure is Failure.RESET_AFTER_SEND
+        assert caught.value.failure is NoAnswer.RESET_AFTER_SEND
         assert sent.may_have_reached_d
         await client.close()
     assert server.accepted == 1 and len(requests) == 2  # no second copy on a new connection
@@ -457,7 +457,7 @@ async def test_refused_port_is_connect_refused() -> None:
     sent = Sent()
     with pytest.raises(UpstreamError) as caught:
         await client.send("POST", "/v1/completions", [], b"{}", sent=sent)
-    assert caught.value.failure is Failure.CONNECT_REFUSED
+    assert caught.value.failure is NoAnswer.CONNECT_REFUSED
     assert not sent.may_have_reached_d
     await client.close()
 
@@ -468,7 +468,7 @@ async def test_unresolvable_host_is_dns() -> None:
     sent = Sent()
     with pytest.raises(UpstreamError) as caught:
         await client.send("GET", "/health", [], None, sent=sent)
-    assert caught.value.failure is Failure.DNS
+    assert caught.value.failure is NoAnswer.DNS
     assert not sent.may_have_reached_d
     await client.close()
 
@@ -486,7 +486,7 @@ async def test_pool_exhaustion_is_pool_timeout_and_never_sent() -> None:
         sent = Sent()
         with pytest.raises(UpstreamError) as caught:
             await client.send("POST", "/v1/completions", [], b"{}", sent=sent)
-        assert caught.value.failure is Failure.POOL_TIMEOUT
+        assert caught.value.failure is NoAnswer.POOL_TIMEOUT
         assert not sent.may_have_reached_d
         held.close()
         await client.close()
@@ -503,7 +503,7 @@ async def test_silent_listener_is_header_timeout_after_the_request_was_written()
         sent = Sent()
         with pytest.raises(UpstreamError) as caught:
             await client.send("POST", "/v1/completions", [], b"{}", sent=sent)
-        assert caught.value.failure is Failure.HEADER_TIMEOUT
+        assert caught.value.failure is NoAnswer.HEADER_TIMEOUT
         assert sent.may_have_reached_d
         await client.close()
 
@@ -518,7 +518,7 @@ async def test_reset_before_headers_is_reset_after_send() -> None:
         client = await started(server.url)
         with pytest.raises(UpstreamError) as caught:
             await client.send("GET", "/", [], None)
-        assert caught.value.failure is Failure.RESET_AFTER_SEND
+        assert caught.value.failure is NoAnswer.RESET_AFTER_SEND
         await client.close()
 
 
@@ -540,7 +540,7 @@ async def test_mid_body_break_is_reset_after_send_from_chunks(how: str) -> None:
         with pytest.raises(UpstreamError) as caught:
             async for chunk in answer.chunks():
                 received += chunk
-        assert caught.value.failure is Failure.RESET_AFTER_SEND
+        assert caught.value.failure is NoAnswer.RESET_AFTER_SEND
         assert received in (b"", b"0123456789")
         answer.close()
         await client.close()
@@ -560,7 +560,7 @@ async def test_read_timeout_bounds_the_gap_between_chunks() -> None:
         assert await anext(chunks) == b"first"
         with pytest.raises(UpstreamError) as caught:
             await anext(chunks)
-        assert caught.value.failure is Failure.HEADER_TIMEOUT
+        assert caught.value.failure is NoAnswer.HEADER_TIMEOUT
         answer.close()
         await client.close()
 
@@ -739,7 +739,7 @@ async def test_https_verifies_d_with_the_system_trust_store(
         untrusted = await started(url)
         with pytest.raises(UpstreamError) as caught:
             await untrusted.send("GET", "/port", [], None)
-        assert caught.value.failure is Failure.TLS_FAILED  # nothing was sent: released like refused
+        assert caught.value.failure is NoAnswer.TLS_FAILED  # nothing was sent: released like refused
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read by OpenSSL when the context is built
         client = await started(url)
         ports = {await body_of(await client.send("GET", "/port", [], None)) for _ in range(3)}

@@ -11,8 +11,8 @@ from sidecar.classify import (
     ENGINE_PAUSED_MESSAGE,
     Cause,
     Event,
-    Failure,
     FirstEvent,
+    NoAnswer,
     Outcome,
     classify,
 )
@@ -34,7 +34,7 @@ events = st.builds(
             st.one_of(st.none(), st.sampled_from(VLLM_MESSAGES), st.text(max_size=120)),
         ),
     ),
-    failure=st.one_of(st.none(), st.sampled_from(list(Failure))),
+    failure=st.one_of(st.none(), st.sampled_from(list(NoAnswer))),
 )
 
 DEFINITE = {
@@ -96,9 +96,9 @@ def test_gateway_statuses_are_ambiguous(status: int, stream: bool, code: int | N
     )
 
 
-@given(st.sampled_from(list(Failure)), statuses, codes)
+@given(st.sampled_from(list(NoAnswer)), statuses, codes)
 def test_a_failure_decides_whatever_else_the_event_says(
-    failure: Failure, status: int | None, code: int | None
+    failure: NoAnswer, status: int | None, code: int | None
 ) -> None:
     assert classify(Event(status=status, first=FirstEvent(code, None), failure=failure)) == classify(
         Event(failure=failure)

@@ -9,8 +9,8 @@ from sidecar.classify import (
     ENGINE_PAUSED_MESSAGE,
     Cause,
     Event,
-    Failure,
     FirstEvent,
+    NoAnswer,
     Outcome,
     classify,
     stream_event,
@@ -34,16 +34,16 @@ TABLE = [
     (Event(status=500), Outcome.RELEASE, Cause.REJECTED_5XX),
     (Event(status=501), Outcome.RELEASE, Cause.REJECTED_5XX),
     (Event(status=503), Outcome.RELEASE, Cause.REJECTED_5XX),
-    (Event(failure=Failure.CONNECT_REFUSED), Outcome.RELEASE, Cause.UNREACHABLE),
-    (Event(failure=Failure.DNS), Outcome.RELEASE, Cause.UNREACHABLE),
-    (Event(failure=Failure.CONNECT_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
-    (Event(failure=Failure.POOL_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
-    (Event(failure=Failure.BODY_TOO_LARGE), Outcome.RELEASE, Cause.BODY_TOO_LARGE),
-    (Event(failure=Failure.SHUTTING_DOWN), Outcome.RELEASE, Cause.SHUTTING_DOWN),
-    (Event(failure=Failure.OVERLOADED), Outcome.RELEASE, Cause.OVERLOADED),
-    (Event(failure=Failure.INJECTED), Outcome.RELEASE, Cause.INJECTED),
-    (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
-    (Event(failure=Failure.PREFILL_ANSWER_TOO_LARGE), Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
+    (Event(failure=NoAnswer.CONNECT_REFUSED), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=NoAnswer.DNS), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=NoAnswer.CONNECT_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=NoAnswer.POOL_TIMEOUT), Outcome.RELEASE, Cause.UNREACHABLE),
+    (Event(failure=NoAnswer.BODY_TOO_LARGE), Outcome.RELEASE, Cause.BODY_TOO_LARGE),
+    (Event(failure=NoAnswer.SHUTTING_DOWN), Outcome.RELEASE, Cause.SHUTTING_DOWN),
+    (Event(failure=NoAnswer.OVERLOADED), Outcome.RELEASE, Cause.OVERLOADED),
+    (Event(failure=NoAnswer.INJECTED), Outcome.RELEASE, Cause.INJECTED),
+    (Event(failure=NoAnswer.CLIENT_GONE_BEFORE_FORWARD), Outcome.RELEASE, Cause.CLIENT_GONE_BEFORE_FORWARD),
+    (Event(failure=NoAnswer.PREFILL_ANSWER_TOO_LARGE), Outcome.RELEASE, Cause.PREFILL_ANSWER_TOO_LARGE),
     (
         Event(status=200, stream=True, first=FirstEvent(400, None)),
         Outcome.RELEASE,
@@ -90,9 +90,9 @@ TABLE = [
     (first(503, "Service Unavailable", QUEUE_FULL, stream=False), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=502), Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR),
     (Event(status=504), Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR),
-    (Event(failure=Failure.HEADER_TIMEOUT), Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),
-    (Event(failure=Failure.RESET_AFTER_SEND), Outcome.AMBIGUOUS, Cause.RESET_AFTER_SEND),
-    (Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD), Outcome.AMBIGUOUS, Cause.CLIENT_GONE_AFTER_FORWARD),
+    (Event(failure=NoAnswer.HEADER_TIMEOUT), Outcome.AMBIGUOUS, Cause.HEADER_TIMEOUT),
+    (Event(failure=NoAnswer.RESET_AFTER_SEND), Outcome.AMBIGUOUS, Cause.RESET_AFTER_SEND),
+    (Event(failure=NoAnswer.CLIENT_GONE_AFTER_FORWARD), Outcome.AMBIGUOUS, Cause.CLIENT_GONE_AFTER_FORWARD),
 ]
 
 
@@ -103,7 +103,7 @@ def test_classify(event: Event, outcome: Outcome, cause: Cause) -> None:
 
 
 def test_every_failure_is_classified() -> None:
-    for failure in Failure:
+    for failure in NoAnswer:
         assert classify(Event(failure=failure)).cause is not None
 
 
@@ -120,7 +120,7 @@ def test_every_failure_is_classified() -> None:
 def test_release_ambiguous_setting(outcome: Outcome, flag: bool, expected: bool) -> None:
     event = {
         Outcome.RELEASE: Event(status=400),
-        Outcome.AMBIGUOUS: Event(failure=Failure.HEADER_TIMEOUT),
+        Outcome.AMBIGUOUS: Event(failure=NoAnswer.HEADER_TIMEOUT),
         Outcome.NO_RELEASE: Event(status=200),
     }[outcome]
     assert classify(event).releases(flag) is expected
@@ -136,3 +136,18 @@ def test_release_ambiguous_setting(outcome: Outcome, flag: bool, expected: bool)
 )
 def test_a_streams_first_event_is_judged_as_a_200_with_that_event(first_event: FirstEvent) -> None:
     assert stream_event(first_event) == Event(status=200, stream=True, first=first_event, started=True)
+
+
+def test_where_no_answer_arrived_the_cause_is_the_no_answer_itself_or_unreachable() -> None:
+    """The ``cause`` label of a no-answer is its own value; D's connection failing before the
+    request was sent is ``unreachable`` whichever way it failed."""
+    before_sending = {
+        NoAnswer.CONNECT_REFUSED,
+        NoAnswer.DNS,
+        NoAnswer.CONNECT_TIMEOUT,
+        NoAnswer.TLS_FAILED,
+        NoAnswer.POOL_TIMEOUT,
+    }
+    for reason in NoAnswer:
+        cause = classify(Event(failure=reason)).cause
+        assert cause == (Cause.UNREACHABLE if reason in before_sending else Cause(reason.value)), reason

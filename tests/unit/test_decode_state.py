@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.decode import probes as decode_probes
 from sidecar.decode.probes import probe_kv_connector
 from sidecar.decode.state import (
@@ -83,7 +83,7 @@ class FakeUpstream:
 
 
 def refused() -> UpstreamError:
-    return UpstreamError(Failure.CONNECT_REFUSED, "cannot connect to D")
+    return UpstreamError(NoAnswer.CONNECT_REFUSED, "cannot connect to D")
 
 
 class Clock:
@@ -170,7 +170,7 @@ async def test_view_is_one_attribute_read_with_no_io() -> None:
         ((404, [], b'{"detail":"Not Found"}'), "unknown"),
         ((500, [], b""), "unknown"),
         (refused(), "unknown"),
-        (UpstreamError(Failure.HEADER_TIMEOUT, "no response headers from D in time"), "unknown"),
+        (UpstreamError(NoAnswer.HEADER_TIMEOUT, "no response headers from D in time"), "unknown"),
     ],
 )
 async def test_health_status_gives_the_engine(health: Any, engine: str) -> None:
@@ -296,12 +296,12 @@ async def test_a_failed_info_read_is_retried_at_the_next_poll() -> None:
 @pytest.mark.parametrize(
     ("signal", "message", "engine"),
     [
-        (Failure.CONNECT_REFUSED, None, "unknown"),
-        (Failure.DNS, None, "unknown"),
-        (Failure.CONNECT_TIMEOUT, None, "unknown"),
-        (Failure.RESET_AFTER_SEND, None, "unknown"),
-        (Failure.HEADER_TIMEOUT, None, "alive"),  # a slow D is not a gone D
-        (Failure.POOL_TIMEOUT, None, "alive"),  # the sidecar's own pool
+        (NoAnswer.CONNECT_REFUSED, None, "unknown"),
+        (NoAnswer.DNS, None, "unknown"),
+        (NoAnswer.CONNECT_TIMEOUT, None, "unknown"),
+        (NoAnswer.RESET_AFTER_SEND, None, "unknown"),
+        (NoAnswer.HEADER_TIMEOUT, None, "alive"),  # a slow D is not a gone D
+        (NoAnswer.POOL_TIMEOUT, None, "alive"),  # the sidecar's own pool
         (500, "The server had an error while processing your request.", "dead"),
         (500, "EngineCore encountered an issue. See stack trace (above) for the root cause.", "dead"),
         (500, "boom", "alive"),
@@ -310,7 +310,7 @@ async def test_a_failed_info_read_is_retried_at_the_next_poll() -> None:
     ],
 )
 async def test_observe_lowers_the_view_at_once(
-    signal: Failure | int, message: str | None, engine: str
+    signal: NoAnswer | int, message: str | None, engine: str
 ) -> None:
     state = make(FakeUpstream())
     await state.refresh()
@@ -333,7 +333,7 @@ async def test_an_answer_after_d_was_unreachable_brings_back_what_health_last_sa
     state = make(upstream, clock=clock)
     await state.refresh()
     clock.now += 1
-    state.observe(Failure.CONNECT_REFUSED)
+    state.observe(NoAnswer.CONNECT_REFUSED)
     assert state.view().engine == "unknown"
     clock.now += 1
     upstream.set(health=refused())  # a probe that fails meanwhile does not change what /health said
@@ -347,7 +347,7 @@ async def test_an_answer_after_d_was_unreachable_wakes_the_poller_to_read_d_agai
     state = make(upstream, interval=3600.0)
     await state.start()
     try:
-        state.observe(Failure.CONNECT_REFUSED)
+        state.observe(NoAnswer.CONNECT_REFUSED)
         calls = len(upstream.calls)
         state.observe(404, None)
         await until(lambda: upstream.calls[calls:] == ["health", "version", "metrics"])
@@ -457,7 +457,7 @@ async def test_ds_release_once_read_is_kept_while_d_is_down() -> None:
     assert state.view().version == "0.33.0"
     upstream.set(health=refused(), version=refused(), metrics=refused())
     await state.refresh()
-    state.observe(Failure.CONNECT_REFUSED)
+    state.observe(NoAnswer.CONNECT_REFUSED)
     assert state.view().engine == "unknown"
     assert await state.decode_version() == "0.33.0" and state.version() == "0.33.0"
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.classify import Cause, Event, Failure, Outcome
+from sidecar.classify import Cause, Event, NoAnswer, Outcome
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
 from sidecar.decision.judge import Judge
@@ -112,7 +112,7 @@ def exchange(policy: Policy = SIDECAR, *, sent: bool = True, **fields: Any) -> E
         (Event(status=503), {}, True, ("release", "rejected_5xx", "retryable")),
         (Event(status=200), {}, True, ("no_release", "admitted", "not_released")),
         (
-            Event(failure=Failure.RESET_AFTER_SEND),
+            Event(failure=NoAnswer.RESET_AFTER_SEND),
             {},
             True,
             ("ambiguous", "reset_after_send", "not_released"),
@@ -190,10 +190,10 @@ def test_the_job_carries_what_the_strategies_need() -> None:
 
 def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> None:
     rig = Rig(retried_statuses=("none",))
-    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED, answer=429))
+    rig.judge.judge(exchange(request_id="a"), Event(failure=NoAnswer.INJECTED, answer=429))
     rig.judge.judge(
         exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
-        Event(failure=Failure.CONNECT_REFUSED),
+        Event(failure=NoAnswer.CONNECT_REFUSED),
     )
     injected, unreachable = rig.queue.jobs
     assert (injected.status, injected.injected, injected.decode_reachable) == (429, True, True)
@@ -203,10 +203,10 @@ def test_the_sidecars_own_answer_is_the_jobs_status_and_failures_say_so() -> Non
 
 def test_under_the_shipped_default_d_unreachable_is_left_to_the_retry() -> None:
     rig = Rig()  # Config's own retried_statuses: 502, 503, 504
-    rig.judge.judge(exchange(request_id="a"), Event(failure=Failure.INJECTED, answer=429))
+    rig.judge.judge(exchange(request_id="a"), Event(failure=NoAnswer.INJECTED, answer=429))
     rig.judge.judge(
         exchange(request_id="b", params=release_params({**V033, "remote_request_id": "b"})),
-        Event(failure=Failure.CONNECT_REFUSED),
+        Event(failure=NoAnswer.CONNECT_REFUSED),
     )
     [injected] = rig.queue.jobs  # D unreachable: the sidecar's 503 may be retried on another pod
     assert (injected.request_id, injected.status, injected.injected) == ("a", 429, True)
@@ -222,7 +222,7 @@ def test_a_router_never_marks_its_request_id_as_the_clients() -> None:
 def test_a_router_releases_what_it_aborted_and_keeps_the_parameters_from_a_second_release() -> None:
     rig = Rig()
     made = exchange(ROUTER)
-    decision = rig.judge.judge(made, Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD))
+    decision = rig.judge.judge(made, Event(failure=NoAnswer.CLIENT_GONE_AFTER_FORWARD))
     assert (decision.outcome, decision.cause) == (Outcome.RELEASE, Cause.CLIENT_GONE_AFTER_FORWARD)
     assert [job.cause for job in rig.queue.jobs] == [Cause.CLIENT_GONE_AFTER_FORWARD]
     assert rig.inflight.may_be_read(made.key)  # D may still be reading while its handler aborts
@@ -232,7 +232,7 @@ def test_a_router_releases_what_it_aborted_and_keeps_the_parameters_from_a_secon
     ("policy", "sent", "event"),
     [
         (SIDECAR, True, Event(status=400)),  # D refused: nothing to abort
-        (ROUTER, False, Event(failure=Failure.HEADER_TIMEOUT)),  # never reached D
+        (ROUTER, False, Event(failure=NoAnswer.HEADER_TIMEOUT)),  # never reached D
         (ROUTER, True, Event(status=400)),
     ],
 )
@@ -257,9 +257,9 @@ def test_a_routers_decode_leg_counts_its_answers(status: int, cause: str) -> Non
     metrics = Metrics(CollectorRegistry())
     ROUTER.decode_answered(metrics, status, 0.25)
     ROUTER.decode_answered(metrics, 399, 0.25)
-    ROUTER.decode_failed(metrics, Failure.CONNECT_REFUSED)
+    ROUTER.decode_failed(metrics, NoAnswer.CONNECT_REFUSED)
     SIDECAR.decode_answered(metrics, status, 0.25)
-    SIDECAR.decode_failed(metrics, Failure.CONNECT_REFUSED)
+    SIDECAR.decode_failed(metrics, NoAnswer.CONNECT_REFUSED)
     registry = metrics.registry
     assert registry.get_sample_value("kvr_leg_latency_seconds_count", {"leg": "decode"}) == 2
     assert registry.get_sample_value("kvr_leg_failures_total", {"leg": "decode", "cause": cause}) == 1
@@ -311,11 +311,11 @@ def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
 @pytest.mark.parametrize(
     ("event", "told"),
     [
-        (Event(failure=Failure.CONNECT_REFUSED), [(Failure.CONNECT_REFUSED, None, False)]),
-        (Event(failure=Failure.INJECTED, answer=429), []),  # the sidecar's own answer: D said nothing
-        (Event(failure=Failure.CLIENT_GONE_BEFORE_FORWARD), []),
-        (Event(failure=Failure.RESET_AFTER_SEND, started=True), []),  # D answered 200, then broke
-        (Event(failure=Failure.RESET_AFTER_SEND, started=True, closing=True), [(200, None, True)]),
+        (Event(failure=NoAnswer.CONNECT_REFUSED), [(NoAnswer.CONNECT_REFUSED, None, False)]),
+        (Event(failure=NoAnswer.INJECTED, answer=429), []),  # the sidecar's own answer: D said nothing
+        (Event(failure=NoAnswer.CLIENT_GONE_BEFORE_FORWARD), []),
+        (Event(failure=NoAnswer.RESET_AFTER_SEND, started=True), []),  # D answered 200, then broke
+        (Event(failure=NoAnswer.RESET_AFTER_SEND, started=True, closing=True), [(200, None, True)]),
         (Event(status=200), []),
         (Event(status=200, closing=True), [(200, None, True)]),
         (Event(status=299), []),
@@ -335,27 +335,55 @@ def test_a_responses_stream_skips_its_lead_events_and_others_do_not() -> None:
         "4xx",
     ],
 )
-def test_what_each_event_tells_of_d(event: Event, told: list[tuple[Failure | int, str | None, bool]]) -> None:
+def test_what_each_event_tells_of_d(
+    event: Event, told: list[tuple[NoAnswer | int, str | None, bool]]
+) -> None:
     decode = FakeDecode(None)
     Rig(decode=decode).judge.judge(exchange(), event)
     assert decode.observed == told
 
 
-def test_a_stream_from_a_closing_answer_tells_d_is_closing_however_it_is_judged() -> None:
+CLOSING_HEAD = Event(status=200, stream=True, closing=True, pending=True)
+
+
+def test_a_closing_streams_head_tells_d_at_once_and_its_first_event_decides() -> None:
+    """A 200 stream's head that says ``Connection: close`` tells D's state when it arrives, and
+    decides nothing (the exchange stays at D, unjudged); the stream's events then tell only what
+    they show themselves, however the stream is judged."""
     refused = FakeDecode(None)
-    StreamJudge(Rig(decode=refused).judge, exchange(stream=True), closing=True).feed(REFUSAL)
-    assert refused.observed == [(400, "bad", True)]
+    rig = Rig(decode=refused)
+    made = exchange(stream=True)
+    rig.judge.forwarded(made)
+    assert rig.judge.judge(made, CLOSING_HEAD) is None
+    assert refused.observed == [(200, None, True)]
+    assert not made.decided and rig.inflight.may_be_read(made.key) and rig.traces.decisions == []
+    StreamJudge(rig.judge, made).feed(REFUSAL)
+    assert refused.observed == [(200, None, True), (400, "bad", False)]
+    assert [job.cause for job in rig.queue.jobs] == [Cause.STREAM_ADMISSION_ERROR]
     ended = FakeDecode(None)
-    stream = StreamJudge(Rig(decode=ended).judge, exchange(stream=True), closing=True)
+    rig = Rig(decode=ended)
+    made = exchange(stream=True)
+    rig.judge.judge(made, CLOSING_HEAD)
+    stream = StreamJudge(rig.judge, made)
     stream.feed(b'data: {"choices": [{"text": "hi"}]}')
     stream.finish()
     assert ended.observed == [(200, None, True)]
     cut = FakeDecode(None)
     rig = Rig(decode=cut)
-    stream = StreamJudge(rig.judge, exchange(stream=True), closing=True)
-    stream.reset()
+    made = exchange(stream=True)
+    rig.judge.judge(made, CLOSING_HEAD)
+    StreamJudge(rig.judge, made).reset()
     assert cut.observed == [(200, None, True)]
     assert rig.traces.decisions == [("ambiguous", "reset_after_send", "not_released")]
+
+
+def test_a_streams_head_without_news_of_d_tells_nothing_and_decides_nothing() -> None:
+    decode = FakeDecode(None)
+    rig = Rig(decode=decode)
+    made = exchange(stream=True)
+    assert rig.judge.judge(made, Event(status=200, stream=True, pending=True)) is None
+    assert decode.observed == [] and not made.decided and rig.traces.decisions == []
+    assert rig.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 0
 
 
 def test_a_stream_whose_error_event_ends_unterminated_is_judged_on_that_event() -> None:
@@ -383,7 +411,7 @@ def test_router_mode_releases_its_own_aborts_and_leaves_ds_answers_only_to_a_dec
         other = release_params({**V033, "remote_request_id": "aborted"})
         aborted = rig.judge.judge(
             exchange(policy, request_id="aborted", params=other),
-            Event(failure=Failure.CLIENT_GONE_AFTER_FORWARD),
+            Event(failure=NoAnswer.CLIENT_GONE_AFTER_FORWARD),
         )
         assert (aborted.outcome, aborted.cause) == (Outcome.RELEASE, Cause.CLIENT_GONE_AFTER_FORWARD)
         expected = ["refused", "aborted"] if answers_released else ["aborted"]
@@ -394,7 +422,7 @@ def test_router_mode_counts_ds_answers_under_the_decode_leg() -> None:
     metrics = Metrics(CollectorRegistry())
     policy = router_policy()
     policy.decode_answered(metrics, 503, 0.25)
-    policy.decode_failed(metrics, Failure.HEADER_TIMEOUT)
+    policy.decode_failed(metrics, NoAnswer.HEADER_TIMEOUT)
     registry = metrics.registry
     assert registry.get_sample_value("kvr_leg_latency_seconds_count", {"leg": "decode"}) == 1
     assert registry.get_sample_value("kvr_leg_failures_total", {"leg": "decode", "cause": "status_5xx"}) == 1

@@ -226,6 +226,53 @@ def test_control_a_lazy_import_loop_is_found(tmp_path: Path) -> None:
     assert cycles(module_graph(package)) == [["sidecar.obs.base", "sidecar.obs.sdk"]]
 
 
+# The release decision (docs/architecture.md, "The release decision") and what router mode may
+# use of the proxy: its admission step, and the request's context, answers, disconnect watcher,
+# usage correction and answer style, never the forwarder, the refusals or the proxy's parts.
+DECISION = ("decision", "classify", "retries")
+REQUEST_PATH = ("proxy", "router", "app")
+ROUTER_USES = {"admit", "answers", "context", "disconnect", "usage", "style"}
+
+
+def _imports_of(path: Path) -> set[str]:
+    return {m for m in _runtime_imports(ast.parse(path.read_text()), typing=True) if m.startswith("sidecar.")}
+
+
+def test_the_decision_imports_nothing_of_the_request_path() -> None:
+    offenders = [
+        f"{name(path)} imports {module}"
+        for path in modules()
+        if path.relative_to(PACKAGE).parts[0].removesuffix(".py") in DECISION
+        for module in _imports_of(path)
+        if _unit(module) in REQUEST_PATH
+    ]
+    assert offenders == []
+
+
+def test_the_judge_is_entered_from_two_modules() -> None:
+    callers = set()
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "judge"
+            ):
+                callers.add(name(path))
+    assert callers == {"proxy/forward.py", "proxy/stream.py"}
+
+
+def test_router_mode_uses_the_proxy_only_through_its_admission_step() -> None:
+    used = {
+        module.split(".")[2]
+        for path in (PACKAGE / "router").glob("*.py")
+        for module in _imports_of(path)
+        if _unit(module) == "proxy" and module.count(".") >= 2
+    }
+    bare = [name(p) for p in (PACKAGE / "router").glob("*.py") if "sidecar.proxy" in _imports_of(p)]
+    assert used <= ROUTER_USES and "admit" in used and bare == []
+
+
 def test_at_most_twelve_modules_at_the_top() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, top

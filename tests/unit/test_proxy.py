@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.classify import Failure
+from sidecar.classify import NoAnswer
 from sidecar.config import Config
 from sidecar.decision.inflight import InFlight
 from sidecar.observability.metrics import Metrics
@@ -247,7 +247,7 @@ async def test_what_the_proxy_sees_of_d_reaches_ds_state_before_the_judge() -> N
         await r.call(Client(body=completion(V033)))
     async with rig(FakeUpstream(refused, reached=False), decode) as r:
         await r.call(Client(body=completion(V033)))
-    assert decode.observed == [(404, "no", False), (Failure.CONNECT_REFUSED, None, False)]
+    assert decode.observed == [(404, "no", False), (NoAnswer.CONNECT_REFUSED, None, False)]
 
 
 async def test_other_paths_pass_through_unjudged() -> None:
