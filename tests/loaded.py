@@ -1,4 +1,4 @@
-"""``make loaded``: the tests whose time bounds a loaded machine once broke, 20 times in a row beside a CPU hog.
+"""``make loaded``: the tests whose time bounds a loaded machine broke, 20 times in a row beside a CPU hog.
 
 Each test below once asserted a wall-clock bound (six submits in under 50 ms, a
 failure within 100 ms, ...) that a busy two-core machine missed; each now
@@ -46,7 +46,8 @@ def _spin() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.loaded", description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=COUNT, help="runs of each test in a row (default 20)")
-    parser.add_argument("--hogs", type=int, default=os.cpu_count() or 1, help="busy loops (default: one per CPU)")
+    cpus = os.cpu_count() or 1
+    parser.add_argument("--hogs", type=int, default=cpus, help="busy loops (default: one per CPU)")
     args, rest = parser.parse_known_args(argv)
     hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.hogs)]
     for hog in hogs:
@@ -60,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         for hog in hogs:
             hog.kill()
     load = os.getloadavg()[0]
-    print(f"loaded: {args.count} runs of each test beside {args.hogs} busy loops, {time.monotonic() - started:.0f} s, "
-          f"load average {load:.1f} at the end, pytest exit {status}")
+    took = time.monotonic() - started
+    print(
+        f"loaded: {args.count} runs of each test beside {args.hogs} busy loops, {took:.0f} s,"
+        f" load average {load:.1f} at the end, pytest exit {status}"
+    )
     return status
 
 
