@@ -25,12 +25,12 @@ demo: $(STAMP)
 	$(UV) run --frozen --no-sync kv-release-sidecar demo
 
 # Three pytest runs: the suite on TEST_WORKERS processes (pytest-xdist); then the tests marked serial
-# (they measure CPU or time, or load the machine), on two processes and away from the rest: the fault
+# (they measure CPU or time, or load the machine), on three processes and away from the rest: the fault
 # scenarios one after another in one, each other module whole in either; last, alone, the tests that
 # add network interfaces (netns). Exit 5 (PYTEST_ARGS selected no test of a run) is not a failure;
 # every other exit code is.
 TEST_WORKERS ?= 4
-SERIAL_WORKERS ?= 2
+SERIAL_WORKERS ?= 3
 test: $(STAMP) tools
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns" \

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.serial)
         if item.get_closest_marker("serial") and not item.get_closest_marker("xdist_group"):
-            # make test's serial part runs on two processes (--dist loadgroup): a module's tests stay
+            # make test's serial part runs on several processes (--dist loadgroup): a module's tests stay
             # in one, so a module-scoped run (a bench, the demo) is made once.
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda item: 1 if item.get_closest_marker("netns") else 0)

@@ -1,4 +1,4 @@
-"""``make test``'s serial part on two processes keeps each group in one of them.
+"""``make test``'s serial part on several processes keeps each group in one of them.
 
 The fault scenarios share one set of simulators and judge deadlines: they must
 run one after another in one process, and a module of serial tests whole in
