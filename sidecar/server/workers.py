@@ -27,6 +27,9 @@ that); its requests at D stay vetoed for the lease (``SharedTable.reap``) and
 nothing is released for them: the dead worker cannot, and no other worker
 judged them. A worker whose start-up fails the first time (an unreadable
 token file, say) stops the supervisor, which exits 1 as one process does.
+The table and the workers' admin sockets live in a private directory in
+shared memory; at its start a supervisor removes those that supervisors
+killed outright left behind (``sidecar.server.scratch``).
 """
 
 from __future__ import annotations
