@@ -72,8 +72,10 @@ def sweep(parent: Path) -> list[Path]:
 
 def _abandoned(directory: Path) -> bool:
     try:
+        if directory.is_symlink() or directory.stat().st_uid != os.getuid():
+            return False  # another user's, or a link: not ours to judge
         fd = os.open(directory / OWNER, os.O_RDWR | os.O_NOFOLLOW)
-    except OSError:  # not ours to judge: no owner file, another user's, gone meanwhile
+    except OSError:  # not ours to judge: no owner file, gone meanwhile
         return False
     try:
         if os.fstat(fd).st_uid != os.getuid():

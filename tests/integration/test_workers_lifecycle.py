@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from cryptography import x509
 
 from tests.integration.conftest import kv_params
@@ -27,7 +28,6 @@ from tests.integration.test_workers import HANG, FakeDecode, Workers, start_work
 from tests.servers import ServerThread, serve
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
-trustme = pytest.importorskip("trustme")
 
 
 @pytest.fixture

@@ -70,8 +70,13 @@ def test_directories_it_cannot_judge_are_left_alone(tmp_path: Path) -> None:
     making = tmp_path / ".kvr-making-x"  # still being made: never swept
     making.mkdir()
     (making / scratch.OWNER).touch()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dead, fd = scratch.make(elsewhere)
+    os.close(fd)
+    (tmp_path / f"{scratch.PREFIX}link").symlink_to(dead)  # a link to a dead one: not followed
     assert scratch.sweep(tmp_path) == []
-    assert older.is_dir() and unrelated.is_dir() and making.is_dir()
+    assert older.is_dir() and unrelated.is_dir() and making.is_dir() and dead.is_dir()
 
 
 def test_the_directory_takes_its_name_with_its_owner_held(tmp_path: Path) -> None:
