@@ -23,7 +23,7 @@ from sidecar.app import Deps, Worker
 from sidecar.observability import logs
 from sidecar.proxy.trust import Trust
 from sidecar.release.shared import SharedTable
-from sidecar.server import memory
+from sidecar.server import memory, scratch
 from sidecar.server.accept import Acceptor
 from sidecar.server.serve import Serving, StartupFailed, preflight, raise_file_limit, serve
 from sidecar.server.workers import STARTUP_FAILED, WorkerSpec
@@ -74,6 +74,7 @@ def main() -> int:
         import uvloop
 
         uvloop.install()
+    scratch.hold(Path(spec.table).parent)  # held until this process ends: the directory is in use
     table = SharedTable(Path(spec.table))
     deps = Deps(trust=trust, shared=Worker(spec.index, table))
     try:

@@ -27,6 +27,9 @@ that); its requests at D stay vetoed for the lease (``SharedTable.reap``) and
 nothing is released for them: the dead worker cannot, and no other worker
 judged them. A worker whose start-up fails the first time (an unreadable
 token file, say) stops the supervisor, which exits 1 as one process does.
+The table and the workers' admin sockets live in a private directory in
+shared memory; at its start a supervisor removes those that supervisors
+killed outright left behind (``sidecar.server.scratch``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,7 @@ from sidecar.app.fleet import Fleet, Member, Totals, create_fleet_admin_app
 from sidecar.config import Config
 from sidecar.config.rules import MAX_WORKERS
 from sidecar.release.shared import SharedTable
+from sidecar.server import scratch
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS
@@ -118,7 +121,8 @@ class Supervisor(Fleet):
     ) -> None:
         self.config, self.size, self.draining, self.totals = config, size, False, Totals()
         self._sockets, self._admin_tls = sockets, admin_tls
-        self._dir = Path(tempfile.mkdtemp(prefix="kvr-workers-", dir=_shm()))
+        scratch.sweep(parent := scratch.shm())
+        self._dir, self._owner = scratch.make(parent)
         self.table = SharedTable.create(self._dir / "ledger", 2 * config.ledger_size)
         self._slots = [_Slot(i, str(self._dir / f"worker-{i}.sock")) for i in range(size)]
         self._stop = asyncio.Event()
@@ -201,7 +205,8 @@ class Supervisor(Fleet):
             for slot in self._slots:
                 await self._spawn(slot)
                 slot.watcher = asyncio.create_task(self._watch(slot))
-            log.info("workers started", extra={"workers": self.size, "pids": [m.pid for m in self.members()]})
+            pids, where = [m.pid for m in self.members()], str(self._dir)
+            log.info("workers started", extra={"workers": self.size, "pids": pids, "directory": where})
             await self._stop.wait()
             await self._drain()
         finally:
@@ -211,6 +216,7 @@ class Supervisor(Fleet):
                 reload.cancel()
             self.table.close()
             shutil.rmtree(self._dir, ignore_errors=True)
+            os.close(self._owner)
         return self.failed
 
     async def _drain(self) -> None:
@@ -242,11 +248,6 @@ class Supervisor(Fleet):
                 slot.watcher.cancel()
         codes = [s.process.returncode for s in running if s.process is not None]
         log.info("workers stopped", extra={"returncodes": codes})
-
-
-def _shm() -> str | None:
-    """``/dev/shm`` when there is one (the table stays in memory), else the temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 def supervise(
