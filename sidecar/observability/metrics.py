@@ -162,9 +162,12 @@ class Metrics:
             "a KV connector); 0: the sidecar releases them too. Set while releases are sent.",
             registry=r,
         )
-        # The children the request path updates (route, status class; route), resolved once.
+        # The children the request path updates (route, status class; route; outcome, cause;
+        # cause), resolved once.
         self.request_counter = Children(self.requests)
         self.latency_for = Children(self.upstream_latency)
+        self.not_released_for = Children(self.not_released)
+        self.rejections_for = Children(self.rejections)
 
 
 def releases_enabled(metrics: Metrics, release: str, off_for: str) -> None:
