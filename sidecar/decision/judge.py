@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from sidecar import retries
 from sidecar.classify import (
@@ -83,8 +84,7 @@ class DecodeWatch(Protocol):
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Judged:
+class Judged(msgspec.Struct, frozen=True):
     """What the judge made of one exchange (at most once): its decision, and whether its
     parameters went to a release that frees them (then a client's retry with them is refused)."""
 

@@ -14,7 +14,6 @@ response, so D sees the abort.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
@@ -59,7 +58,7 @@ class Forwarder:
         """Hand the exchange's event to the judge (the request path's one way to it); whether the
         response had started is the exchange's."""
         if exchange.responded and not event.started:
-            event = dataclasses.replace(event, started=True)
+            event = msgspec.structs.replace(event, started=True)
         self._judge.judge(exchange, event)
 
     def count(self, route: str, status: int) -> None:
