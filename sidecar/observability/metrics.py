@@ -155,6 +155,10 @@ class Metrics:
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r
         )
         self.inflight = Gauge("kvr_inflight_requests", "Requests being proxied.", registry=r)
+        # The proxy counts them in a plain int (two gauge updates per request cost more than the
+        # request's own counting); the gauge reads it when scraped.
+        self.requests_in_flight = 0
+        self.inflight.set_function(lambda: self.requests_in_flight)
         self.ready = Gauge("kvr_ready", "1 when /readyz answers 200.", registry=r)
         self.decode_can_notify = Gauge(
             "kvr_decode_can_notify",

@@ -94,7 +94,7 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = RequestContext.of(scope, receive, send)
         tracing, metrics = self.kit.tracing, self.kit.metrics
-        metrics.inflight.inc()
+        metrics.requests_in_flight += 1
         try:
             if ctx.route is not None and tracing.enabled:
                 with tracing.server_span(scope) as span:
@@ -109,7 +109,7 @@ class Proxy:
             uncancel()
             await _answer_if_unanswered(send, 503, SHUTTING_DOWN, ctx.request_id)
         finally:
-            metrics.inflight.dec()
+            metrics.requests_in_flight -= 1
 
     async def _handle(self, ctx: RequestContext) -> None:
         kit = self.kit
