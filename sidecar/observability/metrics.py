@@ -180,5 +180,8 @@ def releases_enabled(metrics: Metrics, release: str, off_for: str) -> None:
     metrics.releases_enabled.labels("on" if on else off_for or "setting").set(1 if on else 0)
 
 
+_STATUS_CLASSES = {status: f"{status // 100}xx" for status in range(100, 600)}  # made once, read per request
+
+
 def status_class(status: int) -> str:
-    return f"{status // 100}xx" if 100 <= status < 600 else "error"
+    return _STATUS_CLASSES.get(status, "error")
