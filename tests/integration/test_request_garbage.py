@@ -3,7 +3,7 @@
 Every request the sidecar answers is freed by reference counting as it ends.
 One reference cycle per request (the server's cycle, its scope, the relay in
 the scope pointing back at the cycle) cost a young collection every few dozen
-requests and about a tenth of the sidecar's CPU per JSON request. A real
+requests and about 6 % of the sidecar's CPU per JSON request. A real
 sidecar (the production server protocol) in front of a Starlette D answers
 JSON and SSE requests carrying parameters, and the collector, saving what it
 finds, must find none of their objects.
