@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+import msgspec
+
 
 @dataclass(frozen=True, slots=True)
 class FirstEvent:
@@ -156,9 +158,9 @@ FAILURE_STATUS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """What happened to one request: everything the judge needs, in one value.
+class Event(msgspec.Struct, frozen=True):
+    """What happened to one request: everything the judge needs, in one value (a struct: one is
+    made per request, in a tenth of a frozen dataclass's time).
 
     Exactly one of ``status`` / ``failure`` is set. ``first`` is a 200 stream's
     first SSE event; ``error_type`` and ``error_message`` are those of D's error

@@ -18,8 +18,6 @@ Their JSON is validated and counted in place (``_blocks``).
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from enum import StrEnum
 
 import msgspec
@@ -78,15 +76,13 @@ class ReleaseParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.tp_size * (self.pp_size or 1)
 
 
-@dataclass(frozen=True, slots=True)
-class Eligibility:
+class Eligibility(msgspec.Struct, frozen=True):
     params: ReleaseParams | None
     reason: Ineligible | None
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class _Blocks:
+class _Blocks(msgspec.Struct, frozen=True):
     count: int
     grouped: bool
 
@@ -94,21 +90,25 @@ class _Blocks:
 # Valid JSON (msgspec checked it) made only of these characters is an array of arrays... of
 # non-negative integers; what is left once they are removed shows the nesting.
 _INT_LIST_CHARS = b"0123456789, \t\r\n"
-_MIXED = re.compile(rb"\]\s*,\s*\d|\d\s*,\s*\[")  # an int beside a group at the top level
-_EMPTY_GROUP = re.compile(rb"\[\s*\]")
-_DIGIT = re.compile(rb"\d")
+_SPACE = b" \t\r\n"
 
 
 def _blocks(raw: bytes) -> _Blocks | str:
     """Count and shape of ``remote_block_ids`` from its JSON, or why it is malformed."""
     brackets = raw.translate(None, _INT_LIST_CHARS)
-    if brackets == b"[]":
-        return _Blocks(raw.count(b",") + 1 if _DIGIT.search(raw) else 0, grouped=False)
+    if brackets == b"[]":  # a flat list: ints, or nothing
+        return _Blocks(raw.count(b",") + 1 if raw.strip(b"[]" + _SPACE) else 0, grouped=False)
     groups = len(brackets) // 2 - 1
-    if brackets != b"[" + b"[]" * groups + b"]" or _MIXED.search(raw):
+    if brackets != b"[" + b"[]" * groups + b"]":
         return "remote_block_ids is not a list of ints or of int lists"
-    empty = len(_EMPTY_GROUP.findall(raw))
-    return _Blocks(raw.count(b",") + 1 - empty, grouped=True)
+    # Lists two deep: a comma after a group's end, or before a group's start, is between
+    # elements of the outer list, so an int beside a group shows as a "]," or ",[" that is
+    # not part of a "],[" (whitespace aside).
+    compact = raw.translate(None, _SPACE)
+    between = compact.count(b"],[")
+    if compact.count(b"],") != between or compact.count(b",[") != between:
+        return "remote_block_ids is not a list of ints or of int lists"
+    return _Blocks(raw.count(b",") + 1 - compact.count(b"[]"), grouped=True)
 
 
 def _problem(p: ParamsView, blocks: _Blocks | str) -> str:

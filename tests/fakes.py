@@ -72,6 +72,11 @@ class FakeResponse:
         if self.broken:
             raise UpstreamError(NoAnswer.RESET_AFTER_SEND, "D broke the stream")
 
+    @property
+    def ended(self) -> bool:
+        """As ``UpstreamResponse.ended``: every chunk taken, and the body ends cleanly."""
+        return self.taken >= len(self.body) and not self.broken
+
     async def read(self, limit: int) -> bytes:
         """As ``UpstreamResponse.read``: whole chunks until ``limit`` bytes or more were taken."""
         parts: list[bytes] = []

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from sidecar import retries
 from sidecar.classify import (
@@ -85,8 +86,7 @@ class DecodeWatch(Protocol):
         """What the request path saw of D (``sidecar.decode.state.DecodeState.observe``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Judged:
+class Judged(msgspec.Struct, frozen=True):
     """What the judge made of one exchange (at most once): its decision, and whether its
     parameters went to a release that frees them (then a client's retry with them is refused)."""
 
@@ -164,16 +164,16 @@ class Judge:
             # Left to a retry on another pod: D there may read them, as if admitted here.
             self._inflight.finished(key, admitted=left or not releases)
         if left:
-            self._metrics.not_released.labels(RETRYABLE, decision.cause.value).inc()
+            self._metrics.not_released_for(RETRYABLE, decision.cause.value).inc()
             self._traced(decision, "retryable")
             return decision
         if not releases:
-            self._metrics.not_released.labels(decision.outcome.value, decision.cause.value).inc()
+            self._metrics.not_released_for(decision.outcome.value, decision.cause.value).inc()
             self._traced(decision, "not_released")
             return decision
         lease_end = self._lease_end(exchange)
         if lease_end is not None and time.monotonic() >= lease_end:
-            self._metrics.not_released.labels(Outcome.NO_RELEASE.value, LEASE_EXPIRED).inc()
+            self._metrics.not_released_for(Outcome.NO_RELEASE.value, LEASE_EXPIRED).inc()
             log.info(
                 "P's lease on the blocks has passed; not released", extra={"request_id": exchange.request_id}
             )
@@ -181,7 +181,7 @@ class Judge:
             return decision
         if self._inflight.may_be_read(key):
             # Another request with these parameters is at D or was admitted: D may be reading them.
-            self._metrics.not_released.labels(Outcome.NO_RELEASE.value, "params_in_use").inc()
+            self._metrics.not_released_for(Outcome.NO_RELEASE.value, "params_in_use").inc()
             log.warning(
                 "rejected request reuses parameters D may be reading; not released",
                 extra={"request_id": exchange.request_id},
@@ -192,7 +192,7 @@ class Judge:
             # The sidecar aborted a request D had: D's handler cleans up, or D is still reading. A
             # later request with these parameters must not be released meanwhile.
             self._inflight.admitted(key)
-        self._metrics.rejections.labels(decision.cause.value).inc()
+        self._metrics.rejections_for(decision.cause.value).inc()
         job = self._job(exchange, decision, event)
         if lease_end is not None and lease_end < job.deadline:
             job = job.but(deadline=lease_end)  # not retried past the lease either

@@ -155,6 +155,10 @@ class Metrics:
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r
         )
         self.inflight = Gauge("kvr_inflight_requests", "Requests being proxied.", registry=r)
+        # The proxy counts them in a plain int (two gauge updates per request cost more than the
+        # request's own counting); the gauge reads it when scraped.
+        self.requests_in_flight = 0
+        self.inflight.set_function(lambda: self.requests_in_flight)
         self.ready = Gauge("kvr_ready", "1 when /readyz answers 200.", registry=r)
         self.decode_can_notify = Gauge(
             "kvr_decode_can_notify",
@@ -162,9 +166,12 @@ class Metrics:
             "a KV connector); 0: the sidecar releases them too. Set while releases are sent.",
             registry=r,
         )
-        # The children the request path updates (route, status class; route), resolved once.
+        # The children the request path updates (route, status class; route; outcome, cause;
+        # cause), resolved once.
         self.request_counter = Children(self.requests)
         self.latency_for = Children(self.upstream_latency)
+        self.not_released_for = Children(self.not_released)
+        self.rejections_for = Children(self.rejections)
 
 
 def releases_enabled(metrics: Metrics, release: str, off_for: str) -> None:
@@ -173,5 +180,8 @@ def releases_enabled(metrics: Metrics, release: str, off_for: str) -> None:
     metrics.releases_enabled.labels("on" if on else off_for or "setting").set(1 if on else 0)
 
 
+_STATUS_CLASSES = {status: f"{status // 100}xx" for status in range(100, 600)}  # made once, read per request
+
+
 def status_class(status: int) -> str:
-    return f"{status // 100}xx" if 100 <= status < 600 else "error"
+    return _STATUS_CLASSES.get(status, "error")

@@ -40,6 +40,7 @@ from sidecar.proxy.refusals import SHUTTING_DOWN, Refusals
 from sidecar.proxy.style import STYLES
 from sidecar.proxy.trust import Trust
 from sidecar.release.pipeline import Pipeline
+from sidecar.transport.relay import RELAY
 from sidecar.upstream import Client
 
 
@@ -94,7 +95,7 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = RequestContext.of(scope, receive, send)
         tracing, metrics = self.kit.tracing, self.kit.metrics
-        metrics.inflight.inc()
+        metrics.requests_in_flight += 1
         try:
             if ctx.route is not None and tracing.enabled:
                 with tracing.server_span(scope) as span:
@@ -109,7 +110,10 @@ class Proxy:
             uncancel()
             await _answer_if_unanswered(send, 503, SHUTTING_DOWN, ctx.request_id)
         finally:
-            metrics.inflight.dec()
+            metrics.requests_in_flight -= 1
+            # The relay holds the server's cycle, which holds this scope: dropped, the request's
+            # objects are freed as it ends rather than left to the garbage collector as a cycle.
+            scope.pop(RELAY, None)
 
     async def _handle(self, ctx: RequestContext) -> None:
         kit = self.kit

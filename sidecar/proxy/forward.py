@@ -14,7 +14,6 @@ response, so D sees the abort.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
@@ -23,13 +22,12 @@ import msgspec
 from sidecar.asgi import DISCONNECT_HUB, Send
 from sidecar.classify import Event
 from sidecar.decision.judge import Judge
-from sidecar.decode.probes import says_close
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.observability.tracing import Leg, Tracing
 from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
-from sidecar.proxy.headers import response_headers
+from sidecar.proxy.headers import response_head, response_headers
 from sidecar.proxy.stream import StreamJudge
 from sidecar.proxy.style import VLLM, AnswerStyle
 from sidecar.proxy.usage import UsageRewriter
@@ -60,7 +58,7 @@ class Forwarder:
         """Hand the exchange's event to the judge (the request path's one way to it); whether the
         response had started is the exchange's."""
         if exchange.responded and not event.started:
-            event = dataclasses.replace(event, started=True)
+            event = msgspec.structs.replace(event, started=True)
         self._judge.judge(exchange, event)
 
     def count(self, route: str, status: int) -> None:
@@ -147,14 +145,13 @@ class Forwarder:
         if leg is not None:
             leg.status(status)
         exchange.policy.decode_answered(self._metrics, status, time.monotonic() - exchange.started)
-        head = response_headers(response.headers, exchange.request_id)
-        closing = says_close(response.headers)
+        head, closing, events = response_head(response.headers, exchange.request_id)
         if not 200 <= status < 300:
             await self._refused(send, response, exchange, head, closing)
             return
         # D's content type is the word on streaming: vLLM also streams for a lax "stream": "true"
         # or 1, which the request view does not read as a stream.
-        streamed = exchange.stream or _event_stream(head)
+        streamed = exchange.stream or events
         rewriter = exchange.rewriter
         if rewriter is not None and not streamed and not _encoded(head):
             await self._rewritten(send, response, exchange, head, closing)
@@ -232,14 +229,18 @@ class Forwarder:
         has judged (at once without one), a ``relay`` takes the rest straight from D's connection
         to the client's (``sidecar.transport.relay``), and the chunks then end."""
         relaying = relay is not None
+        plain = judge is None and rewriter is None  # nothing to do after the last chunk but end
+        ended = False
         try:
             async for chunk in response.chunks():
                 if judge is not None:
                     judge.feed(chunk)
                 if rewriter is not None:
                     chunk = rewriter.feed(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if relaying and (judge is None or judge.decided):
+                # D's whole body is in: its last bytes and the response's end go in one send
+                ended = plain and response.ended
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                if relaying and not ended and (judge is None or judge.decided):
                     assert relay is not None
                     relaying = False  # relayed to its end, or not at all (then the chunks go on)
                     await response.relay(relay, rewriter)
@@ -250,8 +251,9 @@ class Forwarder:
             raise
         if judge is not None:
             judge.finish()
-        tail = rewriter.flush() if rewriter is not None else b""
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        if not ended:
+            tail = rewriter.flush() if rewriter is not None else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def passthrough(self, ctx: RequestContext) -> None:
         """Any other request: to D unchanged, the body streamed, the answer pumped."""
@@ -280,13 +282,6 @@ class Forwarder:
             uncancel()
         finally:
             watcher.stop()
-
-
-def _event_stream(head: Head) -> bool:
-    return any(
-        name == b"content-type" and value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
-        for name, value in head
-    )
 
 
 def _encoded(head: Head) -> bool:

@@ -93,22 +93,42 @@ def request_headers(raw: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, str
 
 def response_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
     """D's response headers for the client, with ``x-request-id`` always present."""
+    return response_head(raw, request_id)[0]
+
+
+_EVENT_STREAM = b"text/event-stream"
+
+
+def response_head(
+    raw: list[tuple[bytes, bytes]], request_id: str
+) -> tuple[list[tuple[bytes, bytes]], bool, bool]:
+    """``response_headers``, and in the same pass over D's headers: whether they say
+    ``Connection: close`` (``sidecar.decode.probes.says_close``), and whether the headers for the
+    client name ``text/event-stream`` as the content type."""
     drop = HOP_BY_HOP
     out: list[tuple[bytes, bytes]] = []
-    has_id = False
+    has_id = closing = events = False
     for name, value in raw:
         lower = name.lower()
         if lower in drop:
             if lower == b"connection":
-                drop = drop | (_named_in_connection(value) - {REQUEST_ID})  # the client always gets it
+                named = _named_in_connection(value)
+                closing = closing or b"close" in named
+                drop = drop | (named - {REQUEST_ID})  # the client always gets it
             continue
-        has_id = has_id or lower == REQUEST_ID
+        if lower == REQUEST_ID:
+            has_id = True
+        elif lower == b"content-type" and not events:
+            events = value.split(b";", 1)[0].strip().lower() == _EVENT_STREAM
         out.append((lower, value))
     if drop is not HOP_BY_HOP:
         out = [(n, v) for n, v in out if n not in drop]
+        events = any(
+            n == b"content-type" and v.split(b";", 1)[0].strip().lower() == _EVENT_STREAM for n, v in out
+        )
     if not has_id:
         out.append((REQUEST_ID, request_id.encode("latin-1")))
-    return out
+    return out, closing, events
 
 
 DATA_PARALLEL_RANK = b"x-data-parallel-rank"

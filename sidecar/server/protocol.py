@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import socket
 from collections.abc import Generator
@@ -47,6 +46,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.server.accept import Acceptor
 from sidecar.server.limits import ServerLimits, marked_over_limit, raw_error
+from sidecar.server.memory import settle_heap
 from sidecar.transport.coalesce import CoalescingTransport
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.transport.timers import LazyTimer
@@ -65,9 +65,9 @@ class _ClockedFlowControl(FlowControl):
         self._protocol = protocol
 
     def resume_reading(self) -> None:
-        if self.read_paused:
+        if self.read_paused:  # uvicorn's does nothing otherwise (called twice per request)
             self._protocol.reading_resumed()
-        super().resume_reading()
+            super().resume_reading()
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -343,7 +343,8 @@ class Server(uvicorn.Server):
 
     With ``freeze``, once started (the lifespan included) it moves every object then alive out of
     the cyclic garbage collector's sight (``gc.freeze``): what start-up built (modules, the app,
-    its clients) lives as long as the process, and the collector's full passes no longer walk it.
+    its clients) lives as long as the process, and the collector's full passes no longer walk it
+    (``sidecar.server.memory.settle_heap``).
     """
 
     startup_failed = False
@@ -366,8 +367,7 @@ class Server(uvicorn.Server):
         self.servers = [Acceptor(s, protocol, config.ssl) for s in sockets or ()]  # type: ignore[misc]
         self.started = True
         if self._freeze and not self.should_exit:
-            gc.collect()  # start-up's garbage is freed, not frozen
-            gc.freeze()
+            settle_heap()
 
 
 def uvicorn_config(

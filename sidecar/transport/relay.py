@@ -4,8 +4,9 @@ The proxy reads a stream's first event to judge it; the rest of D's body only
 passes through. Handing each of those parts to the request's task (wake the
 task, resume the pump, an ASGI message into uvicorn's cycle, back to sleep)
 cost several times what writing it costs. ``ClientRelay`` is one request's
-way around that: the server protocol (``sidecar.server.protocol``) puts one in the
-scope, the proxy ``open``\\ s it on D's connection (``sidecar.upstream.http1``), and
+way around that: the server protocol (``sidecar.server.protocol``) puts one in
+the scope (the proxy drops it when the request ends), the proxy ``open``\\ s it
+on D's connection (``sidecar.upstream.http1``), and
 from then on that connection's ``data_received`` writes every body part it
 parses to the client's transport, framed exactly as uvicorn frames a body
 message (one HTTP/1.1 chunk each), while the request's task waits once for

@@ -72,6 +72,11 @@ class Response(Protocol):
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
+    @property
+    def ended(self) -> bool:
+        """The body has ended and ``chunks()`` gave all of it: its next chunk would be its end."""
+        ...
+
     async def read(self, limit: int) -> bytes: ...
 
     async def relay(self, relay: ClientRelay, feed: Feed | None = None) -> bool: ...
@@ -120,6 +125,12 @@ class UpstreamResponse:
         """Body bytes as D sends them. Raises ``UpstreamError`` on a reset or stall."""
         while chunk := await self._next():
             yield chunk
+
+    @property
+    def ended(self) -> bool:
+        """The body has ended and ``chunks()`` gave all of it: its next chunk would be its end."""
+        conn = self._conn
+        return self._upstream is not None and conn.complete and not conn.buffered
 
     async def read(self, limit: int) -> bytes:
         """Read at most about ``limit`` bytes of the body (for small error bodies)."""

@@ -8,7 +8,14 @@ import warnings
 
 import pytest
 
-from sidecar.proxy.headers import data_parallel_rank, new_request_id, request_headers, response_headers
+from sidecar.decode.probes import says_close
+from sidecar.proxy.headers import (
+    data_parallel_rank,
+    new_request_id,
+    request_headers,
+    response_head,
+    response_headers,
+)
 
 
 def test_request_strips_hop_by_hop_and_host_and_keeps_the_rest() -> None:
@@ -124,3 +131,24 @@ def test_connection_cannot_strip_the_request_id() -> None:
 def test_response_keeps_the_request_id_whatever_connection_names() -> None:
     raw = [(b"Connection", b"x-request-id"), (b"X-Request-Id", b"from-d")]
     assert response_headers(raw, "rid") == [(b"x-request-id", b"from-d")]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [(b"Content-Type", b"text/event-stream; charset=utf-8"), (b"Connection", b"Keep-Alive, Close")],
+        [(b"content-type", b"application/json"), (b"connection", b"keep-alive")],
+        [(b"Content-Type", b" Text/Event-Stream ")],
+        [(b"connection", b"content-type"), (b"content-type", b"text/event-stream")],
+        [(b"content-type", b"text/event-streams"), (b"CONNECTION", b"close")],
+        [],
+    ],
+)
+def test_response_head_says_in_one_pass_what_the_separate_reads_say(raw: list[tuple[bytes, bytes]]) -> None:
+    head, closing, events = response_head(raw, "rid")
+    assert head == response_headers(raw, "rid")
+    assert closing == says_close(raw)
+    assert events == any(
+        name == b"content-type" and value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+        for name, value in head
+    )

@@ -86,3 +86,28 @@ def test_judged_requests_leave_no_count_behind() -> None:
         known.forwarded(("p-engine", f"cmpl-{n}"))
         known.finished(("p-engine", f"cmpl-{n}"), admitted=False)
     assert known._live == {}  # the only view of the table's size
+
+
+def test_the_admitted_table_keeps_at_most_its_size_the_oldest_going_first() -> None:
+    clock = Clock()
+    known = InFlight(2, 30.0, clock)
+    keys = [("p-engine", f"cmpl-{n}") for n in range(3)]
+    for key in keys:
+        known.admitted(key)
+    assert not known.may_be_read(keys[0])  # the least recently set went
+    assert known.may_be_read(keys[1]) and known.may_be_read(keys[2])
+    known.admitted(keys[1])  # set again: now the newest
+    known.admitted(("p-engine", "cmpl-3"))
+    assert known.may_be_read(keys[1]) and not known.may_be_read(keys[2])
+    assert len(known._admitted) == 2
+
+
+def test_expired_admissions_are_dropped_as_new_ones_come() -> None:
+    known, clock = inflight(ttl=5.0)
+    for n in range(10):
+        known.admitted(("p-engine", f"old-{n}"))
+    clock.now += 6.0
+    for n in range(10):
+        known.admitted(("p-engine", f"new-{n}"))
+    assert set(known._admitted) == {("p-engine", f"new-{n}") for n in range(10)}
+    assert all(known.may_be_read(("p-engine", f"new-{n}")) for n in range(10))

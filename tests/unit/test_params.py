@@ -143,6 +143,8 @@ def with_blocks(ids_json: bytes) -> bytes:
         (b"[[1,2],[3]]", 3, True),
         (b"[[1, 2], [], [3]]", 3, True),  # an empty KV-cache group
         (b"[[ ],[4]]", 1, True),
+        (b"[ [ ] ,\n [ 4 , 5 ] ]", 2, True),
+        (b"[ 9 ]", 1, False),
         (b"[[0]]", 1, True),
         (b"[" + b",".join(str(i).encode() for i in range(1000, 1100)) + b"]", 100, False),
     ],
@@ -160,6 +162,10 @@ def test_block_ids_are_counted_without_decoding_them(ids_json: bytes, blocks: in
         (b"null", Ineligible.EMPTY_BLOCKS),
         (b"[[1],2]", Ineligible.MALFORMED),  # a group and an int side by side
         (b"[1,[2]]", Ineligible.MALFORMED),
+        (b"[[1] ,\n 2]", Ineligible.MALFORMED),
+        (b"[1 , [2]]", Ineligible.MALFORMED),
+        (b"[[1],2,[3]]", Ineligible.MALFORMED),
+        (b"[ ]", Ineligible.EMPTY_BLOCKS),
         (b"[[[1]]]", Ineligible.MALFORMED),  # nested too deep
         (b"[-1]", Ineligible.MALFORMED),  # vLLM's block ids are never negative
         (b"[1.0]", Ineligible.MALFORMED),

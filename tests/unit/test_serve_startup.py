@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from sidecar.server.limits import ServerLimits
+from sidecar.server.memory import YOUNG_COLLECTION
 from sidecar.server.protocol import Server, uvicorn_config
 
 
@@ -24,8 +25,10 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
     gc.unfreeze()
+    threshold = gc.get_threshold()
     yield
     gc.unfreeze()  # the rest of the test run collects as usual
+    gc.set_threshold(*threshold)
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -40,6 +43,7 @@ async def test_objects_alive_after_start_up_are_frozen(unfrozen: None, freeze: b
                 await asyncio.sleep(0.01)
             frozen = gc.get_freeze_count()
             assert (frozen > 10_000) is freeze  # the modules, the app, uvicorn's server: all of it
+            assert (gc.get_threshold()[0] == YOUNG_COLLECTION) is freeze
             assert not freeze or frozen >= len(gc.get_objects()) / 2
         finally:
             server.should_exit = True
