@@ -111,3 +111,11 @@ def test_expired_admissions_are_dropped_as_new_ones_come() -> None:
         known.admitted(("p-engine", f"new-{n}"))
     assert set(known._admitted) == {("p-engine", f"new-{n}") for n in range(10)}
     assert all(known.may_be_read(("p-engine", f"new-{n}")) for n in range(10))
+
+
+def test_admitted_parameters_are_no_longer_read_at_the_lease_s_exact_end() -> None:
+    # As the TTLMap it replaced (cachetools: an entry is in while the clock is before its expiry).
+    known, clock = inflight(ttl=30.0)
+    known.admitted(KEY)
+    clock.now += 30.0
+    assert not known.may_be_read(KEY)
