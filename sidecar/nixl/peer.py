@@ -54,6 +54,7 @@ PROGRESS_TICK = 0.0005  # seconds between progress calls while a send may be in 
 PROGRESS_WINDOW = 1.0  # seconds of progress after the last send (UCX wire-up needs several rounds)
 SLOW_TICK = 0.01  # seconds between progress calls after that window...
 SLOW_WINDOW = 30.0  # ...until this long after the last send (P's lease in vLLM 0.22.0+)
+SLOW_CALL = 1.0  # seconds: a call to the agent's thread that took longer is logged
 
 
 class _Owner:
@@ -184,7 +185,7 @@ class NixlPeer:
         """Create the agent on its thread; raises ``NixlError`` when NIXL is unusable."""
         self._owner = _Owner()
         self._loop = asyncio.get_running_loop()
-        self._agent = await self._call(self._create)
+        self._agent = await self._call(self._create, "create_agent")
         self._owner.agent = self._agent
         self._owner.on_tick = self._take_outbox
         log.info("NIXL agent started", extra={"agent": self.name, "backends": self._backends})
@@ -219,11 +220,11 @@ class NixlPeer:
 
     async def metadata(self) -> bytes:
         """This agent's own metadata (for tests and diagnostics)."""
-        return bytes(await self._call(lambda: self._require().get_agent_metadata()))
+        return bytes(await self._call(lambda: self._require().get_agent_metadata(), "get_agent_metadata"))
 
     async def add_remote(self, metadata: bytes) -> str:
         """Load a P worker's agent metadata; returns the remote agent's name."""
-        name = await self._call(lambda: self._require().add_remote_agent(metadata))
+        name = await self._call(lambda: self._require().add_remote_agent(metadata), "add_remote_agent")
         return name.decode() if isinstance(name, bytes) else str(name)
 
     async def remove_remote(self, names: Sequence[str]) -> None:
@@ -237,7 +238,7 @@ class NixlPeer:
                 except Exception as exc:  # NIXL raises its own exception types
                     log.warning("remove_remote_agent failed", extra={"remote": name, "error": str(exc)})
 
-        await self._call(remove)
+        await self._call(remove, "remove_remote_agent")
 
     async def notify(self, name: str, message: bytes) -> None:
         """Send one notification to a remote agent."""
@@ -246,7 +247,7 @@ class NixlPeer:
             self._require().send_notif(name, message)
             self._sent()
 
-        await self._call(send)
+        await self._call(send, "send_notif")
 
     async def notify_many(self, messages: Sequence[tuple[str, bytes]]) -> Results:
         """Send several notifications in one hop to the NIXL thread, batched with the other
@@ -264,7 +265,11 @@ class NixlPeer:
         if not self._batch_queued and not owner.ticking():
             self._batch_queued = True
             owner.submit(self._send_batch)
-        return await future
+        started = time.monotonic()
+        try:
+            return await future
+        finally:
+            _slow("send_notif", started)
 
     def _send_batch(self) -> None:
         """On the owner thread, woken by a caller: the flag goes down before the outbox is taken,
@@ -326,16 +331,26 @@ class NixlPeer:
             raise NixlError("NIXL agent is not started")
         return self._agent
 
-    async def _call(self, fn: Callable[[], _T]) -> _T:
+    async def _call(self, fn: Callable[[], _T], what: str) -> _T:
         owner = self._owner
         if owner is None:
             raise NixlError("NIXL agent is not started")
+        started = time.monotonic()
         try:
             return await asyncio.wrap_future(owner.submit(fn))
         except NixlError:
             raise
         except Exception as exc:  # NIXL raises its own exception types
             raise NixlError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            _slow(what, started)
+
+
+def _slow(what: str, started: float) -> None:
+    """Log a call to the agent's thread that took over ``SLOW_CALL`` (waiting for the thread included)."""
+    took = time.monotonic() - started
+    if took > SLOW_CALL:
+        log.warning("NIXL call was slow", extra={"call": what, "seconds": round(took, 3)})
 
 
 def _deliver(futures: list[asyncio.Future[Results]], answers: list[Results | BaseException]) -> None:

@@ -163,20 +163,27 @@ class Runner:
         self.stalls.reset()
         ev = Evidence(lease=self.target.lease)
         with Traffic(self.target.p_url, self.target.model):
-            pinned_at = self._run(scenario, mode, sidecar, before, ev)
+            asked_at, pinned_at = self._run(scenario, mode, sidecar, before, ev)
         # The release window: from P's pin to its lease's end (a timing failure happens in it).
-        ev.window_stall = round(self.stalls.longest_within(pinned_at, pinned_at + self.target.lease), 2)
+        # P's lease began between the prefill request and its answer, so a stall of the harness
+        # while P's answer waited to be read counts as in the window too.
+        window = self.stalls.longest_within(asked_at, pinned_at + self.target.lease)
+        ev.window_stall = round(window, 2)
         ev.stall = round(self.stalls.worst, 2)
         ev.harness_stall = round(self.stalls.worst_gap, 2)
         ev.load = round(os.getloadavg()[0], 1)
         return ev
 
-    def _run(self, scenario: Scenario, mode: Mode, sidecar: Proxy, before: Before, ev: Evidence) -> float:
-        """The scenario's requests and P's evidence; when P pinned the blocks (``time.monotonic()``)."""
+    def _run(
+        self, scenario: Scenario, mode: Mode, sidecar: Proxy, before: Before, ev: Evidence
+    ) -> tuple[float, float]:
+        """The scenario's requests and P's evidence; when the prefill was asked for and when P
+        was known to have pinned the blocks (``time.monotonic()``)."""
         text = self.text(scenario, mode)
         body = client_body(scenario, self.target.model, text, self.target.limits)
+        asked = time.monotonic()
         if mode == "router":
-            started = time.monotonic()
+            started = asked
             content = json.dumps(body).encode()
         else:
             params, started = self.pin(scenario, text, ev)
@@ -190,7 +197,7 @@ class Runner:
         self.after(sidecar, before, ev)
         if scenario.expectation(mode) is Expect.D_READS and ev.status == 200:
             self.compare(scenario, body, ev)
-        return started
+        return asked, started
 
     def text(self, scenario: Scenario, mode: Mode) -> str:
         words = self.target.long_prompt_words if scenario.long_prompt else SHORT_PROMPT_WORDS

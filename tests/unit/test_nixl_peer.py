@@ -235,3 +235,33 @@ def test_progress_is_due_a_tick_after_the_last_call_not_after_every_call() -> No
         assert owner.ticking()
     finally:
         owner.stop()
+
+
+class Slow(Healthy):
+    """An agent whose sends take ``hold`` seconds (a stuck transport, as the thread sees it)."""
+
+    hold = 0.0
+
+    def send_notif(self, name: str, message: bytes) -> None:
+        time.sleep(self.hold)
+        super().send_notif(name, message)
+
+
+async def test_a_slow_call_to_the_agent_is_logged_with_its_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(peer_module, "SLOW_CALL", 0.05)
+    agent = Slow()
+    peer = await started(agent)
+    try:
+        with caplog.at_level("WARNING", logger="sidecar.nixl.peer"):
+            await peer.notify("p0", b"fast:1")
+            assert [r for r in caplog.records if r.getMessage() == "NIXL call was slow"] == []
+            agent.hold = 0.1
+            assert await peer.notify_many([("p0", b"slow:1")]) == [None]
+            await peer.notify("p0", b"slow:2")
+        slow = [r for r in caplog.records if r.getMessage() == "NIXL call was slow"]
+        assert [r.call for r in slow] == ["send_notif", "send_notif"]  # type: ignore[attr-defined]
+        assert all(r.seconds >= 0.1 for r in slow)  # type: ignore[attr-defined]
+    finally:
+        await peer.close()
