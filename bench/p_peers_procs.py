@@ -70,6 +70,7 @@ class Drain:
         self.senders: set[str] = set()
         self.polls = 0
         self.poll_cpu = 0.0  # thread CPU seconds inside get_new_notifs()
+        self.served = 0  # handshakes the side channel answered
         self.tid = 0
         self._thread = threading.Thread(target=self._run, name="p-drain", daemon=True)
 
@@ -88,6 +89,11 @@ class Drain:
             self._changed.wait_for(lambda: self.received >= count, timeout)
             return self.received
 
+    def handshake_served(self) -> None:
+        """Called by the side-channel listener after each answer."""
+        with self._changed:
+            self.served += 1
+
     def stats(self) -> dict[str, Any]:
         with self._changed:
             return {
@@ -95,6 +101,7 @@ class Drain:
                 "senders": len(self.senders),
                 "polls": self.polls,
                 "poll_cpu_s": self.poll_cpu,
+                "served": self.served,
             }
 
     def _run(self) -> None:
@@ -155,16 +162,10 @@ def serve_p(args: argparse.Namespace) -> int:
     before = threads()  # Python's and ZMQ's threads, before NIXL starts any
     agent, registration, memory = make_agent(args.progress, args.regions, args.region_kb * 1024)
     table = handshake_table(agent, memory, args.regions)
-    served = [0]
-    listener = ListenerThread(
-        socks[0],
-        release_for(VLLM_VERSION),
-        lambda: table,
-        (0, 0),
-        lambda: served.__setitem__(0, served[0] + 1),
-    )
-    listener.start()
     drain = Drain(agent, args.poll_ms / 1000)
+    release = release_for(VLLM_VERSION)
+    listener = ListenerThread(socks[0], release, lambda: table, (0, 0), drain.handshake_served)
+    listener.start()
     drain.start()
     own = threads() - _nixl_threads(before)  # any thread started later is NIXL's too
     reply(
@@ -183,7 +184,7 @@ def serve_p(args: argparse.Namespace) -> int:
                 break
             if command["cmd"] == "wait":
                 drain.wait(command["count"], command["timeout"])
-            reply({**drain.stats(), "served": served[0]})
+            reply(drain.stats())
     finally:
         drain.stop()
         listener.stop()
