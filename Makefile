@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(UV) run --frozen --no-sync python -m bench.bench_storm
 	$(UV) run --frozen --no-sync python -m bench.bench_router
 	$(UV) run --frozen --no-sync python -m bench.bench_tracing
+	$(UV) run --frozen --no-sync python -m bench.bench_p_peers
 
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)
