@@ -185,10 +185,17 @@ class NixlPeer:
         """Create the agent on its thread; raises ``NixlError`` when NIXL is unusable."""
         self._owner = _Owner()
         self._loop = asyncio.get_running_loop()
-        self._agent = await self._call(self._create, "create_agent")
+        started = time.monotonic()
+        # Not a slow call when it takes a second or two: it imports NIXL and loads UCX, once.
+        self._agent = await self._call(self._create, None)
         self._owner.agent = self._agent
         self._owner.on_tick = self._take_outbox
-        log.info("NIXL agent started", extra={"agent": self.name, "backends": self._backends})
+        extra = {
+            "agent": self.name,
+            "backends": self._backends,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        log.info("NIXL agent started", extra=extra)
 
     def _create(self) -> Any:
         api = import_nixl()
@@ -331,7 +338,9 @@ class NixlPeer:
             raise NixlError("NIXL agent is not started")
         return self._agent
 
-    async def _call(self, fn: Callable[[], _T], what: str) -> _T:
+    async def _call(self, fn: Callable[[], _T], what: str | None) -> _T:
+        """``fn`` on the agent's thread; ``what`` names it in the slow call warning (None: never
+        warned about)."""
         owner = self._owner
         if owner is None:
             raise NixlError("NIXL agent is not started")
@@ -343,7 +352,8 @@ class NixlPeer:
         except Exception as exc:  # NIXL raises its own exception types
             raise NixlError(f"{type(exc).__name__}: {exc}") from exc
         finally:
-            _slow(what, started)
+            if what is not None:
+                _slow(what, started)
 
 
 def _slow(what: str, started: float) -> None:
