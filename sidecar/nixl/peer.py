@@ -27,119 +27,39 @@ anyway, so it takes the outbox on that tick and nobody wakes it; outside it
 (the first release after a quiet spell) the caller wakes it with a call. So
 under load the hops to the thread and back cost per tick, not per job, and a
 notification waits at most a tick (and the GIL) for its thread.
+
+A call that has not returned after ``STUCK_CALL`` (an ``add_remote_agent``
+seen blocked in UCX for 30 s on a loaded node) would hold every release of
+the process behind it, since one thread owns the agent. So the agent is
+replaced: its thread is retired (it runs nothing more and ends when the call
+returns), a new agent with a new name is made on a new thread, the callers
+waiting get the retryable ``NixlError``, and ``on_replaced`` callbacks run
+(the session forgets the P agents the old one knew, so the retry handshakes
+again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import importlib
 import logging
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from sidecar.nixl import NixlError
+from sidecar.nixl.owner import PROGRESS_TICK, PROGRESS_WINDOW
+from sidecar.nixl.owner import Owner as _Owner
 from sidecar.observability import logs
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MODULES = ("nixl._api", "nixl_cu12._api")
-PROGRESS_TICK = 0.0005  # seconds between progress calls while a send may be in flight
-PROGRESS_WINDOW = 1.0  # seconds of progress after the last send (UCX wire-up needs several rounds)
-SLOW_TICK = 0.01  # seconds between progress calls after that window...
-SLOW_WINDOW = 30.0  # ...until this long after the last send (P's lease in vLLM 0.22.0+)
 SLOW_CALL = 1.0  # seconds: a call to the agent's thread that took longer is logged
-
-
-class _Owner:
-    """The one thread that owns the agent: runs submitted calls, drives UCX progress after sends.
-
-    ``on_tick``, when set, is called on each progress tick instead of the plain progress call;
-    it returns False when it made no progress call itself (nothing to send)."""
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self.agent: Any = None
-        self.on_tick: Callable[[], bool] | None = None
-        self._progress_until = 0.0
-        self._slow_until = 0.0
-        self._last_progress = float("-inf")
-        self._thread = threading.Thread(target=self._run, name="kvr-nixl", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
-        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
-        self._calls.put((fn, future))
-        return future
-
-    def sent(self) -> None:
-        """Called on the owner thread after a send: keep UCX progressing for a while."""
-        now = time.monotonic()
-        self._progress_until, self._slow_until = now + PROGRESS_WINDOW, now + SLOW_WINDOW
-
-    def progressed(self) -> None:
-        """Called on the owner thread after a progress call made outside ``_progress``."""
-        self._last_progress = time.monotonic()
-
-    def ticking(self) -> bool:
-        """In the fast window for at least another tick: the thread takes the outbox by itself.
-
-        Only the owner thread moves the window, so when another thread sees it open, the owner's
-        current wait was computed in it too and ends within a tick."""
-        return self._progress_until - time.monotonic() > 2 * PROGRESS_TICK
-
-    def stop(self) -> None:
-        self._calls.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            wait = self._due(time.monotonic())
-            if wait is not None and wait <= 0:
-                self._progress()  # due, whether or not calls are waiting: none waits behind the next
-                continue
-            try:
-                item = self._calls.get(timeout=wait)
-            except queue.Empty:
-                continue  # the progress call is due now
-            if item is None:
-                return
-            fn, future = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:
-                    future.set_exception(exc)
-
-    def _tick(self, now: float) -> float | None:
-        """The progress interval at ``now`` (None: no progress is needed until the next send)."""
-        if self._progress_until > now:
-            return PROGRESS_TICK
-        return SLOW_TICK if self._slow_until > now else None
-
-    def _due(self, now: float) -> float | None:
-        """Seconds until the next progress call is due (<= 0: now; None: none until a send)."""
-        tick = self._tick(now)
-        return None if tick is None else self._last_progress + tick - now
-
-    def _progress(self) -> None:
-        self._last_progress = time.monotonic()
-        if self.agent is None:
-            return
-        try:
-            if self.on_tick is not None and self.on_tick():
-                return  # the batch it sent made this tick's progress call
-            self.agent.get_new_notifs()
-        except Exception as exc:  # NIXL raises its own exception types; the thread must go on
-            log.warning("NIXL progress failed", extra={"error": str(exc)})
+STUCK_CALL = 5.0  # seconds: a call not returned by then is given up on, and the agent replaced
 
 
 def import_nixl() -> Any:
@@ -177,6 +97,9 @@ class NixlPeer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.batches = 0  # batches sent, and the notify_many calls they carried (diagnostics)
         self.batched = 0
+        self.replacements = 0  # agents replaced after a call did not return
+        self.on_replaced: list[Callable[[], None]] = []
+        self._replacing: asyncio.Future[None] | None = None
 
     def ready(self) -> bool:
         return self._agent is not None
@@ -274,7 +197,7 @@ class NixlPeer:
             owner.submit(self._send_batch)
         started = time.monotonic()
         try:
-            return await future
+            return await self._within(future, owner, "send_notif")
         finally:
             _slow("send_notif", started)
 
@@ -339,14 +262,15 @@ class NixlPeer:
         return self._agent
 
     async def _call(self, fn: Callable[[], _T], what: str | None) -> _T:
-        """``fn`` on the agent's thread; ``what`` names it in the slow call warning (None: never
-        warned about)."""
+        """``fn`` on the agent's thread; ``what`` names it in the slow call warning and bounds
+        it by ``STUCK_CALL`` (None: neither, for making the agent)."""
         owner = self._owner
         if owner is None:
             raise NixlError("NIXL agent is not started")
         started = time.monotonic()
+        waiting = asyncio.wrap_future(owner.submit(fn))
         try:
-            return await asyncio.wrap_future(owner.submit(fn))
+            return await (waiting if what is None else self._within(waiting, owner, what))
         except NixlError:
             raise
         except Exception as exc:  # NIXL raises its own exception types
@@ -354,6 +278,46 @@ class NixlPeer:
         finally:
             if what is not None:
                 _slow(what, started)
+
+    async def _within(self, waiting: asyncio.Future[_T], owner: _Owner, what: str) -> _T:
+        """``waiting``'s result, unless ``STUCK_CALL`` passes first: then the agent is replaced
+        and the caller gets the retryable ``NixlError``."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiting), STUCK_CALL)
+        except asyncio.CancelledError:
+            waiting.cancel()  # the caller left: a call not started yet is not made
+            raise
+        except TimeoutError:
+            await self._replace(owner, what)
+            raise NixlError(
+                f"NIXL call {what} did not return in {STUCK_CALL:g} s; the agent was replaced"
+            ) from None
+
+    async def _replace(self, stuck: _Owner, what: str) -> None:
+        """Replace the agent ``stuck`` owns, once, whoever else found it stuck meanwhile."""
+        if self._owner is not stuck:
+            return  # replaced already
+        if self._replacing is None:
+            self._replacing = asyncio.ensure_future(self._restart(stuck, what))
+        await asyncio.shield(self._replacing)
+
+    async def _restart(self, stuck: _Owner, what: str) -> None:
+        old = self.name
+        try:
+            stuck.retire()
+            self._batch_queued = False
+            _answer(self._outbox, NixlError(f"the NIXL agent was replaced: its {what} call did not return"))
+            self._agent, self.name = None, agent_name()
+            self._owner = owner = _Owner()
+            self._agent = await asyncio.wrap_future(owner.submit(self._create))
+            owner.agent, owner.on_tick = self._agent, self._take_outbox
+            self.replacements += 1
+            extra = {"call": what, "seconds": STUCK_CALL, "old_agent": old, "agent": self.name}
+            log.error("NIXL agent replaced: a call to it did not return", extra=extra)
+            for callback in self.on_replaced:
+                callback()
+        finally:
+            self._replacing = None
 
 
 def _slow(what: str, started: float) -> None:

@@ -61,6 +61,7 @@ class Session:
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
         self._client = HandshakeClient(self._context, self._config.handshake_timeout)
+        self.peer.on_replaced.append(self._forget)
         await self.peer.start()
 
     async def close(self) -> None:
@@ -69,6 +70,12 @@ class Session:
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None
+
+    def _forget(self) -> None:
+        """The peer's agent was replaced: the P agents the old one loaded are not in the new one,
+        so every engine is handshaken again (nothing to remove: the old agent is abandoned)."""
+        self.cache.drain()
+        self.metrics.engines.set(0)
 
     def ready(self) -> bool:
         return self._context is not None and self.peer.ready()

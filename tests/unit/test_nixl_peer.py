@@ -77,9 +77,9 @@ async def test_each_send_reports_its_own_result() -> None:
 def test_progress_is_fast_after_a_send_then_slow_then_stops() -> None:
     """A P slow to finish UCX's wire-up (a loaded node) still gets the message: after the fast
     window the owner thread keeps driving progress, slowly, until P's lease would have run out."""
-    from sidecar.nixl import peer
+    from sidecar.nixl import owner as peer
 
-    owner = peer._Owner()
+    owner = peer.Owner()
     try:
         assert owner._tick(time.monotonic()) is None  # nothing sent: sleep until a call
         owner.sent()
@@ -222,9 +222,9 @@ async def test_a_caller_cancelled_before_its_batch_ran_sends_nothing(real: Any) 
 
 
 def test_progress_is_due_a_tick_after_the_last_call_not_after_every_call() -> None:
-    from sidecar.nixl import peer
+    from sidecar.nixl import owner as peer
 
-    owner = peer._Owner()
+    owner = peer.Owner()
     try:
         assert owner._due(time.monotonic()) is None  # nothing sent
         owner.sent()
@@ -265,3 +265,129 @@ async def test_a_slow_call_to_the_agent_is_logged_with_its_name(
         assert all(r.seconds >= 0.1 for r in slow)  # type: ignore[attr-defined]
     finally:
         await peer.close()
+
+
+class Stuck(Healthy):
+    """An agent whose ``add_remote_agent`` and sends block until the test lets them go (a call
+    stuck in the transport), counting what reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self.returned = threading.Event()
+        self.loaded: list[bytes] = []
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        self.entered.set()
+        assert self.go.wait(30), "the test never let the call go"
+        self.loaded.append(metadata)
+        self.returned.set()
+        return "p0"
+
+    def send_notif(self, name: str, message: bytes) -> None:
+        self.entered.set()
+        assert self.go.wait(30), "the test never let the call go"
+        super().send_notif(name, message)
+
+
+async def started_stuck(monkeypatch: pytest.MonkeyPatch) -> tuple[NixlPeer, list[Stuck], list[str]]:
+    """A peer whose first agent gets stuck and whose later ones do not; its replacements noted."""
+    monkeypatch.setattr(peer_module, "STUCK_CALL", 0.2)
+    agents: list[Stuck] = []
+
+    def create() -> Stuck:
+        agent = Stuck()
+        if agents:  # only the first agent's calls get stuck
+            agent.go.set()
+        agents.append(agent)
+        return agent
+
+    peer = NixlPeer(name="test")
+    peer._create = create  # type: ignore[method-assign]
+    replaced: list[str] = []
+    peer.on_replaced.append(lambda: replaced.append(peer.name))
+    await peer.start()
+    return peer, agents, replaced
+
+
+async def test_a_call_that_does_not_return_replaces_the_agent_and_the_retry_goes_to_the_new_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    peer, agents, replaced = await started_stuck(monkeypatch)
+    first, first_name, first_owner = agents[0], peer.name, peer._owner
+    assert first_owner is not None
+    try:
+        with pytest.raises(NixlError, match="add_remote_agent did not return") as caught:
+            await peer.add_remote(b"meta")
+        assert isinstance(caught.value, RetryableReleaseError)
+        assert len(agents) == 2 and peer.replacements == 1
+        assert replaced == [peer.name] and peer.name != first_name  # P sees a new agent
+        lines = [r for r in caplog.records if "replaced" in r.getMessage()]
+        assert [r.old_agent for r in lines] == [first_name]  # type: ignore[attr-defined]
+        assert await peer.add_remote(b"meta") == "p0"  # the retry, on the new agent
+        assert await peer.notify_many([("p0", b"req:1")]) == [None]
+        assert agents[1].loaded == [b"meta"] and agents[1].sent == [("p0", b"req:1")]
+        first.go.set()  # the stuck call returns at last: its thread ends, nothing else ran there
+        assert await asyncio.to_thread(first.returned.wait, 30)
+        await asyncio.to_thread(first_owner._thread.join, 30)
+        assert not first_owner.alive and first.sent == []
+    finally:
+        first.go.set()
+        await peer.close()
+
+
+async def test_a_stuck_send_fails_every_waiting_caller_once_and_one_agent_replaces_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    peer, agents, replaced = await started_stuck(monkeypatch)
+    first = agents[0]
+    try:
+        stuck = asyncio.ensure_future(peer.notify_many([("p0", b"a:1")]))
+        assert await asyncio.to_thread(first.entered.wait, 30)
+        waiting = [asyncio.ensure_future(peer.notify_many([("p0", f"b{i}:1".encode())])) for i in range(3)]
+        results = await asyncio.gather(stuck, *waiting, return_exceptions=True)
+        assert all(isinstance(r, NixlError) for r in results), results
+        assert len(agents) == 2 and len(replaced) == 1  # four callers, one replacement
+        assert await peer.notify_many([("p0", b"c:1")]) == [None]
+        first.go.set()
+        assert agents[1].sent == [("p0", b"c:1")]  # nothing the failed callers asked for went later
+    finally:
+        first.go.set()
+        await peer.close()
+
+
+async def test_the_session_forgets_the_p_agents_of_a_replaced_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.config import Config
+    from sidecar.network.allowlist import Allowlist
+    from sidecar.nixl.handshake import PeerSet, TargetCheck
+    from sidecar.nixl.metrics import NixlMetrics
+    from sidecar.nixl.session import Session
+
+    monkeypatch.setattr(peer_module, "STUCK_CALL", 0.2)
+    agents: list[Stuck] = []
+
+    def create() -> Stuck:
+        agents.append(Stuck())
+        if len(agents) > 1:
+            agents[-1].go.set()
+        return agents[-1]
+
+    peer = NixlPeer(name="test")
+    peer._create = create  # type: ignore[method-assign]
+    config = Config(prefill_allow=["127.0.0.1:5600"])
+    session = Session(
+        config, NixlMetrics(CollectorRegistry()), peer, TargetCheck(Allowlist(config.prefill_allow))
+    )
+    await session.start()
+    try:
+        session.cache.put(PeerSet("engine", None, ("127.0.0.1", 5600), {(0, 0): "p0"}))
+        assert session.cache.get("engine") is not None
+        with pytest.raises(NixlError):
+            await peer.add_remote(b"meta")
+        assert session.cache.get("engine") is None and len(session.cache) == 0  # handshaken again
+    finally:
+        agents[0].go.set()
+        await session.close()
