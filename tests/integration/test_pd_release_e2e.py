@@ -273,7 +273,9 @@ def test_p_restarted_with_new_agents_gets_a_new_handshake() -> None:
 
 
 def test_release_for_a_request_p_no_longer_holds_is_harmless() -> None:
-    with cluster("0.33.0", 2, lease=0.5) as (p, _d, sc):
+    # P's lease is long enough for D's read of the second request on a loaded machine (0.5 s was
+    # not, beside a full test run), short enough to wait out for the first.
+    with cluster("0.33.0", 2, lease=3.0) as (p, _d, sc):
         params = prefill(p, "gone-1")
         wait_stats(p, lambda s: s["freed_by_expiry"] == 1)  # P's lease ran out first
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
