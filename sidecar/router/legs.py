@@ -26,7 +26,7 @@ from sidecar.params import Ineligible
 from sidecar.proxy.admit import Admission
 from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
-from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
+from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
 from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
@@ -85,7 +85,7 @@ class Router:
                 proxy.metrics.prefill_refused.labels(exc.refused).inc()
             await proxy.answers.prefill_refused(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
             return
-        watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB))
+        watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB), deferred=True)
         try:
             prefilled = await self._prefill_leg(ctx, candidates, request, watcher)
         except asyncio.CancelledError:
@@ -122,27 +122,26 @@ class Router:
         request: dict[str, Any],
         watcher: DisconnectWatcher,
     ) -> PrefillResult | None:
-        """Try one P, then one other; None when the client left (P's blocks are released)."""
-        task = asyncio.ensure_future(self._try_prefill(ctx, candidates, request))
+        """Try one P, then one other; None when the client left meanwhile (P's blocks are released).
+
+        The leg runs in the request's own task (no task of its own per request) under a deferred
+        watcher: a client that leaves does not cut it, P still answers (bounded by
+        ``prefill_timeout``) and what it kept is released; a cancellation from outside
+        (shutdown) cuts it."""
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
+            result = await self._try_prefill(ctx, candidates, request)
+        except Exception as exc:
             if not watcher.fired:
-                task.cancel()
                 raise
-            uncancel()
-        # The client went away: P still answers (bounded by prefill_timeout); release what it kept.
-        await asyncio.wait({task})
-        if task.cancelled():
+            if isinstance(exc, AnswerTooLarge):
+                self._release_unsent(ctx, exc)
             return None
-        failed = task.exception()
-        if isinstance(failed, AnswerTooLarge):
-            self._release_unsent(ctx, failed)
-        if failed is not None:
+        if watcher.fired:  # the client went away: release what P kept for it
+            proxy = self._proxy
+            proxy.abandoned(proxy.prefilled(ctx, result.params, None, self.policy, result.answered))
             return None
-        result = task.result()
-        self._proxy.abandoned(self._proxy.prefilled(ctx, result.params, None, self.policy, result.answered))
-        return None
+        watcher.arm()
+        return result
 
     def _release_unsent(self, ctx: RequestContext, exc: AnswerTooLarge) -> None:
         """P's answer was over ``prefill_answer_limit``: no decode leg is sent for it, so D never
