@@ -28,13 +28,14 @@ from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.proxy.usage import UsageRewriter
-from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
+from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized, with_params
 from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
 
 log = logging.getLogger("sidecar.router")
 
+_ENCODER = msgspec.json.Encoder()
 RETRIED = frozenset({502, 503, 504})  # P's answers a prefill leg is retried on, as llm-d retries
 
 
@@ -109,10 +110,12 @@ class Router:
     ) -> None:
         proxy = self._proxy
         rewriter = UsageRewriter(prefilled.cached_tokens, lax_bool(request.get("stream")) is True)
-        exchange = proxy.prefilled(ctx, prefilled.params, rewriter, self.policy, prefilled.answered)
-        decode = decode_body(request, prefilled.params)
-        raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
-        signed = proxy.sign(ctx.request_id, raw) if raw else []
+        params = prefilled.params
+        raw = _ENCODER.encode(params) if params is not None else None  # once: sent, checked, signed
+        kept = raw if params else None  # an empty object names nothing: neither checked nor signed
+        exchange = proxy.prefilled(ctx, kept, rewriter, self.policy, prefilled.answered)
+        decode = decode_body(request, None) if raw is None else with_params(request, raw)
+        signed = proxy.sign(ctx.request_id, kept) if kept else []
         await proxy.admit(ctx, exchange, sized(ctx.headers, decode) + signed, decode, watcher)
 
     async def _prefill_leg(
@@ -138,7 +141,7 @@ class Router:
             return None
         if watcher.fired:  # the client went away: release what P kept for it
             proxy = self._proxy
-            proxy.abandoned(proxy.prefilled(ctx, result.params, None, self.policy, result.answered))
+            proxy.abandoned(proxy.prefilled(ctx, _raw(result.params), None, self.policy, result.answered))
             return None
         watcher.arm()
         return result
@@ -149,7 +152,7 @@ class Router:
         if exc.params is None:
             self._proxy.metrics.ineligible.labels(Ineligible.PREFILL_ANSWER_UNREAD).inc()
             return
-        self._proxy.unsent(self._proxy.prefilled(ctx, exc.params, None, self.policy, exc.answered))
+        self._proxy.unsent(self._proxy.prefilled(ctx, _raw(exc.params), None, self.policy, exc.answered))
 
     async def _try_prefill(
         self, ctx: RequestContext, candidates: list[str], request: dict[str, Any]
@@ -197,7 +200,7 @@ class Router:
                 if attempt == retries:
                     raise
             else:
-                proxy.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
+                proxy.metrics.leg_latency_for("prefill").observe(time.monotonic() - started)
                 return result
             await asyncio.sleep(proxy.config.prefill_retry_backoff)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
@@ -239,3 +242,8 @@ class Router:
         """D prefills itself: the request goes to D without kv_transfer_params."""
         body = decode_body(request, None)
         await self._proxy.alone(ctx, lax_bool(request.get("stream")) is True, sized(ctx.headers, body), body)
+
+
+def _raw(params: dict[str, Any] | None) -> bytes | None:
+    """P's parameters as JSON, for the judge (None when they name nothing)."""
+    return _ENCODER.encode(params) if params else None
