@@ -28,7 +28,7 @@ from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.proxy.usage import UsageRewriter
-from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized, with_params
+from sidecar.router.bodies import decode_body, prefill_body, sized, with_params
 from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
@@ -161,7 +161,7 @@ class Router:
         assert ctx.route is not None
         route = ctx.route
         body = prefill_body(request, route)
-        p_headers = sized(prefill_headers(ctx.headers), body)
+        p_headers = sized(ctx.headers, body)  # as prefill_headers(), with the new length
         llmd = self._proxy.answers.one_prefill
         last: Exception | None = None
         for url in candidates[: 1 if llmd else 2]:  # a failing P leg is tried once on another P

@@ -281,3 +281,15 @@ async def test_a_cancellation_from_outside_cuts_the_prefill_leg_and_releases_not
         await asyncio.gather(call, return_exceptions=True)
         assert cut.is_set() and client.status == 503  # answered as shutting down
         assert r.d.requests == [] and r.releaser.jobs == []
+
+
+async def test_each_leg_gets_the_clients_headers_with_its_own_body_length() -> None:
+    async with router(FakeUpstream(ok)) as r:
+        headers = [(b"x-request-id", b"r1"), (b"x-tenant", b"t1")]
+        client = await r.call(Client(body=completion(stream=False), headers=headers))
+        assert client.status == 200
+        [prefill] = r.ps[P1].requests + r.ps[P2].requests
+        [decode] = r.d.requests
+        for leg in (prefill, decode):
+            assert leg.header("x-tenant") == "t1" and leg.header("x-request-id") == "r1"
+            assert [v for n, v in leg.headers if n == "content-length"] == [str(len(leg.body or b""))]
