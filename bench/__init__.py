@@ -47,7 +47,9 @@ The benches run as modules of their own are built from the same parts:
 ``bench_storm`` (a rejection storm beside other requests; its servers in
 ``storm_procs``, its load in ``storm_load`` and ``storm_worker``, its figures
 in ``storm_report``), ``bench_router`` and ``bench_tracing`` (phases of a
-count of requests, ``run.counted_rounds``), and ``bench_p_peers`` (what each
+count of requests, ``run.counted_rounds``), ``bench_p_peers`` (what each
 sidecar NIXL agent connected to P costs P; its child processes in
-``p_peers_procs``, its figures in ``p_peers_report``).
+``p_peers_procs``, its figures in ``p_peers_report``), and
+``bench_router_inproc`` (router mode's own Python per stream, P and D faked,
+beside another tree).
 """
