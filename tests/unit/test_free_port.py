@@ -1,0 +1,44 @@
+"""``free_port`` picks a port that no outgoing connection can take before another process binds it."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests import servers
+
+
+def test_a_port_below_the_ephemeral_range_that_binds() -> None:
+    low, _ = servers.ephemeral_range()
+    if low - servers.LOW_PORT < 1000:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+    for _ in range(20):
+        port = servers.free_port()
+        assert servers.LOW_PORT <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free: the pick's own socket is closed
+
+
+def test_a_port_in_use_is_never_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    picks = iter([port, port, port + 1 if port + 1 < 65536 else port - 1])
+    monkeypatch.setattr(servers, "ephemeral_range", lambda: (servers.LOW_PORT + 5000, 60999))
+    monkeypatch.setattr(servers.random, "randrange", lambda low, high: next(picks))
+    with taken:
+        assert servers.free_port() != port
+
+
+def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(servers, "ephemeral_range", lambda: (servers.LOW_PORT + 10, 60999))
+    port = servers.free_port()
+    assert port > 0
+
+
+def test_the_range_is_read_from_the_kernel_file_or_defaults(tmp_path: Path) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t50000\n")
+    assert servers.ephemeral_range(str(ranges)) == (40000, 50000)
+    assert servers.ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
