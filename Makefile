@@ -29,13 +29,21 @@ demo: $(STAMP)
 # scenarios one after another in one, each other module whole in either; last, alone, the tests that
 # add network interfaces (netns). Exit 5 (PYTEST_ARGS selected no test of a run) is not a failure;
 # every other exit code is.
+# The second and third runs collect only the files that can hold their tests (collecting the whole
+# suite costs a pytest process about 9 s of a core): tests/faults (its conftest marks every scenario
+# serial) and the test files that mark a test serial or netns themselves. A PYTEST_ARGS that names
+# tests (tests/...) replaces those paths.
 TEST_WORKERS ?= 4
 SERIAL_WORKERS ?= 3
+MARKED = $(shell grep -rlE --include='test_*.py' 'mark\.($(1))' tests | grep -v '^tests/faults/' | sort)
+OWN_PATHS = $(if $(findstring tests/,$(PYTEST_ARGS)),,$(1))
+SERIAL_PATHS := tests/faults $(call MARKED,serial|netns)
+NETNS_PATHS := $(call MARKED,netns)
 test: $(STAMP) tools
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns" \
-		$(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(UV) run --frozen --no-sync pytest -q -m netns $(PYTEST_ARGS) || [ $$? -eq 5 ]
+		$(call OWN_PATHS,$(SERIAL_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(UV) run --frozen --no-sync pytest -q -m netns $(call OWN_PATHS,$(NETNS_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The real proxies the tests run (nginx and haproxy retrying in front of two decode pods) and the
 # bench's load generator: Debian's packages, installed when missing and this is root on Debian.

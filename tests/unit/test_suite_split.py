@@ -102,3 +102,47 @@ def test_the_fault_scenarios_are_one_group_and_serial_modules_each_their_own(tmp
         "tests/integration/test_workers.py",
     }
     assert all(group == nodeid.split("::")[0] for nodeid, group in others.items()), others
+
+
+MARKS = """
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    for item in session.items:
+        marks = [name for name in ("serial", "netns") if item.get_closest_marker(name)]
+        print("MARKS", item.nodeid.split("::")[0], ",".join(marks) or "-")
+"""
+
+
+def _make_test_paths(marker: str) -> set[str]:
+    """The paths ``make test``'s run selecting ``-m <marker>...`` is given (from ``make -n test``)."""
+    dry = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=True)
+    lines = dry.stdout.replace("\\\n", " ").splitlines()
+    line = next(line for line in lines if f'-m "{marker}' in line or f"-m {marker}" in line)
+    return {word for word in line.split() if word.startswith("tests/")}
+
+
+def test_the_serial_and_netns_runs_are_given_every_file_that_holds_their_tests(tmp_path: Path) -> None:
+    """``make test`` gives its serial and netns runs only some paths: none of their tests is left out."""
+    (tmp_path / "marks_probe.py").write_text(MARKS)
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    command += ["-p", "marks_probe", "-m", "serial or netns", "tests"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    marks = [line.split()[1:3] for line in result.stdout.splitlines() if line.startswith("MARKS ")]
+    serial_files = {name for name, found in marks if "serial" in found}
+    netns_files = {name for name, found in marks if "netns" in found}
+    assert "tests/integration/test_bench_smoke.py" in serial_files and netns_files  # the probe saw them
+    serial_paths, netns_paths = _make_test_paths("serial"), _make_test_paths("netns")
+    assert "tests/faults" in serial_paths
+    missed = {
+        name for name in serial_files if name not in serial_paths and not name.startswith("tests/faults/")
+    }
+    assert not missed, f"serial tests make test would not collect: {sorted(missed)}"
+    assert netns_files <= netns_paths, (
+        f"netns tests make test would not collect: {sorted(netns_files - netns_paths)}"
+    )
