@@ -283,15 +283,16 @@ class NixlPeer:
         """``waiting``'s result, unless ``STUCK_CALL`` passes first: then the agent is replaced
         and the caller gets the retryable ``NixlError``."""
         try:
-            return await asyncio.wait_for(asyncio.shield(waiting), STUCK_CALL)
+            # asyncio.wait, not wait_for: a caller's cancellation reaches the except below in the
+            # same step of the loop, so ``waiting`` is cancelled before the owner thread can take it.
+            done, _ = await asyncio.wait((waiting,), timeout=STUCK_CALL)
         except asyncio.CancelledError:
             waiting.cancel()  # the caller left: a call not started yet is not made
             raise
-        except TimeoutError:
-            await self._replace(owner, what)
-            raise NixlError(
-                f"NIXL call {what} did not return in {STUCK_CALL:g} s; the agent was replaced"
-            ) from None
+        if done:
+            return waiting.result()
+        await self._replace(owner, what)
+        raise NixlError(f"NIXL call {what} did not return in {STUCK_CALL:g} s; the agent was replaced")
 
     async def _replace(self, stuck: _Owner, what: str) -> None:
         """Replace the agent ``stuck`` owns, once, whoever else found it stuck meanwhile."""
