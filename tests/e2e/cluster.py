@@ -28,6 +28,7 @@ from tests.e2e.engines import (
     EngineSpec,
     PeakMemory,
     Processes,
+    pin_group,
     split_cores,
     start_engine,
     wait_healthy,
@@ -104,10 +105,16 @@ def own_engines(
     except BaseException:
         memory.__exit__()
         raise
+    pinned = {
+        spec.role: pin_group(child.process.pid, spec.cpus)
+        for spec, child in zip(specs, children, strict=True)
+        if spec.cpus
+    }
     p, d = specs[:2]
     target = Target(p.url, d.url, "", float(lease), LogSource.of(children[0]))
     info = {"engines": "started by the harness", "model_seconds": round(model_seconds, 1)}
     info["engine_ready_seconds"] = {role: round(seconds, 1) for role, seconds in started.items()}
+    info["engine_threads_pinned"] = pinned
     more = [(spec.url, child) for spec, child in zip(specs[2:], children[2:], strict=True)]
     return Engines(target, children[1], token, info, memory, more)
 

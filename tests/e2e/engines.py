@@ -198,8 +198,49 @@ class Processes:
             self.stop(self.children[-1])
 
 
+# The engines run below the harness and the sidecars: a CPU engine's worker spins (``sched_yield``) while
+# its engine steps, and on a 2-core machine the processes judged (the sidecars) and the one judging
+# (the harness) otherwise wait behind four spinning threads.
+ENGINE_NICE = 10
+
+
 def start_engine(processes: Processes, spec: EngineSpec) -> Child:
-    return processes.start(spec.role, engine_command(spec), engine_env(spec, dict(os.environ)), spec.log)
+    command = ["nice", "-n", str(ENGINE_NICE), *engine_command(spec)]
+    return processes.start(spec.role, command, engine_env(spec, dict(os.environ)), spec.log)
+
+
+def cpu_set(cpus: str) -> set[int]:
+    """``"0"``, ``"2-3"`` or ``"0,2-3"`` as a set of CPU numbers."""
+    found: set[int] = set()
+    for part in cpus.split(","):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
+def pin_group(pgid: int, cpus: str) -> int:
+    """Every thread of every process in the group ``pgid`` onto ``cpus``; how many were moved.
+
+    vLLM's NIXL connector on CPU pins the worker's main thread to the last core of each NUMA node
+    (``nixl/base_worker.py``, "reserve different cores for start_load_kv()"), whatever cores the
+    engine was given: on a 2-core machine P's busy loop then shares D's core. Run once both engines
+    are up, this puts each engine back on its own half.
+    """
+    wanted, moved = cpu_set(cpus), 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            tasks = [int(task.name) for task in (entry / "task").iterdir()]
+        except (OSError, ValueError, IndexError):
+            continue
+        for tid in tasks:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, wanted)
+                moved += 1
+    return moved
 
 
 def wait_healthy(

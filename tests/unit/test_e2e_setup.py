@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ from sidecar.server import serve
 from tests.e2e import setup_env, twopods
 from tests.e2e.__main__ import Chosen
 from tests.e2e.__main__ import main as e2e_main
-from tests.e2e.engines import EngineSpec, engine_command, engine_env, split_cores
+from tests.e2e.engines import EngineSpec, cpu_set, engine_command, engine_env, pin_group, split_cores
 from tests.e2e.evidence import sidecar_results
 from tests.e2e.scenarios import (
     REDUCED,
@@ -280,3 +282,39 @@ def test_two_pods_run_the_shipped_defaults_and_sum_both_sidecars() -> None:
     down = twopods.scenarios(twopods.BOTH_DOWN)
     assert [s.expectation("pods") for s in down] == [Expect.LEFT]
     assert all(not s.d_down for s in twopods.scenarios(twopods.POD1_DOWN))
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [("0", {0}), ("2-3", {2, 3}), ("0,2-3", {0, 2, 3})])
+def test_cpu_set(cpus: str, expected: set[int]) -> None:
+    assert cpu_set(cpus) == expected
+
+
+def test_pin_group_moves_every_thread_of_every_process_in_the_group() -> None:
+    """A child with a second thread, and its own child, in a new group: all of them on CPU 0 after."""
+    code = (
+        "import subprocess, sys, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(grandchild.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    own = os.sched_getaffinity(0)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        tasks = [Path(f"/proc/{pid}/task") for pid in (child.pid, grandchild)]
+        tids = [task for base in tasks for task in base.iterdir()]
+        assert len(tids) >= 3  # the child's two threads and the grandchild's one
+        assert pin_group(child.pid, "0") == len(tids)
+        for task in tids:
+            allowed = next(
+                line.split()[1]
+                for line in (task / "status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list")
+            )
+            assert allowed == "0"
+        assert os.sched_getaffinity(0) == own  # the caller, in another group, not moved
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
