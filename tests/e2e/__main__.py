@@ -242,7 +242,7 @@ def run_row(runner: Runner, mode: Mode, scenario: Scenario, sidecar: Proxy) -> R
     attempts: list[Attempt] = []
     while True:
         evidence = runner.run(scenario, mode, sidecar)
-        problems = judge(expect, status, evidence)
+        problems = judge(expect, status, evidence, scenario.also_accepted(mode))
         if not retry_allowed(kinds_of(problems), evidence.window_stall, len(attempts) + 1):
             break
         attempts.append(Attempt.of(problems, evidence))

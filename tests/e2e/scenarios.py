@@ -80,6 +80,13 @@ class Scenario:
         """The status the client must see: the scenario's own, else its group's."""
         return self.status or GROUP_STATUS[self.group]
 
+    def also_accepted(self, mode: Mode) -> frozenset[int]:
+        """Another status the client may see in ``mode``. Both pods' D down behind nginx: nginx
+        passes on the second pod's 503, or answers its own 502 ("no live upstreams") while it still
+        avoids the pod that failed in the last 10 s (``max_fails`` 1, ``fail_timeout`` 10 s, its
+        defaults), so that no second pod is tried; either way no pod could serve it."""
+        return frozenset({502}) if self.d_down and mode == "pods" else frozenset()
+
 
 ADMITTED, PRE, AFTER_200, HANDLER, DOWN, CAP = (
     "admitted",

@@ -15,7 +15,9 @@ goes to nginx. Then, each judged from P's evidence like any scenario:
    an error unless pod 1 left at least one of these requests to the retry.)
 2. Rejections while pod 1 is down: freed at once, by pod 2's sidecar
    (before D's handler) or pod 2's D (its handler).
-3. Both pods' D stopped: nginx answers the second 503; neither sidecar may
+3. Both pods' D stopped: nginx answers the second 503 (or its own 502 while
+   it still avoids pod 1, which failed within its 10 s ``fail_timeout``, and
+   so finds no second pod to try); neither sidecar may
    release (nginx retried the first), so P's lease frees the blocks: the
    scenario measures how long they stay pinned, the setting's cost
    (``retried_statuses none`` would free them at once, but is unsafe with a

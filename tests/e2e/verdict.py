@@ -85,11 +85,12 @@ def kinds_of(problems: Collection[Problem]) -> list[Kind]:
     return list(dict.fromkeys(problem.kind for problem in problems))
 
 
-def judge(expect: Expect, status: int, ev: Evidence) -> list[Problem]:
-    """Why the scenario failed; an empty list when it passed."""
+def judge(expect: Expect, status: int, ev: Evidence, also: frozenset[int] = frozenset()) -> list[Problem]:
+    """Why the scenario failed; an empty list when it passed. ``also``: other statuses the client
+    may get (``Scenario.also_accepted``)."""
     if ev.transport_error is not None and not ev.sidecar_requests:
         return [Problem(Kind.UNSENT, f"the request never reached the sidecar ({ev.transport_error})")]
-    problems = _status(status, ev)
+    problems = _status(status, ev, also)
     if expect is Expect.NOT_PINNED:
         if ev.pinned:
             problems.append(Problem(Kind.UNPINNED, "P served a prefill leg for it"))
@@ -118,12 +119,12 @@ def judge(expect: Expect, status: int, ev: Evidence) -> list[Problem]:
     return problems
 
 
-def _status(status: int, ev: Evidence) -> list[Problem]:
+def _status(status: int, ev: Evidence, also: frozenset[int]) -> list[Problem]:
     if ev.transport_error is not None:
         return [
             Problem(Kind.STATUS, f"the sidecar read the request and gave no answer ({ev.transport_error})")
         ]
-    if ev.status != status:
+    if ev.status != status and ev.status not in also:
         return [Problem(Kind.STATUS, f"the client got {ev.status or 'no status'}, not {status}")]
     return []
 

@@ -393,3 +393,16 @@ def test_the_harness_runs_a_scenario_again_only_as_the_rule_says(
         "off", CONTROL, released_by_nobody(), judge(Expect.SIDECAR_FREES, 400, released_by_nobody())
     )
     assert report.result == ("pass" if passed else "fail")
+
+
+def test_both_pods_down_behind_nginx_may_end_in_its_own_502_and_nowhere_else() -> None:
+    """nginx's "no live upstreams" 502 is accepted only where a front stands before both pods."""
+    down = next(scenario for scenario in SIDECAR_SCENARIOS if scenario.d_down and not scenario.stream)
+    assert down.also_accepted("pods") == frozenset({502})
+    assert down.also_accepted("defaults") == frozenset()
+    left = released_by_nobody()
+    left.sidecar, left.not_released, left.status = {}, {"retryable": 1}, 502
+    assert judge(Expect.LEFT, 503, left, down.also_accepted("pods")) == []
+    assert kinds_of(judge(Expect.LEFT, 503, left, down.also_accepted("defaults"))) == [Kind.STATUS]
+    left.status = 500
+    assert kinds_of(judge(Expect.LEFT, 503, left, down.also_accepted("pods"))) == [Kind.STATUS]
