@@ -37,8 +37,8 @@ TEST_WORKERS ?= 4
 SERIAL_WORKERS ?= 3
 MARKED = $(shell grep -rlE --include='test_*.py' 'mark\.($(1))' tests | grep -v '^tests/faults/' | sort)
 OWN_PATHS = $(if $(findstring tests/,$(PYTEST_ARGS)),,$(1))
-SERIAL_PATHS := tests/faults $(call MARKED,serial|netns)
-NETNS_PATHS := $(call MARKED,netns)
+SERIAL_PATHS = tests/faults $(call MARKED,serial|netns)
+NETNS_PATHS = $(call MARKED,netns)
 test: $(STAMP) tools
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns" \

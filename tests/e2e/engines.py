@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,14 +227,10 @@ def pin_group(pgid: int, cpus: str) -> int:
     are up, this puts each engine back on its own half.
     """
     wanted, moved = cpu_set(cpus), 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in group_members({pgid}):
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
             tasks = [int(task.name) for task in (entry / "task").iterdir()]
-        except (OSError, ValueError, IndexError):
+        except OSError:  # a process that ended meanwhile
             continue
         for tid in tasks:
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
@@ -263,16 +259,24 @@ def wait_healthy(
             time.sleep(0.5)
 
 
-def group_pss_mb(pgids: set[int]) -> float:
-    """Memory of every process in the process groups ``pgids``, in MB of PSS (shared pages split)."""
-    total_kb = 0
+def group_members(pgids: set[int]) -> Iterator[Path]:
+    """The ``/proc`` entry of every process in the process groups ``pgids``."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             pgrp = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
-            if pgrp not in pgids:
-                continue
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+        if pgrp in pgids:
+            yield entry
+
+
+def group_pss_mb(pgids: set[int]) -> float:
+    """Memory of every process in the process groups ``pgids``, in MB of PSS (shared pages split)."""
+    total_kb = 0
+    for entry in group_members(pgids):
+        try:
             for line in (entry / "smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     total_kb += int(line.split()[1])

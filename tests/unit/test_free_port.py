@@ -32,7 +32,11 @@ def test_a_port_in_use_is_never_picked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pick(low: int, high: int) -> int:
+        raise AssertionError("picked below a range with no room under it")
+
     monkeypatch.setattr(servers, "ephemeral_range", lambda: (servers.LOW_PORT + 10, 60999))
+    monkeypatch.setattr(servers.random, "randrange", no_pick)
     port = servers.free_port()
     assert port > 0
 
