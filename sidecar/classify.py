@@ -28,6 +28,17 @@ before vLLM hands the request to its engine core's scheduler:
   core rejected it on arrival and re-adds it only to notify P
   (``stream_engine_paused``; ``sidecar.decision.coverage`` leaves it to D).
 
+* 503 with the message of 0.34.0's ``EngineFaultedError`` (typed ``"Service
+  Unavailable"``, or ``"overloaded_error"`` on ``/v1/messages``): with fault
+  tolerance on, D's admission check refuses every request while its engine
+  core is faulted (``stream_engine_faulted``). D's own notification then waits
+  in the faulted engine core until it recovers, if ever, so it is released.
+
+The same ``EngineFaultedError`` as a plain 503 answer before any body byte
+(``engine_faulted``) has a cause of its own for the same reason: D's engine
+does not release it in time. It is otherwise judged as any 503 (a proxy in
+front that retries 503 gets it first: ``--retried-statuses``).
+
 A ``/v1/completions`` body may hold several prompts, each its own engine
 request admitted on its own; one can be refused after another was admitted.
 vLLM's P/D does not serve such a body (P returns the first prompt's
@@ -115,6 +126,8 @@ class Cause(StrEnum):
     STREAM_ADMISSION_ERROR = "stream_admission_error"
     STREAM_ADMISSION_OVERFLOW = "stream_admission_overflow"  # vLLM 0.29.0+ queue limits
     STREAM_ENGINE_PAUSED = "stream_engine_paused"  # vLLM 0.33.0: D's engine core notifies P
+    ENGINE_FAULTED = "engine_faulted"  # vLLM 0.34.0: not released by D's engine (it is faulted)
+    STREAM_ENGINE_FAULTED = "stream_engine_faulted"  # the same, as a stream's first event
     # D admitted it (or will handle it itself)
     ADMITTED = "admitted"
     OTHER_STATUS = "other_status"
@@ -225,6 +238,16 @@ ADMISSION_OVERFLOW_MESSAGES = frozenset(
 #: What 0.33.0's ``EngineCore._reject_add_while_paused`` answers a request that came while paused.
 ENGINE_PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 _PAUSED_TYPES = frozenset({"InternalServerError", "ServiceUnavailableError"})  # chat, completions
+#: vLLM 0.34.0's ``EngineFaultedError`` (``vllm/exceptions.py``), raised by ``AsyncLLM.
+#: check_admission`` while fault tolerance is on and the engine core is not healthy.
+ENGINE_FAULTED_MESSAGE = (
+    "The engine has faulted and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
+#: Its ``error.type``: the HTTP phrase (OpenAI routes), Anthropic's name for 503 (``/v1/messages``).
+ENGINE_FAULTED_TYPES = frozenset({"Service Unavailable", "overloaded_error"})
+#: The causes D's engine never releases in time, whatever its release and the route.
+NOT_RELEASED_BY_D = frozenset({Cause.ENGINE_FAULTED, Cause.STREAM_ENGINE_FAULTED})
 
 # Router mode holds P's parameters and closes its connection to D in these cases,
 # which aborts D's request: no live request reads the blocks any more.
@@ -243,6 +266,8 @@ def classify(event: Event) -> Decision:
     if 400 <= status < 500:
         return Decision(Outcome.RELEASE, Cause.REJECTED_4XX)
     if 500 <= status < 600:
+        if _faulted(status, event.error_type, event.error_message):
+            return Decision(Outcome.RELEASE, Cause.ENGINE_FAULTED)
         return Decision(Outcome.RELEASE, Cause.REJECTED_5XX)
     # 1xx/3xx: vLLM sends neither; not a rejection we can vouch for.
     return Decision(Outcome.NO_RELEASE, Cause.OTHER_STATUS)
@@ -267,4 +292,11 @@ def _classify_admitted(event: Event) -> Decision:
             return Decision(Outcome.RELEASE, Cause.STREAM_ADMISSION_OVERFLOW)
         if first.error_message == ENGINE_PAUSED_MESSAGE and first.error_type in _PAUSED_TYPES:
             return Decision(Outcome.RELEASE, Cause.STREAM_ENGINE_PAUSED)
+        if _faulted(code, first.error_type, first.error_message):
+            return Decision(Outcome.RELEASE, Cause.STREAM_ENGINE_FAULTED)
     return Decision(Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX)
+
+
+def _faulted(status: int, error_type: str | None, message: str | None) -> bool:
+    """Whether an answer is vLLM's ``EngineFaultedError`` (exact status, type and message)."""
+    return status == 503 and message == ENGINE_FAULTED_MESSAGE and error_type in ENGINE_FAULTED_TYPES

@@ -60,6 +60,7 @@ class Reason(StrEnum):
     TRANSPORT = "transport"  # ... broke the connection
     # permanent: refused before (or without) anything being sent
     UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_WIRE = "unknown_wire"  # a vLLM newer than every known one: P's reply is not the newest wire
     INCONSISTENT_VERSION = "inconsistent_version"
     UNSAFE_VERSION = "unsafe_version"
     UNSAFE_RETRY = "unsafe_retry"

@@ -29,7 +29,7 @@ class RequestView(msgspec.Struct):
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, frozen=True):
-    """``kv_transfer_params`` as P emits them and D consumes them (vLLM 0.9.0-0.33.0).
+    """``kv_transfer_params`` as P emits them and D consumes them (vLLM 0.9.0-0.34.0).
 
     Unknown keys are ignored (newer releases append fields). Required-for-release
     fields are optional here; ``sidecar.params.check`` decides whether a

@@ -30,6 +30,7 @@ from sidecar.app.shared import SharedInFlight
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
 from sidecar.decision.inflight import InFlight
+from sidecar.decode.notice import VersionNotice
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import FIRST_SYNC_SECONDS, watched_allowlists
 from sidecar.observability.metrics import Metrics, releases_enabled
@@ -114,10 +115,13 @@ class ProxyApp:
         probes = None if deps.upstream is not None else _upstream(config, pool_size=1)
         if probes is not None:
             await probes.start()
+        notice = VersionNotice(config.unknown_vllm, metrics.unknown_vllm)
+        notice.seen(config.vllm_version)
         decode = DecodeState(
             probes or upstream,
             interval=config.decode_health_interval,
             kv_connector=config.decode_kv_connector,
+            on_version=notice.seen,
         )
         await decode.start()
         lists = watched_allowlists(config)  # NIXL targets, router mode's P: static or watched

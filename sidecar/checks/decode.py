@@ -15,13 +15,14 @@ from __future__ import annotations
 import msgspec
 
 from sidecar.checks import CHECK_TIMEOUT, Context, Finding, fail, ok, warn
+from sidecar.config.settings import UnknownVllm
+from sidecar.decode.notice import effect as newer_effect
 from sidecar.decode.probes import probe_kv_connector
-from sidecar.nixl.versions import NEWEST, OLDEST, WireProfile, parse_version
+from sidecar.nixl.versions import KNOWN, NEWEST, WireProfile, parse_version
 from sidecar.release.http import HttpReleaser, Probe, read_token
 from sidecar.upstream import Upstream
 from sidecar.vllm_plugin.settings import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 
-KNOWN = f"{'.'.join(map(str, OLDEST))}-{'.'.join(map(str, NEWEST))}"
 START_D = "start D, or set decode_url to D's scheme://host:port"
 
 
@@ -79,7 +80,11 @@ async def check_version(ctx: Context) -> list[Finding]:
         return [_version_unread(ctx.strategy, problem)]
     origin = f"set by {ctx.source('vllm_version')}" if configured else "from D's GET /version"
     profile = WireProfile.for_version(text)
-    findings = [_known(ctx, text, origin, profile) if profile else _unknown(ctx.strategy, text, origin)]
+    findings = [
+        _known(ctx, text, origin, profile)
+        if profile
+        else _unknown(ctx.strategy, text, origin, ctx.config.unknown_vllm)
+    ]
     if configured and reported and parse_version(configured) != parse_version(reported):
         findings.append(
             warn(
@@ -118,18 +123,31 @@ def _known(ctx: Context, text: str, origin: str, profile: WireProfile) -> Findin
     )
 
 
-def _unknown(strategy: str, text: str, origin: str) -> Finding:
+def _unknown(strategy: str, text: str, origin: str, policy: UnknownVllm = "newest") -> Finding:
     parsed = parse_version(text)
     newest = ".".join(map(str, NEWEST))
     if parsed is not None and parsed.release > NEWEST:
         detail = f"vLLM {text} ({origin}) is newer than the releases this sidecar knows ({KNOWN})"
         fix = "upgrade kv-release-sidecar to a release that knows it"
-        effects = {
-            "nixl": (fail, "nixl refuses every release (unknown_version)"),
-            "auto": (warn, f"the control path releases as for {newest}; the NIXL fallback refuses every one"),
-            "http": (warn, f"http releases as for {newest}"),
-        }
-        other = f"nixl would refuse every release, http would release as for {newest}"
+        if policy == "newest":
+            nixl = f"nixl {newer_effect(policy)}"
+            effects = {
+                "nixl": (warn, nixl),
+                "auto": (warn, f"the control path releases as for {newest}; the NIXL fallback: {nixl}"),
+                "http": (warn, f"http releases as for {newest}"),
+            }
+            other = f"nixl would release as for {newest}, http too"
+        else:
+            fix += ", or set unknown_vllm to newest"
+            effects = {
+                "nixl": (fail, "nixl refuses every release (unknown_version; unknown_vllm is refuse)"),
+                "auto": (
+                    warn,
+                    f"the control path releases as for {newest}; the NIXL fallback refuses every one",
+                ),
+                "http": (warn, f"http releases as for {newest}"),
+            }
+            other = f"nixl would refuse every release, http would release as for {newest}"
     else:
         detail = (
             f"vLLM {text!r} ({origin}) is not a release this sidecar knows ({KNOWN}; "

@@ -64,6 +64,11 @@ HELP: dict[str, tuple[str, str]] = {
     "handshake_cache_size": ("P engines whose handshake is kept (nixl)", "engines"),
     "handshake_cache_ttl": ("how long a P engine's handshake is kept (nixl)", "seconds"),
     "allow_unsafe_vllm": ("release to vLLM 0.9.x/0.10.0 (a late notification can crash their P engine)", ""),
+    "unknown_vllm": (
+        "a vLLM newer than every known release: newest (release with the newest known wire, once P's "
+        "handshake reply decodes under it) or refuse (nixl refuses its releases)",
+        "",
+    ),
     "log_level": ("log level: debug, info, warning or error", ""),
     "access_log": ("log one line per request answered on the proxy port (logger uvicorn.access)", ""),
     "log_format": ("log format: json (one object per line) or text", ""),

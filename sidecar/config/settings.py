@@ -33,6 +33,7 @@ KvConnectorSetting = Literal["auto", "yes", "no"]
 TlsVersion = Literal["1.2", "1.3"]
 AnswerStyle = Literal["vllm", "llm-d"]
 AllowDefault = Literal["none", "routable"]
+UnknownVllm = Literal["newest", "refuse"]  # sidecar.nixl.versions.UnknownPolicy
 PrefillLeg = Literal["nixlv2", "skip", "refuse"]
 OffReason = Literal["", "kv_connector", "ec_connector", "moriio"]
 
@@ -94,10 +95,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     handshake_cache_size: int = 256
     handshake_cache_ttl: float = 3600.0
     allow_unsafe_vllm: bool = False
+    unknown_vllm: UnknownVllm = "newest"
     log_level: LogLevel = "info"
     log_format: LogFormat = "json"
-    # One line per request answered on the proxy port (logger uvicorn.access); off: the release
-    # decisions and metrics say what matters, and a busy pod would log thousands of lines a second.
+    # One line per request answered (uvicorn.access); off: a busy pod would log thousands a second.
     access_log: bool = False
     # The control endpoint a vLLM plugin adds to D (strategies http and auto).
     control_url: str = ""
@@ -108,8 +109,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # D's state (sidecar.decode.state): /health is polled this often; while D cannot release P's
     # blocks itself (engine dead, shutting down, no KV connector), the sidecar releases for it.
     decode_health_interval: float = 1.0
-    # Whether D runs a KV connector: auto reads D's /metrics (vllm:nixl_* families); yes or no
-    # when /metrics cannot tell (vLLM started with --disable-log-stats).
+    # Whether D runs a KV connector: auto reads D's /metrics; yes or no when it cannot tell.
     decode_kv_connector: KvConnectorSetting = "auto"
     # Router mode: the sidecar runs the prefill leg on one of these P servers.
     prefill: tuple[str, ...] = ()

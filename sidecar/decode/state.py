@@ -34,6 +34,12 @@ The signals, read in vLLM 0.21.0, 0.25.1, 0.27.0, 0.28.0, 0.29.0, 0.31.0 and
   once (refused connections) and answers in flight carry ``Connection: close``,
   which vLLM never sets itself; the probes and ``observe(closing=True)`` read it.
   The sidecar's own SIGTERM (``draining``) counts as shutting down too.
+* A faulted engine (0.34.0, fault tolerance on): ``AsyncLLM.check_admission``
+  answers every request 503 ``EngineFaultedError`` while the engine core is not
+  healthy, and ``/health`` stays 200. D's own notification then waits in the
+  faulted engine core until it recovers, if ever. ``observe`` marks D faulted
+  for ``FAULTED_HOLD`` seconds after each such answer (under traffic every
+  request renews it), and D's other rejections are then released by the sidecar.
 * The KV connector: see ``sidecar.decode.probes`` (``/metrics`` families), read on
   each (re)contact with D and every ``INFO_MAX_AGE`` with ``/version``;
   ``kv_connector`` "yes"/"no" overrides it.
@@ -48,7 +54,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.classify import NoAnswer
+from sidecar.classify import ENGINE_FAULTED_MESSAGE, NoAnswer
 from sidecar.config import KvConnectorSetting
 from sidecar.decode.probes import Engine, probe_health, read_kv_connector, read_version, unreachable_cause
 from sidecar.upstream import Client
@@ -66,6 +72,8 @@ ENGINE_DEAD_MESSAGES = frozenset(
         "The server had an error while processing your request.",  # 0.33: EngineDeadError.CLIENT_MESSAGE
     }
 )
+#: Seconds after D's last ``EngineFaultedError`` answer during which D counts as unable to notify.
+FAULTED_HOLD = 10.0
 #: Failures that leave D's engine unknown: nothing listens, or D dropped the connection.
 UNREACHABLE = frozenset(
     {
@@ -86,11 +94,17 @@ class DecodeView:
     shutting_down: bool  # this pod is terminating (the sidecar's SIGTERM) or D's server is exiting
     kv_connector: bool | None  # None: cannot tell
     version: str | None
+    faulted: bool = False  # D answered EngineFaultedError in the last FAULTED_HOLD seconds
 
     @property
     def can_notify(self) -> bool:
         """Whether D's own release (vLLM 0.21.0+) can reach P now."""
-        return self.engine == "alive" and not self.shutting_down and self.kv_connector is not False
+        return (
+            self.engine == "alive"
+            and not self.shutting_down
+            and self.kv_connector is not False
+            and not self.faulted
+        )
 
     @property
     def reason(self) -> str:
@@ -99,7 +113,14 @@ class DecodeView:
             return "shutting down"
         if self.engine != "alive":
             return "engine dead" if self.engine == "dead" else "D not answering /health"
+        if self.faulted:
+            return "engine faulted"
         return "no KV connector" if self.kv_connector is False else ""
+
+
+def engine_faulted_answer(status: int, message: str | None) -> bool:
+    """Whether D's error answer (or a stream's first error event) is a faulted engine's."""
+    return status == 503 and message == ENGINE_FAULTED_MESSAGE
 
 
 def engine_dead_answer(status: int, message: str | None) -> bool:
@@ -117,11 +138,13 @@ class DecodeState:
         interval: float,
         clock: Callable[[], float] = time.monotonic,
         kv_connector: KvConnectorSetting = "auto",
+        on_version: Callable[[str | None], None] = lambda _: None,
     ) -> None:
         self._upstream = upstream
         self._interval = interval
         self._clock = clock
         self._setting = kv_connector
+        self._on_version = on_version  # told each version read from D (``sidecar.decode.notice``)
         self._engine: Engine = "unknown"
         self._engine_at = float("-inf")  # when the engine value was learnt (a probe's start)
         self._health: Engine = "unknown"  # what /health last answered (alive or dead)
@@ -133,6 +156,7 @@ class DecodeState:
         self._kv_read = False
         self._version: str | None = None
         self._info_due = float("-inf")
+        self._faulted_until = float("-inf")
         self._task: asyncio.Task[None] | None = None
         self._probed_at = float("-inf")
         self._lock = asyncio.Lock()
@@ -198,6 +222,8 @@ class DecodeState:
                 self._engine, self._engine_at = "unknown", now
         elif engine_dead_answer(signal, message):
             self._engine, self._engine_at = "dead", now
+        elif engine_faulted_answer(signal, message):
+            self._faulted_until = now + FAULTED_HOLD
         elif self._engine == "unknown":
             self._engine, self._engine_at = ("dead" if self._health == "dead" else "alive"), now
             self._info_due = now  # it may be another process now
@@ -236,6 +262,7 @@ class DecodeState:
             async with self._lock:
                 if self._version is None:
                     _, self._version = await read_version(self._upstream)
+                    self._on_version(self._version)
                     self._publish()
         return self._version
 
@@ -243,6 +270,7 @@ class DecodeState:
         version_answered, version = await read_version(self._upstream)
         kv_answered, kv = await read_kv_connector(self._upstream)
         self._version = version or self._version
+        self._on_version(version)
         if kv_answered:
             self._note_kv(kv)
         if version_answered and kv_answered:
@@ -272,7 +300,8 @@ class DecodeState:
 
     def _publish(self) -> None:
         old = self._view
-        new = DecodeView(self._engine, self._draining or self._exiting, self._kv(), self._version)
+        faulted = self._clock() < self._faulted_until
+        new = DecodeView(self._engine, self._draining or self._exiting, self._kv(), self._version, faulted)
         if new == old:
             return
         self._view = new

@@ -20,6 +20,8 @@ Every failure is translated once, where it happens, into this tree (the
     +-- PermanentReleaseError                 never retried; reasons listed in REFUSALS
         +-- EngineMismatch     "engine_mismatch"    reply's engine_id is not remote_engine_id
         +-- PRestarted         "p_restarted"        P came back as a new process (``lineage``)
+        +-- UnknownWire        "unknown_wire"       a vLLM newer than every known one, whose reply
+                                                    does not decode under the newest known wire
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from sidecar.exceptions import PermanentReleaseError, Reason, RetryableReleaseEr
 #: ``PermanentReleaseError.reason`` values the NIXL strategy uses.
 REFUSALS = (
     Reason.UNKNOWN_VERSION,  # no release known (no --vllm-version, D's /version unusable)
+    Reason.UNKNOWN_WIRE,  # a newer vLLM's handshake reply does not decode as the newest known wire
     Reason.INCONSISTENT_VERSION,  # kv_transfer_params contradict the release
     Reason.UNSAFE_VERSION,  # 0.9.x / 0.10.0 without --allow-unsafe-vllm
     Reason.UNSAFE_RETRY,  # 0.9.x / 0.10.0: a send was attempted once already
@@ -86,6 +89,16 @@ class PRestarted(PermanentReleaseError):
         super().__init__(message, Reason.P_RESTARTED)
 
 
+class UnknownWire(PermanentReleaseError):
+    """P runs a vLLM newer than every release this sidecar knows, and its handshake reply does not
+    decode under the newest known wire: the format changed, and nothing is sent to P."""
+
+    health = TargetHealth.UP  # P answered
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, Reason.UNKNOWN_WIRE)
+
+
 class NixlError(RetryableReleaseError):
     """A NIXL call failed (bad metadata, remote disconnected, agent not started)."""
 
@@ -100,4 +113,5 @@ __all__ = [
     "NixlError",
     "PRestarted",
     "PeerUnreachable",
+    "UnknownWire",
 ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from sidecar.nixl import BadReply
+from sidecar.nixl import BadReply, UnknownWire
 from sidecar.nixl.versions import Version, WireProfile
 
 GET_META_MSG = b"get_meta_msg"  # the request's first element in every release
@@ -29,7 +29,7 @@ class GetMetaTp(msgspec.Struct, array_like=True, frozen=True):
 
 
 class GetMetaPpTp(msgspec.Struct, array_like=True, frozen=True):
-    """Handshake request, vLLM 0.26.0-0.33.0: msgpack ``[b"get_meta_msg", pp_rank, tp_rank]``."""
+    """Handshake request, vLLM 0.26.0-0.34.0: msgpack ``[b"get_meta_msg", pp_rank, tp_rank]``."""
 
     msg: bytes
     pp_rank: int
@@ -37,21 +37,21 @@ class GetMetaPpTp(msgspec.Struct, array_like=True, frozen=True):
 
 
 class AgentMetadataView(msgspec.Struct, frozen=True):
-    """The two fields of ``NixlAgentMetadata`` a releaser needs (vLLM 0.9.0-0.33.0)."""
+    """The two fields of ``NixlAgentMetadata`` a releaser needs (vLLM 0.9.0-0.34.0)."""
 
     engine_id: str
     agent_metadata: bytes
 
 
 class HandshakePayloadView(msgspec.Struct, frozen=True):
-    """``NixlHandshakePayload`` (vLLM 0.13.0-0.33.0); the hash is not checked (1.4)."""
+    """``NixlHandshakePayload`` (vLLM 0.13.0-0.34.0); the hash is not checked (1.4)."""
 
     agent_metadata_bytes: bytes
     compatibility_hash: str = ""
 
 
 class HandshakePayload(msgspec.Struct, frozen=True):
-    """``NixlHandshakePayload`` as P encodes it (vLLM 0.13.0-0.33.0)."""
+    """``NixlHandshakePayload`` as P encodes it (vLLM 0.13.0-0.34.0)."""
 
     compatibility_hash: str
     agent_metadata_bytes: bytes
@@ -189,7 +189,15 @@ class AgentMetadataV2900(msgspec.Struct):
     packed_member_layouts: dict[str, tuple[int, int]] = {}
 
 
+class AgentMetadataV3400(AgentMetadataV2900):
+    """vLLM 0.34.0 (``layer_group_ids``: the cache group of each layer in ``region_members``;
+    vLLM encodes it before ``packed_member_layouts``, a map's key order no reader depends on)."""
+
+    layer_group_ids: dict[str, int] = {}
+
+
 AGENT_METADATA_LAYOUTS: tuple[tuple[Version, type[msgspec.Struct]], ...] = (
+    ((0, 34, 0), AgentMetadataV3400),
     ((0, 29, 0), AgentMetadataV2900),
     ((0, 21, 0), AgentMetadataV2100),
     ((0, 20, 0), AgentMetadataV2000),
@@ -237,7 +245,21 @@ def encode_request(profile: WireProfile, pp_rank: int, tp_rank: int) -> bytes:
 
 
 def decode_reply(profile: WireProfile, frames: list[bytes]) -> PeerMetadata:
-    """``engine_id`` and ``agent_metadata`` from P's reply frames; raises ``BadReply``."""
+    """``engine_id`` and ``agent_metadata`` from P's reply frames; raises ``BadReply``, or
+    ``UnknownWire`` when the profile is assumed for a newer vLLM (its wire changed)."""
+    try:
+        return _decode_reply(profile, frames)
+    except BadReply as exc:
+        if profile.assumed:
+            newest = ".".join(map(str, profile.high))
+            raise UnknownWire(
+                f"vLLM {profile.text} is newer than every release this sidecar knows, and P's "
+                f"handshake reply is not vLLM {newest}'s ({exc}): nothing is sent to P"
+            ) from exc
+        raise
+
+
+def _decode_reply(profile: WireProfile, frames: list[bytes]) -> PeerMetadata:
     if len(frames) != profile.wire.reply_frames:
         raise BadReply(f"expected {profile.wire.reply_frames} reply frame(s), got {len(frames)}")
     try:

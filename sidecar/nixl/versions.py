@@ -8,6 +8,16 @@ field P always sends from release X on must be present from X and absent
 before. ``WireProfile.for_version`` returns ``None`` for anything unknown;
 ``check_params`` returns why the parameters contradict the release.
 
+A release newer than the newest known one (``NEWEST``) is unknown, and what
+it gets is a setting (``UnknownPolicy``): ``"newest"`` (the default) gives it
+the newest known profile, marked ``assumed``, so P's handshake reply is decoded
+under the newest known wire before anything is sent (``sidecar.release.nixl``
+refuses the job as ``unknown_wire`` when it does not decode); ``"refuse"``
+gives it no profile. Sending the newest known notification to a newer P is
+safe in either outcome: since 0.10.1 P logs and ignores a notification it
+cannot use, so the blocks stay to the lease, as with no sidecar
+(docs/vllm-releases.md).
+
 A pre-release (``0.26.0rc1``, ``0.21.0.dev3+g...``) holds code from anywhere
 between the previous release and the one it leads to: it gets a profile only
 when the wire format is the same at both ends, and the range is kept for the
@@ -27,9 +37,14 @@ RequestEncoding = Literal["raw", "tp", "pp_tp"]
 Listener = Literal["worker", "scheduler"]
 Payload = Literal["agent_metadata", "handshake_payload"]
 NotificationFormat = Literal["bare", "count"]
+#: What a release newer than ``NEWEST`` gets: the newest known profile (checked against P's
+#: handshake reply), or none.
+UnknownPolicy = Literal["newest", "refuse"]
 
 OLDEST: Version = (0, 9, 0)
-NEWEST: Version = (0, 33, 0)
+NEWEST: Version = (0, 34, 0)
+#: The known span, as docs and messages state it.
+KNOWN = f"{'.'.join(map(str, OLDEST))}-{'.'.join(map(str, NEWEST))}"
 #: vLLM releases on PyPI in the supported span (post releases such as 0.10.1.1 fold into 0.10.1).
 RELEASES: tuple[Version, ...] = (
     (0, 9, 0), (0, 9, 1), (0, 9, 2), (0, 10, 0), (0, 10, 1), (0, 10, 2), (0, 11, 0),
@@ -37,7 +52,7 @@ RELEASES: tuple[Version, ...] = (
     (0, 15, 1), (0, 16, 0), (0, 17, 0), (0, 17, 1), (0, 18, 0), (0, 18, 1), (0, 19, 0),
     (0, 19, 1), (0, 20, 0), (0, 20, 1), (0, 20, 2), (0, 21, 0), (0, 22, 0), (0, 22, 1),
     (0, 23, 0), (0, 24, 0), (0, 25, 0), (0, 25, 1), (0, 26, 0), (0, 27, 0), (0, 27, 1),
-    (0, 28, 0), (0, 29, 0), (0, 30, 0), (0, 31, 0), (0, 32, 0), (0, 33, 0),
+    (0, 28, 0), (0, 29, 0), (0, 30, 0), (0, 31, 0), (0, 32, 0), (0, 33, 0), (0, 34, 0),
 )  # fmt: skip
 
 _VERSION_RE = re.compile(
@@ -110,15 +125,21 @@ class WireProfile:
     wire: WireFormat
     safe_unknown_id: bool  # a notification for an id P dropped only logs (0.10.1+); before, P's engine dies
     engine_fix: bool  # D releases its own handler rejections (0.21.0+, notify_kv_transfer_request_rejected)
+    #: A release newer than ``NEWEST`` given ``NEWEST``'s profile (``UnknownPolicy`` "newest"):
+    #: P's handshake reply must decode under it before anything is sent.
+    assumed: bool = False
 
     @classmethod
-    def for_version(cls, text: str) -> WireProfile | None:
-        """The profile of ``text``, or None when the release is unknown or ambiguous."""
+    def for_version(cls, text: str, unknown: UnknownPolicy = "refuse") -> WireProfile | None:
+        """The profile of ``text``, or None when the release is unknown or ambiguous; with
+        ``unknown="newest"`` a release newer than every known one gets ``newest_for``."""
         parsed = parse_version(text)
         if parsed is None:
             return None
         high = parsed.release
         low = _previous_release(high) if parsed.pre else high
+        if unknown == "newest" and is_newer(parsed):
+            return cls.newest_for(text)
         if low is None or low < OLDEST or high > NEWEST or (not parsed.pre and high < OLDEST):
             return None
         wire = WireFormat.of(low)
@@ -133,6 +154,19 @@ class WireProfile:
             engine_fix=low >= (0, 21, 0),  # conservative: the fix may be newer than a pre-release
         )
 
+    @classmethod
+    def newest_for(cls, text: str) -> WireProfile:
+        """``NEWEST``'s profile for a release newer than it, marked ``assumed``."""
+        return cls(
+            text=text,
+            low=NEWEST,
+            high=NEWEST,
+            wire=WireFormat.of(NEWEST),
+            safe_unknown_id=True,
+            engine_fix=True,
+            assumed=True,
+        )
+
     def port(self, base_port: int, tp_rank: int) -> int:
         """Where rank ``tp_rank``'s metadata is served (1.1); ``remote_port`` is the base."""
         return base_port + tp_rank if self.wire.listener == "worker" else base_port
@@ -141,6 +175,18 @@ class WireProfile:
         """Every (pp_rank, tp_rank) holding blocks, only below tp_size/pp_size (1.5)."""
         pp_size = (params.pp_size or 1) if self.wire.pp_on_pull else 1
         return [(pp, tp) for pp in range(pp_size) for tp in range(params.tp_size)]
+
+
+def is_newer(parsed: ParsedVersion) -> bool:
+    """Whether ``parsed`` is past every known release: a release after ``NEWEST``, or a
+    pre-release leading to one (its code is from after ``NEWEST``)."""
+    return parsed.release > NEWEST
+
+
+def newer_than_known(text: str | None) -> bool:
+    """Whether ``text`` names a vLLM release newer than every release this sidecar knows."""
+    parsed = parse_version(text) if text else None
+    return parsed is not None and is_newer(parsed)
 
 
 def _previous_release(version: Version) -> Version | None:

@@ -150,6 +150,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.unknown_vllm = Gauge(
+            "kvr_vllm_unknown_version_info",
+            "1 for a vLLM version P and D run that is newer than every release this sidecar knows "
+            "(released as the newest known one unless unknown_vllm is refuse).",
+            ["version"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kvr_release_queue_depth", "Release jobs waiting.", registry=r)
         self.ledger_size = Gauge(
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r

@@ -34,7 +34,7 @@ from sidecar.nixl.messages import notification
 from sidecar.nixl.metrics import NixlMetrics
 from sidecar.nixl.peer import NixlPeer
 from sidecar.nixl.session import Session
-from sidecar.nixl.versions import WireProfile, check_params, engine_request_id
+from sidecar.nixl.versions import KNOWN, WireProfile, check_params, engine_request_id, newer_than_known
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.release.base import (
     JobResult,
@@ -231,12 +231,13 @@ class NixlReleaser:
                 Reason.UNKNOWN_VERSION,
             )
         if text not in self._profiles:
-            self._profiles[text] = WireProfile.for_version(text)
+            self._profiles[text] = WireProfile.for_version(text, self._config.unknown_vllm)
         profile = self._profiles[text]
         if profile is None:
+            newer = " (unknown_vllm is refuse)" if newer_than_known(text) else ""
             raise PermanentReleaseError(
-                f"vLLM {text!r} is not a release this sidecar knows (0.9.0-0.33.0; "
-                "pre-releases only where the wire format did not change)",
+                f"vLLM {text!r} is not a release this sidecar knows ({KNOWN}; "
+                f"pre-releases only where the wire format did not change){newer}",
                 Reason.UNKNOWN_VERSION,
             )
         return profile

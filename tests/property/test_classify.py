@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from sidecar.classify import (
     ADMISSION_OVERFLOW_MESSAGES,
     ADMISSION_OVERFLOW_TYPE,
+    ENGINE_FAULTED_MESSAGE,
     ENGINE_PAUSED_MESSAGE,
     Cause,
     Event,
@@ -19,19 +20,29 @@ from sidecar.classify import (
 
 statuses = st.one_of(st.none(), st.integers(min_value=-1, max_value=1000), st.integers())
 codes = st.one_of(st.none(), st.integers(min_value=0, max_value=700), st.integers())
-VLLM_TYPES = [ADMISSION_OVERFLOW_TYPE, "InternalServerError", "ServiceUnavailableError", "BadRequestError"]
-VLLM_MESSAGES = [*sorted(ADMISSION_OVERFLOW_MESSAGES), ENGINE_PAUSED_MESSAGE]
+VLLM_TYPES = [
+    ADMISSION_OVERFLOW_TYPE,
+    "InternalServerError",
+    "ServiceUnavailableError",
+    "BadRequestError",
+    "overloaded_error",
+]
+VLLM_MESSAGES = [*sorted(ADMISSION_OVERFLOW_MESSAGES), ENGINE_PAUSED_MESSAGE, ENGINE_FAULTED_MESSAGE]
+types = st.one_of(st.none(), st.sampled_from(VLLM_TYPES), st.text(max_size=30))
+messages = st.one_of(st.none(), st.sampled_from(VLLM_MESSAGES), st.text(max_size=120))
 events = st.builds(
     Event,
-    status=statuses,
+    status=st.one_of(statuses, st.just(503)),
     stream=st.booleans(),
+    error_type=types,
+    error_message=messages,
     first=st.one_of(
         st.none(),
         st.builds(
             FirstEvent,
             st.one_of(codes, st.just(503)),
-            st.one_of(st.none(), st.sampled_from(VLLM_TYPES), st.text(max_size=30)),
-            st.one_of(st.none(), st.sampled_from(VLLM_MESSAGES), st.text(max_size=120)),
+            types,
+            messages,
         ),
     ),
     failure=st.one_of(st.none(), st.sampled_from(list(NoAnswer))),
@@ -50,6 +61,8 @@ DEFINITE = {
     Cause.STREAM_ADMISSION_ERROR,
     Cause.STREAM_ADMISSION_OVERFLOW,
     Cause.STREAM_ENGINE_PAUSED,
+    Cause.ENGINE_FAULTED,
+    Cause.STREAM_ENGINE_FAULTED,
 }
 
 

@@ -15,6 +15,7 @@ import pytest
 from sidecar.checks import Context, Status
 from sidecar.checks.decode import _probe_finding, check_version
 from sidecar.config import Config, ReleaseStrategy
+from sidecar.config.settings import UnknownVllm
 from sidecar.release.http import Probe
 
 
@@ -28,15 +29,16 @@ async def d_down() -> AsyncIterator[httpx.AsyncClient]:
     ("strategy", "version", "unsafe", "status"),
     [
         ("nixl", "0.33.0", False, "ok"),
+        ("nixl", "0.34.0", False, "ok"),
         ("nixl", "0.10.1", False, "ok"),
         ("nixl", "0.10.0", False, "fail"),  # a late notification crashes this P: nixl refuses
         ("nixl", "0.10.0", True, "warn"),
         ("auto", "0.9.2", False, "fail"),
         ("http", "0.10.0", False, "ok"),  # D's own connector notifies: no crash to fear
-        ("nixl", "0.34.0", False, "fail"),  # newer: nixl refuses every release
-        ("auto", "0.34.0", False, "warn"),  # the control path releases
-        ("http", "0.34.0", False, "warn"),
-        ("dry-run", "0.34.0", False, "warn"),
+        ("nixl", "0.99.0", False, "warn"),  # newer: released as the newest known, said so
+        ("auto", "0.99.0", False, "warn"),
+        ("http", "0.99.0", False, "warn"),
+        ("dry-run", "0.99.0", False, "warn"),
         ("nixl", "0.8.0", False, "fail"),
         ("auto", "0.26.0rc1", False, "fail"),  # straddles a wire-format change
         ("http", "0.26.0rc1", False, "warn"),
@@ -52,6 +54,26 @@ async def test_version_judged_by_the_strategy(
     (finding,) = await check_version(Context(config, {}, d_down))
     assert (finding.name, finding.status) == ("version", status), finding.line()
     assert bool(finding.fix) == (status != "ok")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "policy", "status", "says"),
+    [
+        ("nixl", "newest", "warn", "wire and rules while P's handshake reply decodes"),
+        ("nixl", "refuse", "fail", "refuses every release (unknown_version; unknown_vllm is refuse)"),
+        ("auto", "refuse", "warn", "the NIXL fallback refuses every one"),
+        ("auto", "newest", "warn", "the NIXL fallback: nixl releases use vLLM 0.34.0's wire"),
+    ],
+)
+async def test_a_newer_vllm_is_judged_by_the_setting(
+    d_down: httpx.AsyncClient, strategy: ReleaseStrategy, policy: UnknownVllm, status: Status, says: str
+) -> None:
+    config = Config(release=strategy, vllm_version="0.35.0", unknown_vllm=policy)
+    (finding,) = await check_version(Context(config, {}, d_down))
+    assert finding.status == status, finding.line()
+    assert "newer than the releases this sidecar knows (0.9.0-0.34.0)" in finding.line()
+    assert says in finding.line()
+    assert "upgrade kv-release-sidecar" in finding.fix
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import pytest
 
 from sidecar.classify import (
     ADMISSION_OVERFLOW_MESSAGES,
+    ENGINE_FAULTED_MESSAGE,
     ENGINE_PAUSED_MESSAGE,
     Cause,
     Event,
@@ -17,6 +18,12 @@ from sidecar.classify import (
 )
 
 QUEUE_FULL, BACKLOG = sorted(ADMISSION_OVERFLOW_MESSAGES)
+FAULTED = ENGINE_FAULTED_MESSAGE
+
+
+def answer(status: int, type_: str | None, message: str | None) -> Event:
+    """D's error answer before any body byte."""
+    return Event(status=status, error_type=type_, error_message=message)
 
 
 def first(code: int, type_: str | None, message: str | None, stream: bool = True) -> Event:
@@ -64,6 +71,21 @@ TABLE = [
         Outcome.RELEASE,
         Cause.STREAM_ENGINE_PAUSED,
     ),
+    # vLLM 0.34.0's faulted engine: refused by the admission check; D's own release waits in the
+    # faulted engine core, so it has a cause of its own
+    (answer(503, "Service Unavailable", FAULTED), Outcome.RELEASE, Cause.ENGINE_FAULTED),
+    (answer(503, "overloaded_error", FAULTED), Outcome.RELEASE, Cause.ENGINE_FAULTED),  # /v1/messages
+    (first(503, "Service Unavailable", FAULTED), Outcome.RELEASE, Cause.STREAM_ENGINE_FAULTED),
+    (first(503, "overloaded_error", FAULTED), Outcome.RELEASE, Cause.STREAM_ENGINE_FAULTED),
+    # ... only to the letter: otherwise an ordinary 503 (or an ambiguous stream error)
+    (answer(503, "Service Unavailable", QUEUE_FULL), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (answer(503, "Service Unavailable", FAULTED + "."), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (answer(503, "ServiceUnavailableError", FAULTED), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (answer(500, "Service Unavailable", FAULTED), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (answer(503, None, FAULTED), Outcome.RELEASE, Cause.REJECTED_5XX),
+    (first(503, "InternalServerError", FAULTED), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(500, "Service Unavailable", FAULTED), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
+    (first(503, "Service Unavailable", FAULTED, stream=False), Outcome.NO_RELEASE, Cause.ADMITTED),
     # admitted: D reads and notifies P itself
     (Event(status=200), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=201), Outcome.NO_RELEASE, Cause.ADMITTED),

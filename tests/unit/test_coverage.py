@@ -75,6 +75,10 @@ TABLE = [
     (V028, job(503, "Service Unavailable"), False, "no admission control before 0.29.0"),
     (V029, job(503, "Service Unavailable"), True, "admission, inside; the notify bypasses it"),
     (V033, job(503, "Service Unavailable"), True, "admission"),
+    ((0, 34, 0), job(503, "Service Unavailable"), True, "admission"),
+    ((0, 34, 0), job(503, "Service Unavailable", cause="engine_faulted"), False, "faulted engine core"),
+    ((0, 34, 0), job(503, "overloaded_error", route=MSG, cause="engine_faulted"), False, "faulted"),
+    ((0, 34, 0), job(503, "Service Unavailable", cause="stream_engine_faulted"), False, "faulted, stream"),
     (V033, job(503, "ServiceUnavailableError"), True, "paused engine: the core re-adds it, the wrapper too"),
     (V033, job(503, "ServiceUnavailableError", route="/v1/messages"), True, "paused: the core, any route"),
     (V031, job(503, "ServiceUnavailableError"), False, "no RetryableRequestError before 0.33.0"),
@@ -152,7 +156,9 @@ def test_engine_may_cover(version: tuple[int, int, int], rejection: ReleaseJob, 
     [
         ("0.21.0", (0, 21, 0)),
         ("0.21.0rc1", (0, 20, 2)),  # a pre-release may hold the previous release's code
-        ("0.99.0", (0, 33, 0)),  # newer than any known release: the newest known behaviour
+        ("0.34.0", (0, 34, 0)),
+        ("0.99.0", (0, 34, 0)),  # newer than any known release: the newest known behaviour
+        ("0.35.0rc1", (0, 34, 0)),  # a pre-release of a newer release too
         ("0.8.0", None),  # older than any release the sidecar knows
         ("garbage", None),
         ("", None),

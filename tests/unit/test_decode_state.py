@@ -14,8 +14,10 @@ import pytest
 from sidecar.classify import NoAnswer
 from sidecar.decode import probes as decode_probes
 from sidecar.decode.probes import probe_kv_connector
+from sidecar.classify import ENGINE_FAULTED_MESSAGE
 from sidecar.decode.state import (
     ENGINE_DEAD_MESSAGES,
+    FAULTED_HOLD,
     INFO_MAX_AGE,
     DecodeState,
     DecodeView,
@@ -370,6 +372,36 @@ async def test_connection_close_means_d_is_exiting_until_an_answer_without_it() 
     clock.now += 1
     upstream.set(health=OK)  # D restarted
     assert not (await state.refresh()).shutting_down
+
+
+async def test_a_faulted_engine_cannot_notify_while_it_keeps_answering_so() -> None:
+    """vLLM 0.34.0 with fault tolerance: /health stays 200 while every request is refused with
+    EngineFaultedError, and D's own notification waits in the faulted engine core."""
+    upstream, clock = FakeUpstream(), Clock()
+    state = make(upstream, clock=clock)
+    await state.refresh()
+    state.observe(503, ENGINE_FAULTED_MESSAGE)
+    view = state.view()
+    assert view.faulted and view.engine == "alive" and not view.can_notify
+    assert view.reason == "engine faulted"
+    clock.now += FAULTED_HOLD - 1
+    assert not (await state.refresh()).can_notify  # /health's 200 does not end it
+    state.observe(503, ENGINE_FAULTED_MESSAGE)  # each such answer renews it
+    clock.now += FAULTED_HOLD - 1
+    assert not (await state.refresh()).can_notify
+    clock.now += 2
+    assert (await state.refresh()).can_notify  # no such answer for FAULTED_HOLD: recovered
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [(503, ENGINE_FAULTED_MESSAGE + " "), (500, ENGINE_FAULTED_MESSAGE), (503, "busy"), (503, None)],
+)
+async def test_only_the_faulted_answer_marks_the_engine_faulted(status: int, message: str | None) -> None:
+    state = make(FakeUpstream())
+    await state.refresh()
+    state.observe(status, message)
+    assert not state.view().faulted and state.view().can_notify
 
 
 async def test_a_probe_that_started_before_an_observation_does_not_undo_it() -> None:

@@ -11,6 +11,7 @@ from sidecar.nixl.versions import (
     WireProfile,
     check_params,
     engine_request_id,
+    newer_than_known,
     parse_version,
 )
 from sidecar.params import ReleaseParams, release_params
@@ -83,10 +84,27 @@ def test_safety_and_engine_fix(text: str, safe: bool, fix: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["0.8.5", "0.34.0", "0.33.1", "1.0.0", "0.26.0rc1", "0.11.1.dev2", "0.9.0rc1"]
+    "text", ["0.8.5", "0.35.0", "0.34.1", "1.0.0", "0.26.0rc1", "0.11.1.dev2", "0.9.0rc1"]
 )
 def test_unknown_or_straddling_releases_have_no_profile(text: str) -> None:
     assert WireProfile.for_version(text) is None
+
+
+@pytest.mark.parametrize("text", ["0.35.0", "0.34.1", "1.0.0", "0.35.0rc1", "0.34.1.dev3+gabc"])
+def test_a_newer_release_gets_the_newest_profile_marked_assumed(text: str) -> None:
+    profile = WireProfile.for_version(text, "newest")
+    newest = WireProfile.for_version("0.34.0")
+    assert profile is not None and newest is not None
+    assert profile.assumed and not newest.assumed
+    assert (profile.low, profile.high, profile.wire) == ((0, 34, 0), (0, 34, 0), newest.wire)
+    assert profile.safe_unknown_id and profile.engine_fix and profile.text == text
+    assert newer_than_known(text)
+
+
+@pytest.mark.parametrize("text", ["0.8.5", "0.26.0rc1", "0.34.0", "0.34.0rc1", "latest", ""])
+def test_newest_policy_changes_nothing_below_the_newest(text: str) -> None:
+    assert WireProfile.for_version(text, "newest") == WireProfile.for_version(text)
+    assert not newer_than_known(text)
 
 
 def test_pre_release_within_one_format_gets_the_older_end() -> None:

@@ -69,7 +69,7 @@ def test_release_table(
     assert release.payload_envelope is envelope and release.default_lease == lease
 
 
-@pytest.mark.parametrize("version", ["0.8.5", "0.34.0", "latest", ""])
+@pytest.mark.parametrize("version", ["0.8.5", "0.35.0", "latest", ""])
 def test_unsupported_versions_are_refused(version: str) -> None:
     with pytest.raises(UnsupportedVersion):
         release_for(version)

@@ -134,7 +134,11 @@ class DecodeSim:
         if isinstance(parsed, Rejection):
             await self._reject(entry, parsed, None, send)
             return
-        check = model_check(parsed, self.config.model) or self.engine.dead_rejection()
+        check = (
+            model_check(parsed, self.config.model)
+            or self.engine.dead_rejection()
+            or self.engine.faulted_rejection()
+        )
         if check is None and not self._admit():
             check = _QUEUE_FULL
         if check is not None:

@@ -18,7 +18,7 @@ from sidecar.config import ConfigError
 
 FailOrigin = Literal["pre_handler", "handler"]
 #: D's engine (``sidecar.sim.decode.engine``): running, dead, or shutting down after SIGTERM.
-EngineMode = Literal["alive", "dead", "shutting_down"]
+EngineMode = Literal["alive", "dead", "shutting_down", "faulted"]
 
 #: The model both simulators serve unless told otherwise.
 DEFAULT_MODEL = "sim-model"
@@ -40,7 +40,7 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     port: int = 8200
     # The one model name served; sim-prefill's default is the same, so P and D agree unflagged.
     model: str = DEFAULT_MODEL
-    version: str = "0.33.0"
+    version: str = "0.34.0"
     max_model_len: int = 4096
     # Tokens in every answer: one SSE event each (chat, completions) or one delta each (responses).
     stream_events: int = 8
@@ -74,7 +74,7 @@ class DecodeSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     log_params: bool = False
     # "vLLM D" mode: notify P over NIXL for admitted requests (and, 0.21.0+, handler rejections).
     vllm_d: bool = False
-    # D's engine at start (POST /sim/engine switches it): alive, dead or shutting_down.
+    # D's engine at start (POST /sim/engine switches it): alive, dead, shutting_down or faulted.
     engine: EngineMode = "alive"
     # D was started with --kv-transfer-config (a KV connector): False never notifies P.
     kv_connector: bool = True
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="model",
         help=f"the only model name served (default {DEFAULT_MODEL}, as sim-prefill's)",
     )
-    add("--version", help="what GET /version reports (default 0.33.0)")
+    add("--version", help="what GET /version reports (default 0.34.0)")
     add("--max-model-len", type=int, help="context length in words (default 4096)")
     add("--stream-events", type=int, help="tokens per answer, one SSE event each (default 8)")
     add("--event-delay", type=float, help="seconds between SSE events (default 0)")

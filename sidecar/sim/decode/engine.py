@@ -1,4 +1,4 @@
-"""The simulated D's engine: alive, dead or shutting down, with or without a KV connector.
+"""The simulated D's engine: alive, dead, shutting down or faulted, with or without a KV connector.
 
 One ``EngineState`` per app, set from ``--engine`` / ``--no-kv-connector`` and
 switched at run time with ``POST /sim/engine`` (``{"engine": "dead"}``,
@@ -17,6 +17,11 @@ the evidence):
   ``finish_reason`` ``"abort"`` (on ``/v1/responses`` the simulator answers an
   empty incomplete response). Up to 0.27.x uvicorn's own SIGTERM handler also
   runs, so every answer carries ``Connection: close``; from 0.28.0 nothing shows.
+* ``faulted`` (vLLM 0.34.0 with ``--enable-fault-tolerance``): the engine core
+  faulted and awaits recovery. ``/health`` stays 200. A completion request gets
+  its model check, then 503 ``EngineFaultedError`` (type "Service
+  Unavailable"), streams included (``_preflight`` runs before the 200). D's own
+  notification joins the faulted engine core's loop and does not reach P.
 * ``kv_connector`` false: D was started without ``--kv-transfer-config``: it
   ignores ``kv_transfer_params`` (no notification, ever) and ``/metrics`` lists
   no ``vllm:nixl_*`` family.
@@ -43,6 +48,11 @@ NO_SIGNAL_SERVER = (0, 28, 0)
 CLIENT_MESSAGE_SINCE = (0, 33, 0)
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 CLIENT_MESSAGE = "The server had an error while processing your request."
+#: ``EngineFaultedError``'s message (vLLM 0.34.0, ``vllm/exceptions.py``), a GracefulHTTPError.
+ENGINE_FAULTED_MESSAGE = (
+    "The engine has faulted and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
 
 
 class EngineState:
@@ -55,6 +65,9 @@ class EngineState:
         self.release = parsed.release if parsed is not None else (1 << 30, 0, 0)
         message = CLIENT_MESSAGE if self.release >= CLIENT_MESSAGE_SINCE else ENGINE_DEAD_MESSAGE
         self._dead = Rejection(500, error_body(message, 500, "InternalServerError"), "handler")
+        self._faulted = Rejection(
+            503, error_body(ENGINE_FAULTED_MESSAGE, 503, "Service Unavailable"), "handler"
+        )
 
     @property
     def notifies(self) -> bool:
@@ -69,6 +82,10 @@ class EngineState:
     def dead_rejection(self) -> Rejection | None:
         """The 500 a dead engine's handler answers after the model check; None when alive."""
         return self._dead if self.mode == "dead" else None
+
+    def faulted_rejection(self) -> Rejection | None:
+        """The 503 a faulted engine's admission check answers after the model check; None otherwise."""
+        return self._faulted if self.mode == "faulted" else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.mode, "kv_connector": self.kv_connector}

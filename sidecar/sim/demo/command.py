@@ -63,7 +63,7 @@ QUICK = Scale(rate=40.0, duration=3.0, lease=2.5, num_blocks=128, sample_interva
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (the test suite's)")
-    parser.add_argument("--vllm-version", default="0.33.0", help="vLLM release of P and D (default 0.33.0)")
+    parser.add_argument("--vllm-version", default="0.34.0", help="vLLM release of P and D (default 0.34.0)")
     parser.add_argument("--out", default="out/demo", help="directory of the PNG and JSON (default out/demo)")
     parser.add_argument("--seed", type=int, default=7, help="seed of arrivals and prompts (default 7)")
     parser.add_argument("--quiet", action="store_true", help="print nothing, only the exit code")

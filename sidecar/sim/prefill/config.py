@@ -27,7 +27,7 @@ class PrefillSimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     host: str = "127.0.0.1"
     port: int = 8100
-    vllm_version: str = "0.33.0"
+    vllm_version: str = "0.34.0"
     tp: int = 1
     pp: int = 1
     engine_id: str = ""  # "" picks a random UUID at start, like vLLM's default
@@ -103,7 +103,7 @@ _TYPES: dict[str, Any] = {
     "latency": float,
 }
 _HELP = {
-    "vllm_version": "vLLM release whose wire format P speaks (0.9.0 - 0.33.x)",
+    "vllm_version": "vLLM release whose wire format P speaks (0.9.0 - 0.34.x)",
     "tp": "tensor-parallel workers (one NIXL agent each)",
     "pp": "pipeline-parallel ranks (vLLM 0.26.0+)",
     "lease": "seconds before P frees un-notified blocks (0 = never)",

@@ -2,7 +2,7 @@
 
 ``release_for("0.21.0")`` returns a ``Release``: one frozen record of every
 behaviour of P's NIXL connector and OpenAI server that changed between vLLM
-0.9.0 and 0.33.x, with the boundaries taken from vLLM's own source,
+0.9.0 and 0.34.x, with the boundaries taken from vLLM's own source,
 release by release. The rest of the simulator
 only reads these fields, so a release boundary lives in exactly one place.
 """
@@ -19,7 +19,7 @@ RequestForm = Literal["raw", "tp", "pp_tp"]
 CountRule = Literal["first", "equal", "d_tp"]
 
 OLDEST: VersionKey = (0, 9, 0)
-NEWEST: VersionKey = (0, 33, 99)
+NEWEST: VersionKey = (0, 34, 99)
 T = TypeVar("T")
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -37,6 +37,7 @@ _F_0_29_HEAD = (
 )
 _REGIONS = ("region_num_blocks", "region_group_ids", "region_names", "region_mem_types")
 _MEMBERS = ("region_members", "packed_member_layouts")
+_MEMBERS_0_34 = ("region_members", "layer_group_ids", "packed_member_layouts")
 METADATA_FIELDS: tuple[tuple[VersionKey, tuple[str, ...]], ...] = (
     ((0, 9, 0), _F_0_9_0),
     ((0, 9, 1), (*_F_0_9_0, "tp_size", "block_len", "attn_backend_name")),
@@ -52,6 +53,7 @@ METADATA_FIELDS: tuple[tuple[VersionKey, tuple[str, ...]], ...] = (
     ((0, 30, 0), (*_F_0_29_HEAD, *_REGIONS, "dcp_size", "pcp_size")),
     ((0, 31, 0), (*_F_0_29_HEAD, *_REGIONS, "dcp_size", "pcp_size", *_MEMBERS)),
     ((0, 32, 0), (*_F_0_29_HEAD, *_REGIONS, "dcp_size", "pcp_size", "ple_block_len", *_MEMBERS)),
+    ((0, 34, 0), (*_F_0_29_HEAD, *_REGIONS, "dcp_size", "pcp_size", "ple_block_len", *_MEMBERS_0_34)),
 )
 
 # NIXL_CONNECTOR_VERSION, hashed into compatibility_hash from 0.13.0.
@@ -66,11 +68,12 @@ CONNECTOR_VERSIONS: tuple[tuple[VersionKey, int], ...] = (
     ((0, 31, 0), 13),
     ((0, 32, 0), 14),
     ((0, 33, 0), 15),
+    ((0, 34, 0), 16),
 )
 
 
 class UnsupportedVersion(ValueError):
-    """A version string the simulator cannot model (not 0.9.0 - 0.33.x)."""
+    """A version string the simulator cannot model (not 0.9.0 - 0.34.x)."""
 
 
 def parse_version(text: str) -> VersionKey:
@@ -80,7 +83,7 @@ def parse_version(text: str) -> VersionKey:
         raise UnsupportedVersion(f"{text!r} is not a vLLM version like 0.21.0")
     key = (int(match[1]), int(match[2]), int(match[3] or 0))
     if not OLDEST <= key <= NEWEST:
-        raise UnsupportedVersion(f"{text!r} is outside the modelled range 0.9.0 - 0.33.x")
+        raise UnsupportedVersion(f"{text!r} is outside the modelled range 0.9.0 - 0.34.x")
     return key
 
 

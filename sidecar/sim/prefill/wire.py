@@ -35,7 +35,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 class NixlHandshakePayload(msgspec.Struct):
-    """Handshake reply envelope, vLLM 0.13.0-0.33.x (a dataclass there; a map on the wire)."""
+    """Handshake reply envelope, vLLM 0.13.0-0.34.x (a dataclass there; a map on the wire)."""
 
     compatibility_hash: str
     agent_metadata_bytes: bytes  # a msgpack NixlAgentMetadata
@@ -99,6 +99,7 @@ def metadata_values(worker: WorkerIdentity, shape: EngineShape) -> dict[str, Any
         "pcp_size": 1,
         "ple_block_len": None,
         "region_members": [],
+        "layer_group_ids": {},
         "packed_member_layouts": {},
     }
 
