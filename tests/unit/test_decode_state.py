@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.classify import NoAnswer
+from sidecar.classify import ENGINE_FAULTED_MESSAGE, NoAnswer
 from sidecar.decode import probes as decode_probes
 from sidecar.decode.probes import probe_kv_connector
-from sidecar.classify import ENGINE_FAULTED_MESSAGE
 from sidecar.decode.state import (
     ENGINE_DEAD_MESSAGES,
     FAULTED_HOLD,
