@@ -12,10 +12,10 @@ from __future__ import annotations
 from sidecar.nixl.versions import WireProfile
 
 #: The releases whose P code produced ``RESULT`` (the conformance run's default).
-RECORDED = ("0.33.0", "0.21.0")
+RECORDED = ("0.34.0", "0.21.0")
 #: Releases that gave the same ``RESULT`` when run by hand (``KVR_CONFORMANCE_DUPLICATE_VLLM``):
 #: the reader count (0.29.0) and D's TP size (0.26.0) schemes beside the default two.
-ALSO_MATCHED = ("0.29.0", "0.26.0")
+ALSO_MATCHED = ("0.33.0", "0.29.0", "0.26.0")
 P_TP, D_TP = 2, 4
 
 # Who sends, per P rank, in the order P handles it: "D" one of D's two readers, "S" the sidecar.

@@ -4,7 +4,7 @@
 (vLLM 0.21.0+) already released a rejected request, and ``sidecar.classify``
 tells two in-stream 503s apart by their text. Each row rests on a reading of
 vLLM's serving code; these tests re-read it in the wheel of every release under
-test (0.21.0, 0.25.1, 0.29.0, 0.31.0 and 0.33.0 by default,
+test (0.21.0, 0.25.1, 0.29.0, 0.31.0, 0.33.0 and 0.34.0 by default,
 ``KVR_CONFORMANCE_COVERAGE_VLLM``), so a release that moves a raise site
 fails a test instead of a release. A row must hold from its first release on
 and, where that is checkable, be absent before. The wheel is read with
@@ -43,7 +43,9 @@ from tests.conformance.vllm_source import (
 
 VERSIONS = [
     v
-    for v in os.environ.get("KVR_CONFORMANCE_COVERAGE_VLLM", "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0").split(",")
+    for v in os.environ.get(
+        "KVR_CONFORMANCE_COVERAGE_VLLM", "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0,0.34.0"
+    ).split(",")
     if v
 ]
 NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/"

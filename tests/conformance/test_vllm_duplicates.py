@@ -20,7 +20,7 @@ before the next one leaves, so the order P sees is the order written in
 which every rank reported the request finished, or ``"lease"`` when none did
 and only P's lease expiry freed it.
 
-Finding (0.21.0 and 0.33.0 alike): the sidecar's message between D's two
+Finding (0.21.0, 0.33.0 and 0.34.0 alike): the sidecar's message between D's two
 strands the request on every rank until the lease; before or after D's, it
 frees (early, or it is logged as "unrecognized"). ``docs/operations.md``
 ("Duplicate notifications") draws the consequences.

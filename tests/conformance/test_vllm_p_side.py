@@ -49,7 +49,9 @@ CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/"
 # The NIXL connector (a single file until 0.19.x, a package from 0.20.0) and its helpers.
 SOURCES = ("v1/nixl_connector.py", "v1/nixl/", "utils.py", "v1/base.py")
 VERSIONS = [
-    v for v in os.environ.get("KVR_CONFORMANCE_VLLM", "0.33.0,0.29.0,0.21.0,0.13.0,0.11.0").split(",") if v
+    v
+    for v in os.environ.get("KVR_CONFORMANCE_VLLM", "0.34.0,0.33.0,0.29.0,0.21.0,0.13.0,0.11.0").split(",")
+    if v
 ]
 
 
@@ -528,7 +530,7 @@ import pytest  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from sidecar.config import Config  # noqa: E402
-from sidecar.nixl.versions import WireProfile  # noqa: E402
+from sidecar.nixl.versions import NEWEST, WireProfile  # noqa: E402
 from sidecar.params import release_params  # noqa: E402
 from sidecar.release.base import JobResult, ReleaseJob  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
@@ -537,7 +539,14 @@ from tests.conformance.wheels import fetch_wheel  # noqa: E402
 pytestmark = pytest.mark.nixl
 
 # (version, tp, pp): PP only where pull reads pp_size (0.29.0+)
-TOPOLOGY = {"0.33.0": (2, 2), "0.29.0": (1, 2), "0.21.0": (2, 1), "0.13.0": (2, 1), "0.11.0": (2, 1)}
+TOPOLOGY = {
+    "0.34.0": (2, 2),
+    "0.33.0": (2, 2),
+    "0.29.0": (1, 2),
+    "0.21.0": (2, 1),
+    "0.13.0": (2, 1),
+    "0.11.0": (2, 1),
+}
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -597,11 +606,14 @@ def p_request_id(version: str, x_request_id: str) -> str:
     )
 
 
-async def releaser(version: str) -> NixlReleaser:
+async def releaser(version: str, reported: str = "") -> NixlReleaser:
+    """The sidecar's releaser for P of ``version``, told the release ``reported`` (as D's
+    ``/version`` would; default: ``version``)."""
+
     async def no_version() -> str | None:
         return None
 
-    cfg = Config(vllm_version=version, prefill_allow=("127.0.0.1/32",), handshake_timeout=5.0)
+    cfg = Config(vllm_version=reported or version, prefill_allow=("127.0.0.1/32",), handshake_timeout=5.0)
     r = NixlReleaser(cfg, no_version, CollectorRegistry())
     await r.start()
     return r
@@ -648,3 +660,26 @@ async def test_late_release_after_expiry_is_only_logged(prefill: Any) -> None:
         assert p.finished(rid) == ranks and not [e for e in p.events if "error" in e]
     finally:
         await sidecar.close()
+
+
+@pytest.mark.parametrize("reported", ["0.99.0", "0.35.0rc1"])
+async def test_a_newer_release_than_any_known_frees_on_every_rank(reported: str) -> None:
+    """D reports a release no one has made; P runs the newest known release's own code at TP 2
+    (PP 2): the newest known wire is used, vLLM's P frees the request on every rank and logs no
+    unknown id."""
+    version = ".".join(map(str, NEWEST))
+    p = PProcess(fetch_wheel(version), 2, 2)
+    try:
+        ranks = sorted((pp, tp) for pp in range(p.pp) for tp in range(p.tp))
+        rid = p_request_id(version, "future")
+        await p.hold(rid)
+        sidecar = await releaser(version, reported=reported)
+        try:
+            assert await sidecar.release(job(version, p, "future")) is JobResult.SENT
+            await p.await_(lambda: p.finished(rid) == ranks, f"{rid} freed on every rank")
+            await p.settle()
+            assert not p.logs("unrecognized request") and not [e for e in p.events if "error" in e]
+        finally:
+            await sidecar.close()
+    finally:
+        p.stop()

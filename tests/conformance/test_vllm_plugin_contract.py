@@ -43,9 +43,9 @@ from tests.fake_engine import LegacyEngine, NotifyEngine
 
 VERSIONS = [
     v
-    for v in os.environ.get("KVR_CONFORMANCE_PLUGIN_VLLM", "0.33.0,0.26.0,0.21.0,0.20.0,0.11.0,0.9.2").split(
-        ","
-    )
+    for v in os.environ.get(
+        "KVR_CONFORMANCE_PLUGIN_VLLM", "0.34.0,0.33.0,0.26.0,0.21.0,0.20.0,0.11.0,0.9.2"
+    ).split(",")
     if v
 ]
 TOKEN = "conformance-token-0123456789"

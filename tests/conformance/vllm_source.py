@@ -32,7 +32,7 @@ def wheel_or_skip(version: str) -> Path:
     return fetch_wheel(version)
 
 
-def releases(variable: str, default: str = "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0") -> list[str]:
+def releases(variable: str, default: str = "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0,0.34.0") -> list[str]:
     """The vLLM releases a test module reads: ``$variable`` (comma-separated) or ``default``."""
     return [v for v in os.environ.get(variable, default).split(",") if v]
 

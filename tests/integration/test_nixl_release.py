@@ -25,7 +25,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.nixl import EngineMismatch, HandshakeTimeout, PeerUnreachable
+from sidecar.nixl import BadReply, EngineMismatch, HandshakeTimeout, PeerUnreachable
 from sidecar.nixl.messages import HandshakePayload, agent_metadata_layout
 from sidecar.nixl.peer import import_nixl
 from sidecar.nixl.versions import WireProfile
@@ -269,6 +269,7 @@ def sample(releaser: NixlReleaser, name: str, **labels: str) -> float:
 # --- every rank freed exactly once, per release ------------------------------------------------
 
 TOPOLOGIES = [
+    ("0.34.0", 2, 1),
     ("0.33.0", 1, 1),
     ("0.33.0", 2, 2),
     ("0.29.0", 4, 1),
@@ -386,16 +387,19 @@ async def test_empty_allowlist_warns_at_start(
     assert "releases nothing" in caplog.text
 
 
-@pytest.mark.parametrize("answer", [None, "0.34.0", "0.26.0rc1", "not-a-version"])
+@pytest.mark.parametrize(
+    ("answer", "unknown"),
+    [(None, "newest"), ("0.26.0rc1", "newest"), ("not-a-version", "newest"), ("0.35.0", "refuse")],
+)
 async def test_unknown_version_sends_nothing(
-    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], answer: str | None
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], answer: str | None, unknown: str
 ) -> None:
     p = start(prefills, "0.33.0")
 
     async def version() -> str | None:
         return answer
 
-    releaser = await releaser_factory(config(), version)
+    releaser = await releaser_factory(config(unknown_vllm=unknown), version)
     with pytest.raises(PermanentReleaseError) as info:
         await releaser.release(make_job(p.params("u"), "u"))
     assert info.value.reason == "unknown_version"
@@ -490,3 +494,62 @@ async def test_p_restarted_with_new_agents_rehandshakes(
     assert second.requests == 2
     # The cached agents were the dead ones: the send failed and one re-handshake followed.
     assert sample(releaser, "kvr_nixl_handshake_cache_evictions_total", reason="send_failure") == 1
+
+
+# --- a vLLM newer than every known release ---------------------------------------------------
+
+
+class ChangedWirePrefill(FakePrefill):
+    """P of a future vLLM whose handshake reply changed: the payload's field is renamed."""
+
+    def encoded(self, rank: Rank) -> bytes:
+        layout = agent_metadata_layout(self.profile.low)
+        md = layout(engine_id=self.engine_id, agent_metadata=self.agents[rank].get_agent_metadata())
+        return msgspec.msgpack.encode({"hash": "0" * 64, "metadata_v2": msgspec.msgpack.encode(md)})
+
+
+@pytest.mark.parametrize("reported", ["0.35.0", "0.34.1", "1.0.0rc1"])
+async def test_a_newer_vllm_is_released_with_the_newest_wire_on_every_rank(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], reported: str
+) -> None:
+    """D reports a release no one has made yet; P speaks 0.34.0's wire: every rank is freed."""
+    p = start(prefills, "0.34.0", 2, 2)
+
+    async def version() -> str | None:
+        return reported
+
+    releaser = await releaser_factory(config(), version)
+    assert await releaser.release(make_job(p.params("new-1"), "new-1")) is JobResult.SENT
+    assert await p.received(b"new-1:1") == {rank: 1 for rank in p.ranks}
+    assert p.dead == []
+
+
+async def test_a_newer_vllm_whose_reply_does_not_decode_is_refused_as_unknown_wire(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    p = prefills_start(prefills, ChangedWirePrefill("0.34.0", 2, 1))
+    releaser = await releaser_factory(config(vllm_version="0.35.0"))
+    with pytest.raises(PermanentReleaseError) as info:
+        await releaser.release(make_job(p.params("w"), "w"))
+    assert info.value.reason == "unknown_wire"
+    assert "newer than every release this sidecar knows" in str(info.value)
+    assert sample(releaser, "kvr_nixl_refused_total", reason="unknown_wire") == 1
+    assert sample(releaser, "kvr_nixl_errors_total", reason="bad_reply") == 0  # never retried
+    p.drain()
+    assert all(not v for v in p.notifs.values())  # nothing was sent to P
+
+
+async def test_a_known_release_whose_reply_does_not_decode_is_retried_as_bad_reply(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    """The same reply from a P the sidecar knows is a fault of that P, not a new wire."""
+    p = prefills_start(prefills, ChangedWirePrefill("0.34.0", 1, 1))
+    releaser = await releaser_factory(config(vllm_version="0.34.0"))
+    with pytest.raises(BadReply):
+        await releaser.release(make_job(p.params("k"), "k"))
+    assert sample(releaser, "kvr_nixl_refused_total", reason="unknown_wire") == 0
+
+
+def prefills_start(prefills: list[FakePrefill], p: FakePrefill) -> FakePrefill:
+    prefills.append(p)
+    return p

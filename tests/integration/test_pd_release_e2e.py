@@ -29,13 +29,20 @@ pytestmark = pytest.mark.nixl
 
 @contextmanager
 def cluster(
-    version: str, tp: int, pp: int = 1, *, vllm_d: bool = True, lease: float = 0, **sidecar: Any
+    version: str,
+    tp: int,
+    pp: int = 1,
+    *,
+    vllm_d: bool = True,
+    lease: float = 0,
+    d_version: str | None = None,
+    **sidecar: Any,
 ) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
     p_config = PrefillSimConfig(
         port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=lease, side_channel_port=0
     )
     hooks = VllmDHooks(version) if vllm_d else None
-    d_config = DecodeSimConfig(port=0, version=version, max_model_len=40, model="sim-prefill")
+    d_config = DecodeSimConfig(port=0, version=d_version or version, max_model_len=40, model="sim-prefill")
     settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
     with (
         serve(create_prefill_app(p_config)) as p,
@@ -88,6 +95,8 @@ def wait_stats(p: ServerThread, check: Any, timeout: float = 10.0) -> dict[str, 
 @pytest.mark.parametrize(
     ("version", "tp", "pp"),
     [
+        ("0.34.0", 2, 1),
+        ("0.34.0", 2, 2),
         ("0.33.0", 1, 1),
         ("0.33.0", 2, 1),
         ("0.33.0", 4, 1),
@@ -211,8 +220,9 @@ def test_a_replay_while_the_release_is_still_retrying_is_refused() -> None:
 
 
 def test_a_release_the_strategy_refused_leaves_the_parameters_usable() -> None:
-    # Nothing was sent (an unknown vLLM release), so P still holds the blocks: a retry goes to D.
-    with cluster("0.33.0", 2, vllm_version="0.99.0") as (p, d, sc):
+    # Nothing was sent (a newer vLLM release, refused by setting), so P still holds the blocks: a
+    # retry goes to D.
+    with cluster("0.33.0", 2, vllm_version="0.99.0", unknown_vllm="refuse") as (p, d, sc):
         params = prefill(p, "keep-1")
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
@@ -302,8 +312,8 @@ def test_replayed_failing_copy_of_an_admitted_request_is_not_released() -> None:
         assert stats(p)["notifs_unknown"] == 0
 
 
-def test_unknown_vllm_release_sends_nothing() -> None:
-    with cluster("0.33.0", 2, vllm_version="0.99.0") as (p, _d, sc):
+def test_a_newer_vllm_refused_by_setting_sends_nothing() -> None:
+    with cluster("0.33.0", 2, vllm_version="0.99.0", unknown_vllm="refuse") as (p, _d, sc):
         params = prefill(p, "unk-1")
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
@@ -311,6 +321,23 @@ def test_unknown_vllm_release_sends_nothing() -> None:
         assert sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1
         current = stats(p)
         assert current["handshakes_served"] == 0 and current["pinned_requests"] == 1
+
+
+def test_a_newer_vllm_reported_by_d_is_released_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """D's /version names a release no one has made; P speaks 0.34.0's wire (the newest known)."""
+    caplog.set_level("WARNING", logger="sidecar.version")
+    with cluster("0.34.0", 2, 2, d_version="0.99.0") as (p, _d, sc):
+        for n in (1, 2):
+            params = prefill(p, f"new-{n}")
+            body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
+            assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        assert after["notifs_per_rank"] == [2] * 4 and after["notifs_unknown"] == 0
+        sc.settle()
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 2
+        assert sc.sample("kvr_vllm_unknown_version_info", version="0.99.0") == 1
+        warned = [r for r in caplog.records if "newer than every release" in r.getMessage()]
+        assert len(warned) == 1 and "0.99.0" in warned[0].getMessage()
 
 
 DOWN = {"release_deadline": 4.0, "release_retry_max": 0.25}
