@@ -467,3 +467,50 @@ def test_responses_stream_cut_after_its_lead_events_is_released_when_configured(
         assert sc.wait_idle()
         sc.settle()
         assert sc.released() == ["rs-cut-2"]
+
+
+@RETRIED
+def test_a_faulted_engine_is_not_left_to_d_and_is_judged_as_any_503(retried: object) -> None:
+    """vLLM 0.34.0's EngineFaultedError (fault tolerance on, engine core faulted): D's wrapper calls
+    its notify, but it waits in the faulted engine core, so D does not release it in time. Behind a
+    proxy that retries 503 it is left to the retry; with nothing in front it is the sidecar's."""
+    config = DecodeSimConfig(port=0, version="0.34.0", max_model_len=50, engine="faulted")
+    with (
+        serve(create_decode_app(config)) as d,
+        run_sidecar(d.url, release="nixl", record=True, retried_statuses=retried) as sc,
+    ):
+        response = httpx.post(sc.url + "/v1/chat/completions", json=chat("hi", "faulted-1"), timeout=10)
+        assert response.status_code == 503
+        assert response.json()["error"]["message"].startswith("The engine has faulted")
+        if retried == SHIPPED:
+            left_to_a_retry(sc, "engine_faulted")
+            return
+        assert sc.wait_released(1) == ["faulted-1"]
+        job = sc.releaser.recorded[0]
+        assert (job.cause, job.covered) == ("engine_faulted", False)
+
+
+def test_after_a_faulted_answer_d_s_handler_rejections_are_released_by_the_sidecar() -> None:
+    """While D answers EngineFaultedError, its own notification of any rejection waits in the faulted
+    engine core: a handler 400 that D would release itself is the sidecar's for a while."""
+    config = DecodeSimConfig(port=0, version="0.34.0", max_model_len=50, engine="faulted")
+    with serve(create_decode_app(config)) as d, run_sidecar(d.url, release="nixl", record=True) as sc:
+        faulted = chat("hi", "fault")
+        assert httpx.post(sc.url + "/v1/chat/completions", json=faulted, timeout=10).status_code == 503
+        assert sc.wait_released(1) == ["fault"]
+        assert httpx.post(d.url + "/sim/engine", json={"engine": "alive"}).status_code == 200
+        long = chat("word " * 80, "after-fault")
+        assert httpx.post(sc.url + "/v1/chat/completions", json=long, timeout=10).status_code == 400
+        assert sc.wait_released(2) == ["fault", "after-fault"]
+        assert [job.covered for job in sc.releaser.recorded] == [False, False]
+
+
+def test_without_a_fault_the_same_handler_rejection_is_left_to_d() -> None:
+    """The control of the test above: D's engine alive, the same 400 is D's own to release."""
+    config = DecodeSimConfig(port=0, version="0.34.0", max_model_len=50)
+    with serve(create_decode_app(config)) as d, run_sidecar(d.url, release="nixl", record=True) as sc:
+        long = chat("word " * 80, "no-fault")
+        assert httpx.post(sc.url + "/v1/chat/completions", json=long, timeout=10).status_code == 400
+        sc.settle()
+        assert sc.released() == []
+        assert sc.sample("kvr_releases_total", strategy="dry-run", result="covered_by_engine") == 1
