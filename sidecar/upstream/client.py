@@ -37,7 +37,7 @@ from sidecar.upstream.http1 import BodyError, Connection, ProtocolError
 
 Headers = list[tuple[bytes, bytes]]
 # An idle connection older than this is closed rather than reused. vLLM serves with uvicorn's
-# keep-alive of 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 0.9 to 0.33): dropping ours first keeps a
+# keep-alive of 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 0.9 to 0.34): dropping ours first keeps a
 # request from being written on a connection D is closing, which would end in RESET_AFTER_SEND.
 KEEPALIVE_SECONDS = 4.0
 

@@ -2,7 +2,7 @@
 
 vLLM's ``EngineClient`` (``vllm/engine/protocol.py``) is reached as
 ``app.state.engine_client`` (set by ``init_app_state`` in every release
-0.9.2-0.33.0). The plugin uses only:
+0.9.2-0.34.0). The plugin uses only:
 
 * ``notify_kv_transfer_request_rejected(request_id, kv_transfer_params, *,
   data_parallel_rank=None)`` (0.21.0+): ``AsyncLLM`` submits a one-token

@@ -1,6 +1,6 @@
 """The middleware form: ``vllm serve ... --middleware sidecar.vllm_plugin.KVReleaseMiddleware``.
 
-Works on every vLLM release with ``--middleware`` (0.9.2-0.33.0 checked): vLLM
+Works on every vLLM release with ``--middleware`` (0.9.2-0.34.0 checked): vLLM
 imports the class and calls ``app.add_middleware(cls)``, so Starlette builds it
 with the next ASGI app only, when the server starts. Requests under
 ``/kv_release/v1/`` are answered here (the route needs no FastAPI); every other
