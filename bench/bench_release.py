@@ -202,7 +202,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--version", default="0.33.0")
+    parser.add_argument("--version", default="0.34.0")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--cold", type=int, default=100)

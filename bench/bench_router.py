@@ -48,7 +48,7 @@ from sidecar.router import decode_body, prefill_body
 
 PathName = Literal["router", "sidecar_only"]
 PATHS: tuple[PathName, PathName] = ("router", "sidecar_only")
-VERSION = "0.33.0"
+VERSION = "0.34.0"
 ROUTE = "/v1/completions"
 MODEL = "sim-model"  # sim-decode's default served model
 DEFAULT_JSON = Path("out/bench-router.json")

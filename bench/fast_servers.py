@@ -34,7 +34,7 @@ import uvloop
 from sidecar.wire import error_body
 
 BACKLOG = 4096
-VERSION = "0.33.0"
+VERSION = "0.34.0"
 MODEL = "sim-model"
 _ENCODER = msgspec.json.Encoder()
 _REJECTION = error_body(

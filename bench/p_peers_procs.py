@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = "0.34.0"
 NUM_THREADS = 4  # vLLM 0.33.0's default "num_threads" for P's UCX backend
 HOST = "127.0.0.1"
 BATCH = 32  # notifications per notify_many call on a peer

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.procs import HOST, STOP_TIMEOUT, Child, CorePlan, free_port, sidecar_argv, wait_all_ready
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = "0.34.0"
 MODEL = "sim-prefill"  # P's default model name; D serves the same
 PROMPT = "tok tok tok tok tok tok tok tok"  # 8 words: one 16-token block on P
 PREFILL_BLOCKS = 200_000

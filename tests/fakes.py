@@ -143,7 +143,7 @@ def refused(request: FakeRequest) -> FakeResponse:
 class FakeDecode:
     """``DecodeWatch``: D's release and whether its engine can notify, set by the test."""
 
-    def __init__(self, version: str | None = "0.33.0", can_notify: bool = True) -> None:
+    def __init__(self, version: str | None = "0.34.0", can_notify: bool = True) -> None:
         self._version, self._can_notify = version, can_notify
         self.observed: list[tuple[NoAnswer | int, str | None, bool]] = []  # what the proxy saw of D
 

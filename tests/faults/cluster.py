@@ -1,6 +1,6 @@
 """The fault scenarios' cluster: P and "vLLM D" simulators, fault gates, an in-process sidecar.
 
-``backends()`` starts, once per session, the prefill simulator (vLLM 0.33.0,
+``backends()`` starts, once per session, the prefill simulator (vLLM 0.34.0,
 TP 2, real NIXL agents, a lease of 0 so only a notification ever frees a
 block) and the decode simulator in "vLLM D" mode (it notifies P over NIXL for
 what it admits and, having vLLM's own fix, for what its handler rejects or
@@ -33,7 +33,7 @@ from tests.faults.gate import FaultGate
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, serve
 
-VERSION = "0.33.0"
+VERSION = "0.34.0"
 TP = 2
 MODEL = "sim-prefill"
 MAX_MODEL_LEN = 40  # D's, in words

@@ -1,6 +1,6 @@
 """``python -m tests.faults.soak``: a bounded soak of the sidecar through the simulators, with faults.
 
-Starts P (``sim-prefill``, vLLM 0.33.0, TP 2, pins that never expire), "vLLM D"
+Starts P (``sim-prefill``, vLLM 0.34.0, TP 2, pins that never expire), "vLLM D"
 (``sim-decode --vllm-d``) and the sidecar (``tests.faults.sidecar_proc``: the
 production ``serve`` plus a debug port, release ``nixl``) as child processes,
 then sends P->D flows in rounds (``--round``, 32 in flight) until

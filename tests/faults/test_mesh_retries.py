@@ -2,7 +2,7 @@
 
 Two decode pods, each a sidecar (``--release nixl``, default
 ``retried_statuses``) in front of its D, share one P (the prefill simulator,
-vLLM 0.33.0, TP 2, pins that never expire). In front of both: Debian's nginx
+vLLM 0.34.0, TP 2, pins that never expire). In front of both: Debian's nginx
 or haproxy running ``deploy/mesh``'s configuration as shipped, retrying a
 503 on the other pod with the same body, P's ``kv_transfer_params`` and all.
 Pod 1 fails in one of three ways (its D down, its D answering a

@@ -1,6 +1,6 @@
 """A P that restarts at the same address is a new P; one that comes back is used at once.
 
-P (the prefill simulator, vLLM 0.33.0, TP 2) is stopped and started again on
+P (the prefill simulator, vLLM 0.34.0, TP 2) is stopped and started again on
 the same side-channel port, with the same engine id (an operator's
 ``--engine-id``) or a new one. Its NIXL agents get new names: that is what
 tells the sidecar the process is new. Requests prefilled by the old P and
