@@ -15,7 +15,10 @@ HELP: dict[str, tuple[str, str]] = {
     "admin_port": ("admin port: /healthz, /readyz and /metrics", "TCP port"),
     "decode_url": ("vLLM decode server (D) as scheme://host:port, without a path", "URL"),
     "max_body_bytes": ("largest inspected request body; above it: 413, released if trusted", "bytes"),
-    "connect_timeout": ("connecting to D; a failure is answered 503 (released if 503 is not retried)", "seconds"),
+    "connect_timeout": (
+        "connecting to D; a failure is answered 503 (released if 503 is not retried)",
+        "seconds",
+    ),
     "pool_timeout": (
         "waiting for a free connection to D; a failure is answered 503 (released if 503 is not retried)",
         "seconds",

@@ -64,7 +64,8 @@ def render() -> str:
     """The whole page."""
     rows = [row(f.name, f.default) for f in msgspec.structs.fields(Config)]
     others = "\n".join(f"- `{name}`: {what}." for name, what in sorted(OTHER_ENV.items()))
-    return INTRO + "\n".join(rows) + f"\n\nOther `{ENV_PREFIX}*` variables the same install reads:\n\n{others}\n"
+    tail = f"\n\nOther `{ENV_PREFIX}*` variables the same install reads:\n\n{others}\n"
+    return INTRO + "\n".join(rows) + tail
 
 
 def main() -> None:
