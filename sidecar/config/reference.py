@@ -56,7 +56,7 @@ def row(name: str, default: Any) -> str:
     text, unit = HELP[name]
     what = f"{text} ({unit})" if unit else text
     flag, variable = "--" + name.replace("_", "-"), ENV_PREFIX + name.upper()
-    cells = [f"`{name}`", f"`{flag}` `{variable}`", default_text(default), what.replace("|", "\\|")]
+    cells = [f"`{name}`", f"`{flag}`<br>`{variable}`", default_text(default), what.replace("|", "\\|")]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -23,10 +23,10 @@ def test_every_field_has_one_row_with_its_flag_variable_and_default() -> None:
     for field in msgspec.structs.fields(Config):
         flag, variable = "--" + field.name.replace("_", "-"), "KVR_" + field.name.upper()
         (line,) = [line for line in lines if line.startswith(f"| `{field.name}` |")]
-        assert f"`{flag}` `{variable}`" in line
+        assert f"`{flag}`<br>`{variable}`" in line
     for shown in (
-        "| `release` | `--release` `KVR_RELEASE` | `dry-run` |",
-        "| `retried_statuses` | `--retried-statuses` `KVR_RETRIED_STATUSES` | `502,503,504` |",
-        "| `release_ambiguous` | `--release-ambiguous` `KVR_RELEASE_AMBIGUOUS` | `false` |",
+        "| `release` | `--release`<br>`KVR_RELEASE` | `dry-run` |",
+        "| `retried_statuses` | `--retried-statuses`<br>`KVR_RETRIED_STATUSES` | `502,503,504` |",
+        "| `release_ambiguous` | `--release-ambiguous`<br>`KVR_RELEASE_AMBIGUOUS` | `false` |",
     ):
         assert any(line.startswith(shown) for line in lines), shown
