@@ -22,17 +22,10 @@ COMMAND = "python -m sidecar.config.reference > docs/settings.md"
 INTRO = f"""# Settings reference
 
 Generated from `Config` (`sidecar/config/settings.py`) by `{COMMAND}`;
-edit the code, not this page. [configuration.md](configuration.md) says which
-settings most deployments set.
-
-Every setting of `kv-release-sidecar serve` and `check` is a flag, a `KVR_*`
-variable and a key of the TOML file named by `--config` (env
-`{ENV_PREFIX}CONFIG`); flags win over variables, variables over the file, the
-file over the defaults. Durations take seconds or `500ms`, `30s`, `2m`, `1h`;
-lists are comma-separated in flags and variables, arrays in TOML; switches
-are `--x` / `--no-x`, `true`/`false` or `1`/`0`. A bad value stops the
-command with exit code 2 and a line naming the setting, where the value came
-from, the value and the reason.
+edit the code, not this page. [configuration.md](configuration.md) has the
+rules (precedence, durations, lists) and the settings most deployments set.
+Each setting is a flag, a `KVR_*` variable and a key of the TOML file named
+by `--config` (env `{ENV_PREFIX}CONFIG`).
 
 | TOML key | flag, variable | default | what it does |
 | --- | --- | --- | --- |
