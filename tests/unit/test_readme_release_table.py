@@ -291,6 +291,22 @@ def test_ineligible_parameters_reach_the_judge_without_parameters() -> None:
             ),
             SIDECAR_FREES,
         ),
+        # ... D's own release covers a client gone on its wrapped routes (0.21.0+).
+        (
+            Case(
+                Event(failure=NoAnswer.CLIENT_GONE_AFTER_FORWARD), CHAT, settings={"release_ambiguous": True}
+            ),
+            D_FREES,
+        ),
+        (
+            Case(
+                Event(failure=NoAnswer.CLIENT_GONE_AFTER_FORWARD),
+                CHAT,
+                "0.20.0",
+                settings={"release_ambiguous": True},
+            ),
+            SIDECAR_FREES,
+        ),
     ],
     ids=[
         "unreachable-none",
@@ -302,6 +318,8 @@ def test_ineligible_parameters_reach_the_judge_without_parameters() -> None:
         "header-timeout-ambiguous-none",
         "stream-5xx-ambiguous",
         "client-gone-ambiguous",
+        "client-gone-ambiguous-wrapped-route",
+        "client-gone-ambiguous-before-0.21",
     ],
 )
 def test_what_the_released_column_says_of_other_settings(case: Case, expected: str) -> None:
