@@ -46,7 +46,7 @@ vLLM's P/D does not serve such a body (P returns the first prompt's
 route too.
 
 A 4xx/5xx status before any body byte is taken as a rejection before
-admission. vLLM has a few answers that break that rule (docs/operations.md,
+admission. vLLM has a few answers that break that rule (docs/vllm-releases.md,
 "Where the classification is not exact"): a non-streaming 500 for a request
 that finished with an error, a pre-0.21.0 400 from output processing after
 the request finished (both: D already read and notified, so the release only

@@ -15,8 +15,14 @@ HELP: dict[str, tuple[str, str]] = {
     "admin_port": ("admin port: /healthz, /readyz and /metrics", "TCP port"),
     "decode_url": ("vLLM decode server (D) as scheme://host:port, without a path", "URL"),
     "max_body_bytes": ("largest inspected request body; above it: 413, released if trusted", "bytes"),
-    "connect_timeout": ("connecting to D; a failure here is released", "seconds"),
-    "pool_timeout": ("waiting for a free connection to D; a failure here is released", "seconds"),
+    "connect_timeout": (
+        "connecting to D; a failure is answered 503 (released if 503 is not retried)",
+        "seconds",
+    ),
+    "pool_timeout": (
+        "waiting for a free connection to D; a failure is answered 503 (released if 503 is not retried)",
+        "seconds",
+    ),
     "header_timeout": ("D's response headers (non-streaming answers send them at the end)", "seconds"),
     "read_timeout": ("largest gap between two body chunks from D; 0 disables", "seconds"),
     "pool_size": ("connections to D at most", "connections"),
@@ -41,7 +47,11 @@ HELP: dict[str, tuple[str, str]] = {
     ),
     "ledger_size": ("released requests remembered to refuse replays and duplicates", "entries"),
     "ledger_ttl": ("how long a released request is remembered", "seconds"),
-    "release_ambiguous": ("also release when D may have admitted the request (timeouts, resets)", ""),
+    "release_ambiguous": (
+        "also release when D may have admitted the request (timeouts, resets, a stream's 5xx event), "
+        "unless its status is in retried_statuses",
+        "",
+    ),
     "retried_statuses": (
         "statuses a gateway or mesh in front of the decode pods may retry on another pod: answers "
         "with them are never released behind (that pod reads P's blocks); none when nothing retries",

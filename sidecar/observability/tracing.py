@@ -10,7 +10,7 @@ flushed and shut down when the app stops. ``Tracing``, ``OFF`` and the types
 the hooks speak live in ``sidecar.observability.spans`` (re-exported here),
 which ``otel`` builds on: ``otel`` never imports this module.
 
-Spans (documented in docs/operations.md, section Tracing):
+Spans (documented in docs/tracing.md):
 
 * ``kvr.proxy`` (SERVER): one per inspected request; parent: the client's
   ``traceparent``/``tracestate``.

@@ -22,7 +22,7 @@ and only P's lease expiry freed it.
 
 Finding (0.21.0, 0.33.0 and 0.34.0 alike): the sidecar's message between D's two
 strands the request on every rank until the lease; before or after D's, it
-frees (early, or it is logged as "unrecognized"). ``docs/operations.md``
+frees (early, or it is logged as "unrecognized"). ``docs/vllm-releases.md``
 ("Duplicate notifications") draws the consequences.
 """
 

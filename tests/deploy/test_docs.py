@@ -29,7 +29,13 @@ from tests.deploy.manifests import DOCS, ROOT
 
 ALERTS = DOCS / "alerts.yaml"
 DASHBOARD = DOCS / "grafana-dashboard.json"
-OPERATIONS = DOCS / "operations.md"
+# The operator's pages: the metrics reference and alerts, the strategies, and the pages they link.
+METRICS_PAGE = DOCS / "metrics.md"
+STRATEGIES_PAGE = DOCS / "strategies.md"
+OPERATOR_PAGES = [
+    DOCS / name
+    for name in ("deploy.md", "metrics.md", "strategies.md", "tracing.md", "workers.md", "vllm-releases.md")
+]
 # Labels Prometheus adds to every scraped series of a PodMonitor target.
 TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint", "service"}
 # Label values the code produces from an enumeration: (metric, label) -> values.
@@ -220,19 +226,20 @@ def test_dashboard_expressions_name_real_metrics() -> None:
     assert problems == []
 
 
-def test_operations_doc_lists_every_metric_strategy_and_alert() -> None:
-    text = OPERATIONS.read_text()
+def test_the_docs_list_every_metric_strategy_and_alert() -> None:
+    metrics = METRICS_PAGE.read_text()
     for family in FAMILIES.values():
         exposed = family.name + ("_total" if family.kind == "Counter" else "")
-        assert re.search(rf"`{exposed}`", text), f"{exposed} missing from the metrics reference"
-    for strategy in get_args(ReleaseStrategy):
-        assert f"| `{strategy}`" in text, f"release strategy {strategy} not described"
+        assert re.search(rf"`{exposed}`", metrics), f"{exposed} missing from the metrics reference"
     for rule in alert_rules():
-        assert f"`{rule['alert']}`" in text
+        assert f"`{rule['alert']}`" in metrics
+    strategies = STRATEGIES_PAGE.read_text()
+    for strategy in get_args(ReleaseStrategy):
+        assert f"| `{strategy}`" in strategies, f"release strategy {strategy} not described"
 
 
 def test_paths_named_in_the_docs_exist() -> None:
-    text = OPERATIONS.read_text()
+    text = "\n".join(page.read_text() for page in OPERATOR_PAGES)
     paths = set(re.findall(r"`((?:deploy|docs|sidecar|tests)/[\w./-]+)`", text))
     assert paths
     for path in paths:

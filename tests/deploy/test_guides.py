@@ -1,6 +1,6 @@
 """The guides an operator follows agree with each other and with what the repository builds.
 
-deploy/README.md and docs/operations.md give the same ordered checklist; the
+deploy/README.md and docs/deploy.md give the same ordered checklist; the
 plugin's install instructions are the plugin Dockerfile itself; no guide
 installs this project from a package index that does not serve it.
 """
@@ -26,7 +26,7 @@ from tests.deploy.manifests import (
 )
 
 DEPLOY_README = DEPLOY / "README.md"
-OPERATIONS = DOCS / "operations.md"
+DEPLOY_GUIDE = DOCS / "deploy.md"
 GUIDES = [ROOT / "README.md", DEPLOY_README, *sorted(DOCS.glob("*.md"))]
 STEP = re.compile(r"^(\d+)\. \*\*(.+?)\*\*", re.MULTILINE)
 CHECK_MARKER = "<!-- CHECK-COMMAND:"
@@ -47,14 +47,14 @@ def checklist(path: Path) -> list[str]:
     return [title for _, title in steps]
 
 
-def test_deploy_readme_and_operations_give_one_checklist() -> None:
+def test_deploy_readme_and_the_deploy_guide_give_one_checklist() -> None:
     steps = checklist(DEPLOY_README)
-    assert steps == checklist(OPERATIONS)
+    assert steps == checklist(DEPLOY_GUIDE)
     for must in ("Namespace", "images", "Trust", "Metrics", "Check", "Apply", "Verify"):
         assert any(must in step for step in steps), must
 
 
-@pytest.mark.parametrize("path", [DEPLOY_README, OPERATIONS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [DEPLOY_README, DEPLOY_GUIDE], ids=lambda p: p.name)
 def test_checklist_runs_the_check_command_in_the_decode_pod(path: Path) -> None:
     text = " ".join(path.read_text().replace("\\\n", " ").split())  # shell continuations joined
     assert "Run `kv-release-sidecar check` with the same config" in text
@@ -72,7 +72,7 @@ def test_checklist_runs_the_check_command_in_the_decode_pod(path: Path) -> None:
     assert re.search(r"Exit code 0\b[^.]{0,80}\b1\b[^.]{0,80}\b2\b", text), "the exit codes, in one sentence"
 
 
-@pytest.mark.parametrize("path", [DEPLOY_README, OPERATIONS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [DEPLOY_README, DEPLOY_GUIDE], ids=lambda p: p.name)
 def test_checklist_names_the_trust_secret_and_the_podmonitor_prerequisite(path: Path) -> None:
     text = " ".join(path.read_text().split())
     for must in (

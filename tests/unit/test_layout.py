@@ -226,7 +226,7 @@ def test_control_a_lazy_import_loop_is_found(tmp_path: Path) -> None:
     assert cycles(module_graph(package)) == [["sidecar.obs.base", "sidecar.obs.sdk"]]
 
 
-# The release decision (docs/architecture.md, "The release decision") and what router mode may
+# The release decision (docs/dev/architecture.md, "The release decision") and what router mode may
 # use of the proxy: its admission step, and the request's context, answers, disconnect watcher,
 # usage correction and answer style, never the forwarder, the refusals or the proxy's parts.
 DECISION = ("decision", "classify", "retries")
