@@ -16,7 +16,6 @@ with one line.
 from __future__ import annotations
 
 import ast
-import functools
 import os
 from collections.abc import Callable
 from http import HTTPStatus
@@ -30,14 +29,24 @@ from sidecar.classify import (
 )
 from sidecar.decision.coverage import COVERED, ENGINE_CORE_STREAMS, MAY_BE_COVERED, WRAPPED_ROUTES, Row
 from sidecar.nixl.versions import parse_version
+from tests.conformance.vllm_facts import (
+    HANDLERS,
+    WRAPPED_HANDLERS,
+    admission_refusals,
+    error_mapping,
+    mapped_type,
+    reachable_answers,
+    reaches,
+    wrapped,
+    wrapped_routes,
+    wrapper_users,
+)
 from tests.conformance.vllm_source import (
-    Func,
     Source,
     answers,
     calls,
     first_line,
     handlers,
-    raised,
     wheel_or_skip,
 )
 
@@ -55,20 +64,6 @@ PREFIXES = (
     "vllm/outputs.py",
     NIXL,
 )
-# Where a wrapped handler's calls may lead: its serving code, the shared bases, the renderer.
-SERVING = (
-    "vllm/entrypoints/openai/",
-    "vllm/entrypoints/serve/engine/",
-    "vllm/entrypoints/generate/",
-    "vllm/entrypoints/utils.py",
-    "vllm/renderers/",
-)
-# route -> (serving package, the coroutine the fix wraps)
-HANDLERS = {
-    "/v1/chat/completions": ("chat_completion", "_create_chat_completion"),
-    "/v1/completions": ("completion", "_create_completion"),
-    "/v1/responses": ("responses", "_create_responses"),
-}
 Version = tuple[int, int, int]
 Vllm = tuple[Version, Source]
 
@@ -81,59 +76,6 @@ def vllm(request: pytest.FixtureRequest) -> Vllm:
 
 
 # --- what the wheel says --------------------------------------------------------------------
-
-
-def error_mapping(src: Source) -> Func:
-    """vLLM's module-level ``create_error_response``: how an exception becomes (type, status)."""
-    found = [
-        node
-        for _, cls, node in src.defs["create_error_response"]
-        if cls is None and "isinstance(exc," in ast.unparse(node)
-    ]
-    assert len(found) == 1, f"{len(found)} create_error_response with an exception mapping"
-    return found[0]
-
-
-def mapped_type(src: Source, exception: str) -> str:
-    """The source of the ``err_type`` create_error_response gives ``exception`` ('' if none)."""
-    for node in ast.walk(error_mapping(src)):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Call) and len(node.test.args) == 2:
-            caught = node.test.args[1]
-            names = caught.elts if isinstance(caught, ast.Tuple) else [caught]
-            if exception in {ast.unparse(n) for n in names}:
-                return next(
-                    ast.unparse(s.value)
-                    for s in node.body
-                    if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "err_type"
-                )
-    return ""
-
-
-@functools.cache
-def wrapped(src: Source, route: str) -> list[Func]:
-    """The coroutine the fix wraps for ``route`` and every def it may call."""
-    package, name = HANDLERS[route]
-    start = src.find(name, f"openai/{package}/serving.py")
-    return [start, *src.reach(start, SERVING).values()]
-
-
-def reachable_answers(src: Source, route: str) -> set[tuple[str, str]]:
-    return set().union(*(answers(node) for node in wrapped(src, route)))
-
-
-def reaches(src: Source, route: str, name: str) -> bool:
-    return any(name in calls(node) for node in wrapped(src, route))
-
-
-def exception_message(src: Source, name: str) -> str:
-    """The message a ``vllm/exceptions.py`` class passes to its base."""
-    cls = src.class_of(name, "vllm/exceptions.py")
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    call = next(
-        n for n in ast.walk(init) if isinstance(n, ast.Call) and ast.unparse(n.func) == "super().__init__"
-    )
-    assert isinstance(call.args[0], ast.Constant)
-    return str(call.args[0].value)
 
 
 def outside_answers_use_the_phrase(src: Source) -> None:
@@ -173,9 +115,11 @@ def no_unprocessable(version: Version, src: Source) -> None:
 def admission(version: Version, src: Source) -> None:
     """``_preflight`` -> ``check_admission`` inside every wrapped coroutine; the notify skips it."""
     assert mapped_type(src, "GracefulHTTPError") == "HTTPStatus(exc.http_status).phrase"
-    assert {"QueueOverflowError", "MaxQueuedTokensError"} <= raised(
-        src.find("check_admission", "async_llm.py")
-    )
+    # Exactly the refusals sidecar.classify knows: a new one (same status and type, another
+    # meaning) fails here, not in a user's cluster.
+    refusals = admission_refusals(src)
+    assert set(refusals) == {"QueueOverflowError", "MaxQueuedTokensError"}, sorted(refusals)
+    assert set(refusals.values()) == ADMISSION_OVERFLOW_MESSAGES
     assert "check_admission" in calls(src.find("_preflight", "generate/base/serving.py"))
     for route in WRAPPED_ROUTES:
         assert reaches(src, route, "_preflight"), route
@@ -326,28 +270,8 @@ def test_the_fix_wraps_exactly_the_three_routes(vllm: Vllm) -> None:
     version, src = vllm
     wrapper = src.find("_with_kv_transfer_rejection_cleanup")
     assert "notify_kv_transfer_request_rejected" in calls(wrapper)
-    users = {
-        name
-        for name, entries in src.defs.items()
-        for _, _, node in entries
-        if "_with_kv" in ast.unparse(node)
-    }
-    assert users - {"_with_kv_transfer_rejection_cleanup"} == {
-        "create_chat_completion",
-        "create_completion",
-        "create_responses",
-    }
-    routes = set()
-    for package, _ in HANDLERS.values():
-        tree = src.trees[f"vllm/entrypoints/openai/{package}/api_router.py"]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.AsyncFunctionDef) and calls(node) & {
-                "create_chat_completion",
-                "create_completion",
-                "create_responses",
-            }:
-                routes |= {d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call) and d.args}
-    assert routes == WRAPPED_ROUTES
+    assert wrapper_users(src) == WRAPPED_HANDLERS
+    assert wrapped_routes(src) == WRAPPED_ROUTES
     notify = ast.unparse(src.find("notify_kv_transfer_request_rejected", "async_llm.py"))
     assert "abort_immediately=True" in notify
     assert ("watermarking=False" in notify) == (version >= (0, 33, 0))  # the one change since 0.21.0
@@ -362,8 +286,7 @@ def test_stream_admission_overflow_never_reaches_the_engine_core(vllm: Vllm) -> 
         return
     add = src.find("_add_request", "async_llm.py")
     assert first_line(add, "check_admission") < first_line(add, "add_request_async")
-    messages = {exception_message(src, n) for n in ("QueueOverflowError", "MaxQueuedTokensError")}
-    assert messages == ADMISSION_OVERFLOW_MESSAGES
+    assert set(admission_refusals(src).values()) == ADMISSION_OVERFLOW_MESSAGES  # exactly these
     assert HTTPStatus.SERVICE_UNAVAILABLE.phrase == ADMISSION_OVERFLOW_TYPE
     assert mapped_type(src, "GracefulHTTPError") == "HTTPStatus(exc.http_status).phrase"
     caught = handlers(src.find("generate", "async_llm.py"))
