@@ -55,6 +55,7 @@ HANDLERS = {
 }
 WRAPPED_HANDLERS = frozenset({"create_chat_completion", "create_completion", "create_responses"})
 ABSENT = "absent"
+SEP = "; "  # between the items of a fact's value (an annotation may hold ", ")
 Facts = dict[str, str]
 
 
@@ -231,12 +232,12 @@ def _handshake(src: Source) -> Facts:
         if cls is not None:
             shape = [ast.unparse(d) for d in cls.decorator_list]
             shape += [ast.unparse(b) for b in cls.bases] + [ast.unparse(k) for k in cls.keywords]
-            kind = ", ".join(shape) or "plain class"
+            kind = SEP.join(shape) or "plain class"
         facts[f"nixl: {name} kind"] = kind
         fields = _fields(cls) if cls is not None else []
-        facts[f"nixl: {name} fields"] = ", ".join(fields) or ABSENT
-    read = [f for f in facts["nixl: NixlAgentMetadata fields"].split(", ") if f.startswith(READ_FIELDS)]
-    facts["nixl: NixlAgentMetadata fields the releaser reads"] = ", ".join(read) or ABSENT
+        facts[f"nixl: {name} fields"] = SEP.join(fields) or ABSENT
+    read = [f for f in facts["nixl: NixlAgentMetadata fields"].split(SEP) if f.startswith(READ_FIELDS)]
+    facts["nixl: NixlAgentMetadata fields the releaser reads"] = SEP.join(read) or ABSENT
     return facts
 
 
@@ -282,7 +283,7 @@ def _side_channel(src: Source) -> Facts:
     return {
         "nixl: side-channel listener": where,
         "nixl: side-channel request": request,
-        "nixl: side-channel reply frames": ", ".join(replies) if replies else "unreadable",
+        "nixl: side-channel reply frames": SEP.join(replies) if replies else "unreadable",
     }
 
 
@@ -296,7 +297,7 @@ def _statements(body: list[ast.stmt]) -> str:
             done.append("raise " + (ast.unparse(stmt.exc) if stmt.exc is not None else ""))
         else:
             done.append(type(stmt).__name__.lower())
-    return "; ".join(done)
+    return SEP.join(done)
 
 
 SPLITS = frozenset({"rsplit", "split", "partition", "rpartition"})
@@ -336,7 +337,7 @@ def _lease(src: Source) -> Facts:
         and len(node.args) == 2
         and ast.unparse(node.args[0]) == "'kv_lease_duration'"
     }
-    return {"notify: kv_lease_duration default": ", ".join(sorted(defaults)) or ABSENT}
+    return {"notify: kv_lease_duration default": SEP.join(sorted(defaults)) or ABSENT}
 
 
 def _exceptions(src: Source) -> Facts:
@@ -352,9 +353,9 @@ def _exceptions(src: Source) -> Facts:
             }
         )
         message = _passed_message(cls)
-        value = ", ".join(ast.unparse(b) for b in cls.bases)
-        value += "".join(f"; {_status(s)}" for s in statuses)
-        value += f"; {message!r}" if message is not None else ""
+        value = SEP.join(ast.unparse(b) for b in cls.bases)
+        value += "".join(f"{SEP}{_status(s)}" for s in statuses)
+        value += f"{SEP}{message!r}" if message is not None else ""
         facts[f"errors: exception {cls.name}"] = value
     return facts
 
@@ -376,9 +377,9 @@ def _answers(src: Source) -> Facts:
     facts = {}
     for route in HANDLERS:
         found = sorted((_status(status), kind) for kind, status in reachable_answers(src, route))
-        facts[f"errors: literal answers in {route}"] = ", ".join(f"{s} {k}" for s, k in found)
+        facts[f"errors: literal answers in {route}"] = SEP.join(f"{s} {k}" for s, k in found)
     admission = [n for path, _, n in src.defs["check_admission"] if path.endswith("async_llm.py")]
-    facts["errors: admission check raises"] = ", ".join(sorted(raised(admission[0]))) if admission else ABSENT
+    facts["errors: admission check raises"] = SEP.join(sorted(raised(admission[0]))) if admission else ABSENT
     return facts
 
 
@@ -389,8 +390,8 @@ def _fix(src: Source) -> Facts:
         "fix: wrapper calls notify_kv_transfer_request_rejected": (
             str("notify_kv_transfer_request_rejected" in calls(wrapper[0][2])) if wrapper else ABSENT
         ),
-        "fix: defs using the wrapper": ", ".join(sorted(wrapper_users(src))) or ABSENT,
-        "fix: wrapped routes": ", ".join(sorted(wrapped_routes(src))) or ABSENT,
+        "fix: defs using the wrapper": SEP.join(sorted(wrapper_users(src))) or ABSENT,
+        "fix: wrapped routes": SEP.join(sorted(wrapped_routes(src))) or ABSENT,
         "fix: AsyncLLM.notify_kv_transfer_request_rejected": (
             f"({ast.unparse(notify[0].args)}); abort_immediately=True: "
             f"{'abort_immediately=True' in ast.unparse(notify[0])}"
@@ -411,7 +412,7 @@ def _plugin(src: Source) -> Facts:
             for n in found[0].body
             if isinstance(n, FUNCS)
         ]
-        protocol = "; ".join(members)
+        protocol = SEP.join(members)
     facts["plugin: EndpointPlugin protocol"] = protocol
     return facts
 
