@@ -12,8 +12,8 @@ when nothing the sidecar depends on differs and the suite passes, 1 when
 something differs or the suite fails, 2 when the lane could not run (no wheel,
 no index, not a version).
 
-What X.Y.Z is held against: a release the sidecar does not know (newer than
-``sidecar.nixl.versions.NEWEST``, or not in ``RELEASES``) against NEWEST's
+What X.Y.Z is held against: a release the sidecar does not know (no
+``sidecar.nixl.versions.WireProfile``: newer than NEWEST, say) against NEWEST's
 wheel, the newest behaviour the sidecar's tables describe. A release it knows
 against its own wheel: its differences from NEWEST are already in those
 tables, which the suite checks, so once a release is made known the lane
@@ -49,7 +49,8 @@ from typing import Literal
 
 import pytest
 
-from sidecar.nixl.versions import NEWEST, WireProfile, parse_version
+from sidecar.nixl import versions
+from sidecar.nixl.versions import WireProfile, parse_version
 from tests.conformance.vllm_facts import ABSENT, SEP, Facts, wheel_facts
 from tests.conformance.vllm_source import WIRE_AS
 from tests.conformance.wheels import cached, fetch_wheel, pip_command, wheel_dir
@@ -88,7 +89,7 @@ def dotted(version: tuple[int, int, int]) -> str:
 
 def held_against(version: str) -> str:
     """The release whose wheel ``version`` is compared with: itself when known, else NEWEST."""
-    return version if WireProfile.for_version(version) is not None else dotted(NEWEST)
+    return version if WireProfile.for_version(version) is not None else dotted(versions.NEWEST)
 
 
 def compare(known: Facts, new: Facts) -> list[Row]:
@@ -193,7 +194,7 @@ def suite_environment(version: str, environ: dict[str, str]) -> dict[str, str]:
     to it when the sidecar does not know it."""
     env = dict(environ, **dict.fromkeys(SUITE.values(), version))
     if WireProfile.for_version(version) is None:
-        env[WIRE_AS] = dotted(NEWEST)
+        env[WIRE_AS] = dotted(versions.NEWEST)
     return env
 
 

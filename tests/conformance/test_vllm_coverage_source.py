@@ -115,15 +115,27 @@ def no_unprocessable(version: Version, src: Source) -> None:
 def admission(version: Version, src: Source) -> None:
     """``_preflight`` -> ``check_admission`` inside every wrapped coroutine; the notify skips it."""
     assert mapped_type(src, "GracefulHTTPError") == "HTTPStatus(exc.http_status).phrase"
-    # Exactly the refusals sidecar.classify knows: a new one (same status and type, another
+    # Exactly the refusals the sidecar knows: a new one (the same status and type, another
     # meaning) fails here, not in a user's cluster.
     refusals = admission_refusals(src)
-    assert set(refusals) == {"QueueOverflowError", "MaxQueuedTokensError"}, sorted(refusals)
-    assert set(refusals.values()) == ADMISSION_OVERFLOW_MESSAGES
+    known = {name for name, (since, _) in ADMISSION_REFUSALS.items() if version >= since}
+    assert set(refusals) == known, sorted(refusals)
+    for name, message in refusals.items():
+        assert message in ADMISSION_REFUSALS[name][1], name
     assert "check_admission" in calls(src.find("_preflight", "generate/base/serving.py"))
     for route in WRAPPED_ROUTES:
         assert reaches(src, route, "_preflight"), route
     assert "check_admission" not in calls(src.find("notify_kv_transfer_request_rejected", "async_llm.py"))
+
+
+#: The queue limits, told apart from other 503s by their text (``sidecar.classify``).
+OVERFLOWS = ("QueueOverflowError", "MaxQueuedTokensError")
+#: Every 503 "Service Unavailable" refusal of vLLM's admission the sidecar knows, by exception: the
+#: release it appears in and the messages the sidecar matches it by. ``admission`` holds each
+#: release to exactly these.
+ADMISSION_REFUSALS: dict[str, tuple[Version, frozenset[str]]] = {
+    name: ((0, 29, 0), ADMISSION_OVERFLOW_MESSAGES) for name in OVERFLOWS
+}
 
 
 def no_admission(version: Version, src: Source) -> None:
@@ -286,7 +298,8 @@ def test_stream_admission_overflow_never_reaches_the_engine_core(vllm: Vllm) -> 
         return
     add = src.find("_add_request", "async_llm.py")
     assert first_line(add, "check_admission") < first_line(add, "add_request_async")
-    assert set(admission_refusals(src).values()) == ADMISSION_OVERFLOW_MESSAGES  # exactly these
+    refusals = admission_refusals(src)
+    assert {refusals[name] for name in OVERFLOWS} == ADMISSION_OVERFLOW_MESSAGES
     assert HTTPStatus.SERVICE_UNAVAILABLE.phrase == ADMISSION_OVERFLOW_TYPE
     assert mapped_type(src, "GracefulHTTPError") == "HTTPStatus(exc.http_status).phrase"
     caught = handlers(src.find("generate", "async_llm.py"))

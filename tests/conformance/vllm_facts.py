@@ -59,8 +59,9 @@ SEP = "; "  # between the items of a fact's value (an annotation may hold ", ")
 Facts = dict[str, str]
 
 
+@functools.cache
 def wheel_facts(wheel: Path) -> Facts:
-    """Every fact of the wheel at ``wheel``."""
+    """Every fact of the wheel at ``wheel`` (read once per process)."""
     return extract(Source(wheel, PREFIXES))
 
 
@@ -155,7 +156,11 @@ def wrapped_routes(src: Source) -> set[str]:
         tree = src.trees.get(f"vllm/entrypoints/openai/{package}/api_router.py")
         for node in ast.walk(tree) if tree is not None else ():
             if isinstance(node, ast.AsyncFunctionDef) and calls(node) & WRAPPED_HANDLERS:
-                routes |= {d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call) and d.args}
+                routes |= {
+                    str(d.args[0].value)
+                    for d in node.decorator_list
+                    if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant)
+                }
     return routes
 
 
@@ -215,10 +220,14 @@ def _fields(cls: ast.ClassDef) -> list[str]:
 def _constant(src: Source, name: str, path: str) -> str:
     for where, tree in src.trees.items():
         for node in tree.body if path in where else ():
-            target = node.target if isinstance(node, ast.AnnAssign) else None
-            targets = node.targets if isinstance(node, ast.Assign) else [target]
-            if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:  # type: ignore[union-attr]
-                return ast.unparse(node.value)  # type: ignore[union-attr]
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return ast.unparse(value)
     return ABSENT
 
 
@@ -424,16 +433,13 @@ def _abort(src: Source) -> Facts:
         if isinstance(node, ast.If) and "abort_immediately" in ast.unparse(node.test):
             branch = f"if {ast.unparse(node.test)}: {_statements(node.body)}"
     generate = [n for _, c, n in src.defs["generate"] if c == "AsyncLLM"]
-    cancelled = (
-        any(
-            "CancelledError" in ast.unparse(h.type) and "abort" in calls(h)
-            for h in (
-                n for n in ast.walk(generate[0]) if isinstance(n, ast.ExceptHandler) and n.type is not None
-            )
-        )
-        if generate
-        else False
-    )
+    caught = [
+        handler
+        for handler in (ast.walk(generate[0]) if generate else ())
+        if isinstance(handler, ast.ExceptHandler) and handler.type is not None
+        if "CancelledError" in ast.unparse(handler.type)
+    ]
+    cancelled = any("abort" in calls(handler) for handler in caught)
     return {
         "abort: EngineCore.add_request": branch,
         "abort: AsyncLLM.generate aborts when cancelled": str(cancelled),
