@@ -33,7 +33,7 @@ from tests.conformance.release_day import (
     suite_environment,
 )
 from tests.conformance.vllm_facts import PREFIXES, SEP, wheel_facts
-from tests.conformance.vllm_source import WIRE_AS
+from tests.conformance.vllm_source import WIRE_AS, spoken
 from tests.conformance.wheels import fetch_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,6 +160,15 @@ def test_the_suite_reads_only_the_new_release() -> None:
     assert {env[variable] for variable in SUITE.values()} == {"99.0.0"} and env["PATH"] == "/bin"
     assert env[WIRE_AS] == ".".join(map(str, versions.NEWEST))  # speak NEWEST's format to it
     assert WIRE_AS not in suite_environment("0.33.0", {})
+
+
+def test_the_nixl_tests_speak_a_known_format_to_an_unknown_release_only_when_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(WIRE_AS, raising=False)
+    assert (spoken("99.0.0"), spoken("0.21.0")) == ("99.0.0", "0.21.0")  # unknown: the tests fail on it
+    monkeypatch.setenv(WIRE_AS, "0.33.0")
+    assert (spoken("99.0.0"), spoken("0.21.0")) == ("0.33.0", "0.21.0")  # a known one keeps its own
 
 
 def test_every_conformance_module_that_reads_wheels_is_in_the_suite_with_its_variable() -> None:
