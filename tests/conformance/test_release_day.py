@@ -74,6 +74,9 @@ def test_the_serving_facts_match_what_the_sidecar_knows(facts: dict[str, str]) -
     assert overflow[:2] == ["GracefulHTTPError", "503"] and eval(overflow[2]) in ADMISSION_OVERFLOW_MESSAGES
     assert facts["errors: create_error_response(VLLMNotFoundError)"] == "'NotFoundError' 404"
     assert set(facts["fix: wrapped routes"].split(SEP)) == WRAPPED_ROUTES
+    assert facts["errors: /v1/messages awaits the wrapped chat handler"] == "True"
+    assert "503: 'overloaded_error'" in facts["errors: /v1/messages Anthropic type by status"]
+    assert facts["errors: literal answers in /inference/v1/generate"] == "400 BadRequestError"
     assert "abort_immediately=True: True" in facts["fix: AsyncLLM.notify_kv_transfer_request_rejected"]
     assert facts["abort: EngineCore.add_request"] == "if request.abort_immediately: self.abort_requests()"
     assert facts["abort: AsyncLLM.generate aborts when cancelled"] == "True"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from pathlib import Path
@@ -53,6 +54,7 @@ HANDLERS = {
     "/v1/completions": ("completion", "_create_completion"),
     "/v1/responses": ("responses", "_create_responses"),
 }
+SCALE_OUT = ("vllm/entrypoints/scale_out/",)  # the token-in/token-out server of /inference/v1/generate
 WRAPPED_HANDLERS = frozenset({"create_chat_completion", "create_completion", "create_responses"})
 ABSENT = "absent"
 SEP = "; "  # between the items of a fact's value (an annotation may hold ", ")
@@ -392,6 +394,32 @@ def _answers(src: Source) -> Facts:
     return facts
 
 
+def _other_routes(src: Source) -> Facts:
+    """The two inspected routes D's fix does not wrap itself: ``/v1/messages`` (its handler awaits
+    the wrapped chat handler; errors in Anthropic's envelope) and ``/inference/v1/generate``."""
+    messages = [n for path, _, n in src.defs["create_messages"] if path.endswith("anthropic/serving.py")]
+    by_status = _constant(src, "_ANTHROPIC_ERROR_TYPE_BY_STATUS", "anthropic/protocol.py")
+    tokens = [n for path, _, n in src.defs["serve_tokens"] if "/scale_out/" in path]
+    found = (
+        set().union(*(answers(n) for n in [*tokens, *src.reach(tokens[0], SCALE_OUT).values()]))
+        if tokens
+        else None
+    )
+    return {
+        "errors: /v1/messages awaits the wrapped chat handler": (
+            str("create_chat_completion" in calls(messages[0])) if messages else ABSENT
+        ),
+        "errors: /v1/messages Anthropic type by status": re.sub(
+            r"HTTPStatus\.(\w+)\.value", lambda m: _status(m[1]), by_status
+        ),
+        "errors: literal answers in /inference/v1/generate": (
+            SEP.join(f"{s} {k}" for s, k in sorted((_status(st), k) for k, st in found))
+            if found is not None
+            else ABSENT
+        ),
+    }
+
+
 def _fix(src: Source) -> Facts:
     wrapper = src.defs.get("_with_kv_transfer_rejection_cleanup")
     notify = [n for path, c, n in src.defs["notify_kv_transfer_request_rejected"] if c == "AsyncLLM"]
@@ -454,6 +482,7 @@ READERS: tuple[Callable[[Source], Facts], ...] = (
     _exceptions,
     _mapping,
     _answers,
+    _other_routes,
     _fix,
     _plugin,
     _abort,
