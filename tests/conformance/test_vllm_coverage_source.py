@@ -7,7 +7,9 @@ vLLM's serving code; these tests re-read it in the wheel of every release under
 test (0.21.0, 0.25.1, 0.29.0, 0.31.0 and 0.33.0 by default,
 ``KVR_CONFORMANCE_COVERAGE_VLLM``), so a release that moves a raise site
 fails a test instead of a release. A row must hold from its first release on
-and, where that is checkable, be absent before. The wheel is read with
+and, where that is checkable, be absent before. The admission row is exact:
+every 503 refusal of vLLM's admission must be one ``ADMISSION_REFUSALS``
+names, so a new refusal with the same status and type fails here. The wheel is read with
 ``zipfile`` + ``ast`` (``tests/conformance/vllm_source.py``), never imported.
 A missing wheel is downloaded; with no package index reachable the tests skip
 with one line.
