@@ -8,10 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance faults soak e2e image clean tools mutate loaded
+.PHONY: help demo test lint bench conformance vllm-release faults soak e2e image clean tools mutate loaded
 
 help:
-	@echo "make demo | test | lint | bench | conformance | faults | soak | e2e | mutate | loaded | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | faults | soak | e2e | mutate | loaded | image | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -79,6 +79,14 @@ bench: $(STAMP)
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)
 	$(UV) run --frozen --no-sync pytest -q tests/conformance
+
+# Release day: what a vLLM release changes of what the sidecar depends on, beside the newest release it
+# knows, then the conformance suite on that release's wheel; exits non-zero on a difference or a failure
+# (docs/testing.md, "When vLLM releases"). VLLM empty: the newest final release on the package index.
+# Not part of make test or CI: its answer depends on what the index holds that day.
+VLLM ?=
+vllm-release: $(STAMP)
+	$(UV) run --frozen --no-sync python -m tests.conformance.release_day $(if $(VLLM),--vllm $(VLLM))
 
 # The slow fault scenarios (the fast ones run in make test).
 faults: $(STAMP)

@@ -7,7 +7,9 @@ vLLM's serving code; these tests re-read it in the wheel of every release under
 test (0.21.0, 0.25.1, 0.29.0, 0.31.0, 0.33.0 and 0.34.0 by default,
 ``KVR_CONFORMANCE_COVERAGE_VLLM``), so a release that moves a raise site
 fails a test instead of a release. A row must hold from its first release on
-and, where that is checkable, be absent before. The wheel is read with
+and, where that is checkable, be absent before. The admission row is exact:
+every 503 refusal of vLLM's admission must be one ``ADMISSION_REFUSALS``
+names, so a new refusal with the same status and type fails here. The wheel is read with
 ``zipfile`` + ``ast`` (``tests/conformance/vllm_source.py``), never imported.
 A missing wheel is downloaded; with no package index reachable the tests skip
 with one line.
@@ -16,7 +18,6 @@ with one line.
 from __future__ import annotations
 
 import ast
-import functools
 import os
 from collections.abc import Callable
 from http import HTTPStatus
@@ -26,18 +27,29 @@ import pytest
 from sidecar.classify import (
     ADMISSION_OVERFLOW_MESSAGES,
     ADMISSION_OVERFLOW_TYPE,
+    ENGINE_FAULTED_MESSAGE,
     ENGINE_PAUSED_MESSAGE,
 )
 from sidecar.decision.coverage import COVERED, ENGINE_CORE_STREAMS, MAY_BE_COVERED, WRAPPED_ROUTES, Row
 from sidecar.nixl.versions import parse_version
+from tests.conformance.vllm_facts import (
+    HANDLERS,
+    WRAPPED_HANDLERS,
+    admission_refusals,
+    error_mapping,
+    mapped_type,
+    reachable_answers,
+    reaches,
+    wrapped,
+    wrapped_routes,
+    wrapper_users,
+)
 from tests.conformance.vllm_source import (
-    Func,
     Source,
     answers,
     calls,
     first_line,
     handlers,
-    raised,
     wheel_or_skip,
 )
 
@@ -57,20 +69,6 @@ PREFIXES = (
     "vllm/outputs.py",
     NIXL,
 )
-# Where a wrapped handler's calls may lead: its serving code, the shared bases, the renderer.
-SERVING = (
-    "vllm/entrypoints/openai/",
-    "vllm/entrypoints/serve/engine/",
-    "vllm/entrypoints/generate/",
-    "vllm/entrypoints/utils.py",
-    "vllm/renderers/",
-)
-# route -> (serving package, the coroutine the fix wraps)
-HANDLERS = {
-    "/v1/chat/completions": ("chat_completion", "_create_chat_completion"),
-    "/v1/completions": ("completion", "_create_completion"),
-    "/v1/responses": ("responses", "_create_responses"),
-}
 Version = tuple[int, int, int]
 Vllm = tuple[Version, Source]
 
@@ -83,59 +81,6 @@ def vllm(request: pytest.FixtureRequest) -> Vllm:
 
 
 # --- what the wheel says --------------------------------------------------------------------
-
-
-def error_mapping(src: Source) -> Func:
-    """vLLM's module-level ``create_error_response``: how an exception becomes (type, status)."""
-    found = [
-        node
-        for _, cls, node in src.defs["create_error_response"]
-        if cls is None and "isinstance(exc," in ast.unparse(node)
-    ]
-    assert len(found) == 1, f"{len(found)} create_error_response with an exception mapping"
-    return found[0]
-
-
-def mapped_type(src: Source, exception: str) -> str:
-    """The source of the ``err_type`` create_error_response gives ``exception`` ('' if none)."""
-    for node in ast.walk(error_mapping(src)):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Call) and len(node.test.args) == 2:
-            caught = node.test.args[1]
-            names = caught.elts if isinstance(caught, ast.Tuple) else [caught]
-            if exception in {ast.unparse(n) for n in names}:
-                return next(
-                    ast.unparse(s.value)
-                    for s in node.body
-                    if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "err_type"
-                )
-    return ""
-
-
-@functools.cache
-def wrapped(src: Source, route: str) -> list[Func]:
-    """The coroutine the fix wraps for ``route`` and every def it may call."""
-    package, name = HANDLERS[route]
-    start = src.find(name, f"openai/{package}/serving.py")
-    return [start, *src.reach(start, SERVING).values()]
-
-
-def reachable_answers(src: Source, route: str) -> set[tuple[str, str]]:
-    return set().union(*(answers(node) for node in wrapped(src, route)))
-
-
-def reaches(src: Source, route: str, name: str) -> bool:
-    return any(name in calls(node) for node in wrapped(src, route))
-
-
-def exception_message(src: Source, name: str) -> str:
-    """The message a ``vllm/exceptions.py`` class passes to its base."""
-    cls = src.class_of(name, "vllm/exceptions.py")
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    call = next(
-        n for n in ast.walk(init) if isinstance(n, ast.Call) and ast.unparse(n.func) == "super().__init__"
-    )
-    assert isinstance(call.args[0], ast.Constant)
-    return str(call.args[0].value)
 
 
 def outside_answers_use_the_phrase(src: Source) -> None:
@@ -175,13 +120,29 @@ def no_unprocessable(version: Version, src: Source) -> None:
 def admission(version: Version, src: Source) -> None:
     """``_preflight`` -> ``check_admission`` inside every wrapped coroutine; the notify skips it."""
     assert mapped_type(src, "GracefulHTTPError") == "HTTPStatus(exc.http_status).phrase"
-    assert {"QueueOverflowError", "MaxQueuedTokensError"} <= raised(
-        src.find("check_admission", "async_llm.py")
-    )
+    # Exactly the refusals the sidecar knows: a new one (the same status and type, another
+    # meaning) fails here, not in a user's cluster.
+    refusals = admission_refusals(src)
+    known = {name for name, (since, _) in ADMISSION_REFUSALS.items() if version >= since}
+    assert set(refusals) == known, sorted(refusals)
+    for name, message in refusals.items():
+        assert message in ADMISSION_REFUSALS[name][1], name
     assert "check_admission" in calls(src.find("_preflight", "generate/base/serving.py"))
     for route in WRAPPED_ROUTES:
         assert reaches(src, route, "_preflight"), route
     assert "check_admission" not in calls(src.find("notify_kv_transfer_request_rejected", "async_llm.py"))
+
+
+#: The queue limits, told apart from other 503s by their text (``sidecar.classify``).
+OVERFLOWS = ("QueueOverflowError", "MaxQueuedTokensError")
+#: Every 503 "Service Unavailable" refusal of vLLM's admission the sidecar knows, by exception: the
+#: release it appears in and the messages the sidecar matches it by. ``admission`` holds each
+#: release to exactly these.
+ADMISSION_REFUSALS: dict[str, tuple[Version, frozenset[str]]] = {
+    **{name: ((0, 29, 0), ADMISSION_OVERFLOW_MESSAGES) for name in OVERFLOWS},
+    # fault tolerance: the engine core is faulted; D's own release waits in it (engine_faulted)
+    "EngineFaultedError": ((0, 34, 0), frozenset({ENGINE_FAULTED_MESSAGE})),
+}
 
 
 def no_admission(version: Version, src: Source) -> None:
@@ -328,28 +289,8 @@ def test_the_fix_wraps_exactly_the_three_routes(vllm: Vllm) -> None:
     version, src = vllm
     wrapper = src.find("_with_kv_transfer_rejection_cleanup")
     assert "notify_kv_transfer_request_rejected" in calls(wrapper)
-    users = {
-        name
-        for name, entries in src.defs.items()
-        for _, _, node in entries
-        if "_with_kv" in ast.unparse(node)
-    }
-    assert users - {"_with_kv_transfer_rejection_cleanup"} == {
-        "create_chat_completion",
-        "create_completion",
-        "create_responses",
-    }
-    routes = set()
-    for package, _ in HANDLERS.values():
-        tree = src.trees[f"vllm/entrypoints/openai/{package}/api_router.py"]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.AsyncFunctionDef) and calls(node) & {
-                "create_chat_completion",
-                "create_completion",
-                "create_responses",
-            }:
-                routes |= {d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call) and d.args}
-    assert routes == WRAPPED_ROUTES
+    assert wrapper_users(src) == WRAPPED_HANDLERS
+    assert wrapped_routes(src) == WRAPPED_ROUTES
     notify = ast.unparse(src.find("notify_kv_transfer_request_rejected", "async_llm.py"))
     assert "abort_immediately=True" in notify
     assert ("watermarking=False" in notify) == (version >= (0, 33, 0))  # the one change since 0.21.0
@@ -364,8 +305,8 @@ def test_stream_admission_overflow_never_reaches_the_engine_core(vllm: Vllm) -> 
         return
     add = src.find("_add_request", "async_llm.py")
     assert first_line(add, "check_admission") < first_line(add, "add_request_async")
-    messages = {exception_message(src, n) for n in ("QueueOverflowError", "MaxQueuedTokensError")}
-    assert messages == ADMISSION_OVERFLOW_MESSAGES
+    refusals = admission_refusals(src)
+    assert {refusals[name] for name in OVERFLOWS} == ADMISSION_OVERFLOW_MESSAGES
     assert HTTPStatus.SERVICE_UNAVAILABLE.phrase == ADMISSION_OVERFLOW_TYPE
     assert mapped_type(src, "GracefulHTTPError") == "HTTPStatus(exc.http_status).phrase"
     caught = handlers(src.find("generate", "async_llm.py"))

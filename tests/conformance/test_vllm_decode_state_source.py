@@ -19,7 +19,7 @@ import pytest
 from sidecar.decode.probes import NIXL_FAMILY, STATS_FAMILY
 from sidecar.decode.state import ENGINE_DEAD_MESSAGES
 from sidecar.sim.decode import engine as decode_engine
-from tests.conformance.test_vllm_coverage_source import error_mapping, mapped_type
+from tests.conformance.vllm_facts import error_mapping, mapped_type
 from tests.conformance.vllm_source import Func, Source, calls, first_line, handlers, release_source, releases
 
 VERSIONS = releases("KVR_CONFORMANCE_DECODE_STATE_VLLM")

@@ -50,6 +50,7 @@ from tests.conformance.duplicate_orders import (
     unrecognized,
 )
 from tests.conformance.test_vllm_p_side import PProcess, fetch_wheel, job, p_request_id, releaser
+from tests.conformance.vllm_source import spoken
 
 pytestmark = pytest.mark.nixl
 
@@ -65,7 +66,7 @@ class DReader:
         self.agents: list[str] = []
 
     async def connect(self, version: str, p: PProcess) -> None:
-        profile = WireProfile.for_version(version)
+        profile = WireProfile.for_version(spoken(version))
         assert profile is not None
         await self.peer.start()
         ranks = [(0, tp) for tp in range(p.tp)]
@@ -109,7 +110,7 @@ async def freed_after(
     name = f"dup-{list(ORDERS).index(order)}"
     rid = p_request_id(version, name)
     ranks = sorted((0, tp) for tp in range(p.tp))
-    messages = {"D": d_message(version, rid), "S": sidecar_message(rid)}
+    messages = {"D": d_message(spoken(version), rid), "S": sidecar_message(rid)}
     await p.hold(rid, ttl=LEASE)
     freed: int | str | None = None
     pending = iter(readers)

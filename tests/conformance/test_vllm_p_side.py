@@ -534,6 +534,7 @@ from sidecar.nixl.versions import NEWEST, WireProfile  # noqa: E402
 from sidecar.params import release_params  # noqa: E402
 from sidecar.release.base import JobResult, ReleaseJob  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
+from tests.conformance.vllm_source import spoken  # noqa: E402
 from tests.conformance.wheels import fetch_wheel  # noqa: E402
 
 pytestmark = pytest.mark.nixl
@@ -561,14 +562,14 @@ def wheel(request: pytest.FixtureRequest) -> tuple[str, Path]:
 @pytest.fixture
 def prefill(wheel: tuple[str, Path]) -> Any:
     version, path = wheel
-    tp, pp = TOPOLOGY.get(version, (2, 1))
+    tp, pp = TOPOLOGY.get(spoken(version), (2, 1))
     p = PProcess(path, tp, pp)
     yield version, p
     p.stop()
 
 
 def job(version: str, p: PProcess, x_request_id: str) -> ReleaseJob:
-    profile = WireProfile.for_version(version)
+    profile = WireProfile.for_version(spoken(version))
     assert profile is not None
     low = profile.low
     fields: dict[str, Any] = {
@@ -597,7 +598,7 @@ def job(version: str, p: PProcess, x_request_id: str) -> ReleaseJob:
 
 
 def p_request_id(version: str, x_request_id: str) -> str:
-    profile = WireProfile.for_version(version)
+    profile = WireProfile.for_version(spoken(version))
     assert profile is not None
     return (
         f"chatcmpl-{x_request_id}-0a1b2c3d"
@@ -613,7 +614,9 @@ async def releaser(version: str, reported: str = "") -> NixlReleaser:
     async def no_version() -> str | None:
         return None
 
-    cfg = Config(vllm_version=reported or version, prefill_allow=("127.0.0.1/32",), handshake_timeout=5.0)
+    cfg = Config(
+        vllm_version=reported or spoken(version), prefill_allow=("127.0.0.1/32",), handshake_timeout=5.0
+    )
     r = NixlReleaser(cfg, no_version, CollectorRegistry())
     await r.start()
     return r

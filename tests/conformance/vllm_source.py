@@ -18,7 +18,7 @@ import zipfile
 from collections import defaultdict
 from pathlib import Path
 
-from sidecar.nixl.versions import parse_version
+from sidecar.nixl.versions import WireProfile, parse_version
 from tests.conformance.wheels import fetch_wheel
 
 Func = ast.FunctionDef | ast.AsyncFunctionDef
@@ -35,6 +35,20 @@ def wheel_or_skip(version: str) -> Path:
 def releases(variable: str, default: str = "0.21.0,0.25.1,0.29.0,0.31.0,0.33.0,0.34.0") -> list[str]:
     """The vLLM releases a test module reads: ``$variable`` (comma-separated) or ``default``."""
     return [v for v in os.environ.get(variable, default).split(",") if v]
+
+
+#: The known release whose wire format the sidecar speaks to P of a release it does not know. The
+#: release-day lane (``tests/conformance/release_day.py``) sets it to the newest known release, to
+#: learn whether that format still works; unset, such a release fails the NIXL tests, as the
+#: sidecar itself refuses to release to a release it does not know.
+WIRE_AS = "KVR_CONFORMANCE_WIRE_AS"
+
+
+def spoken(version: str) -> str:
+    """The release whose wire format the sidecar speaks to P of ``version``."""
+    if WireProfile.for_version(version) is not None:
+        return version
+    return os.environ.get(WIRE_AS) or version
 
 
 def release_source(version: str, prefixes: tuple[str, ...]) -> tuple[tuple[int, int, int], Source]:
