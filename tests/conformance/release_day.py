@@ -64,6 +64,7 @@ SUITE = {
     "tests/conformance/test_vllm_p_side.py": "KVR_CONFORMANCE_VLLM",
     "tests/conformance/test_vllm_parallel_sampling.py": "KVR_CONFORMANCE_SAMPLING_VLLM",
     "tests/conformance/test_vllm_plugin_contract.py": "KVR_CONFORMANCE_PLUGIN_VLLM",
+    "tests/conformance/test_vllm_release_day.py": "KVR_CONFORMANCE_RELEASE_DAY_VLLM",
 }
 #: Shown, never failing the lane (the module docstring says why).
 INFORMATIONAL = frozenset({"nixl: NIXL_CONNECTOR_VERSION", "nixl: NixlAgentMetadata fields"})

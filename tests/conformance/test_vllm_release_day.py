@@ -1,5 +1,6 @@
-"""The sidecar in front of D, against vLLM's own P code of the newest known release, D reporting it
-or a release no one has made yet.
+"""The sidecar in front of D, against vLLM's own P code of the newest known release (or of
+``$KVR_CONFORMANCE_RELEASE_DAY_VLLM``, as ``make vllm-release`` sets it), D reporting it or a release
+no one has made yet.
 
 P is vLLM's P-side NIXL code read out of the wheel (``test_vllm_p_side.PProcess``, TP 2, real NIXL
 agents); D is the decode simulator reporting ``reported`` on ``GET /version`` (it never reads or
@@ -15,6 +16,7 @@ ships it, with the nixl strategy. What a release day must keep:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.nixl.versions import NEWEST
+from sidecar.nixl.versions import NEWEST, WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.conformance.test_vllm_p_side import PProcess, p_request_id
@@ -32,8 +34,11 @@ from tests.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl
 
-VERSION = ".".join(map(str, NEWEST))
-REPORTED = [VERSION, "0.99.0"]  # the newest known release, and one newer than any
+NEWEST_KNOWN = ".".join(map(str, NEWEST))
+VERSION = os.environ.get("KVR_CONFORMANCE_RELEASE_DAY_VLLM", NEWEST_KNOWN)
+#: The release whose parameters P emits (a release the sidecar does not know: the newest known).
+WIRE = VERSION if WireProfile.for_version(VERSION) else NEWEST_KNOWN
+REPORTED = [VERSION, "99.0.0"]  # P's release, and one newer than any
 TP = 2
 RANKS = [(0, 0), (0, 1)]
 
@@ -58,7 +63,7 @@ def params(p: PProcess, rid: str) -> dict[str, Any]:
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": p.engine_id,
-        "remote_request_id": p_request_id(VERSION, rid),
+        "remote_request_id": p_request_id(WIRE, rid),
         "remote_host": "127.0.0.1",
         "remote_port": p.port,
         "remote_block_ids": [[1, 2]],
@@ -87,7 +92,7 @@ def sidecar(decode_url: str, **settings: Any) -> Any:
 
 
 async def held(p: PProcess, *rids: str) -> list[str]:
-    ids = [p_request_id(VERSION, rid) for rid in rids]
+    ids = [p_request_id(WIRE, rid) for rid in rids]
     for rid in ids:
         await p.hold(rid)
     return ids
@@ -124,7 +129,7 @@ async def test_a_fresh_sidecars_first_release_is_freed_on_every_rank(p: PProcess
         await p.await_(lambda: p.finished(pid) == RANKS, f"{pid} freed on every rank")
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
-        newer = 1.0 if reported != VERSION else 0.0
+        newer = 1.0 if WireProfile.for_version(reported) is None else 0.0
         assert sc.sample("kvr_vllm_unknown_version_info", version=reported) == newer
     await no_unknown_ids(p)
 
