@@ -17,7 +17,7 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 
@@ -145,7 +145,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # OpenTelemetry tracing (sidecar.observability; needs the otel extra): OTLP/HTTP, off when empty.
     otlp_traces_endpoint: str = ""  # e.g. http://otel-collector:4318 (/v1/traces is added to a bare URL)
     trace_sample_ratio: float = 1.0
-    trace_service_name: str = "kv-release-sidecar"
+    trace_service_name: str = "kv-release-sidecar"  # also OTEL_SERVICE_NAME
+    # The spans' resource: key=value pairs, as OTEL_RESOURCE_ATTRIBUTES (its values percent-encoded).
+    trace_resource_attributes: tuple[str, ...] = ()
     # P's hold of an unreleased request's blocks, for kvr_pinned_block_seconds_saved_total;
     # 0: from P's vLLM release (30 s lease from 0.22.0, 480 s abort timeout before).
     p_hold_seconds: float = 0.0
@@ -159,6 +161,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     admin_tls_cert_dir: str = ""  # the admin port serves TLS only when this is set
     # Outbound TLS: an https decode_url is verified; prefill_tls makes header-named P https.
     tls_ca_file: str = ""
+    # Trusted beyond the system's store and tls_ca_file, as Go reads SSL_CERT_FILE and SSL_CERT_DIR
+    # (sidecar.tls.trust): every certificate of every file in each folder, not only hashed names.
+    ssl_cert_file: str = ""
+    ssl_cert_dir: tuple[str, ...] = ()  # folders, colon-separated in flags and variables
     decode_tls_insecure: bool = False
     prefill_tls: bool = False
     prefill_tls_insecure: bool = False
@@ -212,6 +218,17 @@ class FileError(ConfigError):
 SECRETS = frozenset({"control_token", "trust_token", "trust_key"})
 REDACTED = "<redacted>"
 FIELDS = tuple(f.name for f in msgspec.structs.fields(Config))
+# Settings that also come from a variable other programs read (KVR_* wins over it): llm-d's
+# sidecar (Go) and OpenTelemetry SDKs read these, and deployments set them for it (KServe sets
+# SSL_CERT_DIR). OTEL_SERVICE_NAME wins over a service.name in OTEL_RESOURCE_ATTRIBUTES.
+STANDARD_ENV = {
+    "ssl_cert_file": "SSL_CERT_FILE",
+    "ssl_cert_dir": "SSL_CERT_DIR",
+    "trace_service_name": "OTEL_SERVICE_NAME",
+    "trace_resource_attributes": "OTEL_RESOURCE_ATTRIBUTES",
+}
+# Lists of paths, split at colons as SSL_CERT_DIR and PATH are (a path may hold a comma).
+PATH_LISTS = frozenset({"ssl_cert_dir"})
 # KVR_* variables that are not settings of serve but are read by the same install.
 OTHER_ENV = {
     "KVR_CONFIG": "the TOML file, as --config",
@@ -244,6 +261,8 @@ def help_line(name: str, default: Any) -> str:
     text, unit = HELP[name]
     details = [unit] if unit else []
     details += [f"default {_default_text(default)}", f"env {ENV_PREFIX}{name.upper()}"]
+    if name in STANDARD_ENV:
+        details[-1] += f" or {STANDARD_ENV[name]}"
     return f"{text} ({'; '.join(details)})"
 
 
@@ -305,6 +324,8 @@ def load_with_sources(
         if key not in names:
             raise FileError(file_name, f"unknown key {key!r}{did_you_mean(key, FIELDS)}", key, value)
         merged[key], source[key] = value, f"{file_name}, key {key}"
+    for name, (value, variable) in _standard_env(environ).items():
+        merged[name], source[name] = value, variable
     for name in names:
         variable = ENV_PREFIX + name.upper()
         if environ.get(variable) is not None:
@@ -318,13 +339,29 @@ def load_with_sources(
         if isinstance(value, str) and HELP[name][1] == "seconds":
             merged[name] = _seconds(name, value, source.get(name, ""))
         if isinstance(value, str) and get_origin(names[name]) is tuple:
-            merged[name] = value = [part.strip() for part in value.split(",") if part.strip()]
+            parts = value.split(":" if name in PATH_LISTS else ",")
+            merged[name] = value = [part.strip() for part in parts if part.strip()]
         if isinstance(value, list) and get_args(names[name])[:1] == (str,):
             merged[name] = [str(item) if isinstance(item, int) else item for item in value]  # [503]
     try:
         return _convert(merged, names), source
     except ConfigError as exc:
         raise exc.at(source.get(exc.field, exc.source)) from exc.__cause__
+
+
+def _standard_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The settings ``STANDARD_ENV``'s variables give (field -> value, variable); empty ones are unset."""
+    found = {
+        name: (environ[variable], variable)
+        for name, variable in STANDARD_ENV.items()
+        if environ.get(variable, "").strip()
+    }
+    if "trace_service_name" not in found and "trace_resource_attributes" in found:
+        for item in found["trace_resource_attributes"][0].split(","):
+            key, _, value = item.partition("=")
+            if key.strip() == "service.name" and value.strip():
+                found["trace_service_name"] = (unquote(value.strip()), "OTEL_RESOURCE_ATTRIBUTES")
+    return found
 
 
 def _read_toml(text: str | None, file_name: str) -> dict[str, Any]:
