@@ -8,8 +8,9 @@ the variables llm-d reads (``INFERENCE_POOL``, ``ENABLE_PREFILLER_SAMPLING``,
 settings llm-d has no flag for), then llm-d's defaults (``PD_DEFAULTS``):
 router mode on llm-d's header (any P address but loopback, link-local,
 metadata, unspecified and multicast without an allowlist), NIXL releases, TLS
-with a self-signed certificate, llm-d's answers and inbound timeouts (idle
-keep-alive 300 s, headers 30 s). One ``Config`` underneath, as for ``serve``.
+with a self-signed certificate, llm-d's answers and inbound limits (idle
+keep-alive 300 s, headers 30 s, header blocks up to 1 MiB as Go's server).
+One ``Config`` underneath, as for ``serve``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ PD_DEFAULTS: dict[str, Any] = {
     # llm-d's inbound server (pkg/sidecar/proxy/proxy_helpers.go): IdleTimeout 300 s, ReadHeaderTimeout 30 s.
     "timeout_keep_alive": 300.0,
     "client_header_timeout": 30.0,
+    # Go's net/http server default (DefaultMaxHeaderBytes, 1 MiB), which llm-d's sidecar keeps.
+    "max_header_bytes": 1024 * 1024,
 }
 _NOT_YAML = ("configuration", "configuration-file", "kubeconfig")
 YAML_KEYS = frozenset(k for k in FLAGS if k not in _NOT_YAML and not k.startswith(("zap-", MORIIO_PREFIX)))
