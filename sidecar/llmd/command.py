@@ -27,7 +27,7 @@ from sidecar import config as config_mod
 from sidecar import extras
 from sidecar.config import ConfigError, did_you_mean
 from sidecar.llmd.flags import as_list, refuse, settings
-from sidecar.llmd.table import FLAGS, MAPPING, MORIIO_PREFIX
+from sidecar.llmd.table import FLAGS, MAPPING, MORIIO_PREFIX, NEWEST_TAG
 
 log = logging.getLogger("sidecar.llmd")
 
@@ -78,7 +78,7 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
             raise ConfigError("argument", argv[i], "not a flag")
         kind = FLAGS[name].kind if name in FLAGS else "str"
         if name not in FLAGS and name != "config":
-            raise refuse(name, argv[i], "unknown flag" + did_you_mean(name, sorted(FLAGS)))
+            raise refuse(name, argv[i], unknown_flag(name))
         if not eq and kind != "bool":
             if i + 1 >= len(argv):
                 raise refuse(name, "", "needs a value")
@@ -91,6 +91,15 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
             given[name] = value if eq or kind != "bool" else "true"
         i += 1
     return given, toml
+
+
+def unknown_flag(name: str) -> str:
+    """Why ``--name`` stops the start: no llm-d tag up to the newest known has it (a newer one may)."""
+    return (
+        f"unknown flag{did_you_mean(name, sorted(FLAGS))}: not a flag of llm-d's pd-sidecar up to "
+        f"{NEWEST_TAG}, the newest release this sidecar knows; a newer release's flag needs a newer "
+        "kv-release-sidecar (docs/llm-d.md lists the flags)"
+    )
 
 
 def with_yaml(given: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,9 @@ class Flag(NamedTuple):
     effect: str  # the settings it sets here (the docs table's last column)
 
 
+# The newest llm-d tag whose pd-sidecar flags are all in MAPPING (read from its options.go).
+NEWEST_TAG = "v0.10.0"
+
 _MORIIO = 'MoRI-IO: accepted; releases off (kvr_releases_enabled{reason="moriio"})'
 
 MAPPING: dict[str, Flag] = {
