@@ -32,8 +32,8 @@ COMPONENT = DEPLOY / "llm-d"
 SSRF_PROTECTION = COMPONENT / "ssrf-protection"
 FIXTURES = ROOT / "tests" / "deploy" / "fixtures" / "llm-d"
 SHAPES = ("deployment", "disaggregatedset", "disaggregatedset-secure-proxy")
-UPSTREAM_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.8.0"  # the guides' routing-sidecar component
-KSERVE_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"  # KServe's templates' tag
+# The guides' routing-sidecar image component, and KServe's templates: the same tag.
+UPSTREAM_IMAGE = KSERVE_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"
 GUIDES_ACCOUNT = "pd-disagg-vllm"
 SIDECAR = "routing-proxy"
 
