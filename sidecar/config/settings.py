@@ -17,12 +17,13 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import msgspec
 
+from sidecar.config.errors import REDACTED, SECRETS, ConfigError, FileError, flag_of
 from sidecar.config.help import HELP
-from sidecar.exceptions import SidecarError
+from sidecar.config.standard import PATH_LISTS, STANDARD_ENV, standard_env
 
 ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
 PrefillPolicy = Literal["least-outstanding", "round-robin", "first", "random"]
@@ -192,52 +193,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         check(self)
 
 
-class ConfigError(SidecarError):
-    """A setting that cannot be used; ``str()`` names the field, its source, the value and the reason."""
-
-    def __init__(self, field: str, value: object, reason: str, source: str = "") -> None:
-        self.field, self.value, self.reason = field, value, reason
-        self.source = source or _flag(field)
-        shown = REDACTED if field in SECRETS and value else value
-        super().__init__(f"invalid {field} ({self.source}) = {shown!r}: {reason}")
-
-    def at(self, source: str) -> ConfigError:
-        """The same error, naming where the value came from."""
-        return ConfigError(self.field, self.value, self.reason, source)
-
-
-class FileError(ConfigError):
-    """The TOML file itself is wrong (unreadable, not TOML, an unknown key); names the file first."""
-
-    def __init__(self, file_name: str, reason: str, key: str = "config", value: object = None) -> None:
-        super().__init__(key, file_name if value is None else value, reason, file_name)
-        self.args = (f"{file_name}: {reason}",)
-
-
-# Settings whose values are credentials: never logged, never echoed in an error.
-SECRETS = frozenset({"control_token", "trust_token", "trust_key"})
-REDACTED = "<redacted>"
 FIELDS = tuple(f.name for f in msgspec.structs.fields(Config))
-# Settings that also come from a variable other programs read (KVR_* wins over it): llm-d's
-# sidecar (Go) and OpenTelemetry SDKs read these, and deployments set them for it (KServe sets
-# SSL_CERT_DIR). OTEL_SERVICE_NAME wins over a service.name in OTEL_RESOURCE_ATTRIBUTES.
-STANDARD_ENV = {
-    "ssl_cert_file": "SSL_CERT_FILE",
-    "ssl_cert_dir": "SSL_CERT_DIR",
-    "trace_service_name": "OTEL_SERVICE_NAME",
-    "trace_resource_attributes": "OTEL_RESOURCE_ATTRIBUTES",
-}
-# Lists of paths, split at colons as SSL_CERT_DIR and PATH are (a path may hold a comma).
-PATH_LISTS = frozenset({"ssl_cert_dir"})
 # KVR_* variables that are not settings of serve but are read by the same install.
 OTHER_ENV = {
     "KVR_CONFIG": "the TOML file, as --config",
     "KVR_CONTROL_INSECURE": "the vLLM plugin inside D",
 }
-
-
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
 
 
 def did_you_mean(word: str, candidates: Sequence[str]) -> str:
@@ -291,7 +252,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             kwargs["metavar"] = _metavar(HELP[name][1])
         kwargs["help"] = help_line(name, default).replace("%", "%%")
-        parser.add_argument(_flag(name), **kwargs)
+        parser.add_argument(flag_of(name), **kwargs)
     return parser
 
 
@@ -324,14 +285,14 @@ def load_with_sources(
         if key not in names:
             raise FileError(file_name, f"unknown key {key!r}{did_you_mean(key, FIELDS)}", key, value)
         merged[key], source[key] = value, f"{file_name}, key {key}"
-    for name, (value, variable) in _standard_env(environ).items():
+    for name, (value, variable) in standard_env(environ).items():
         merged[name], source[name] = value, variable
     for name in names:
         variable = ENV_PREFIX + name.upper()
         if environ.get(variable) is not None:
             merged[name], source[name] = environ[variable], variable
         if flags.get(name) is not None:
-            merged[name], source[name] = flags[name], _flag(name)
+            merged[name], source[name] = flags[name], flag_of(name)
     for key in flags.keys() - names.keys():
         if flags[key] is not None:
             raise ConfigError(key, flags[key], f"unknown setting{did_you_mean(key, FIELDS)}")
@@ -347,21 +308,6 @@ def load_with_sources(
         return _convert(merged, names), source
     except ConfigError as exc:
         raise exc.at(source.get(exc.field, exc.source)) from exc.__cause__
-
-
-def _standard_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """The settings ``STANDARD_ENV``'s variables give (field -> value, variable); empty ones are unset."""
-    found = {
-        name: (environ[variable], variable)
-        for name, variable in STANDARD_ENV.items()
-        if environ.get(variable, "").strip()
-    }
-    if "trace_service_name" not in found and "trace_resource_attributes" in found:
-        for item in found["trace_resource_attributes"][0].split(","):
-            key, _, value = item.partition("=")
-            if key.strip() == "service.name" and value.strip():
-                found["trace_service_name"] = (unquote(value.strip()), "OTEL_RESOURCE_ATTRIBUTES")
-    return found
 
 
 def _read_toml(text: str | None, file_name: str) -> dict[str, Any]:

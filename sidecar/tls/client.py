@@ -12,12 +12,24 @@ TLS 1.2 is the minimum.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
+from typing import Protocol
 
-from sidecar.config import Config
 from sidecar.tls.trust import trust
 
 
-def outbound(config: Config, insecure: bool) -> ssl.SSLContext:
+class TrustSettings(Protocol):
+    """The settings of ``sidecar.config.Config`` that name what outbound TLS trusts."""
+
+    @property
+    def tls_ca_file(self) -> str: ...
+    @property
+    def ssl_cert_file(self) -> str: ...
+    @property
+    def ssl_cert_dir(self) -> Sequence[str]: ...
+
+
+def outbound(config: TrustSettings, insecure: bool) -> ssl.SSLContext:
     """The client context for one stage: the trust ``config`` names, and that stage's
     ``*_tls_insecure`` (``insecure``). Reads the files it names: build it at start, not per request."""
     context = ssl.create_default_context()  # the system's store
