@@ -186,7 +186,7 @@ def _upstream(config: Config, rank: int = 0, pool_size: int | None = None) -> Cl
         header_timeout=config.header_timeout,
         read_timeout=config.read_timeout,
         pool_size=pool_size or config.pool_size,
-    ).use_tls(outbound(config.tls_ca_file, config.decode_tls_insecure))
+    ).use_tls(outbound(config, config.decode_tls_insecure))
 
 
 def _pipeline(

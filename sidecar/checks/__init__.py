@@ -18,6 +18,7 @@ import httpx
 import msgspec
 
 from sidecar.config import Config
+from sidecar.tls.client import outbound
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -84,7 +85,9 @@ def fail(name: str, detail: str, fix: str) -> Finding:
     return Finding(name, "fail", detail, fix)
 
 
-def client() -> httpx.AsyncClient:
+def client(config: Config) -> httpx.AsyncClient:
     """The client the checks ask D with: one short bound whatever the proxy's own timeouts (the
-    check must end quickly), and no proxy variables (``trust_env=False``, as the proxy path)."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(CHECK_TIMEOUT), trust_env=False)
+    check must end quickly), no proxy variables (``trust_env=False``), and D's certificate
+    verified as the proxy path verifies it (``sidecar.tls.client``)."""
+    verify = outbound(config, config.decode_tls_insecure)
+    return httpx.AsyncClient(timeout=httpx.Timeout(CHECK_TIMEOUT), trust_env=False, verify=verify)

@@ -80,7 +80,7 @@ async def run_checks(
     config: Config, sources: dict[str, str] | None = None, selected: tuple[Check, ...] = CHECKS
 ) -> list[Finding]:
     """Every finding of the ``selected`` checks, in order (one at a time: D is asked little)."""
-    async with checks.client() as client:
+    async with checks.client(config) as client:
         context = Context(config, sources or {}, client)
         findings: list[Finding] = []
         for check in selected:

@@ -20,6 +20,7 @@ from sidecar.decode.notice import effect as newer_effect
 from sidecar.decode.probes import probe_kv_connector
 from sidecar.nixl.versions import KNOWN, NEWEST, WireProfile, parse_version
 from sidecar.release.http import HttpReleaser, Probe, read_token
+from sidecar.tls.client import outbound
 from sidecar.upstream import Upstream
 from sidecar.vllm_plugin.settings import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 
@@ -47,7 +48,7 @@ def _unreachable_fix(url: str, answer: str) -> str:
     if url.startswith("https://") and any(word in answer for word in ("SSL", "TLS", "certificate")):
         return (
             "D does not complete a TLS handshake: use http:// in decode_url if D serves plain http, "
-            "or trust its certificate (tls_ca_file, decode_tls_insecure)"
+            "or trust its certificate (tls_ca_file, ssl_cert_dir or SSL_CERT_DIR, decode_tls_insecure)"
         )
     if url.startswith("http://") and (
         "without sending a response" in answer or "RemoteProtocolError" in answer
@@ -244,7 +245,7 @@ async def check_kv_connector(ctx: Context) -> list[Finding]:
         header_timeout=CHECK_TIMEOUT,
         read_timeout=CHECK_TIMEOUT,
         pool_size=1,
-    )
+    ).use_tls(outbound(ctx.config, ctx.config.decode_tls_insecure))
     await upstream.start()
     try:
         found = await probe_kv_connector(upstream)

@@ -4,14 +4,13 @@ command-line arguments shared by ``serve`` and ``check`` (``args``)."""
 
 from __future__ import annotations
 
+from sidecar.config.errors import ConfigError, FileError
 from sidecar.config.help import HELP
 from sidecar.config.settings import (
     FIELDS,
     INSPECTED_ROUTES,
     MIN_HEADER_BYTES,
     Config,
-    ConfigError,
-    FileError,
     KvConnectorSetting,
     ReleaseStrategy,
     build_parser,

@@ -128,6 +128,10 @@ HELP: dict[str, tuple[str, str]] = {
     "otlp_traces_endpoint": ("OTLP/HTTP collector for traces (the otel extra); empty: tracing off", "URL"),
     "trace_sample_ratio": ("share of new traces sampled (a sampled traceparent is always kept)", "0 to 1"),
     "trace_service_name": ("service.name of the spans", ""),
+    "trace_resource_attributes": (
+        "more resource attributes of the spans, key=value (values percent-encoded, as OpenTelemetry's)",
+        "comma-separated list",
+    ),
     "may_cover_delay": (
         "wait before releasing a rejection D's engine may have released too (a 500 or 501 from D)",
         "seconds",
@@ -142,7 +146,13 @@ HELP: dict[str, tuple[str, str]] = {
         "comma-separated list",
     ),
     "admin_tls_cert_dir": ("serve TLS on the admin port with this directory's tls.crt and tls.key", "path"),
-    "tls_ca_file": ("CA bundle that verifies D and P over https (empty: the system's)", "path"),
+    "tls_ca_file": ("CA bundle that verifies D and P over https, beside the system's store", "path"),
+    "ssl_cert_file": ("a PEM file whose certificates verify D and P, beside the system's store", "path"),
+    "ssl_cert_dir": (
+        "folders whose every PEM file's certificates verify D and P (as Go reads SSL_CERT_DIR, "
+        "not only OpenSSL's hashed names); missing folders and non-PEM files are skipped",
+        "colon-separated list of paths",
+    ),
     "decode_tls_insecure": ("do not verify D's certificate (an https decode_url)", ""),
     "prefill_tls": ("reach P named by x-prefiller-host-port over https", ""),
     "prefill_tls_insecure": ("do not verify P's certificate", ""),

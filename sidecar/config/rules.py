@@ -82,6 +82,10 @@ def check(config: Config) -> None:
         )
     if not config.trace_service_name.strip():
         raise ConfigError("trace_service_name", config.trace_service_name, "must not be empty")
+    # Checked only with tracing on: OTEL_RESOURCE_ATTRIBUTES set for other programs stops nothing.
+    for item in config.trace_resource_attributes if config.otlp_traces_endpoint else ():
+        if not item.partition("=")[0].strip() or "=" not in item:
+            raise ConfigError("trace_resource_attributes", item, "must be key=value")
     _serving(config)
 
 

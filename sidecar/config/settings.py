@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from sidecar.config.errors import REDACTED, SECRETS, ConfigError, FileError, flag_of
 from sidecar.config.help import HELP
-from sidecar.exceptions import SidecarError
+from sidecar.config.standard import PATH_LISTS, STANDARD_ENV, standard_env
 
 ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
 PrefillPolicy = Literal["least-outstanding", "round-robin", "first", "random"]
@@ -145,7 +146,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # OpenTelemetry tracing (sidecar.observability; needs the otel extra): OTLP/HTTP, off when empty.
     otlp_traces_endpoint: str = ""  # e.g. http://otel-collector:4318 (/v1/traces is added to a bare URL)
     trace_sample_ratio: float = 1.0
-    trace_service_name: str = "kv-release-sidecar"
+    trace_service_name: str = "kv-release-sidecar"  # also OTEL_SERVICE_NAME
+    # The spans' resource: key=value pairs, as OTEL_RESOURCE_ATTRIBUTES (its values percent-encoded).
+    trace_resource_attributes: tuple[str, ...] = ()
     # P's hold of an unreleased request's blocks, for kvr_pinned_block_seconds_saved_total;
     # 0: from P's vLLM release (30 s lease from 0.22.0, 480 s abort timeout before).
     p_hold_seconds: float = 0.0
@@ -159,6 +162,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     admin_tls_cert_dir: str = ""  # the admin port serves TLS only when this is set
     # Outbound TLS: an https decode_url is verified; prefill_tls makes header-named P https.
     tls_ca_file: str = ""
+    # Trusted beyond the system's store and tls_ca_file, as Go reads SSL_CERT_FILE and SSL_CERT_DIR
+    # (sidecar.tls.trust): every certificate of every file in each folder, not only hashed names.
+    ssl_cert_file: str = ""
+    ssl_cert_dir: tuple[str, ...] = ()  # folders, colon-separated in flags and variables
     decode_tls_insecure: bool = False
     prefill_tls: bool = False
     prefill_tls_insecure: bool = False
@@ -186,41 +193,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         check(self)
 
 
-class ConfigError(SidecarError):
-    """A setting that cannot be used; ``str()`` names the field, its source, the value and the reason."""
-
-    def __init__(self, field: str, value: object, reason: str, source: str = "") -> None:
-        self.field, self.value, self.reason = field, value, reason
-        self.source = source or _flag(field)
-        shown = REDACTED if field in SECRETS and value else value
-        super().__init__(f"invalid {field} ({self.source}) = {shown!r}: {reason}")
-
-    def at(self, source: str) -> ConfigError:
-        """The same error, naming where the value came from."""
-        return ConfigError(self.field, self.value, self.reason, source)
-
-
-class FileError(ConfigError):
-    """The TOML file itself is wrong (unreadable, not TOML, an unknown key); names the file first."""
-
-    def __init__(self, file_name: str, reason: str, key: str = "config", value: object = None) -> None:
-        super().__init__(key, file_name if value is None else value, reason, file_name)
-        self.args = (f"{file_name}: {reason}",)
-
-
-# Settings whose values are credentials: never logged, never echoed in an error.
-SECRETS = frozenset({"control_token", "trust_token", "trust_key"})
-REDACTED = "<redacted>"
 FIELDS = tuple(f.name for f in msgspec.structs.fields(Config))
 # KVR_* variables that are not settings of serve but are read by the same install.
 OTHER_ENV = {
     "KVR_CONFIG": "the TOML file, as --config",
     "KVR_CONTROL_INSECURE": "the vLLM plugin inside D",
 }
-
-
-def _flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
 
 
 def did_you_mean(word: str, candidates: Sequence[str]) -> str:
@@ -244,6 +222,8 @@ def help_line(name: str, default: Any) -> str:
     text, unit = HELP[name]
     details = [unit] if unit else []
     details += [f"default {_default_text(default)}", f"env {ENV_PREFIX}{name.upper()}"]
+    if name in STANDARD_ENV:
+        details[-1] += f" or {STANDARD_ENV[name]}"
     return f"{text} ({'; '.join(details)})"
 
 
@@ -272,7 +252,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             kwargs["metavar"] = _metavar(HELP[name][1])
         kwargs["help"] = help_line(name, default).replace("%", "%%")
-        parser.add_argument(_flag(name), **kwargs)
+        parser.add_argument(flag_of(name), **kwargs)
     return parser
 
 
@@ -305,12 +285,14 @@ def load_with_sources(
         if key not in names:
             raise FileError(file_name, f"unknown key {key!r}{did_you_mean(key, FIELDS)}", key, value)
         merged[key], source[key] = value, f"{file_name}, key {key}"
+    for name, (value, variable) in standard_env(environ).items():
+        merged[name], source[name] = value, variable
     for name in names:
         variable = ENV_PREFIX + name.upper()
         if environ.get(variable) is not None:
             merged[name], source[name] = environ[variable], variable
         if flags.get(name) is not None:
-            merged[name], source[name] = flags[name], _flag(name)
+            merged[name], source[name] = flags[name], flag_of(name)
     for key in flags.keys() - names.keys():
         if flags[key] is not None:
             raise ConfigError(key, flags[key], f"unknown setting{did_you_mean(key, FIELDS)}")
@@ -318,7 +300,8 @@ def load_with_sources(
         if isinstance(value, str) and HELP[name][1] == "seconds":
             merged[name] = _seconds(name, value, source.get(name, ""))
         if isinstance(value, str) and get_origin(names[name]) is tuple:
-            merged[name] = value = [part.strip() for part in value.split(",") if part.strip()]
+            parts = value.split(":" if name in PATH_LISTS else ",")
+            merged[name] = value = [part.strip() for part in parts if part.strip()]
         if isinstance(value, list) and get_args(names[name])[:1] == (str,):
             merged[name] = [str(item) if isinstance(item, int) else item for item in value]  # [503]
     try:

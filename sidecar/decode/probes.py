@@ -131,7 +131,8 @@ def likely_cause(failure: NoAnswer, detail: str, url: str) -> str:
         NoAnswer.DNS: f"the host of {url} does not resolve",
         NoAnswer.CONNECT_TIMEOUT: f"no answer to a connection to {url}: a wrong host, or a firewall",
         NoAnswer.TLS_FAILED: f"the TLS handshake with {url} failed: D serves plain http? (use http:// in "
-        "decode_url), or its certificate is not trusted (tls_ca_file, decode_tls_insecure)",
+        "decode_url), or its certificate is not trusted (tls_ca_file, ssl_cert_dir or SSL_CERT_DIR, "
+        "decode_tls_insecure)",
         NoAnswer.HEADER_TIMEOUT: f"{url} accepted the connection but did not answer GET /health in time",
     }
     cause = causes.get(failure)

@@ -8,8 +8,9 @@ the variables llm-d reads (``INFERENCE_POOL``, ``ENABLE_PREFILLER_SAMPLING``,
 settings llm-d has no flag for), then llm-d's defaults (``PD_DEFAULTS``):
 router mode on llm-d's header (any P address but loopback, link-local,
 metadata, unspecified and multicast without an allowlist), NIXL releases, TLS
-with a self-signed certificate, llm-d's answers and inbound timeouts (idle
-keep-alive 300 s, headers 30 s). One ``Config`` underneath, as for ``serve``.
+with a self-signed certificate, llm-d's answers and inbound limits (idle
+keep-alive 300 s, headers 30 s, header blocks up to 1 MiB as Go's server).
+One ``Config`` underneath, as for ``serve``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sidecar import config as config_mod
 from sidecar import extras
 from sidecar.config import ConfigError, did_you_mean
 from sidecar.llmd.flags import as_list, refuse, settings
-from sidecar.llmd.table import FLAGS, MAPPING, MORIIO_PREFIX
+from sidecar.llmd.table import FLAGS, MAPPING, MORIIO_PREFIX, NEWEST_TAG
 
 log = logging.getLogger("sidecar.llmd")
 
@@ -43,6 +44,8 @@ PD_DEFAULTS: dict[str, Any] = {
     # llm-d's inbound server (pkg/sidecar/proxy/proxy_helpers.go): IdleTimeout 300 s, ReadHeaderTimeout 30 s.
     "timeout_keep_alive": 300.0,
     "client_header_timeout": 30.0,
+    # Go's net/http server default (DefaultMaxHeaderBytes, 1 MiB), which llm-d's sidecar keeps.
+    "max_header_bytes": 1024 * 1024,
 }
 _NOT_YAML = ("configuration", "configuration-file", "kubeconfig")
 YAML_KEYS = frozenset(k for k in FLAGS if k not in _NOT_YAML and not k.startswith(("zap-", MORIIO_PREFIX)))
@@ -75,7 +78,7 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
             raise ConfigError("argument", argv[i], "not a flag")
         kind = FLAGS[name].kind if name in FLAGS else "str"
         if name not in FLAGS and name != "config":
-            raise refuse(name, argv[i], "unknown flag" + did_you_mean(name, sorted(FLAGS)))
+            raise refuse(name, argv[i], unknown_flag(name))
         if not eq and kind != "bool":
             if i + 1 >= len(argv):
                 raise refuse(name, "", "needs a value")
@@ -88,6 +91,15 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Any], str | None]:
             given[name] = value if eq or kind != "bool" else "true"
         i += 1
     return given, toml
+
+
+def unknown_flag(name: str) -> str:
+    """Why ``--name`` stops the start: no llm-d tag up to the newest known has it (a newer one may)."""
+    return (
+        f"unknown flag{did_you_mean(name, sorted(FLAGS))}: not a flag of llm-d's pd-sidecar up to "
+        f"{NEWEST_TAG}, the newest release this sidecar knows; a newer release's flag needs a newer "
+        "kv-release-sidecar (docs/llm-d.md lists the flags)"
+    )
 
 
 def with_yaml(given: dict[str, Any]) -> dict[str, Any]:

@@ -5,12 +5,13 @@ accepted in pflag's forms (``--name=value``, ``--name value``, a switch alone or
 ``--name=false``), with the environment variables llm-d reads
 (``INFERENCE_POOL``, ``INFERENCE_POOL_NAMESPACE``, ``INFERENCE_POOL_NAME``,
 ``ENABLE_PREFILLER_SAMPLING``, ``POD_IP``, the ``OTEL_*`` ones with
-``--tracing``) and its ``--configuration``/``--configuration-file`` YAML
-(strict; flags win). ``settings`` maps them onto ``Config`` fields. A P/D
-protocol this sidecar does not run (another KV connector, an encoder stage,
-MoRI-IO) keeps the pod serving with releases off and a note; what it cannot
-honour at all (chunked decode, P2P pulls, an unknown value) raises
-``ConfigError`` naming the flag and why.
+``--tracing``; ``SSL_CERT_DIR``, ``SSL_CERT_FILE``, ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES`` are read by ``sidecar.config`` for both commands)
+and its ``--configuration``/``--configuration-file`` YAML (strict; flags win).
+``settings`` maps them onto ``Config`` fields. A P/D protocol this sidecar does
+not run (another KV connector, an encoder stage, MoRI-IO) keeps the pod serving
+with releases off and a note; what it cannot honour at all (chunked decode, P2P
+pulls, an unknown value) raises ``ConfigError`` naming the flag and why.
 """
 
 from __future__ import annotations

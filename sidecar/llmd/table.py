@@ -2,8 +2,8 @@
 
 Read from llm-d's sources tag by tag: ``cmd/pd-sidecar/main.go`` (v0.4.0 to
 v0.6.x) and ``pkg/sidecar/proxy/options.go`` (v0.7.0 on) of
-llm-d-inference-scheduler up to v0.8.0, then of llm-d-router (v0.9.0, v0.10.0,
-main); the ``zap-*`` flags and ``--kubeconfig`` come from controller-runtime,
+llm-d-inference-scheduler up to v0.8.0, then of llm-d-router (v0.9.0 and
+v0.10.0, ``NEWEST_TAG``); the ``zap-*`` flags and ``--kubeconfig`` come from controller-runtime,
 bound on the same command line. ``since`` is the first of those tags with the
 flag. ``MAPPING`` is the table docs/llm-d.md shows and tests check row by row;
 ``EXTRA`` holds flags other llm-d components take (the endpoint picker's TLS
@@ -20,6 +20,9 @@ class Flag(NamedTuple):
     since: str  # the first llm-d tag whose pd-sidecar has it
     effect: str  # the settings it sets here (the docs table's last column)
 
+
+# The newest llm-d tag whose pd-sidecar flags are all in MAPPING (read from its options.go).
+NEWEST_TAG = "v0.10.0"
 
 _MORIIO = 'MoRI-IO: accepted; releases off (kvr_releases_enabled{reason="moriio"})'
 

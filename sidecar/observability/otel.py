@@ -16,7 +16,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from urllib.parse import SplitResult, urlsplit
+from importlib import metadata
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -103,15 +104,38 @@ _REQUEST: ContextVar[_Request | None] = ContextVar("kvr_request_span", default=N
 _RELEASE: ContextVar[_Release | None] = ContextVar("kvr_release_span", default=None)
 
 
+def resource_attributes(config: Config) -> dict[str, str]:
+    """The spans' resource: ``trace_resource_attributes`` (``OTEL_RESOURCE_ATTRIBUTES``, values
+    percent-decoded), then ``service.name`` from ``trace_service_name`` (``OTEL_SERVICE_NAME``)
+    and the sidecar's ``service.version``, as llm-d's sidecar (Go) merges them. Built from the
+    config alone: the SDK's own reading of the environment (``Resource.create``) is not used."""
+    attributes = {
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.name": "opentelemetry",
+        "telemetry.sdk.version": _sdk_version(),
+    }
+    for item in config.trace_resource_attributes:
+        key, _, value = item.partition("=")
+        attributes[key.strip()] = unquote(value.strip())
+    attributes["service.name"] = config.trace_service_name
+    attributes["service.version"] = __version__
+    return attributes
+
+
+def _sdk_version() -> str:
+    try:
+        return metadata.version("opentelemetry-sdk")
+    except metadata.PackageNotFoundError:  # pragma: no cover - the SDK is imported above
+        return "unknown"
+
+
 class OtelTracing(Tracing):
     """Tracing on: spans go to ``exporter`` (tests) or to the OTLP/HTTP endpoint in batches."""
 
     enabled = True
 
     def __init__(self, config: Config, exporter: SpanExporter | None = None) -> None:
-        resource = Resource.create(
-            {"service.name": config.trace_service_name, "service.version": __version__}
-        )
+        resource = Resource(resource_attributes(config))
         sampler = ParentBased(TraceIdRatioBased(config.trace_sample_ratio))
         # shutdown() is ours (bounded, off the event loop), not an atexit hook's.
         self._provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)

@@ -45,6 +45,7 @@ from sidecar.release.base import (
     RetryableReleaseError,
     TargetHealth,
 )
+from sidecar.tls.client import outbound
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,8 @@ class HttpReleaser:
             limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
             trust_env=False,
             transport=self._transport,
+            # D's certificate trusted as the proxy path trusts it, always verified: the token goes here.
+            verify=outbound(self._config, insecure=False),
         )
 
     async def close(self) -> None:

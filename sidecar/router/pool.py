@@ -19,6 +19,7 @@ import json
 import logging
 import random
 import re
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -154,6 +155,7 @@ class PrefillPool:
         self._unhealthy_until: dict[str, float] = {}
         self._clients: OrderedDict[str, Client] = OrderedDict()
         self._connect = connect or self._upstream  # a fake per P in unit tests
+        self._tls: ssl.SSLContext | None = None  # every P's, made with the first P's client
         self._rotation = itertools.count()
 
     @classmethod
@@ -243,7 +245,13 @@ class PrefillPool:
             header_timeout=self.config.prefill_timeout,
             read_timeout=self.config.read_timeout,
             pool_size=self.config.pool_size,
-        ).use_tls(outbound(self.config.tls_ca_file, self.config.prefill_tls_insecure))
+        ).use_tls(self._tls_context())
+
+    def _tls_context(self) -> ssl.SSLContext:
+        # Once: it reads the trusted files and folders, as Go reads them once per process.
+        if self._tls is None:
+            self._tls = outbound(self.config, self.config.prefill_tls_insecure)
+        return self._tls
 
     async def client(self, url: str) -> Client:
         client = self._clients.get(url)

@@ -5,8 +5,8 @@ render them, each file headed by the upstream commit and path it came from:
 the decode Deployment of the P/D recipe, and the guide's DisaggregatedSet (a
 custom resource) in its two revisions (``--secure-serving=false``, and the
 deprecated ``--secure-proxy=false``); and KServe's LLMInferenceService decode
-template (an excerpt: its routing sidecar). Each is rendered the way a user adds this
-project to a guide: a kustomization holding the guide's render and the
+template and its data-parallel worker template (tests.deploy.kserve). Each is
+rendered the way a user adds this project to a guide: a kustomization holding the guide's render and the
 ``deploy/llm-d`` component (plus ``deploy/llm-d/ssrf-protection`` for SSRF
 protection).
 """
@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from sidecar.llmd.command import load, recognises
+from tests.deploy import kserve
 from tests.deploy.kustomize import Resource, build
 from tests.deploy.manifests import DEPLOY, ROOT, SIDECAR_IMAGE
 from tests.deploy.test_schemas import KUBERNETES_VERSIONS, validate
@@ -31,7 +32,8 @@ COMPONENT = DEPLOY / "llm-d"
 SSRF_PROTECTION = COMPONENT / "ssrf-protection"
 FIXTURES = ROOT / "tests" / "deploy" / "fixtures" / "llm-d"
 SHAPES = ("deployment", "disaggregatedset", "disaggregatedset-secure-proxy")
-UPSTREAM_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.8.0"  # the guides' routing-sidecar component
+# The guides' routing-sidecar image component, and KServe's templates: the same tag.
+UPSTREAM_IMAGE = KSERVE_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"
 GUIDES_ACCOUNT = "pd-disagg-vllm"
 SIDECAR = "routing-proxy"
 
@@ -182,16 +184,32 @@ def test_the_helm_values_set_only_the_routing_sidecars_image() -> None:
     assert SIDECAR_IMAGE in values["routing"]["proxy"]["image"]
 
 
-def test_kserves_decode_template_gets_the_image_and_its_args_load(tmp_path: Path) -> None:
-    # KServe's LLMInferenceServiceConfig (a custom resource): the component's images reach its
-    # init container, and its older flags load with the pool KServe's controller names by env
-    # (INFERENCE_POOL_NAME, added when the service has a router; the namespace from the manifest).
-    [before], [after] = build(FIXTURES / "kserve"), render(tmp_path, "kserve", COMPONENT)
-    [old], [new] = before["spec"]["template"]["initContainers"], after["spec"]["template"]["initContainers"]
-    assert old["image"] == "ghcr.io/llm-d/llm-d-routing-sidecar:v0.2.0" and SIDECAR_IMAGE in new["image"]
+@pytest.mark.parametrize("template", kserve.TEMPLATES)
+def test_kserves_decode_templates_get_the_image_and_their_command_loads(
+    tmp_path: Path, template: str
+) -> None:
+    # KServe's LLMInferenceServiceConfigs (custom resources): the component's image reaches the
+    # routing sidecar's init container and nothing else changes; its command (/app/pd-sidecar,
+    # the image's llm-d binary name) loads as KServe's controller renders it, TLS on and off.
+    before, after = build(FIXTURES / "kserve"), render(tmp_path, "kserve", COMPONENT)
+    [old] = [c for r in before for c in r["spec"]["template"]["initContainers"] if template_of(r, template)]
+    [new] = [c for r in after for c in r["spec"]["template"]["initContainers"] if template_of(r, template)]
+    assert old["image"] == KSERVE_IMAGE and SIDECAR_IMAGE in new["image"]
     assert {k: v for k, v in new.items() if k != "image"} == {k: v for k, v in old.items() if k != "image"}
-    config, _ = load(new["args"], {"INFERENCE_POOL_NAMESPACE": "llm", "INFERENCE_POOL_NAME": "pool"})
-    assert config.tls and config.tls_cert_dir == "/etc/ssl/certs"
-    assert config.decode_url == "https://localhost:8001" and config.decode_tls_insecure
-    assert config.prefill_tls and config.prefill_tls_insecure
-    assert config.inference_pool == "llm/pool" and config.release == "nixl"
+    assert new["command"][0] == "/app/pd-sidecar" and "args" not in new
+    env = kserve.environment(new, "llm")
+    assert env["SSL_CERT_DIR"].split(":")[0] == kserve.CERT_DIR  # KServe's certificate is trusted so
+    config, sources = load(kserve.command(new, "llm/pool")[1:], env)
+    assert config.tls and config.tls_cert_dir == kserve.CERT_DIR
+    assert config.decode_url == "https://localhost:8001" and not config.decode_tls_insecure
+    assert config.prefill_tls and not config.prefill_tls_insecure  # verified: no skip-verify flag
+    assert config.ssl_cert_dir[0] == kserve.CERT_DIR and sources["ssl_cert_dir"] == "SSL_CERT_DIR"
+    assert config.inference_pool == "llm/pool" and config.pool_group == "inference.networking.x-k8s.io"
+    assert config.release == "nixl" and config.port == 8000
+    plain, _ = load(kserve.command(new, "llm/pool", enable_tls=False)[1:], env)
+    assert not plain.tls and plain.decode_url == "http://localhost:8001" and not plain.prefill_tls
+
+
+def template_of(resource: Resource, template: str) -> bool:
+    """``resource`` is the LLMInferenceServiceConfig of the fixture file ``template``."""
+    return bool(resource["metadata"]["name"] == "kserve-" + template.removesuffix(".yaml"))

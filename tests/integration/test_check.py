@@ -198,7 +198,7 @@ def test_https_against_a_plain_http_d_is_named_a_tls_mismatch(sim_d: ServerThrea
     assert decode.startswith("fail  decode: D is unreachable:")
     assert decode.endswith(
         "; D does not complete a TLS handshake: use http:// in decode_url if D serves plain http, "
-        "or trust its certificate (tls_ca_file, decode_tls_insecure)"
+        "or trust its certificate (tls_ca_file, ssl_cert_dir or SSL_CERT_DIR, decode_tls_insecure)"
     )
 
 

@@ -247,3 +247,29 @@ def test_a_failed_start_exits_1_after_the_reason_without_a_task_traceback() -> N
     assert "no UCX transport" in done.stderr
     assert "Task exception was never retrieved" not in done.stderr and "SystemExit" not in done.stderr
     assert done.stderr.splitlines()[-1] == "kv-release-sidecar: start-up failed (the error is logged above)"
+
+
+def test_an_unknown_llm_d_flag_names_the_flag_and_the_newest_llm_d_tag_known() -> None:
+    # /app/pd-sidecar with a flag a newer llm-d release may add: the start stops, saying which.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "pd-sidecar",
+            "--port=8000",
+            "--kv-connector=nixlv2",
+            "--new-knob=1",
+        ],
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "kv-release-sidecar: invalid new-knob (--new-knob) = '--new-knob=1': unknown flag: not a flag of "
+        "llm-d's pd-sidecar up to v0.10.0, the newest release this sidecar knows; a newer release's flag "
+        "needs a newer kv-release-sidecar (docs/llm-d.md lists the flags)\n"
+    )

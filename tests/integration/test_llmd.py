@@ -31,7 +31,7 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.fake_kube import FakeKube, inference_pool, pod
+from tests.fake_kube import V1, FakeKube, inference_pool, pod
 from tests.integration.test_router import completion, stats, wait_stats
 from tests.ranked import consecutive_free_ports, ranked
 from tests.servers import ServerThread, free_port, serve
@@ -53,9 +53,9 @@ def write_cert(ca: trustme.CA, directory: Path) -> None:
 
 
 @contextmanager
-def kube_api(tmp: Path, ca: trustme.CA) -> Iterator[tuple[FakeKube, ServerThread, Path]]:
+def kube_api(tmp: Path, ca: trustme.CA, pool_api: str = V1) -> Iterator[tuple[FakeKube, ServerThread, Path]]:
     """The fake API over HTTPS, and a service-account directory (token, ca.crt, namespace)."""
-    fake = FakeKube(TOKEN)
+    fake = FakeKube(TOKEN, pool_api)
     server_cert = ca.issue_cert("127.0.0.1")
     with (
         server_cert.cert_chain_pems[0].tempfile() as crt,
@@ -70,13 +70,20 @@ def kube_api(tmp: Path, ca: trustme.CA) -> Iterator[tuple[FakeKube, ServerThread
         yield fake, api, account
 
 
+# Variables the sidecar reads that the test runner's own environment must not set for it.
+FOREIGN = ("KVR_", "SSL_CERT_", "OTEL_")
+
+
 @contextmanager
-def sidecar(args: list[str], env: dict[str, str], ready: Any) -> Iterator[subprocess.Popen[bytes]]:
-    """``kv-release-sidecar serve <args>`` (the image's entry point), until ``ready()`` holds."""
+def sidecar(
+    args: list[str], env: dict[str, str], ready: Any, program: list[str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``kv-release-sidecar serve <args>`` (the image's entry point; or ``program``), until
+    ``ready()`` holds."""
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
     process = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", *args],
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("KVR_")}, **env},
+        [*(program or [sys.executable, "-m", "sidecar", "serve"]), *args],
+        env={**{k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}, **env},
         stdout=log,
         stderr=subprocess.STDOUT,
     )

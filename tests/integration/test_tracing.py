@@ -27,11 +27,12 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, create_admin_app, create_app
-from sidecar.config import Config
+from sidecar.config import Config, load
 from sidecar.observability.tracing import build
 from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from tests.integration.conftest import Sidecar, kv_params
+from tests.integration.test_llmd import answers, sidecar
 from tests.servers import ServerThread, free_port, serve
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -397,6 +398,67 @@ def test_spans_reach_a_real_otlp_http_receiver_after_the_shutdown_flush() -> Non
         }
     assert names == {("kvr.proxy", TRACE_ID), ("kvr.decode", TRACE_ID)}
     assert services == {"kvr-test"}
+
+
+def test_otel_service_name_and_resource_attributes_reach_the_exported_resource() -> None:
+    # serve reads the OpenTelemetry variables into its config; the resource is built from it.
+    environ = {
+        "OTEL_SERVICE_NAME": "decode-sidecar",
+        "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=llm,deployment.environment=pre%20prod,service.name=x",
+    }
+    loaded = load({}, environ)
+    exporter = InMemorySpanExporter()
+    settings = {n: getattr(loaded, n) for n in ("trace_service_name", "trace_resource_attributes")}
+    with recorder(answer_ok) as (_d, d_server), traced_sidecar(d_server.url, exporter, **settings) as sc:
+        assert httpx.post(sc.url + "/v1/completions", json=completion()).status_code == 200
+        spans = wait_spans(exporter, "kvr.proxy", "kvr.decode")
+    resource = dict(spans["kvr.proxy"].resource.attributes)
+    assert resource["service.name"] == "decode-sidecar"  # OTEL_SERVICE_NAME wins over the list's
+    assert resource["k8s.namespace.name"] == "llm" and resource["deployment.environment"] == "pre prod"
+    assert resource["telemetry.sdk.language"] == "python"
+    # Without OTEL_SERVICE_NAME, the list's service.name is the name.
+    assert (
+        load({}, {"OTEL_RESOURCE_ATTRIBUTES": "a=b,service.name=from-list"}).trace_service_name == "from-list"
+    )
+
+
+def test_pd_sidecar_with_tracing_exports_the_otel_resource_over_otlp() -> None:
+    # llm-d's --tracing, as its pods set it: OTEL_* variables only (llm-d reads them since v0.10.0).
+    received: list[ExportTraceServiceRequest] = []
+
+    def collect(path: str, body: bytes) -> tuple[int, bytes]:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        received.append(request)
+        return 200, b""
+
+    with serve(Recorder(collect)) as collector, recorder(answer_ok) as (_d, d_server):
+        port, admin = free_port(), free_port()
+        args = [f"--port={port}", f"--vllm-port={d_server.port}", "--secure-serving=false", "--tracing"]
+        env = {
+            "KVR_ADMIN_PORT": str(admin),
+            "KVR_PREFILL_ALLOW": "127.0.0.1",
+            "KVR_DECODE_HEALTH_INTERVAL": "0",
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url,
+            "OTEL_TRACES_SAMPLER_ARG": "1",
+            "OTEL_SERVICE_NAME": "llm-d-decode",
+            "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=decode-0,k8s.namespace.name=llm",
+        }
+        ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731
+        with sidecar(args, env, ready, program=[sys.executable, "-m", "sidecar", "pd-sidecar"]):
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            assert httpx.post(url, json=completion(), timeout=20).status_code == 200
+        # The process stopped: its lifespan flushed the batch processor.
+    resources = [
+        {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+        for request in received
+        for resource_spans in request.resource_spans
+    ]
+    assert resources, "no spans reached the collector"
+    for resource in resources:
+        assert resource["service.name"] == "llm-d-decode"
+        assert resource["k8s.pod.name"] == "decode-0" and resource["k8s.namespace.name"] == "llm"
 
 
 def test_tracing_off_never_imports_opentelemetry() -> None:

@@ -17,7 +17,7 @@ import pytest
 from sidecar.config import ConfigError
 from sidecar.llmd.command import load, recognises
 from sidecar.llmd.flags import duration
-from sidecar.llmd.table import EXTRA, FLAGS, KV_CONNECTORS, MAPPING
+from sidecar.llmd.table import EXTRA, FLAGS, KV_CONNECTORS, MAPPING, NEWEST_TAG
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "llm-d.md"
 BASE = load([], {})[0]
@@ -292,3 +292,27 @@ def test_serve_s_own_flags_that_llm_d_shares_keep_serve_s_meaning() -> None:
     assert not recognises(["--data-parallel-size=2", "--pool-group", "inference.networking.k8s.io"])
     assert not recognises(["--prefill-max-retries=1", "--tls-min-version", "1.3", "--inference-pool=a/b"])
     assert recognises(["--data-parallel-size=2", "--model-server-port=8200"])
+
+
+def _tag(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.removeprefix("v").split("."))
+
+
+def test_the_newest_tag_named_is_the_newest_in_the_table() -> None:
+    assert max((flag.since for flag in MAPPING.values()), key=_tag) == NEWEST_TAG
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "hint"),
+    [
+        (["--port=8000", "--new-knob=5s"], "new-knob", ""),
+        (["--vllm-prt", "8001"], "vllm-prt", " (did you mean 'vllm-port'?)"),
+    ],
+)
+def test_an_unknown_flag_stops_the_start_naming_it_and_the_newest_tag_known(
+    argv: list[str], flag: str, hint: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(argv, {})
+    assert caught.value.field == flag and caught.value.source == f"--{flag}"
+    assert f"unknown flag{hint}: not a flag of llm-d's pd-sidecar up to {NEWEST_TAG}," in str(caught.value)
