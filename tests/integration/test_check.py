@@ -113,7 +113,7 @@ def test_good_nixl_config_passes_with_every_line_ok_or_warn(
     assert set(report.statuses()) <= {"ok", "warn"}
     assert "NIXL is importable" in report.one("release")
     assert report.one("decode") == f"ok    decode: GET {sim_d.url}/health answered 200"
-    assert report.one("version").startswith("ok    version: vLLM 0.33.0 (from D's GET /version) is known")
+    assert report.one("version").startswith("ok    version: vLLM 0.34.0 (from D's GET /version) is known")
     assert report.find("allowlist") == [
         "ok    allowlist: 1 address entry parses: 127.0.0.1:5600-5663",
         "warn  allowlist: 127.0.0.1:5600-5663 admits loopback addresses; keep it only where P runs on "
@@ -214,18 +214,25 @@ def test_engine_dead_fails_the_decode_check() -> None:
     )
 
 
-def test_unknown_version_fails_for_nixl_and_warns_for_http(tmp_path: Path, key_file: str) -> None:
+def test_a_newer_version_warns_and_fails_for_nixl_only_when_refused(tmp_path: Path, key_file: str) -> None:
     with serve(create_decode_app(DecodeSimConfig(version="0.99.0"))) as d:
         nixl = check("--config", nixl_config(tmp_path, d.url, key_file))
+        refuse = check("--config", nixl_config(tmp_path, d.url, key_file), env={"KVR_UNKNOWN_VLLM": "refuse"})
         http = check("--decode-url", d.url, "--release", "http", "--control-url", d.url + "/none")
-    assert nixl.code == 1
     assert nixl.one("version") == (
-        "fail  version: vLLM 0.99.0 (from D's GET /version) is newer than the releases this sidecar "
-        "knows (0.9.0-0.33.0): nixl refuses every release (unknown_version); "
+        "warn  version: vLLM 0.99.0 (from D's GET /version) is newer than the releases this sidecar "
+        "knows (0.9.0-0.34.0): nixl releases use vLLM 0.34.0's wire and rules while P's handshake "
+        "reply decodes under them (refused as unknown_wire when it does not); "
         "upgrade kv-release-sidecar to a release that knows it"
     )
+    assert refuse.code == 1
+    assert refuse.one("version") == (
+        "fail  version: vLLM 0.99.0 (from D's GET /version) is newer than the releases this sidecar "
+        "knows (0.9.0-0.34.0): nixl refuses every release (unknown_version; unknown_vllm is refuse); "
+        "upgrade kv-release-sidecar to a release that knows it, or set unknown_vllm to newest"
+    )
     assert http.one("version").startswith("warn  version: vLLM 0.99.0")
-    assert "http releases as for 0.33.0" in http.one("version")
+    assert "http releases as for 0.34.0" in http.one("version")
 
 
 def test_a_release_the_tables_do_not_hold_and_a_mismatch_with_d(sim_d: ServerThread) -> None:
@@ -234,7 +241,7 @@ def test_a_release_the_tables_do_not_hold_and_a_mismatch_with_d(sim_d: ServerThr
     assert first.startswith("fail  version: vLLM '0.8.5' (set by --vllm-version) is not a release")
     assert first.endswith("; set vllm_version to the release P and D are built from")
     assert second == (
-        "warn  version: vllm_version is 0.8.5 but D reports 0.33.0; "
+        "warn  version: vllm_version is 0.8.5 but D reports 0.34.0; "
         "P and D must run one vLLM release: set vllm_version to it, or leave it empty"
     )
 
@@ -421,7 +428,7 @@ def test_core_install_without_nixl(sim_d: ServerThread) -> None:
         'extra is not installed (no module nixl_cu12); install it without torch as "Install" in '
         "README.md shows, or use --release http or dry-run"
     )
-    assert nixl.one("version").startswith("ok    version: vLLM 0.33.0")  # the wire tables need no NIXL
+    assert nixl.one("version").startswith("ok    version: vLLM 0.34.0")  # the wire tables need no NIXL
     assert dry_run.code == 0
     assert dry_run.one("release").startswith("ok    release: dry-run: records and logs every rejection")
 
