@@ -20,7 +20,7 @@ import yaml
 from sidecar.config import load as load_serve
 from sidecar.exceptions import Reason
 from sidecar.llmd.command import load as load_llmd
-from tests.deploy.manifests import DOCS
+from tests.deploy.manifests import DOCS, ROOT
 from tests.deploy.test_llmd_swap_page import (
     DRY_RUN_COMPONENT,
     SHAPES,
@@ -84,3 +84,17 @@ def test_the_llm_d_off_switch_renders_release_off_on_the_routing_sidecar(tmp_pat
     assert env == {"KVR_RELEASE": "off"}
     config, _ = load_llmd(container["args"], env)
     assert (config.release, config.dry_run) == ("off", False)
+
+
+def defined_metrics() -> set[str]:
+    """Every ``kvr_*`` family the sidecar's code defines, counters with their ``_total`` too."""
+    names = set()
+    for path in (ROOT / "sidecar").rglob("*.py"):
+        names.update(re.findall(r'"(kvr_[a-z_]+)"', path.read_text()))
+    return names | {name + "_total" for name in names}
+
+
+@pytest.mark.parametrize("page", ["runbook.md", "llm-d-swap.md"])
+def test_every_metric_the_page_names_is_defined(page: str) -> None:
+    named = set(re.findall(r"\bkvr_[a-z_]+[a-z]", (DOCS / page).read_text()))
+    assert named and named <= defined_metrics(), named - defined_metrics()
