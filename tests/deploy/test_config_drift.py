@@ -24,7 +24,6 @@ import pytest
 from sidecar import cli
 from sidecar.config import Config, env_names
 from sidecar.network.allowlist import parse_entry
-from tests.deploy.kustomize import Resource
 from tests.deploy.manifests import (
     DOCKERFILE,
     OVERLAYS,
@@ -47,6 +46,7 @@ from tests.deploy.manifests import (
     serve_parser,
     toml_keys,
 )
+from tests.deploy.render import Resource
 
 CONFIG_FIELDS = {f.name for f in msgspec.structs.fields(Config)}
 SIDECAR_OVERLAYS = ("sidecar", "router", "loadtest")

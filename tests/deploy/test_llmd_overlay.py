@@ -14,6 +14,7 @@ protection).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,8 @@ import yaml
 
 from sidecar.llmd.command import load, recognises
 from tests.deploy import kserve
-from tests.deploy.kustomize import Resource, build
 from tests.deploy.manifests import DEPLOY, ROOT, SIDECAR_IMAGE
+from tests.deploy.render import Resource, build
 from tests.deploy.test_schemas import KUBERNETES_VERSIONS, validate
 
 COMPONENT = DEPLOY / "llm-d"
@@ -40,10 +41,15 @@ SIDECAR = "routing-proxy"
 
 def render(tmp_path: Path, shape: str, *components: Path) -> list[Resource]:
     """The user's kustomization: the guide's render, then this project's components."""
-    lines = ["resources:", f"  - {FIXTURES / shape}", "components:"]
-    lines += [f"  - {component}" for component in components]
+    lines = ["resources:", f"  - {relative(FIXTURES / shape, tmp_path)}", "components:"]
+    lines += [f"  - {relative(component, tmp_path)}" for component in components]
     (tmp_path / "kustomization.yaml").write_text("\n".join(lines) + "\n")
     return build(tmp_path)
+
+
+def relative(path: Path, start: Path) -> str:
+    """``path`` as seen from ``start``: kustomize takes no absolute root for a resource or component."""
+    return os.path.relpath(path, start)
 
 
 def pod_specs(node: Any) -> Iterator[dict[str, Any]]:

@@ -18,8 +18,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.deploy.kustomize import Resource
 from tests.deploy.manifests import OVERLAYS, of_kind, rendered
+from tests.deploy.render import Resource
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0", kubernetes_validate.utils.latest_version())
 
