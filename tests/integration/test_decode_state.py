@@ -116,7 +116,7 @@ async def test_a_d_without_kv_connector_cannot_notify_and_is_warned_about(
     with serve(create_decode_app(DecodeSimConfig(kv_connector=False))) as d:
         with caplog.at_level(logging.WARNING, logger="sidecar.decode_state"):
             async with watching(d) as state:
-                assert state.view() == DecodeView("alive", False, False, "0.33.0")
+                assert state.view() == DecodeView("alive", False, False, "0.34.0")
                 assert not state.view().can_notify
         async with upstream_to(d.url) as upstream:
             assert await probe_kv_connector(upstream) is False
