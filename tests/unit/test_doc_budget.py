@@ -1,0 +1,50 @@
+"""The user docs stay short enough to read: a word budget for all of them, a line budget for one.
+
+The user docs are README.md and docs/*.md (not docs/dev/). Words are counted
+as ``cat README.md docs/*.md | wc -w`` counts them: runs of non-whitespace.
+Engineering records, evidence, rationale and long edge cases belong in
+docs/dev/ (indexed by docs/dev/README.md), with a sentence and a link left on
+the user page.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+WORD_BUDGET = 25_000
+PERFORMANCE_LINES = 300
+WHERE = (
+    "move engineering records, evidence, rationale and long edge cases to docs/dev/ "
+    "(index them in docs/dev/README.md) and leave a sentence and a link on the user page"
+)
+
+
+def words(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").split())
+
+
+def test_the_user_docs_fit_the_word_budget() -> None:
+    counts = {path.relative_to(ROOT).as_posix(): words(path) for path in USER_DOCS}
+    total = sum(counts.values())
+    largest = sorted(counts.items(), key=lambda item: -item[1])[:5]
+    assert total <= WORD_BUDGET, (
+        f"user docs are {total} words, over {WORD_BUDGET} (largest: {largest}): {WHERE}"
+    )
+
+
+def test_the_performance_page_fits_its_line_budget() -> None:
+    lines = len((ROOT / "docs" / "performance.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= PERFORMANCE_LINES, (
+        f"docs/performance.md is {lines} lines, over {PERFORMANCE_LINES}: dated runs and profiles "
+        "belong in docs/dev/performance-record.md"
+    )
+
+
+def test_the_budget_counts_what_wc_counts(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n| a | `b`<br>`c` |\n\ntwo  words\tand\nmore\n", encoding="utf-8")
+    assert words(page) == 11  # wc -w: "#", "Title", three "|"s, "a", the cell, four words
+    assert "README.md" in {path.name for path in USER_DOCS}
+    assert all(path.parent.name != "dev" for path in USER_DOCS)
