@@ -224,7 +224,7 @@ _NO_ANSWER: dict[NoAnswer, Decision] = {
 
 _GATEWAY = frozenset({502, 504})
 
-#: The messages of vLLM's ``QueueOverflowError`` and ``MaxQueuedTokensError`` (0.29.0-0.33.0,
+#: The messages of vLLM's ``QueueOverflowError`` and ``MaxQueuedTokensError`` (0.29.0-0.34.0,
 #: ``vllm/exceptions.py``), answered with the type ``"Service Unavailable"``.
 ADMISSION_OVERFLOW_TYPE = "Service Unavailable"
 ADMISSION_OVERFLOW_MESSAGES = frozenset(

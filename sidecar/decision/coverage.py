@@ -15,7 +15,7 @@ test_vllm_duplicates.py`` shows it with vLLM's own P code). So a rejection
 counts as covered only when its status, ``error.type`` and route prove D
 notifies, and everything else is released.
 
-Evidence, read in the 0.21.0, 0.25.1, 0.29.0, 0.31.0 and 0.33.0 wheels and
+Evidence, read in the 0.21.0, 0.25.1, 0.29.0, 0.31.0, 0.33.0 and 0.34.0 wheels and
 pinned row by row in ``tests/conformance/test_vllm_coverage_source.py``:
 
 * The wrapper's body is the same in every release (``entrypoints/openai/
@@ -51,7 +51,7 @@ pinned row by row in ``tests/conformance/test_vllm_coverage_source.py``:
   event (cause ``stream_engine_paused``).
 
 ``/v1/messages`` is not wrapped itself, but its handler (``AnthropicServingMessages.
-create_messages``, a subclass of the chat server in 0.20.0-0.33.0) converts the request and
+create_messages``, a subclass of the chat server in 0.20.0-0.34.0) converts the request and
 then awaits the wrapped ``create_chat_completion``: an error of the chat handler is notified
 by D, one of the conversion before it is not, and both reach the client the same way, in
 Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``, ``api_router.py``

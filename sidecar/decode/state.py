@@ -9,8 +9,8 @@ request path is one attribute read. Under doubt the view says "cannot notify":
 a release sent twice is harmless unless D's TP is larger than P's and it lands
 between D's readers' messages, a release skipped is always lost.
 
-The signals, read in vLLM 0.21.0, 0.25.1, 0.27.0, 0.28.0, 0.29.0, 0.31.0 and
-0.33.0 (pinned in ``tests/conformance/test_vllm_decode_state_source.py``):
+The signals, read in vLLM 0.21.0, 0.25.1, 0.27.0, 0.28.0, 0.29.0, 0.31.0, 0.33.0 and
+0.34.0 (pinned in ``tests/conformance/test_vllm_decode_state_source.py``):
 
 * ``GET /health`` (``serve/instrumentator/health.py``: ``health``) answers 503
   when ``check_health`` raises ``EngineDeadError``, i.e. when ``AsyncLLM.errored``

@@ -4,7 +4,7 @@ Whether D's engine can notify P (alive, not shutting down, a KV connector) is
 decided from ``/health``, a dead engine's answer text, ``Connection: close``
 and the ``/metrics`` families of vLLM's NIXL connector. Each rests on a
 reading of vLLM's code, re-read here in the wheel of every release under
-test (0.21.0, 0.25.1, 0.29.0, 0.31.0 and 0.33.0 by default,
+test (0.21.0, 0.25.1, 0.29.0, 0.31.0, 0.33.0 and 0.34.0 by default,
 ``KVR_CONFORMANCE_DECODE_STATE_VLLM``; add 0.27.0,0.28.0 to see where vLLM
 stopped closing its HTTP server at SIGTERM). Read with ``zipfile`` + ``ast``,
 never imported; offline without the wheels the tests skip with one line.
