@@ -32,7 +32,7 @@ def clock() -> Clock:
 @pytest.fixture
 def tables(tmp_path: Path, clock: Clock) -> Iterator[tuple[SharedTable, SharedTable]]:
     path = tmp_path / "table"
-    SharedTable.create(path, 1000).close()
+    SharedTable.create(path, 1000, workers=4).close()
     one, two = SharedTable(path, clock), SharedTable(path, clock)
     yield one, two
     one.close()
@@ -92,7 +92,7 @@ def test_a_dead_workers_requests_at_d_stay_vetoed_for_the_lease(
 
 def test_a_full_bucket_never_forgets_a_request_at_d(tmp_path: Path, clock: Clock) -> None:
     path = tmp_path / "tiny"
-    SharedTable.create(path, 1).close()  # 16 buckets of 8 slots
+    SharedTable.create(path, 1, workers=1).close()  # 16 buckets of 8 slots
     table = SharedTable(path, clock)
     veto = SharedInFlight(table, 0, 30.0)
     keys = [("engine", f"r{i}") for i in range(400)]  # more than every slot: some bucket overflows
@@ -109,7 +109,7 @@ def test_a_full_bucket_never_forgets_a_request_at_d(tmp_path: Path, clock: Clock
 
 
 def _spend_all(path: str, keys: int, out: multiprocessing.Queue[int]) -> None:
-    table = SharedTable(Path(path))
+    table = SharedTable(Path(path), patience=60.0)  # never gives up here: each key spent once
     ledger = SharedLedger(table, 600.0)
     out.put(sum(ledger.add(("engine", f"r{i}")) for i in range(keys)))
 
