@@ -7,13 +7,15 @@ against it), and checks what one mapping sees of the other's writes.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
+import struct
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sidecar.app.shared import SharedInFlight
-from sidecar.release.shared import SharedLedger, SharedTable
+from sidecar.release.shared import SharedLedger, SharedTable, _digest
 
 
 class Clock:
@@ -126,3 +128,63 @@ def test_two_processes_spending_the_same_keys_at_once_spend_each_once(tmp_path: 
     for worker in workers:
         worker.join(30)
     assert sum(counts) == 5000  # every key added exactly once across the two
+
+
+def _half_written(table: SharedTable, base: int) -> None:
+    """Leave the first slot of the bucket at ``base`` as a writer stopped mid-write leaves it."""
+    (seq,) = struct.unpack_from("<I", table._map, base)
+    struct.pack_into("<I", table._map, base, seq | 1)
+
+
+def _other(table: SharedTable, key: tuple[str, str], where: Callable[[tuple[str, str]], int]) -> tuple[str, str]:
+    """A key whose bucket (by ``where``) is not ``key``'s."""
+    return next(k for i in range(100) if where(k := ("engine", f"other-{i}")) != where(key))
+
+
+def test_a_shard_half_written_by_a_stopped_worker_vetoes_its_bucket_and_nothing_else(
+    tables: tuple[SharedTable, SharedTable],
+) -> None:
+    stopped, alive = tables
+    key = ("engine", "r1")
+
+    def bucket(k: tuple[str, str]) -> int:
+        return stopped._shard(0, _digest(k))
+
+    other = _other(stopped, key, bucket)
+    _half_written(stopped, bucket(key))
+    veto = SharedInFlight(alive, 1, 30.0)
+    assert veto.may_be_read(key)  # it may be writing this key: no release
+    assert not veto.may_be_read(other)
+    veto.forwarded(other)  # its own shard: never waits
+    assert veto.may_be_read(other)
+    assert alive.reap(0, 30.0) == 1  # dead: the half-written slot is settled, every release held
+    assert veto.may_be_read(("engine", "anything"))
+
+
+def test_a_ledger_bucket_half_written_reads_as_spent_and_the_lock_is_never_waited_on(
+    tables: tuple[SharedTable, SharedTable], clock: Clock
+) -> None:
+    holder, waiter = tables
+    ledger = SharedLedger(waiter, 600.0)
+    key = ("engine", "r1")
+
+    def bucket(k: tuple[str, str]) -> int:
+        return holder._bucket(holder._ledger, holder._ledger_buckets, _digest(k))
+
+    other = _other(holder, key, bucket)
+    assert holder._lock()
+    _half_written(holder, bucket(key))  # the holder stopped mid-spend
+    assert key in ledger  # cannot tell: a replay is refused rather than reach D
+    assert other not in ledger
+    started = time.monotonic()
+    assert not ledger.add(other)  # not recorded, so not released (P's lease frees the blocks)
+    assert not ledger.add(("engine", "r3"))
+    assert time.monotonic() - started < 1.0  # patience once (0.02 s), then not at all
+    ledger.discard(key)  # left spent
+    assert key in ledger
+    holder._unlock()
+    assert ledger.add(other) and other in ledger  # the lock free again: recorded
+    assert ledger.add(key)  # the next writer settled the half-written slot
+    assert not ledger.add(key)
+    clock.now += 601
+    assert key not in ledger and other not in ledger
