@@ -371,7 +371,13 @@ def main() -> None:  # pragma: no cover - a measurement, run by hand
         ledger, local = SharedLedger(table, 600.0), Ledger(65536, 600.0)
         keys = [("engine", f"request-{i}") for i in range(50_000)]
         for name, add, has, fwd, read in (
-            ("shared", ledger.add, ledger.__contains__, lambda k: table.at_decode(k, 0, 1), table.may_be_read),
+            (
+                "shared",
+                ledger.add,
+                ledger.__contains__,
+                lambda k: table.at_decode(k, 0, 1),
+                table.may_be_read,
+            ),
             ("one process", local.add, local.__contains__, lambda k: None, lambda k: False),
         ):
             for label, op in (("add", add), ("contains", has), ("at D +1", fwd), ("may be read", read)):

@@ -84,7 +84,9 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
 ) -> None:
     fake, stopped = decode[0], _pids(workers)[0]
     os.kill(stopped, signal.SIGSTOP)
-    helper = subprocess.Popen([sys.executable, "-c", HALF_WRITTEN, str(_table(workers))], stdout=subprocess.PIPE)
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HALF_WRITTEN, str(_table(workers))], stdout=subprocess.PIPE
+    )
     try:
         assert helper.stdout is not None and helper.stdout.readline() == b"stopping\n"
         wait_until(lambda: _stopped(helper.pid), "the helper stopped holding the lock")

@@ -136,7 +136,7 @@ def _half_written(table: SharedTable, base: int) -> None:
     struct.pack_into("<I", table._map, base, seq | 1)
 
 
-def _other(table: SharedTable, key: tuple[str, str], where: Callable[[tuple[str, str]], int]) -> tuple[str, str]:
+def _other(key: tuple[str, str], where: Callable[[tuple[str, str]], int]) -> tuple[str, str]:
     """A key whose bucket (by ``where``) is not ``key``'s."""
     return next(k for i in range(100) if where(k := ("engine", f"other-{i}")) != where(key))
 
@@ -150,7 +150,7 @@ def test_a_shard_half_written_by_a_stopped_worker_vetoes_its_bucket_and_nothing_
     def bucket(k: tuple[str, str]) -> int:
         return stopped._shard(0, _digest(k))
 
-    other = _other(stopped, key, bucket)
+    other = _other(key, bucket)
     _half_written(stopped, bucket(key))
     veto = SharedInFlight(alive, 1, 30.0)
     assert veto.may_be_read(key)  # it may be writing this key: no release
@@ -171,7 +171,7 @@ def test_a_ledger_bucket_half_written_reads_as_spent_and_the_lock_is_never_waite
     def bucket(k: tuple[str, str]) -> int:
         return holder._bucket(holder._ledger, holder._ledger_buckets, _digest(k))
 
-    other = _other(holder, key, bucket)
+    other = _other(key, bucket)
     assert holder._lock()
     _half_written(holder, bucket(key))  # the holder stopped mid-spend
     assert key in ledger  # cannot tell: a replay is refused rather than reach D
