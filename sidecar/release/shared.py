@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import math
 import mmap
 import os
@@ -48,6 +49,7 @@ from pathlib import Path
 
 from sidecar.release.ledger import Ledger
 
+log = logging.getLogger("sidecar.release")
 MAX_WORKERS = 32
 LOCK_PATIENCE = 0.02  # seconds a ledger write tries for the lock before giving up on it
 _TRIES = 4  # copies of a bucket a reader makes before it takes the safe answer
@@ -183,6 +185,11 @@ class SharedTable:
                 return True
             except BlockingIOError:
                 if time.monotonic() >= deadline:
+                    if not self._stuck:
+                        log.warning(
+                            "the shared ledger's lock is held by a stopped or starved worker; "
+                            "no release is made until it lets go"
+                        )
                     self._stuck = True
                     return False
                 os.sched_yield()

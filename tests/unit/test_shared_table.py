@@ -162,7 +162,7 @@ def test_a_shard_half_written_by_a_stopped_worker_vetoes_its_bucket_and_nothing_
 
 
 def test_a_ledger_bucket_half_written_reads_as_spent_and_the_lock_is_never_waited_on(
-    tables: tuple[SharedTable, SharedTable], clock: Clock
+    tables: tuple[SharedTable, SharedTable], clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
     holder, waiter = tables
     ledger = SharedLedger(waiter, 600.0)
@@ -180,6 +180,8 @@ def test_a_ledger_bucket_half_written_reads_as_spent_and_the_lock_is_never_waite
     assert not ledger.add(other)  # not recorded, so not released (P's lease frees the blocks)
     assert not ledger.add(("engine", "r3"))
     assert time.monotonic() - started < 1.0  # patience once (0.02 s), then not at all
+    held = [r for r in caplog.records if "lock is held by a stopped or starved worker" in r.getMessage()]
+    assert len(held) == 1  # said once, when it began
     ledger.discard(key)  # left spent
     assert key in ledger
     holder._unlock()
