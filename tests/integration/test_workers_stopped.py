@@ -102,6 +102,8 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
         assert status == 400 and took < BOUND
         time.sleep(0.5)  # a release made would have reached D by now
         assert fake.releases == []  # the ledger could not record them: not released
+        said = [line for line in workers.lines() if "lock is held by a stopped" in line.get("msg", "")]
+        assert [line["worker"] for line in said] == [1]  # once, by the worker that gave up on it
     finally:
         os.kill(helper.pid, signal.SIGCONT)
         helper.wait(30)
