@@ -26,12 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_workers import FakeDecode, Workers, decode, start_workers, wait_until
-from tests.servers import ServerThread
+from tests.integration.test_workers import FakeDecode, Workers, start_workers, wait_until
+from tests.servers import ServerThread, serve
 
 pytestmark = pytest.mark.serial  # several processes, stopped and resumed: run alone
 BOUND = 0.1  # seconds a request served by the running worker may wait on the stopped one
-__all__ = ["decode"]  # the fixture, used by name
 
 # Emulates a worker stopped inside a table operation: the ledger's lock held, and the first slot
 # of two buckets (a ledger bucket, one of worker 0's shard) with the odd sequence a write in
@@ -53,6 +52,15 @@ for base, seq in zip(bases, seqs):
     struct.pack_into("<I", table._map, base, seq + 1)
 table._unlock()
 """
+
+
+@pytest.fixture
+def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
+    fake = FakeDecode()
+    with serve(fake.app()) as server:
+        yield fake, server
+        fake.gate.set()
+        fake.control_gate.set()
 
 
 @pytest.fixture
@@ -139,7 +147,7 @@ def test_a_worker_stopped_at_random_times_under_load_stalls_nobody(
         time.sleep(2.0)  # no stop yet: what a request takes on this machine now
         calm = max((end - start for start, end, _ in list(answers)), default=0.0)
         for _ in range(40):
-            time.sleep(chance.uniform(0.0, 0.03))  # anywhere in what it is doing, table writes too
+            time.sleep(chance.uniform(0.0, 0.03))  # anywhere in what it is doing
             os.kill(stopped, signal.SIGSTOP)
             begin = time.monotonic()
             time.sleep(chance.uniform(0.05, 0.2))
