@@ -8,8 +8,8 @@ worker 0's shard half written (what worker 0 stopped inside a table operation
 leaves); then worker 0 is stopped and resumed at random times while both
 serve. A new connection reaches only a running worker, so every request
 answered while worker 0 is stopped was served by worker 1: none may take more
-than 100 ms longer than the slowest request before any stop took (this
-machine's own noise: the fake D shares the test process with the clients).
+than 100 ms longer than the slowest request before any stop (this machine's
+own noise: the fake D shares the test process with the clients).
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
     decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
     fake, stopped = decode[0], _pids(workers)[0]
+    calm = max(took for _, took in (_timed(workers, f"calm-{i}") for i in range(20)))
     os.kill(stopped, signal.SIGSTOP)
     helper = subprocess.Popen(
         [sys.executable, "-c", HALF_WRITTEN, str(_table(workers))], stdout=subprocess.PIPE
@@ -101,13 +102,13 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
         answers = [_timed(workers, f"ok-{i}") for i in range(20)]
         answers += [_timed(workers, f"rejected-{i}", "reject") for i in range(5)]
         assert [status for status, _ in answers] == [200] * 20 + [400] * 5
-        assert max(took for _, took in answers) < BOUND, answers
+        assert max(took for _, took in answers) < calm + BOUND, (calm, answers)
         # Their buckets half written: "spent?" is yes (the replay refused, D never sees it) and
         # "may D read them?" is yes (not released).
         status, took = _timed(workers, "stuck-spent")
-        assert (status, "stuck-spent" in fake.completions) == (409, False) and took < BOUND
+        assert (status, "stuck-spent" in fake.completions) == (409, False) and took < calm + BOUND
         status, took = _timed(workers, "stuck-veto", "reject")
-        assert status == 400 and took < BOUND
+        assert status == 400 and took < calm + BOUND
         time.sleep(0.5)  # a release made would have reached D by now
         assert fake.releases == []  # the ledger could not record them: not released
         said = [line for line in workers.lines() if "lock is held by a stopped" in line.get("msg", "")]
