@@ -5,27 +5,26 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from sidecar.decision.inflight import InFlight
-from sidecar.release.shared import MAX_WORKERS, SharedTable
+from sidecar.release.shared import SharedTable
 
 
 class SharedInFlight(InFlight):
-    """``InFlight`` on the shared table, as worker ``worker`` sees it."""
+    """``InFlight`` on the shared table, as worker ``worker`` sees it (it writes its own shard)."""
 
     def __init__(self, table: SharedTable, worker: int, ttl: float) -> None:
-        if not 0 <= worker < MAX_WORKERS:
-            raise ValueError(f"worker index {worker} outside 0..{MAX_WORKERS - 1}")
+        if not 0 <= worker < table.shards:
+            raise ValueError(f"worker index {worker} outside 0..{table.shards - 1}")
         self._table, self._worker, self._ttl = table, worker, ttl
 
     def forwarded(self, key: Hashable) -> None:
         self._table.at_decode(key, self._worker, 1)
 
     def finished(self, key: Hashable, admitted: bool) -> None:
-        self._table.at_decode(key, self._worker, -1)
-        if admitted:
-            self.admitted(key)
+        # One write: no moment when the request has left D and is not yet admitted.
+        self._table.at_decode(key, self._worker, -1, self._ttl if admitted else None)
 
     def admitted(self, key: Hashable) -> None:
-        self._table.admit(key, self._ttl)
+        self._table.admit(key, self._worker, self._ttl)
 
     def may_be_read(self, key: Hashable) -> bool:
         return self._table.may_be_read(key)

@@ -123,7 +123,7 @@ class Supervisor(Fleet):
         self._sockets, self._admin_tls = sockets, admin_tls
         scratch.sweep(parent := scratch.shm())
         self._dir, self._owner = scratch.make(parent)
-        self.table = SharedTable.create(self._dir / "ledger", 2 * config.ledger_size)
+        self.table = SharedTable.create(self._dir / "ledger", 2 * config.ledger_size, size)
         self._slots = [_Slot(i, str(self._dir / f"worker-{i}.sock")) for i in range(size)]
         self._stop = asyncio.Event()
         self.failed = 0
@@ -175,6 +175,7 @@ class Supervisor(Fleet):
                 self._stop.set()
                 return
             vetoed = self.table.reap(slot.index, self.config.release_deadline)
+            self.table.repair(self.config.ledger_ttl)  # a ledger slot it may have died writing
             self.totals.retire(slot.index)
             log.error(
                 "worker exited; restarting it (its requests at D are not released)",

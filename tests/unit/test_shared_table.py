@@ -7,13 +7,15 @@ against it), and checks what one mapping sees of the other's writes.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
+import struct
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sidecar.app.shared import SharedInFlight
-from sidecar.release.shared import SharedLedger, SharedTable
+from sidecar.release.shared import SharedLedger, SharedTable, _digest
 
 
 class Clock:
@@ -32,7 +34,7 @@ def clock() -> Clock:
 @pytest.fixture
 def tables(tmp_path: Path, clock: Clock) -> Iterator[tuple[SharedTable, SharedTable]]:
     path = tmp_path / "table"
-    SharedTable.create(path, 1000).close()
+    SharedTable.create(path, 1000, workers=4).close()
     one, two = SharedTable(path, clock), SharedTable(path, clock)
     yield one, two
     one.close()
@@ -92,7 +94,7 @@ def test_a_dead_workers_requests_at_d_stay_vetoed_for_the_lease(
 
 def test_a_full_bucket_never_forgets_a_request_at_d(tmp_path: Path, clock: Clock) -> None:
     path = tmp_path / "tiny"
-    SharedTable.create(path, 1).close()  # 16 buckets of 8 slots
+    SharedTable.create(path, 1, workers=1).close()  # 16 buckets of 8 slots
     table = SharedTable(path, clock)
     veto = SharedInFlight(table, 0, 30.0)
     keys = [("engine", f"r{i}") for i in range(400)]  # more than every slot: some bucket overflows
@@ -109,7 +111,7 @@ def test_a_full_bucket_never_forgets_a_request_at_d(tmp_path: Path, clock: Clock
 
 
 def _spend_all(path: str, keys: int, out: multiprocessing.Queue[int]) -> None:
-    table = SharedTable(Path(path))
+    table = SharedTable(Path(path), patience=60.0)  # never gives up here: each key spent once
     ledger = SharedLedger(table, 600.0)
     out.put(sum(ledger.add(("engine", f"r{i}")) for i in range(keys)))
 
@@ -126,3 +128,65 @@ def test_two_processes_spending_the_same_keys_at_once_spend_each_once(tmp_path: 
     for worker in workers:
         worker.join(30)
     assert sum(counts) == 5000  # every key added exactly once across the two
+
+
+def _half_written(table: SharedTable, base: int) -> None:
+    """Leave the first slot of the bucket at ``base`` as a writer stopped mid-write leaves it."""
+    (seq,) = struct.unpack_from("<I", table._map, base)
+    struct.pack_into("<I", table._map, base, seq | 1)
+
+
+def _other(key: tuple[str, str], where: Callable[[tuple[str, str]], int]) -> tuple[str, str]:
+    """A key whose bucket (by ``where``) is not ``key``'s."""
+    return next(k for i in range(100) if where(k := ("engine", f"other-{i}")) != where(key))
+
+
+def test_a_shard_half_written_by_a_stopped_worker_vetoes_its_bucket_and_nothing_else(
+    tables: tuple[SharedTable, SharedTable],
+) -> None:
+    stopped, alive = tables
+    key = ("engine", "r1")
+
+    def bucket(k: tuple[str, str]) -> int:
+        return stopped._shard(0, _digest(k))
+
+    other = _other(key, bucket)
+    _half_written(stopped, bucket(key))
+    veto = SharedInFlight(alive, 1, 30.0)
+    assert veto.may_be_read(key)  # it may be writing this key: no release
+    assert not veto.may_be_read(other)
+    veto.forwarded(other)  # its own shard: never waits
+    assert veto.may_be_read(other)
+    assert alive.reap(0, 30.0) == 1  # dead: the half-written slot is settled, every release held
+    assert veto.may_be_read(("engine", "anything"))
+
+
+def test_a_ledger_bucket_half_written_reads_as_spent_and_the_lock_is_never_waited_on(
+    tables: tuple[SharedTable, SharedTable], clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    holder, waiter = tables
+    ledger = SharedLedger(waiter, 600.0)
+    key = ("engine", "r1")
+
+    def bucket(k: tuple[str, str]) -> int:
+        return holder._bucket(holder._ledger, holder._ledger_buckets, _digest(k))
+
+    other = _other(key, bucket)
+    assert holder._lock()
+    _half_written(holder, bucket(key))  # the holder stopped mid-spend
+    assert key in ledger  # cannot tell: a replay is refused rather than reach D
+    assert other not in ledger
+    started = time.monotonic()
+    assert not ledger.add(other)  # not recorded, so not released (P's lease frees the blocks)
+    assert not ledger.add(("engine", "r3"))
+    assert time.monotonic() - started < 1.0  # patience once (0.02 s), then not at all
+    held = [r for r in caplog.records if "lock is held by a stopped or starved worker" in r.getMessage()]
+    assert len(held) == 1  # said once, when it began
+    ledger.discard(key)  # left spent
+    assert key in ledger
+    holder._unlock()
+    assert ledger.add(other) and other in ledger  # the lock free again: recorded
+    assert ledger.add(key)  # the next writer settled the half-written slot
+    assert not ledger.add(key)
+    clock.now += 601
+    assert key not in ledger and other not in ledger
