@@ -14,9 +14,13 @@ virtualenv with ``uv``, then installs, in this order:
 5. The project's own wheel without dependencies, the way an operator adds the
    ``kv_release`` plugin to a vLLM image (``docs/control-endpoint.md``), and
    checks that vLLM can see its entry point.
+6. ``vllm-router`` at ``requirements/vllm-router.txt``'s version from the
+   index, beside vLLM as a user adds it (``docs/vllm-router.md``; the
+   ``vllm-router`` mode, ``tests.e2e.vllmrouter``); what vLLM already
+   installed satisfies its other requirements.
 
 Steps 1-4 are skipped when the environment's stamp already names the same
-pins; step 5 runs every time, so D always serves the checkout's plugin.
+pins; steps 5 and 6 run every time (6 does nothing once that version is in).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ print(vllm.__version__, torch.__version__)
 # --no-config: the project's own uv settings (pyproject.toml) override torch away; not here.
 QUIET = ("--quiet", "--no-config")
 MISSING = 3  # the exit code when something this machine cannot provide is missing
+ROUTER_PINS = Path(__file__).resolve().parents[2] / "requirements" / "vllm-router.txt"
 
 
 class Missing(Exception):
@@ -133,6 +138,21 @@ def install_plugin(uv: str, venv: Path, wheel: str) -> str:
     return done.stdout.strip()
 
 
+def router_requirement(pins: Path = ROUTER_PINS) -> str:
+    """The ``vllm-router==X`` line of the project's pins for it."""
+    for line in pins.read_text().splitlines():
+        if line.startswith("vllm-router=="):
+            return line.strip()
+    raise RuntimeError(f"{pins} pins no vllm-router version")
+
+
+def install_router(uv: str, venv: Path) -> None:
+    """Step 6: vLLM's P/D router into the engines' environment."""
+    python = str(venv / "bin" / "python")
+    requirement = router_requirement()
+    _run([uv, "pip", "install", *QUIET, "-p", python, requirement], requirement)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.e2e.setup_env", description=__doc__.split("\n")[0])
     parser.add_argument("--uv", required=True, help="the uv binary")
@@ -148,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if not wheels:
             raise Missing(f"make e2e: the project's wheel {args.wheel} is missing (uv build makes it)")
         versions = install_plugin(args.uv, venv, wheels[-1])
+        install_router(args.uv, venv)
     except Missing as exc:
         print(exc, file=sys.stderr)
         return MISSING
