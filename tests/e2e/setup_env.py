@@ -11,16 +11,16 @@ virtualenv with ``uv``, then installs, in this order:
    them in, and builds that do not match the CPU torch break ``import vllm``.
 4. ``nixl==1.5.1`` and ``nixl-cu12==1.5.1`` without dependencies (vLLM's NIXL
    connector imports ``nixl._api``; ``nixl-cu12`` would pull a CUDA torch).
-5. The project's own wheel without dependencies, the way an operator adds the
-   ``kv_release`` plugin to a vLLM image (``docs/control-endpoint.md``), and
-   checks that vLLM can see its entry point.
-6. ``vllm-router`` at ``requirements/vllm-router.txt``'s version from the
+5. ``vllm-router`` at ``requirements/vllm-router.txt``'s version from the
    index, beside vLLM as a user adds it (``docs/vllm-router.md``; the
    ``vllm-router`` mode, ``tests.e2e.vllmrouter``); what vLLM already
    installed satisfies its other requirements.
+6. The project's own wheel without dependencies, the way an operator adds the
+   ``kv_release`` plugin to a vLLM image (``docs/control-endpoint.md``), and
+   checks that vLLM can see its entry point.
 
 Steps 1-4 are skipped when the environment's stamp already names the same
-pins; steps 5 and 6 run every time (6 does nothing once that version is in).
+pins; steps 5 and 6 run every time (5 does nothing once that version is in).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def ready(venv: Path) -> bool:
 
 
 def install_plugin(uv: str, venv: Path, wheel: str) -> str:
-    """Step 5: the project's wheel, no dependencies; returns what the check printed."""
+    """Step 6: the project's wheel, no dependencies; returns what the check printed."""
     python = str(venv / "bin" / "python")
     _run([uv, "pip", "install", *QUIET, "-p", python, "--no-deps", "--reinstall", wheel], f"plugin {wheel}")
     done = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, timeout=600)
@@ -147,7 +147,7 @@ def router_requirement(pins: Path = ROUTER_PINS) -> str:
 
 
 def install_router(uv: str, venv: Path) -> None:
-    """Step 6: vLLM's P/D router into the engines' environment."""
+    """Step 5: vLLM's P/D router into the engines' environment."""
     python = str(venv / "bin" / "python")
     requirement = router_requirement()
     _run([uv, "pip", "install", *QUIET, "-p", python, requirement], requirement)
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         wheels = sorted(glob.glob(args.wheel))
         if not wheels:
             raise Missing(f"make e2e: the project's wheel {args.wheel} is missing (uv build makes it)")
+        install_router(args.uv, venv)  # before the plugin's check, which imports vLLM beside it
         versions = install_plugin(args.uv, venv, wheels[-1])
-        install_router(args.uv, venv)
     except Missing as exc:
         print(exc, file=sys.stderr)
         return MISSING
