@@ -107,8 +107,9 @@ class Cluster:
 
 
 @contextmanager
-def cluster(tmp_path: Path, *, pd: bool = True) -> Iterator[Cluster]:
-    """P, two decode servers and vllm-router (P/D mode, or with ``pd`` False its regular mode)."""
+def cluster(tmp_path: Path, *, pd: bool = True, extra: tuple[str, ...] = ()) -> Iterator[Cluster]:
+    """P, two decode servers and vllm-router (P/D mode, or with ``pd`` False its regular mode),
+    ``extra`` added to the router's flags."""
     p_config = PrefillSimConfig(port=0, lease=0, side_channel_port=0, model=MODEL)
     d_config = DecodeSimConfig(port=0, model=MODEL, log_params=True)
     with ExitStack() as stack:
@@ -119,7 +120,8 @@ def cluster(tmp_path: Path, *, pd: bool = True) -> Iterator[Cluster]:
             args += [arg for d in decoders for arg in ("--decode", d.url)]
         else:
             args = ["--worker-urls", *(d.url for d in decoders)]
-        router = stack.enter_context(vllm_router([*args, "--policy", "round_robin"], tmp_path / "router.log"))
+        args += ["--policy", "round_robin", *extra]
+        router = stack.enter_context(vllm_router(args, tmp_path / "router.log"))
         yield Cluster(p, decoders, router)
 
 
@@ -128,8 +130,12 @@ def ask(url: str, text: str) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 
 
+#: The regular mode's retry settings, given explicitly: P/D mode ignores them.
+RETRY_FLAGS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "1")
+
+
 def test_pd_mode_retries_no_status_on_another_decode_server(tmp_path: Path) -> None:
-    with cluster(tmp_path) as pd:
+    with cluster(tmp_path, extra=RETRY_FLAGS) as pd:
         for status in RETRIED_ELSEWHERE:
             for turn in range(2):  # round robin: once toward each decode server
                 pinned, attempts = pd.pinned(), len(pd.attempts())
@@ -165,7 +171,7 @@ def log_of(d: ServerThread) -> list[dict[str, Any]]:
 
 
 def test_the_regular_mode_retries_and_the_counts_see_it(tmp_path: Path) -> None:
-    with cluster(tmp_path, pd=False) as regular:
+    with cluster(tmp_path, pd=False, extra=RETRY_FLAGS) as regular:
         answer = ask(regular.router, "both refuse [[reject:503]]")
         assert answer.status_code == 503
-        assert len(regular.attempts()) > 1  # the same request, sent again: what P/D mode never does
+        assert len(regular.attempts()) == 5  # the same request, sent again: what P/D mode never does
