@@ -14,14 +14,20 @@ another once they answer, as the page says.
 Judged from P's own evidence (the simulator's ``/stats``): the request D
 serves is read by D; the one D refuses before its handler is freed by the
 sidecar's one release; a 503 from D is not retried by the router (one prefill,
-one decode attempt) and P frees its blocks exactly once.
+one decode attempt) and P frees its blocks exactly once; with D stopped, the
+sidecar's 503 passes through the router and, under the page's
+``--retried-statuses none``, the sidecar releases P's blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shlex
+import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -175,7 +181,9 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
             counters = bash(on_free_ports(sidecar_metrics, ports))
             assert 'kvr_releases_total{result="sent",strategy="nixl"} 1.0' in counters
             assert 'kvr_not_released_total{cause="admitted",outcome="no_release"} 1.0' in counters
-            not_retried(f"http://127.0.0.1:{ports['8000']}", p_url, d_url)
+            router_url, admin_url = (f"http://127.0.0.1:{ports[port]}" for port in ("8000", "9100"))
+            not_retried(router_url, p_url, d_url)
+            d_down_is_released(router_url, p_url, int(ports["8201"]), admin_url)
     # P's own evidence on real vLLM: the series the e2e harness judges P by (tests.e2e.evidence).
     pattern = flag(commands(p_metrics)[0], "-E")
     assert all(re.match(pattern, f"{P_SERIES[name]} 0.0") for name in ("usage", "expired"))
@@ -193,3 +201,53 @@ def not_retried(router_url: str, p_url: str, d_url: str) -> None:
     assert len(d_attempts(d_url)) == attempts + 1  # no second decode attempt
     assert after["freed_by_notification"] == before["freed_by_notification"] + 1
     assert after["notifs_unknown"] == before["notifs_unknown"]  # freed once: nobody released it twice
+
+
+def d_down_is_released(router_url: str, p_url: str, d_port: int, admin_url: str) -> None:
+    """D stopped: the sidecar's 503 passes through the router, which retries nothing, and under the
+    page's ``--retried-statuses none`` the sidecar releases P's blocks (the shipped default leaves
+    a 503 to a retry on another decode server, which vllm-router never makes)."""
+    os.kill(listener_pid(d_port), signal.SIGTERM)  # the simulated D this test started
+    wait_closed(d_port)
+    before, sent = p_stats(p_url), sent_releases(admin_url)
+    body = {"model": "Qwen/Qwen3-0.6B", "prompt": "D is gone", "max_tokens": 8}
+    answer = httpx.post(router_url + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 503 and "decode server" in answer.text, answer.text
+    after = until_p(p_url, lambda s: s["pinned_requests"] == 0)
+    assert after["requests_pinned"] == before["requests_pinned"] + 1
+    assert after["freed_by_notification"] == before["freed_by_notification"] + 1
+    assert after["notifs_unknown"] == before["notifs_unknown"]
+    assert sent_releases(admin_url) == sent + 1
+
+
+def sent_releases(admin_url: str) -> float:
+    line = 'kvr_releases_total{result="sent",strategy="nixl"} '
+    metrics = httpx.get(admin_url + "/metrics", timeout=5).text.splitlines()
+    return next((float(m.removeprefix(line)) for m in metrics if m.startswith(line)), 0.0)
+
+
+def listener_pid(port: int) -> int:
+    """The process listening on 127.0.0.1:``port`` (from /proc: its socket's inode among its fds)."""
+    hexport = f":{port:04X} "
+    inodes = {
+        fields[9]
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        for fields in (line.split() for line in Path(table).read_text().splitlines()[1:])
+        if hexport in f"{fields[1]} " and fields[3] == "0A"  # 0A: LISTEN
+    }
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                    return int(fd_dir.parent.name)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def wait_closed(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        assert time.monotonic() < deadline, f"port {port} still open"
+        time.sleep(0.05)
