@@ -97,7 +97,7 @@ def simulated(command: str, prefill_port: str, decode_port: str) -> str:
         role = "sim-prefill"
     else:
         assert port == decode_port, f"{command}: neither the router's prefill nor the sidecar's D"
-        env.pop("VLLM_NIXL_SIDE_CHANNEL_PORT")  # D's own side channel: the simulator has none
+        env.pop("VLLM_NIXL_SIDE_CHANNEL_PORT", None)  # D's own side channel: the simulator has none
         role, args = "sim-decode", ["--vllm-d", "--log-params", *args]
     assert not env, f"an environment variable the simulators do not take: {env}"
     return " ".join([str(SIDECAR), role, *map(_arg, args), "&"])
