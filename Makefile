@@ -24,6 +24,15 @@ $(STAMP): $(UV) pyproject.toml uv.lock
 demo: $(STAMP)
 	$(UV) run --frozen --no-sync kv-release-sidecar demo
 
+# vLLM's P/D router (a Rust binary with a Python launcher), which the tests of docs/vllm-router.md run:
+# a virtualenv of its own in .tools/, at requirements/vllm-router.txt's pins.
+VLLM_ROUTER := $(TOOLS)/vllm-router/bin/vllm-router
+$(VLLM_ROUTER): $(UV) requirements/vllm-router.txt
+	rm -rf $(TOOLS)/vllm-router
+	$(UV) venv --quiet --no-config --python $(PYTHON) $(TOOLS)/vllm-router
+	$(UV) pip install --quiet --no-config -p $(TOOLS)/vllm-router/bin/python -r requirements/vllm-router.txt
+	@touch $@
+
 # Three pytest runs: the suite on TEST_WORKERS processes (pytest-xdist); then the tests marked serial
 # (they measure CPU or time, or load the machine), on three processes and away from the rest: the fault
 # scenarios one after another in one, each other module whole in either; last, alone, the tests that
@@ -39,7 +48,7 @@ MARKED = $(shell grep -rlE --include='test_*.py' 'mark\.($(1))' tests | grep -v 
 OWN_PATHS = $(if $(findstring tests/,$(PYTEST_ARGS)),,$(1))
 SERIAL_PATHS = tests/faults $(call MARKED,serial|netns)
 NETNS_PATHS = $(call MARKED,netns)
-test: $(STAMP) tools
+test: $(STAMP) tools $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns" \
 		$(call OWN_PATHS,$(SERIAL_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]

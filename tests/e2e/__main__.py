@@ -6,7 +6,9 @@ and ``--d-url`` it runs the same scenarios against a user's own P and D
 (``--lease`` their ``kv_lease_duration``; ``--p-log`` P's log file, for P's
 log lines; ``--control-token-file`` D's plugin token, for the http mode).
 Order: the modes' scenarios (``nixl``, ``http``, ``router``, ``auto``, and
-``defaults``: the sidecar with every setting as ``serve`` ships it), the
+``defaults``: the sidecar with every setting as ``serve`` ships it; with
+``--modes`` also ``vllm-router``: vLLM's own P/D router in front, the sidecar
+in front of D, then its control without the sidecar, ``tests.e2e.vllmrouter``), the
 negative control (releases off), the output control (``tests.e2e.controls``),
 the simulator comparison, then D stopped for the D-down scenarios. It
 writes ``out/e2e/report.json``, prints the table and exits 0 only on a
@@ -30,16 +32,25 @@ from types import FrameType
 
 import httpx
 
-from tests.e2e import cluster, controls, simcompare, twopods
+from tests.e2e import cluster, controls, simcompare, twopods, vllmrouter
 from tests.e2e.engines import EngineFailed, Processes
 from tests.e2e.report import Attempt, Report, Row, table
 from tests.e2e.runner import Runner
-from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Mode, Scenario, scenarios_for
+from tests.e2e.scenarios import (
+    CONTROL,
+    SIDECAR_SCENARIOS,
+    VLLM_ROUTER_CONTROL,
+    Mode,
+    Scenario,
+    scenarios_for,
+)
 from tests.e2e.sidecars import Peers, Proxy, start_sidecar
 from tests.e2e.stalls import StallWatch
 from tests.e2e.verdict import judge, kinds_of, retry_allowed
 
 MODES: tuple[Mode, ...] = ("nixl", "http", "router", "auto", "defaults")
+#: Modes run only when ``--modes`` names them: vllm-router (``tests.e2e.vllmrouter``).
+OPT_IN: tuple[Mode, ...] = ("vllm-router",)
 MISSING = 3
 #: Seconds the harness keeps an idle connection: under the servers' own 5 s keep-alive.
 KEEPALIVE = 2.0
@@ -64,7 +75,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--control-token-file", default="", help="your D's kv_release plugin token (http mode)"
     )
     parser.add_argument("--prefill-allow", default="", help="P's side-channel hosts (default: P's host)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"modes to run (default {','.join(MODES)}; also {','.join(OPT_IN)})",
+    )
     parser.add_argument("--reduced", action="store_true", help="a few scenarios per mode (CI)")
     parser.add_argument(
         "--only",
@@ -178,18 +193,28 @@ def run_all(
         if args.two_pods:
             twopods.run_two_pods(runner, processes, engines, peers, out, report, run_row)
             return
-        modes = [m for m in MODES if m in args.modes.split(",")]
+        modes = [m for m in (*MODES, *OPT_IN) if m in args.modes.split(",")]
         for needs_token in ("http", "auto"):
             if needs_token in modes and engines.control_token_file is None:
                 modes.remove(needs_token)
                 report.skipped.append(f"{needs_token}: no --control-token-file for D's kv_release plugin")
+        router = vllmrouter.router_binary(args.engine_python)
+        if "vllm-router" in modes and router is None:
+            modes.remove("vllm-router")
+            report.skipped.append("vllm-router: not installed beside the engines nor in .tools (make test)")
         chosen = Chosen(args.reduced, tuple(p for p in args.only.split(",") if p))
-        sidecars = {
+        sidecars: dict[Mode, Proxy] = {
             mode: start_sidecar(processes, mode, peers, out / "logs" / f"sidecar-{mode}.log")
             for mode in modes
+            if mode not in OPT_IN
         }
+        bare = None  # vllm-router straight to D: its control
+        if "vllm-router" in modes and router is not None:
+            sidecars["vllm-router"], bare = vllmrouter.start_fronts(processes, router, peers, out / "logs")
         for mode in modes:
             run_mode(runner, mode, sidecars[mode], report, down=False, chosen=chosen)
+        if bare is not None and not args.no_controls:
+            report.rows.append(run_row(runner, "vllm-router-bare", VLLM_ROUTER_CONTROL, bare))
         if not args.no_controls:
             control = start_sidecar(processes, "off", peers, out / "logs" / "sidecar-off.log")
             evidence = runner.run(CONTROL, "off", control)

@@ -37,6 +37,7 @@ from tests.e2e.evidence import (
     totals,
 )
 from tests.e2e.scenarios import (
+    ROUTED,
     Expect,
     Limits,
     Mode,
@@ -182,14 +183,14 @@ class Runner:
         text = self.text(scenario, mode)
         body = client_body(scenario, self.target.model, text, self.target.limits)
         asked = time.monotonic()
-        if mode == "router":
+        if mode in ROUTED:
             started = asked
             content = json.dumps(body).encode()
         else:
             params, started = self.pin(scenario, text, ev)
             content = decode_leg(body, params)
         self.send(sidecar.url + scenario.route, content, scenario, ev)
-        if mode == "router":  # the router ran the prefill leg before the decode leg
+        if mode in ROUTED:  # the router ran the prefill leg before the decode leg
             ev.pinned = self.p_view().prefills > before.p.prefills
         self.wait_p_idle(started, ev)
         if ev.pinned:

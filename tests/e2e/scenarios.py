@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 from sidecar.router.bodies import prefill_body
 
-Mode = Literal["nixl", "http", "router", "auto", "defaults", "pods", "off"]
+Mode = Literal["nixl", "http", "router", "auto", "defaults", "pods", "off", "vllm-router", "vllm-router-bare"]
+#: The modes whose front runs the prefill leg itself: the client's body goes to it, not P's parameters.
+ROUTED: frozenset[str] = frozenset({"router", "vllm-router", "vllm-router-bare"})
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MESSAGES, GENERATE = "/v1/messages", "/inference/v1/generate"
 OUTPUT_TOKENS = 8
@@ -72,6 +74,8 @@ class Scenario:
         lease frees the blocks."""
         if self.d_down and mode == "http":
             return Expect.LEASE
+        if mode == "vllm-router-bare" and self.expect is Expect.SIDECAR_FREES:
+            return Expect.LEASE  # the control: vllm-router straight to D, no sidecar
         if self.d_down and mode in ("defaults", "pods"):
             return Expect.LEFT
         return self.expect
@@ -293,6 +297,24 @@ ROUTER_SCENARIOS: tuple[Scenario, ...] = (
     _BY_KEY["down"],
 )
 
+#: vllm-router in front (tests.e2e.vllmrouter): what its P/D mode sends D, judged as the other modes.
+STREAM_OPTIONS = Scenario(
+    "pre-stream-options",
+    "stream_options without stream (the router drops it from P's leg only)",
+    PRE,
+    COMPLETIONS,
+    Expect.SIDECAR_FREES,
+    {"stream_options": {"include_usage": True}},
+)
+VLLM_ROUTER_SCENARIOS: tuple[Scenario, ...] = (
+    *(_BY_KEY[key] for key in ("admit", "admit-chat", "admit-stream")),
+    STREAM_OPTIONS,
+    _BY_KEY["handler-max-tokens"],
+    _BY_KEY["down"],
+)
+#: Its control: the same refusal through vllm-router with no sidecar, held until P's lease.
+VLLM_ROUTER_CONTROL = STREAM_OPTIONS
+
 #: The negative control: the sidecar with releases off, on a rejection only the sidecar can free.
 CONTROL = _BY_KEY["pre-validation"]
 #: A few scenarios per mode for a short run (``--reduced``): together every group of the full
@@ -322,6 +344,10 @@ def scenarios_for(mode: Mode, reduced: bool = False) -> tuple[Scenario, ...]:
     defaults' body cap is 64 MiB: no cap scenario there."""
     if mode == "off":
         return (CONTROL,)
+    if mode == "vllm-router-bare":
+        return (VLLM_ROUTER_CONTROL,)
+    if mode == "vllm-router":  # a few already: the reduced run takes them all
+        return VLLM_ROUTER_SCENARIOS
     chosen = ROUTER_SCENARIOS if mode == "router" else SIDECAR_SCENARIOS
     if mode == "defaults":
         chosen = tuple(s for s in chosen if not s.oversize)

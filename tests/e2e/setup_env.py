@@ -11,12 +11,16 @@ virtualenv with ``uv``, then installs, in this order:
    them in, and builds that do not match the CPU torch break ``import vllm``.
 4. ``nixl==1.5.1`` and ``nixl-cu12==1.5.1`` without dependencies (vLLM's NIXL
    connector imports ``nixl._api``; ``nixl-cu12`` would pull a CUDA torch).
-5. The project's own wheel without dependencies, the way an operator adds the
+5. ``vllm-router`` at ``requirements/vllm-router.txt``'s version from the
+   index, beside vLLM as a user adds it (``docs/vllm-router.md``; the
+   ``vllm-router`` mode, ``tests.e2e.vllmrouter``); what vLLM already
+   installed satisfies its other requirements.
+6. The project's own wheel without dependencies, the way an operator adds the
    ``kv_release`` plugin to a vLLM image (``docs/control-endpoint.md``), and
    checks that vLLM can see its entry point.
 
 Steps 1-4 are skipped when the environment's stamp already names the same
-pins; step 5 runs every time, so D always serves the checkout's plugin.
+pins; steps 5 and 6 run every time (5 does nothing once that version is in).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ print(vllm.__version__, torch.__version__)
 # --no-config: the project's own uv settings (pyproject.toml) override torch away; not here.
 QUIET = ("--quiet", "--no-config")
 MISSING = 3  # the exit code when something this machine cannot provide is missing
+ROUTER_PINS = Path(__file__).resolve().parents[2] / "requirements" / "vllm-router.txt"
 
 
 class Missing(Exception):
@@ -123,7 +128,7 @@ def ready(venv: Path) -> bool:
 
 
 def install_plugin(uv: str, venv: Path, wheel: str) -> str:
-    """Step 5: the project's wheel, no dependencies; returns what the check printed."""
+    """Step 6: the project's wheel, no dependencies; returns what the check printed."""
     python = str(venv / "bin" / "python")
     _run([uv, "pip", "install", *QUIET, "-p", python, "--no-deps", "--reinstall", wheel], f"plugin {wheel}")
     done = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, timeout=600)
@@ -131,6 +136,21 @@ def install_plugin(uv: str, venv: Path, wheel: str) -> str:
         sys.stderr.write(done.stderr[-4000:])
         raise RuntimeError("the e2e environment does not import vllm, nixl._api and the kv_release plugin")
     return done.stdout.strip()
+
+
+def router_requirement(pins: Path = ROUTER_PINS) -> str:
+    """The ``vllm-router==X`` line of the project's pins for it."""
+    for line in pins.read_text().splitlines():
+        if line.startswith("vllm-router=="):
+            return line.strip()
+    raise RuntimeError(f"{pins} pins no vllm-router version")
+
+
+def install_router(uv: str, venv: Path) -> None:
+    """Step 5: vLLM's P/D router into the engines' environment."""
+    python = str(venv / "bin" / "python")
+    requirement = router_requirement()
+    _run([uv, "pip", "install", *QUIET, "-p", python, requirement], requirement)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         wheels = sorted(glob.glob(args.wheel))
         if not wheels:
             raise Missing(f"make e2e: the project's wheel {args.wheel} is missing (uv build makes it)")
+        install_router(args.uv, venv)  # before the plugin's check, which imports vLLM beside it
         versions = install_plugin(args.uv, venv, wheels[-1])
     except Missing as exc:
         print(exc, file=sys.stderr)

@@ -43,6 +43,7 @@ SIDECAR_ARGS: tuple[str, ...] = (
 MODE_ARGS: dict[Mode, tuple[str, ...]] = {
     "nixl": ("--release", "nixl"),
     "router": ("--release", "nixl"),
+    "vllm-router": ("--release", "nixl"),  # as docs/vllm-router.md runs it (and --retried-statuses none)
     "http": ("--release", "http"),
     "auto": ("--release", "auto"),
     "off": ("--release", "off"),

@@ -21,13 +21,14 @@ import pytest
 
 from sidecar import retries
 from sidecar.server import serve
-from tests.e2e import setup_env, twopods
+from tests.e2e import setup_env, twopods, vllmrouter
 from tests.e2e.__main__ import Chosen
 from tests.e2e.__main__ import main as e2e_main
 from tests.e2e.engines import EngineSpec, cpu_set, engine_command, engine_env, pin_group, split_cores
 from tests.e2e.evidence import sidecar_results
 from tests.e2e.scenarios import (
     REDUCED,
+    ROUTED,
     ROUTER_SCENARIOS,
     SIDECAR_SCENARIOS,
     Expect,
@@ -230,7 +231,7 @@ def test_the_defaults_sidecar_runs_serve_as_shipped(tmp_path: Path) -> None:
     assert config.release == "nixl" and config.retried_statuses == ("502", "503", "504")
 
 
-@pytest.mark.parametrize("mode", ["nixl", "http", "router", "auto", "off"])
+@pytest.mark.parametrize("mode", ["nixl", "http", "router", "auto", "off", "vllm-router"])
 def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Path) -> None:
     peers = Peers("http://127.0.0.1:8302", "http://127.0.0.1:8301", "127.0.0.1", 20.0, tmp_path / "token")
     (tmp_path / "token").write_text("t")
@@ -240,9 +241,39 @@ def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Pat
     serve.add_arguments(parser)
     config = serve.load_config(parser.parse_args(command[4:]))
     assert retries.parse(config.retried_statuses) == frozenset()  # D down's 503 may be released
-    assert config.release == ("nixl" if mode == "router" else mode)
+    assert config.release == ("nixl" if mode in ("router", "vllm-router") else mode)
     assert config.release_deadline == 10.0 and config.p_hold_seconds == 20.0
     assert config.prefill == (("http://127.0.0.1:8301",) if mode == "router" else ())
+
+
+def test_the_vllm_router_mode_runs_the_page_and_its_control() -> None:
+    rows = scenarios_for("vllm-router")
+    assert rows == scenarios_for("vllm-router", reduced=True)  # a few: the reduced run takes them all
+    assert {s.expectation("vllm-router") for s in rows} == {
+        Expect.D_READS,
+        Expect.SIDECAR_FREES,
+        Expect.D_FREES,
+    }
+    assert rows[-1].d_down and all(not s.d_down for s in rows[:-1])
+    # The refusal only the sidecar can free: D's body has stream_options without stream, P's leg
+    # (vllm-router drops stream_options and asks P for one token, not streamed) is valid.
+    [control] = scenarios_for("vllm-router-bare")
+    assert control.expectation("vllm-router") is Expect.SIDECAR_FREES
+    assert control.expectation("vllm-router-bare") is Expect.LEASE
+    body = client_body(control, "m", "a b", Limits())
+    assert body["stream_options"] and not body.get("stream")
+    assert {"vllm-router", "vllm-router-bare", "router"} == ROUTED
+
+
+def test_the_e2e_environment_installs_the_tested_vllm_router(tmp_path: Path) -> None:
+    pins = (ROOT / "requirements" / "vllm-router.txt").read_text()
+    assert setup_env.router_requirement() in pins.splitlines()
+    assert setup_env.router_requirement().startswith("vllm-router==0.1.")
+    (tmp_path / "bin").mkdir()
+    beside = tmp_path / "bin" / "vllm-router"
+    beside.touch()
+    assert vllmrouter.router_binary(str(tmp_path / "bin" / "python")) == beside
+    assert vllmrouter.router_binary(str(tmp_path / "nowhere" / "python")) in (None, vllmrouter.TOOLS_ROUTER)
 
 
 def test_only_picks_scenarios_by_key_or_mode_and_key() -> None:

@@ -255,6 +255,18 @@ def test_read_markers(text: str, markers: Markers) -> None:
         (CHAT, b'{"messages": [], "temperature": "hot"}', "body.temperature", "valid number"),
         (CHAT, b'{"messages": [], "kv_transfer_params": [1]}', "body.kv_transfer_params", "an object"),
         (COMPLETIONS, b'{"model": "sim-model"}', "prompt", "Either prompt or prompt_embeds"),
+        (
+            COMPLETIONS,
+            b'{"prompt": "hi", "stream_options": {"include_usage": true}}',
+            "stream_options",
+            "Stream options can only be defined when `stream=True`.",
+        ),
+        (
+            CHAT,
+            b'{"messages": [], "stream": false, "stream_options": {"include_usage": true}}',
+            "stream_options",
+            "Stream options can only be defined",
+        ),
         (COMPLETIONS, b'{"prompt": {"a": 1}}', "body.prompt", "valid string"),
         (RESPONSES, b'{"model": "sim-model"}', "body.input", "Field required"),
     ],

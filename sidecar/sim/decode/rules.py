@@ -149,6 +149,9 @@ def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
     counted = _count_prompt(route, view)
     if isinstance(counted, Rejection):  # a model-level check: pydantic reports it alone
         return counted
+    stray = _stream_options_without_stream(route, view)
+    if stray is not None:  # another model-level check
+        return stray
     if isinstance(counted, FieldError):
         return rejection_of(in_model_order(route, [counted, *errors]))
     if errors:
@@ -249,6 +252,20 @@ def header_rank(value: str | None) -> int | None:
 
 
 PromptCount = tuple[int, str] | FieldError | Rejection
+
+
+def _stream_options_without_stream(route: str, view: BodyView) -> Rejection | None:
+    """vLLM's ``validate_stream_options`` (the chat and completions request models, a "before"
+    model validator): ``stream_options`` given while ``stream`` is not true. A P/D router's
+    prefill leg drops ``stream_options`` (it asks P for one token, not streamed), so such a
+    request is refused by D alone, before its handler."""
+    if route not in ("/v1/chat/completions", "/v1/completions"):
+        return None
+    if not view.stream_options or view.stream:
+        return None
+    message = "Stream options can only be defined when `stream=True`."
+    msg = f"Value error, {message} (parameter=stream_options)"
+    return validation_error("value_error", "body", msg, None, param="stream_options")
 
 
 def _count_prompt(route: str, view: BodyView) -> PromptCount:
