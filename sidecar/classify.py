@@ -56,6 +56,7 @@ D's output handler dies (D's engine is then terminated).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -115,6 +116,9 @@ class Cause(StrEnum):
 
     # definite rejections: D never admitted the request
     REJECTED_4XX = "rejected_4xx"
+    REJECTED_VALIDATION = (
+        "rejected_validation"  # vLLM 0.27.0+: a request model's validator, before the handler
+    )
     REJECTED_5XX = "rejected_5xx"
     UNREACHABLE = "unreachable"
     BODY_TOO_LARGE = NoAnswer.BODY_TOO_LARGE.value
@@ -249,6 +253,76 @@ ENGINE_FAULTED_TYPES = frozenset({"Service Unavailable", "overloaded_error"})
 #: The causes D's engine never releases in time, whatever its release and the route.
 NOT_RELEASED_BY_D = frozenset({Cause.ENGINE_FAULTED, Cause.STREAM_ENGINE_FAULTED})
 
+
+def _pattern(*parts: str) -> str:
+    """A message vLLM builds from ``parts`` with values between them (an f-string)."""
+    return ".*".join(map(re.escape, parts))
+
+
+#: The messages of the ``VLLMValidationError`` that vLLM's request models raise in their pydantic
+#: validators (``ChatCompletionRequest``, ``CompletionRequest``, ``ResponsesRequest``; read in the
+#: 0.29.0-0.34.0 wheels, pinned by ``tests/conformance/test_vllm_coverage_source.py``). From 0.27.0
+#: ``VLLMValidationError`` is no ``ValueError``: pydantic lets it through, it leaves FastAPI's body
+#: parsing before the handler runs, and vLLM's ``VLLMError`` handler answers 400 typed
+#: ``"BadRequestError"``, the type a handler's own errors have, with `` (parameter=..., value=...)``
+#: after the message. D's own release (the handler's wrapper) never sees it.
+VALIDATOR_MESSAGES: tuple[str, ...] = tuple(
+    _pattern(*parts)
+    for parts in (
+        ("Stream options can only be defined when `stream=True`.",),
+        ("When response_format type is 'json_schema', the 'json_schema' field must be provided.",),
+        ("You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",),
+        ("You can only either use constraints for structured outputs or tools, not both.",),
+        ("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",),
+        ("When using `tool_choice`, `tools` must be set.",),
+        ("`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",),
+        ("Invalid value for `tool_choice`: ", '! Only named tools, "none", "auto" or "required" are '
+         "supported."),
+        ("Invalid value for `function`: `", "` in `tool_choice`! ", ""),
+        ("Expected field `name` in `function` in `tool_choice`! ", ""),
+        ("Invalid `name` in `function`: `", "` in `tool_choice`! ", ""),
+        ("The tool `", "` specified in `tool_choice` does not match any of the specified `tools`"),
+        ("The tool specified in `tool_choice` does not match any of the specified `tools`",),
+        ("`", "` must be an integer."),
+        ("`logprob_token_ids` is not supported with beam search.",),
+        ("when using `logprob_token_ids`, `logprobs` must be set to true.",),
+        ("when using `logprob_token_ids`, `logprobs` must be set.",),
+        ("when using `top_logprobs`, `logprobs` must be set to true.",),
+        ("`prompt_logprobs` are not available when `stream=True`.",),
+        ("`prompt_logprobs` must be a positive value or -1.",),
+        ("`top_logprobs` must be a positive value or -1.",),
+        ("`logprobs` must be a positive value or -1.",),
+        (
+            "`echo` with `logprobs` is not supported with beam search because beam search does not "
+            "compute prompt logprobs.",
+        ),
+        (
+            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output "
+            "tokens are generated.",
+        ),
+        ("Either prompt or prompt_embeds must be provided and non-empty.",),
+        ("prompt list length ", " exceeds the maximum allowed count of ", ". To increase this limit, set "
+         "the VLLM_MAX_COMPLETION_PROMPTS environment variable."),
+        ("prompt_embeds list length ", " exceeds the maximum allowed count of ", ". To increase this "
+         "limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable."),
+        ("Custom tools with a grammar format are not supported; only free-form text custom tools are "
+         "accepted.",),
+        ("Tool choice 'function' not found in 'tools' parameter.",),
+        ("Tool choice 'required' must be specified with 'tools' parameter.",),
+        ("background can only be used when `store` is true",),
+        ("prompt template is not supported",),
+    )
+)  # fmt: skip
+_VALIDATOR = re.compile(
+    "(?:" + "|".join(VALIDATOR_MESSAGES) + r")(?: \((?:parameter|value)=.*\))?", re.DOTALL
+)
+
+
+def validator_refusal(message: str | None) -> bool:
+    """Whether ``message`` is one of ``VALIDATOR_MESSAGES`` (with vLLM's parameter suffix)."""
+    return message is not None and _VALIDATOR.fullmatch(message) is not None
+
+
 # Router mode holds P's parameters and closes its connection to D in these cases,
 # which aborts D's request: no live request reads the blocks any more.
 ROUTER_RELEASES = frozenset({Cause.HEADER_TIMEOUT, Cause.CLIENT_GONE_AFTER_FORWARD})
@@ -264,6 +338,8 @@ def classify(event: Event) -> Decision:
     if status in _GATEWAY:
         return Decision(Outcome.AMBIGUOUS, Cause.GATEWAY_ERROR)
     if 400 <= status < 500:
+        if status == 400 and event.error_type == "BadRequestError" and validator_refusal(event.error_message):
+            return Decision(Outcome.RELEASE, Cause.REJECTED_VALIDATION)
         return Decision(Outcome.RELEASE, Cause.REJECTED_4XX)
     if 500 <= status < 600:
         if _faulted(status, event.error_type, event.error_message):

@@ -29,6 +29,7 @@ from sidecar.classify import (
     ADMISSION_OVERFLOW_TYPE,
     ENGINE_FAULTED_MESSAGE,
     ENGINE_PAUSED_MESSAGE,
+    validator_refusal,
 )
 from sidecar.decision.coverage import COVERED, ENGINE_CORE_STREAMS, MAY_BE_COVERED, WRAPPED_ROUTES, Row
 from sidecar.nixl.versions import parse_version
@@ -366,3 +367,54 @@ def test_push_mode_rejection_sends_p_nothing(vllm: Vllm) -> None:
     }
     fillers = {path for path, _ in src.sites("self._pending_recv_notifs.setdefault(")}
     assert fillers <= {NIXL + "pull_worker.py"}
+
+
+#: The request models of the routes D's fix wraps: their pydantic validators run before the handler.
+REQUEST_MODELS = ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest")
+
+
+def validator_messages(src: Source) -> list[str]:
+    """A sample of every message the request models' validators raise ``VLLMValidationError`` with
+    (an f-string's values as "x"), from the wheel."""
+    samples = []
+    for tree in src.trees.values():
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in REQUEST_MODELS):
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+                if not any("validator" in ast.unparse(d) for d in fn.decorator_list):
+                    continue
+                for sub in ast.walk(fn):
+                    if (
+                        isinstance(sub, ast.Raise)
+                        and isinstance(sub.exc, ast.Call)
+                        and ast.unparse(sub.exc.func).endswith("VLLMValidationError")
+                        and sub.exc.args
+                    ):
+                        samples.append(_sample(sub.exc.args[0]))
+    return samples
+
+
+def _sample(node: ast.expr) -> str:
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    assert isinstance(node, ast.JoinedStr), ast.unparse(node)
+    return "".join(str(v.value) if isinstance(v, ast.Constant) else "x" for v in node.values)
+
+
+def validation_error_is_a_value_error(src: Source) -> bool:
+    """Whether pydantic turns ``VLLMValidationError`` into a validation error ("Bad Request")."""
+    cls = src.class_of("VLLMValidationError", "vllm/exceptions.py")
+    return any(ast.unparse(base) == "ValueError" for base in cls.bases)
+
+
+def test_every_request_model_validator_refusal_is_told_apart(vllm: Vllm) -> None:
+    """From 0.27.0 a validator's ``VLLMValidationError`` escapes pydantic and is answered 400
+    "BadRequestError" before the handler (D never releases it): the sidecar knows each message."""
+    version, src = vllm
+    messages = validator_messages(src)
+    assert messages, "no request model validator found"
+    if validation_error_is_a_value_error(src):
+        assert version < (0, 27, 0)  # answered "Bad Request" by the validation handler: released
+        return
+    assert version >= (0, 27, 0)
+    unknown = [m for m in messages if not validator_refusal(f"{m} (parameter=p, value=v)")]
+    assert unknown == [], unknown

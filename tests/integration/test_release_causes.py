@@ -514,3 +514,22 @@ def test_without_a_fault_the_same_handler_rejection_is_left_to_d() -> None:
         sc.settle()
         assert sc.released() == []
         assert sc.sample("kvr_releases_total", strategy="dry-run", result="covered_by_engine") == 1
+
+
+@pytest.mark.parametrize(
+    ("version", "error_type"), [("0.34.0", "BadRequestError"), ("0.25.1", "Bad Request")]
+)
+def test_a_request_models_validator_refusal_is_released_not_left_to_d(version: str, error_type: str) -> None:
+    """``stream_options`` without ``stream``: the request model's validator refuses it before D's
+    handler runs, so D's own release never sees it. From vLLM 0.27.0 it is answered with a handler's
+    type ("BadRequestError"); before, as any body validation ("Bad Request"). Either way the sidecar
+    releases it itself (a release left to D would hold P's blocks to the lease)."""
+    config = DecodeSimConfig(port=0, version=version, max_model_len=50)
+    with serve(create_decode_app(config)) as d, run_sidecar(d.url, release="nixl", record=True) as sc:
+        body = {**chat("hi", "validator-1"), "stream_options": {"include_usage": True}}
+        response = httpx.post(sc.url + "/v1/chat/completions", json=body, timeout=10)
+        assert (response.status_code, response.json()["error"]["type"]) == (400, error_type)
+        assert sc.wait_released(1) == ["validator-1"]
+        job = sc.releaser.recorded[0]
+        assert job.covered is False
+        assert job.cause == ("rejected_validation" if error_type == "BadRequestError" else "rejected_4xx")

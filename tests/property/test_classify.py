@@ -50,6 +50,7 @@ events = st.builds(
 
 DEFINITE = {
     Cause.REJECTED_4XX,
+    Cause.REJECTED_VALIDATION,
     Cause.REJECTED_5XX,
     Cause.UNREACHABLE,
     Cause.BODY_TOO_LARGE,

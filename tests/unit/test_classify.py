@@ -19,6 +19,7 @@ from sidecar.classify import (
 
 QUEUE_FULL, BACKLOG = sorted(ADMISSION_OVERFLOW_MESSAGES)
 FAULTED = ENGINE_FAULTED_MESSAGE
+STREAM_OPTIONS = "Stream options can only be defined when `stream=True`."
 
 
 def answer(status: int, type_: str | None, message: str | None) -> Event:
@@ -86,6 +87,23 @@ TABLE = [
     (first(503, "InternalServerError", FAULTED), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
     (first(500, "Service Unavailable", FAULTED), Outcome.AMBIGUOUS, Cause.STREAM_ERROR_5XX),
     (first(503, "Service Unavailable", FAULTED, stream=False), Outcome.NO_RELEASE, Cause.ADMITTED),
+    # vLLM 0.27.0+: a request model's validator raised VLLMValidationError, answered before the
+    # handler with a handler's type: told apart by its message, never left to D's own release
+    (
+        answer(400, "BadRequestError", STREAM_OPTIONS + " (parameter=stream_options)"),
+        Outcome.RELEASE,
+        Cause.REJECTED_VALIDATION,
+    ),
+    (
+        answer(400, "BadRequestError", "`n` must be an integer. (parameter=n, value=x)"),
+        Outcome.RELEASE,
+        Cause.REJECTED_VALIDATION,
+    ),
+    (answer(400, "BadRequestError", STREAM_OPTIONS), Outcome.RELEASE, Cause.REJECTED_VALIDATION),
+    (answer(400, "Bad Request", STREAM_OPTIONS), Outcome.RELEASE, Cause.REJECTED_4XX),  # before 0.27.0
+    (answer(400, "BadRequestError", STREAM_OPTIONS + "!"), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (answer(400, "BadRequestError", "The prompt is too long."), Outcome.RELEASE, Cause.REJECTED_4XX),
+    (answer(422, "BadRequestError", STREAM_OPTIONS), Outcome.RELEASE, Cause.REJECTED_4XX),
     # admitted: D reads and notifies P itself
     (Event(status=200), Outcome.NO_RELEASE, Cause.ADMITTED),
     (Event(status=201), Outcome.NO_RELEASE, Cause.ADMITTED),

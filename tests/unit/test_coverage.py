@@ -77,6 +77,8 @@ TABLE = [
     (V033, job(503, "Service Unavailable"), True, "admission"),
     ((0, 34, 0), job(503, "Service Unavailable"), True, "admission"),
     ((0, 34, 0), job(503, "Service Unavailable", cause="engine_faulted"), False, "faulted engine core"),
+    ((0, 34, 0), job(400, "BadRequestError", cause="rejected_validation"), False, "a model validator"),
+    (V029, job(400, "BadRequestError", route=RESP, cause="rejected_validation"), False, "before the handler"),
     ((0, 34, 0), job(503, "overloaded_error", route=MSG, cause="engine_faulted"), False, "faulted"),
     ((0, 34, 0), job(503, "Service Unavailable", cause="stream_engine_faulted"), False, "faulted, stream"),
     (V033, job(503, "ServiceUnavailableError"), True, "paused engine: the core re-adds it, the wrapper too"),

@@ -275,7 +275,7 @@ async def test_invalid_body_is_400_bad_request_before_handler(
     route: str, content: bytes, param: str, fragment: str
 ) -> None:
     hooks = RecordingHooks()
-    async with sim(hooks) as client:
+    async with sim(hooks, version="0.26.0") as client:  # before 0.27.0 vLLM's validators raise ValueError
         response = await client.post(route, content=content, headers={"content-type": "application/json"})
         entries = await log(client)
     assert response.status_code == 400
@@ -284,6 +284,22 @@ async def test_invalid_body_is_400_bad_request_before_handler(
     assert error["message"].startswith("1 validation error:") and fragment in error["message"]
     assert entries[0]["origin"] == "pre_handler" and entries[0]["outcome"] == "rejected"
     assert hooks.calls == []
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+async def test_from_0_27_a_validators_error_is_typed_as_a_handlers_and_still_before_it(route: str) -> None:
+    hooks = RecordingHooks()
+    async with sim(hooks, version="0.27.0") as client:
+        response = await post(client, route, {**body_for(route), "stream_options": {"include_usage": True}})
+        entries = await log(client)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+        "type": "BadRequestError",
+        "param": "stream_options",
+        "code": 400,
+    }
+    assert entries[0]["origin"] == "pre_handler" and hooks.calls == []
 
 
 async def test_invalid_body_with_remote_prefill_params_is_logged_without_hook() -> None:

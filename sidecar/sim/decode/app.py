@@ -89,6 +89,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: ``VLLMValidationError`` is no ``ValueError`` from here: a request model's validator raising it is
+#: answered by vLLM's own error handler, typed "BadRequestError" (still before the handler).
+VLLM_ERRORS_SINCE = (0, 27, 0)
 _API_NAMES = {
     "/v1/chat/completions": "Chat Completions API",
     "/v1/completions": "Completions API",
@@ -164,7 +167,7 @@ class DecodeSim:
             return unsupported_media_type()
         if isinstance(view, Rejection):
             return view
-        parsed = validate(route, view)
+        parsed = validate(route, view, vllm_errors=self.engine.release >= VLLM_ERRORS_SINCE)
         if not isinstance(parsed, Rejection) and route in config.disabled_routes:
             message = f"The model does not support {_API_NAMES[route]}"
             return Rejection(501, error_body(message, 501, "NotImplementedError"), "pre_handler")

@@ -31,6 +31,7 @@ from sidecar.sim.decode.rejections import (
     validation_error,
     vllm_error_message,
 )
+from sidecar.wire import error_body
 
 __all__ = [
     "HANDLER_ERROR_TYPES",
@@ -143,13 +144,14 @@ def kv_params_of(view: BodyView) -> dict[str, Any] | None:
     return params if isinstance(params, dict) else None
 
 
-def validate(route: str, view: BodyView) -> ParsedRequest | Rejection:
-    """Check the body like vLLM's request model for ``route`` (pydantic, before the handler)."""
+def validate(route: str, view: BodyView, vllm_errors: bool = False) -> ParsedRequest | Rejection:
+    """Check the body like vLLM's request model for ``route`` (pydantic, before the handler);
+    ``vllm_errors``: the model's own validators raise vLLM's error type (0.27.0+, below)."""
     values, errors = check_fields(route, msgspec.structs.asdict(view))
     counted = _count_prompt(route, view)
     if isinstance(counted, Rejection):  # a model-level check: pydantic reports it alone
         return counted
-    stray = _stream_options_without_stream(route, view)
+    stray = _stream_options_without_stream(route, view, vllm_errors)
     if stray is not None:  # another model-level check
         return stray
     if isinstance(counted, FieldError):
@@ -254,16 +256,21 @@ def header_rank(value: str | None) -> int | None:
 PromptCount = tuple[int, str] | FieldError | Rejection
 
 
-def _stream_options_without_stream(route: str, view: BodyView) -> Rejection | None:
+def _stream_options_without_stream(route: str, view: BodyView, vllm_errors: bool) -> Rejection | None:
     """vLLM's ``validate_stream_options`` (the chat and completions request models, a "before"
     model validator): ``stream_options`` given while ``stream`` is not true. A P/D router's
     prefill leg drops ``stream_options`` (it asks P for one token, not streamed), so such a
-    request is refused by D alone, before its handler."""
+    request is refused by D alone, before its handler. From 0.27.0 the validator's
+    ``VLLMValidationError`` is no ``ValueError``: it escapes pydantic and vLLM's own handler
+    answers it, typed ``"BadRequestError"`` like a handler's error, still before the handler."""
     if route not in ("/v1/chat/completions", "/v1/completions"):
         return None
     if not view.stream_options or view.stream:
         return None
     message = "Stream options can only be defined when `stream=True`."
+    if vllm_errors:
+        body = error_body(f"{message} (parameter=stream_options)", 400, "BadRequestError", "stream_options")
+        return Rejection(400, body, "pre_handler")
     msg = f"Value error, {message} (parameter=stream_options)"
     return validation_error("value_error", "body", msg, None, param="stream_options")
 
