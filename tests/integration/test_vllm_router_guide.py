@@ -171,7 +171,11 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
             served, refused = answers(bash(on_free_ports(requests, ports)))
             assert "error" not in served and served["choices"][0]["text"], served
             error = refused["error"]
-            assert (error["code"], error["type"], error["param"]) == (400, "BadRequestError", "stream_options")
+            assert (error["code"], error["type"], error["param"]) == (
+                400,
+                "BadRequestError",
+                "stream_options",
+            )
             stats = until_p(p_url, lambda s: s["requests_pinned"] == 2 and s["pinned_requests"] == 0)
             assert (stats["freed_by_notification"], stats["freed_by_expiry"], stats["notifs_unknown"]) == (
                 2,
