@@ -36,7 +36,7 @@ $(VLLM_ROUTER): $(UV) requirements/vllm-router.txt
 # Three pytest runs: the suite on TEST_WORKERS processes (pytest-xdist); then the tests marked serial
 # (they measure CPU or time, or load the machine), on three processes and away from the rest: the fault
 # scenarios one after another in one, each other module whole in either; last, alone, the tests that
-# add network interfaces (netns). Exit 5 (PYTEST_ARGS selected no test of a run) is not a failure;
+# add network interfaces (netns) and those that bound a latency in milliseconds (alone). Exit 5 (PYTEST_ARGS selected no test of a run) is not a failure;
 # every other exit code is.
 # The second and third runs collect only the files that can hold their tests (collecting the whole
 # suite costs a pytest process about 9 s of a core): tests/faults (its conftest marks every scenario
@@ -47,12 +47,12 @@ SERIAL_WORKERS ?= 3
 MARKED = $(shell grep -rlE --include='test_*.py' 'mark\.($(1))' tests | grep -v '^tests/faults/' | sort)
 OWN_PATHS = $(if $(findstring tests/,$(PYTEST_ARGS)),,$(1))
 SERIAL_PATHS = tests/faults $(call MARKED,serial|netns)
-NETNS_PATHS = $(call MARKED,netns)
+NETNS_PATHS = $(call MARKED,netns|alone)
 test: $(STAMP) tools $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns" \
+	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns and not alone" \
 		$(call OWN_PATHS,$(SERIAL_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(UV) run --frozen --no-sync pytest -q -m netns $(call OWN_PATHS,$(NETNS_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(UV) run --frozen --no-sync pytest -q -m "netns or alone" $(call OWN_PATHS,$(NETNS_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The real proxies the tests run (nginx and haproxy retrying in front of two decode pods) and the
 # bench's load generator: Debian's packages, installed when missing and this is root on Debian.

@@ -250,13 +250,6 @@ ENGINE_FAULTED_MESSAGE = (
 )
 #: Its ``error.type``: the HTTP phrase (OpenAI routes), Anthropic's name for 503 (``/v1/messages``).
 ENGINE_FAULTED_TYPES = frozenset({"Service Unavailable", "overloaded_error"})
-#: The causes D's engine never releases in time, whatever its release and the route.
-NOT_RELEASED_BY_D = frozenset({Cause.ENGINE_FAULTED, Cause.STREAM_ENGINE_FAULTED})
-
-
-def _pattern(*parts: str) -> str:
-    """A message vLLM builds from ``parts`` with values between them (an f-string)."""
-    return ".*".join(map(re.escape, parts))
 
 
 #: The messages of the ``VLLMValidationError`` that vLLM's request models raise in their pydantic
@@ -265,9 +258,10 @@ def _pattern(*parts: str) -> str:
 #: ``VLLMValidationError`` is no ``ValueError``: pydantic lets it through, it leaves FastAPI's body
 #: parsing before the handler runs, and vLLM's ``VLLMError`` handler answers 400 typed
 #: ``"BadRequestError"``, the type a handler's own errors have, with `` (parameter=..., value=...)``
-#: after the message. D's own release (the handler's wrapper) never sees it.
+#: after the message. D's own release (the handler's wrapper) never sees it. Each entry is the
+#: message's literal parts; vLLM puts values between them (an f-string).
 VALIDATOR_MESSAGES: tuple[str, ...] = tuple(
-    _pattern(*parts)
+    ".*".join(map(re.escape, parts))
     for parts in (
         ("Stream options can only be defined when `stream=True`.",),
         ("When response_format type is 'json_schema', the 'json_schema' field must be provided.",),

@@ -91,7 +91,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from sidecar.classify import Cause
-from sidecar.nixl.versions import NEWEST, WireProfile, parse_version
+from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import ReleaseJob
 
 Version = tuple[int, int, int]
@@ -174,13 +174,8 @@ def fix_version(text: str | None) -> Version | None:
     """The release to judge D's fix by: a known release's oldest possible code (a pre-release may
     be older than the release it leads to), the newest known behaviour for a newer release, None
     when unknown."""
-    if not text:
-        return None
-    profile = WireProfile.for_version(text)
-    if profile is not None:
-        return profile.low
-    parsed = parse_version(text)
-    return NEWEST if parsed is not None and parsed.release > NEWEST else None
+    profile = WireProfile.for_version(text, "newest") if text else None
+    return profile.low if profile is not None else None
 
 
 def engine_covers(version: Version, job: ReleaseJob) -> bool:

@@ -13,10 +13,10 @@ it gets is a setting (``UnknownPolicy``): ``"newest"`` (the default) gives it
 the newest known profile, marked ``assumed``, so P's handshake reply is decoded
 under the newest known wire before anything is sent (``sidecar.release.nixl``
 refuses the job as ``unknown_wire`` when it does not decode); ``"refuse"``
-gives it no profile. Sending the newest known notification to a newer P is
-safe in either outcome: since 0.10.1 P logs and ignores a notification it
-cannot use, so the blocks stay to the lease, as with no sidecar
-(docs/vllm-releases.md).
+gives it no profile. A notification naming an id P does not hold is logged
+and ignored since 0.10.1 (the blocks stay to the lease, as with no sidecar);
+what the default cannot check before sending, the handshake request's framing
+and the notification's format, is in docs/vllm-releases.md.
 
 A pre-release (``0.26.0rc1``, ``0.21.0.dev3+g...``) holds code from anywhere
 between the previous release and the one it leads to: it gets a profile only

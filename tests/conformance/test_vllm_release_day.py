@@ -29,7 +29,7 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.conformance.test_vllm_p_side import PProcess, p_request_id
 from tests.conformance.wheels import fetch_wheel
-from tests.integration.conftest import Sidecar, run_sidecar
+from tests.integration.conftest import NONE, SHIPPED, Sidecar, run_sidecar
 from tests.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl
@@ -88,6 +88,8 @@ def ask(sc: Sidecar, p: PProcess, rid: str, prompt_words: int = 5, **body: Any) 
 
 
 def sidecar(decode_url: str, **settings: Any) -> Any:
+    """The sidecar with the nixl strategy and, unless said, the shipped ``retried_statuses``."""
+    settings = {"retried_statuses": SHIPPED, **settings}
     return run_sidecar(decode_url, release="nixl", prefill_allow=("127.0.0.1",), **settings)
 
 
@@ -108,7 +110,7 @@ async def no_unknown_ids(p: PProcess) -> None:
 async def test_d_down_under_none_is_freed_on_every_rank(p: PProcess, reported: str) -> None:
     rid = f"down-{reported}"
     (pid,) = await held(p, rid)
-    with decode(reported) as d, sidecar(d.url, release_deadline=20.0) as sc:
+    with decode(reported) as d, sidecar(d.url, release_deadline=20.0, retried_statuses=NONE) as sc:
         assert sc.server.call(sc.app.runtime.decode.decode_version()) == reported  # type: ignore[union-attr]
         d.stop()  # D goes down after the sidecar learnt its release
         response = ask(sc, p, rid)

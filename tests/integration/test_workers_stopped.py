@@ -29,7 +29,8 @@ import pytest
 from tests.integration.test_workers import FakeDecode, Workers, start_workers, wait_until
 from tests.servers import ServerThread, serve
 
-pytestmark = pytest.mark.serial  # several processes, stopped and resumed: run alone
+# Several processes, stopped and resumed, bounded in milliseconds: run last, with nothing beside them.
+pytestmark = [pytest.mark.serial, pytest.mark.alone]
 BOUND = 0.1  # seconds a request served by the running worker may wait on the stopped one
 
 # Emulates a worker stopped inside a table operation: the ledger's lock held, and the first slot
