@@ -124,7 +124,8 @@ class ProxyApp:
             on_version=notice.seen,
         )
         await decode.start()
-        lists = watched_allowlists(config)  # NIXL targets, router mode's P: static or watched
+        # NIXL targets, router mode's P: static, watched, or (a worker) the supervisor's watch's
+        lists = watched_allowlists(config, deps.shared.pool_lists if deps.shared is not None else None)
         releaser = deps.releaser or make_releaser(
             config, decode.decode_version, metrics.registry, tracing, lists.release
         )

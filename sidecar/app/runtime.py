@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -50,10 +51,12 @@ class Deps:
 
 @dataclass(frozen=True)
 class Worker:
-    """This worker process's place among its siblings: its index and the table they share."""
+    """This worker process's place among its siblings: its index, the table they share, and the
+    file of the supervisor's InferencePool lists (``sidecar.k8s.shared``; None: no pool)."""
 
     index: int
     table: SharedTable
+    pool_lists: Path | None = None
 
 
 @dataclass

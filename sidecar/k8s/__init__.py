@@ -9,12 +9,15 @@ otherwise); and the release pipeline's, each pod's IP on P's side-channel
 ports (``pool_side_channel_ports``). Both also hold ``prefill_allow``'s entries.
 Without a pool, ``prefill_allow`` is the one static list; when it is empty too,
 ``prefill_allow_default = "routable"`` admits any address a P pod can have
-(``sidecar.network.routable``), llm-d's own default made safer.
+(``sidecar.network.routable``), llm-d's own default made safer. With several
+worker processes only the supervisor watches (``publishing_watch``), and each
+worker follows the lists it writes (``sidecar.k8s.shared``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, PoolWatch
@@ -25,7 +28,9 @@ from sidecar.network.routable import RoutableAllowlist
 # (the app's ``starting``); /readyz says when the lists came.
 FIRST_SYNC_SECONDS = 10.0
 
-__all__ = ["Allowlists", "LiveAllowlist", "PoolWatch", "static_allowlist", "watched_allowlists"]
+__all__ = [
+    "Allowlists", "LiveAllowlist", "PoolWatch", "publishing_watch", "static_allowlist", "watched_allowlists",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +40,32 @@ class Allowlists:
     watch: PoolWatch | None = None
 
 
-def watched_allowlists(config: Config) -> Allowlists:
+def watched_allowlists(config: Config, shared: Path | None = None) -> Allowlists:
     """Static lists (one object for both), or live ones kept by a started ``PoolWatch``, whose
-    first lists are still to come (``PoolWatch.first_list``)."""
+    first lists are still to come (``PoolWatch.first_list``): this process's own watch, or with
+    ``shared`` (a worker) the supervisor's, followed through that file."""
     if not config.inference_pool:
         static = static_allowlist(config)
         return Allowlists(static, static)
+    prefill, release = LiveAllowlist(config.prefill_allow), LiveAllowlist(config.prefill_allow)
+    if shared is not None:
+        from sidecar.k8s.shared import Follower
+
+        follower = Follower(shared, prefill, release)
+        follower.launch()
+        return Allowlists(prefill, release, follower)
     from sidecar.k8s.watch import start_pool_watch  # needs the llm-d extra (lightkube)
 
-    prefill, release = LiveAllowlist(config.prefill_allow), LiveAllowlist(config.prefill_allow)
-    watch = start_pool_watch(config, prefill, release)
-    return Allowlists(prefill, release, watch)
+    return Allowlists(prefill, release, start_pool_watch(config, prefill, release))
+
+
+def publishing_watch(config: Config, path: Path) -> PoolWatch:
+    """The supervisor's watch, started: it writes each change of the lists to ``path`` for its
+    workers (``sidecar.k8s.shared``), which add ``prefill_allow`` themselves."""
+    from sidecar.k8s.shared import Publisher
+    from sidecar.k8s.watch import start_pool_watch  # needs the llm-d extra (lightkube)
+
+    return start_pool_watch(config, LiveAllowlist(()), LiveAllowlist(()), Publisher(path).publish)
 
 
 def static_allowlist(config: Config) -> Allowlist:

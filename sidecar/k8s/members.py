@@ -9,12 +9,17 @@ names P by IP, and a name would be resolved at connect time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sidecar.network.allowlist import Allowlist, parse_entry
 
+log = logging.getLogger("sidecar.k8s")
 FINISHED = frozenset({"Succeeded", "Failed"})
 
 
@@ -27,6 +32,14 @@ class PoolWatch(Protocol):
     async def first_list(self, wait: float) -> None: ...
 
     async def close(self) -> None: ...
+
+
+async def first_list(listed: asyncio.Event, wait: float, synced: Callable[[], bool]) -> None:
+    """Wait up to ``wait`` seconds for ``listed``: the pool, and the pods it selects, listed."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(listed.wait(), wait)
+    if not synced():
+        log.warning("InferencePool not listed yet: every prefiller is refused until it is")
 
 
 @dataclass

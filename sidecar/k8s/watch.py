@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from lightkube import AsyncClient, KubeConfig
@@ -27,7 +28,7 @@ from lightkube.resources.core_v1 import Pod
 
 from sidecar.config import Config
 from sidecar.config.rules import POOL_VERSIONS
-from sidecar.k8s.members import LiveAllowlist, Members
+from sidecar.k8s.members import LiveAllowlist, Members, first_list
 
 log = logging.getLogger("sidecar.k8s")
 
@@ -40,14 +41,23 @@ def pool_resource(group: str) -> Any:
 BACKOFF_INITIAL, BACKOFF_MAX = 0.2, 5.0
 WATCH_SECONDS = 300  # the server ends a watch after this; it is resumed at once
 
+# Told each change of the lists: (router mode's entries, the release entries, ``Watch.synced``).
+Publish = Callable[[list[str], list[str], bool], None]
+
 
 class Watch:
-    """Keeps ``prefill`` and ``release`` equal to the pool's members (see the module docstring)."""
+    """Keeps ``prefill`` and ``release`` equal to the pool's members (see the module docstring),
+    and tells ``publish`` each change (the supervisor's, for its workers: ``sidecar.k8s.shared``)."""
 
     def __init__(
-        self, client: AsyncClient, config: Config, prefill: LiveAllowlist, release: LiveAllowlist
+        self,
+        client: AsyncClient,
+        config: Config,
+        prefill: LiveAllowlist,
+        release: LiveAllowlist,
+        publish: Publish | None = None,
     ) -> None:
-        self._client = client
+        self._client, self._publish = client, publish
         self._namespace, self._name = config.inference_pool.split("/")
         self._pool = pool_resource(config.pool_group)
         self._side_channel = config.pool_side_channel_ports
@@ -74,10 +84,7 @@ class Watch:
 
     async def first_list(self, wait: float) -> None:
         """Wait up to ``wait`` seconds for the pool, and the pods it selects, to be listed."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._first.wait(), wait)
-        if not self.synced:
-            log.warning("InferencePool not listed yet: every prefiller is refused until it is")
+        await first_list(self._first, wait, lambda: self.synced)
 
     async def close(self) -> None:
         for task in (self._pods, self._task):
@@ -154,6 +161,8 @@ class Watch:
         prefill, release = self.members.entries(self._side_channel)
         self._lists[0].replace(prefill)
         self._lists[1].replace(release)
+        if self._publish is not None:
+            self._publish(prefill, release, self.synced)
         if self.synced:
             self._first.set()
         log.info("InferencePool members", extra={"pool": self._name, "prefill": prefill})
@@ -165,10 +174,12 @@ def _plain(obj: Any) -> dict[str, Any]:
     return data
 
 
-def start_pool_watch(config: Config, prefill: LiveAllowlist, release: LiveAllowlist) -> Watch:
+def start_pool_watch(
+    config: Config, prefill: LiveAllowlist, release: LiveAllowlist, publish: Publish | None = None
+) -> Watch:
     """A watch with in-cluster auth, started (its first lists are not waited for here)."""
     kube = KubeConfig.from_service_account(service_account=config.kube_service_account)
     client = AsyncClient(config=kube, namespace=config.inference_pool.split("/")[0], trust_env=False)
-    watch = Watch(client, config, prefill, release)
+    watch = Watch(client, config, prefill, release, publish)
     watch.launch()
     return watch

@@ -1,9 +1,10 @@
 """The supervisor's private directory in shared memory (``workers``), and the sweep of dead ones.
 
-The directory holds the shared table (``sidecar.release.shared``) and each
-worker's admin socket. The supervisor removes it when it exits; one killed
-with SIGKILL (or by the out-of-memory killer) cannot, and the table, sized for
-``ledger_size``, would stay in ``/dev/shm`` (a container's is often 64 MiB).
+The directory holds the shared table (``sidecar.release.shared``), each
+worker's admin socket and the InferencePool lists (``sidecar.k8s.shared``).
+The supervisor removes it when it exits; one killed with SIGKILL (or by the
+out-of-memory killer) cannot, and the table, sized for ``ledger_size``, would
+stay in ``/dev/shm`` (a container's is often 64 MiB).
 So every directory carries an ``owner`` file that the supervisor and each of
 its workers hold a shared ``flock`` on while they run; the kernel lets go of
 it when a process dies, whatever killed it. A new supervisor removes every

@@ -76,7 +76,8 @@ def main() -> int:
         uvloop.install()
     scratch.hold(Path(spec.table).parent)  # held until this process ends: the directory is in use
     table = SharedTable(Path(spec.table))
-    deps = Deps(trust=trust, shared=Worker(spec.index, table))
+    pool_lists = Path(spec.pool_lists) if spec.pool_lists else None
+    deps = Deps(trust=trust, shared=Worker(spec.index, table, pool_lists))
     try:
         asyncio.run(serve(config, sockets=sockets, deps=deps, tls=Serving(tls.proxy, None)))
     except StartupFailed as exc:

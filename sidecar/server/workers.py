@@ -29,7 +29,9 @@ judged them. A worker whose start-up fails the first time (an unreadable
 token file, say) stops the supervisor, which exits 1 as one process does.
 The table and the workers' admin sockets live in a private directory in
 shared memory; at its start a supervisor removes those that supervisors
-killed outright left behind (``sidecar.server.scratch``).
+killed outright left behind (``sidecar.server.scratch``). With an
+InferencePool the supervisor watches it, once for the pod, and writes its
+lists into that directory for the workers to follow (``sidecar.k8s.shared``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from sidecar.app.fleet import Fleet, Member, Totals, create_fleet_admin_app
 from sidecar.config import Config
 from sidecar.config.rules import MAX_WORKERS
+from sidecar.k8s import PoolWatch, publishing_watch
+from sidecar.k8s.shared import FILE as POOL_LISTS
 from sidecar.release.shared import SharedTable
 from sidecar.server import scratch
 from sidecar.server.limits import ServerLimits
@@ -100,6 +104,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     table: str  # the shared table's file
     admin_socket: str  # where it serves its admin app
     sockets: dict[str, list[int]]  # inherited listening sockets by setting (port, port+1, ...)
+    pool_lists: str = ""  # the supervisor's InferencePool lists (``sidecar.k8s.shared``); "": no pool
 
 
 @dataclass
@@ -125,6 +130,8 @@ class Supervisor(Fleet):
         self._dir, self._owner = scratch.make(parent)
         self.table = SharedTable.create(self._dir / "ledger", 2 * config.ledger_size, size)
         self._slots = [_Slot(i, str(self._dir / f"worker-{i}.sock")) for i in range(size)]
+        self._pool_lists = self._dir / POOL_LISTS if config.inference_pool else None
+        self._pool: PoolWatch | None = None
         self._stop = asyncio.Event()
         self.failed = 0
         self.registry = CollectorRegistry()
@@ -147,7 +154,7 @@ class Supervisor(Fleet):
         inherited = self._inherited()
         spec = WorkerSpec(
             config=self.config, index=slot.index, table=str(self.table.path),
-            admin_socket=slot.admin_socket, sockets=inherited,
+            admin_socket=slot.admin_socket, sockets=inherited, pool_lists=str(self._pool_lists or ""),
         )  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sidecar.server.worker", stdin=asyncio.subprocess.PIPE,
@@ -192,6 +199,13 @@ class Supervisor(Fleet):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         config = self.config
+        if self._pool_lists is not None:  # one watch for the pod, before any worker: they follow it
+            try:
+                self._pool = publishing_watch(config, self._pool_lists)
+            except Exception:
+                log.exception("start-up failed: the InferencePool watch")
+                self._remove()
+                return 1
         admin = Server(
             uvicorn_config(
                 create_fleet_admin_app(self), config.admin_host, config.admin_port,
@@ -215,10 +229,16 @@ class Supervisor(Fleet):
             await asyncio.gather(admin_task, return_exceptions=True)
             if reload is not None:
                 reload.cancel()
-            self.table.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
-            os.close(self._owner)
+            if self._pool is not None:
+                await self._pool.close()
+            self._remove()
         return self.failed
+
+    def _remove(self) -> None:
+        """Close the table and remove the private directory."""
+        self.table.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        os.close(self._owner)
 
     async def _drain(self) -> None:
         self.draining = True
