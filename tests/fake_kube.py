@@ -105,6 +105,10 @@ class FakeKube:
         """The URLs of the lists (not watches) of ``resource`` served so far."""
         return [u for u in self.requests if f"/{resource}" in u and "watch=" not in u]
 
+    def watch_requests(self, resource: str) -> list[str]:
+        """The URLs of the watches of ``resource`` asked for so far."""
+        return [u for u in self.requests if f"/{resource}" in u and "watch=" in u]
+
     def _end(self) -> None:
         for _, queue in self.watchers:
             queue.put_nowait(None)

@@ -152,7 +152,7 @@ def test_each_data_parallel_rank_is_served_by_every_worker(tmp_path: Path) -> No
             assert released(workers, 0) >= 2 and released(workers, 1) >= 2  # one per rank at least
 
 
-def test_every_worker_watches_the_inference_pool_and_enforces_it(tmp_path: Path) -> None:
+def test_the_supervisor_watches_the_inference_pool_once_and_every_worker_enforces_it(tmp_path: Path) -> None:
     ca = trustme.CA()
     certs = tmp_path / "certs"
     write_cert(ca, certs)
@@ -180,8 +180,9 @@ def test_every_worker_watches_the_inference_pool_and_enforces_it(tmp_path: Path)
             httpx.Client(verify=ssl.create_default_context(cafile=ca_file), timeout=HANG) as client,
         ):
             assert all(w["checks"]["inference_pool"] for w in workers.ready()["workers"])
-            # What the API server carries: one watch of the pool and one of its pods per worker.
-            watches = ["inferencepools", "inferencepools", "pods", "pods"]
+            # What the API server carries: one watch of the pool and one of its pods, the
+            # supervisor's, whatever the number of workers.
+            watches = ["inferencepools", "pods"]
             wait_until(lambda: sorted(resource for resource, _ in fake.watchers) == watches, "one watch each")
 
             def send(i: int, named: str = "127.0.0.1", **body: Any) -> int:
@@ -205,12 +206,40 @@ def test_every_worker_watches_the_inference_pool_and_enforces_it(tmp_path: Path)
             assert statuses(outside) == {403}  # not a pool member, on each worker
 
             fake.delete("pods", "prefill-0")  # the pool follows: P is no longer allowed, on every worker
-            each_worker(workers, send, refused, waiting=True, reason="not_allowed")  # each has seen it
-            assert statuses(each_worker(workers, send, refused, reason="not_allowed")) == {403}
-            fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))
-            each_worker(workers, send, waiting=True, status_class="2xx")
+            forbidden(workers, send)
+            fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))  # a pod added: allowed again
+            allowed(workers, send)
+            fake.delete("pods", "prefill-1")  # and removed: refused again
+            forbidden(workers, send)
+            fake.put("pods", pod("prefill-2", "127.0.0.1", LABELS))
+            allowed(workers, send)
+
+            # A restarted worker enforces the current lists at once: its first answers are 200
+            # (a worker without them would answer 503 while starting, then 403).
+            before = pids(workers)
+            os.kill(before[0], signal.SIGKILL)
+            wait_until(lambda: pids(workers)[0] != before[0], "worker 0 restarted")
             assert statuses(each_worker(workers, send, status_class="2xx")) == {200}
             assert sorted(resource for resource, _ in fake.watchers) == watches  # none added, none lost
+            assert len(fake.watch_requests("inferencepools")) == len(fake.watch_requests("pods")) == 1
+            assert len(fake.list_requests("inferencepools")) == len(fake.list_requests("pods")) == 1
+
+
+def forbidden(workers: Workers, send: Callable[..., int]) -> None:
+    """Each worker took the change (a 403 counted on each), then answers 403 on each."""
+    refused = "kvr_prefill_refused_total"
+    each_worker(workers, send, refused, waiting=True, reason="not_allowed")
+    assert statuses(each_worker(workers, send, refused, reason="not_allowed")) == {403}
+
+
+def allowed(workers: Workers, send: Callable[..., int]) -> None:
+    """Each worker took the change (a 2xx counted on each), then answers 200 on each."""
+    each_worker(workers, send, waiting=True, status_class="2xx")
+    assert statuses(each_worker(workers, send, status_class="2xx")) == {200}
+
+
+def pids(workers: Workers) -> dict[int, int]:
+    return {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
 
 
 def released(workers: Workers, worker: int) -> float:
