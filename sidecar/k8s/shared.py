@@ -163,7 +163,10 @@ class Follower:
     async def _follow(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            self.poll()
+            try:
+                self.poll()
+            except Exception:  # a bug here must not stop the following: the lists would freeze
+                log.exception("following the InferencePool lists failed; trying again")
 
     async def first_list(self, wait: float) -> None:
         await first_list(self._first, wait, lambda: self.synced)
