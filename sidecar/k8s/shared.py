@@ -35,7 +35,7 @@ from sidecar.network.allowlist import parse_entry
 log = logging.getLogger("sidecar.k8s")
 
 FILE = "pool-lists.json"
-POLL_SECONDS = 0.05  # a worker stats the file this often: a change reaches it within that much
+POLL_SECONDS = 0.1  # a worker stats the file this often: a change reaches it within that much
 
 
 class PoolLists(msgspec.Struct, frozen=True, kw_only=True):
