@@ -24,7 +24,8 @@ FINISHED = frozenset({"Succeeded", "Failed"})
 
 
 class PoolWatch(Protocol):
-    """What the app holds of a running watch (``sidecar.k8s.watch.Watch``)."""
+    """What the app holds of a running watch (``sidecar.k8s.watch.Watch``), or of the supervisor's
+    in a worker (``sidecar.k8s.shared.Follower``)."""
 
     @property
     def synced(self) -> bool: ...

@@ -7,7 +7,8 @@ first list is then pending for the whole ``FIRST_SYNC_SECONDS`` (10 s). During
 that window the serving port answers 503 in llm-d's shape with the "starting"
 message (only a request answered inside the window can carry it: after it, the
 request would be refused or sent to D), ``/health`` answers 200 as llm-d's does,
-``/readyz`` is 503, and a SIGTERM ends the process with exit 0.
+``/readyz`` is 503, and a SIGTERM ends the process with exit 0; the same with
+two workers, whose supervisor watches the pool (``sidecar.k8s.shared``).
 
 The answer is judged by its body, not by a clock: only an answer given inside
 the window says "starting". The exit has a bound with its margin: within
@@ -74,9 +75,10 @@ def first_answer(url: str, deadline: float) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=FIRST_SYNC_SECONDS + 5)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("api", ["refused", "silent"])
 def test_the_serving_port_answers_and_sigterm_stops_while_the_pool_is_first_listed(
-    tmp_path: Path, api: str
+    tmp_path: Path, api: str, workers: int
 ) -> None:
     port, admin = free_port(), free_port()
     args = [f"--port={port}", f"--vllm-port={free_port()}", *GUIDE_ARGS]
@@ -88,6 +90,7 @@ def test_the_serving_port_answers_and_sigterm_stops_while_the_pool_is_first_list
             "KUBERNETES_SERVICE_PORT": str(api_port),
             "KVR_KUBE_SERVICE_ACCOUNT": str(account(tmp_path)),
             "KVR_ADMIN_PORT": str(admin),
+            "KVR_WORKERS": str(workers),  # 2: the supervisor watches, each worker waits for its lists
         }
         process = subprocess.Popen(
             [sys.executable, "-m", "sidecar", "serve", *args], env=env, stdout=log, stderr=subprocess.STDOUT

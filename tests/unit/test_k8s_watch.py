@@ -12,7 +12,9 @@ the allowlist to the pods the new selector matches.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from lightkube.config.models import Cluster, User
 
 from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, Members
+from sidecar.k8s.shared import FILE, Follower, Publisher
 from sidecar.k8s.watch import Watch
 from tests.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
 from tests.servers import ServerThread
@@ -151,5 +154,51 @@ async def test_the_older_alpha_group_is_watched_with_its_own_shape() -> None:
         fake.put("inferencepools", alpha_pool("pool", NEW, PORT))
         await running.until(lambda: running.allowed() == set())
     finally:
+        await watch.close()
+        server.stop()
+
+
+async def test_a_publishing_watch_is_followed_and_a_failing_one_keeps_the_lists_last_seen(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The supervisor's watch writes its lists to a file (``sidecar.k8s.shared``); a worker's
+    follower enforces them. While the API refuses the watch (401), the file and the follower keep
+    the lists last seen, as one process's watch does; once it answers again, changes flow."""
+    fake = FakeKube(TOKEN)
+    fake.put("inferencepools", inference_pool("pool", OLD, [PORT]))
+    fake.put("pods", pod("p-0", "10.0.0.1", OLD))
+    server = ServerThread(fake.app()).start()
+    kube = KubeConfig.from_one(cluster=Cluster(server=server.url), user=User(token=TOKEN), namespace="llm")
+    config = Config(inference_pool="llm/pool", pool_side_channel_ports="5600-5663")
+    publisher = Publisher(tmp_path / FILE)
+    watch = Watch(
+        AsyncClient(config=kube, trust_env=False),
+        config,
+        LiveAllowlist(()),
+        LiveAllowlist(()),
+        publisher.publish,
+    )
+    prefill, release = LiveAllowlist(()), LiveAllowlist(())
+    follower = Follower(tmp_path / FILE, prefill, release, interval=0.01)
+    followed = Running(fake, watch, prefill, release)
+    try:
+        await watch.start(5.0)
+        follower.launch()
+        assert follower.synced and followed.allowed() == {"10.0.0.1"} and release.allows("10.0.0.1", 5600)
+        fake.put("pods", pod("p-1", "10.0.0.2", OLD))
+        await followed.until(lambda: followed.allowed() == {"10.0.0.1", "10.0.0.2"})
+        version = publisher.version
+        with caplog.at_level(logging.WARNING, "sidecar.k8s"):
+            fake.token = "revoked"
+            fake.end_watches()
+            await followed.until(lambda: "Kubernetes watch failed" in caplog.text)
+        assert publisher.version == version and follower.synced
+        assert followed.allowed() == {"10.0.0.1", "10.0.0.2"}
+        fake.token = TOKEN
+        fake.delete("pods", "p-0")
+        await followed.until(lambda: followed.allowed() == {"10.0.0.2"}, limit=15.0)
+        assert follower.synced
+    finally:
+        await follower.close()
         await watch.close()
         server.stop()
