@@ -24,7 +24,11 @@ What it relies on, each checked against the installed uvicorn by
   ``transport``, ``chunked_encoding``, ``response_started``,
   ``response_complete``, ``disconnected``, ``flow.write_paused``,
   ``waiting_for_100_continue``; written when a limit closes the connection:
-  ``disconnected``, ``message_event``;
+  ``disconnected``, ``message_event``; read and written to end a whole answer as
+  ``send`` ends one (``UvicornCycle.answer``, checked against uvicorn's own bytes
+  and ending by ``tests/unit/test_whole_answer.py``): ``access_log``,
+  ``default_headers``, ``keep_alive``, ``scope``, ``expected_content_length``,
+  ``on_response``, and the module's ``STATUS_LINE``;
 * ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``, its sockets read by
   ``sidecar.server.accept``); ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
 """
@@ -41,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.server.accept import Acceptor
@@ -322,6 +326,56 @@ class UvicornCycle:
 
     def gone(self) -> bool:
         return bool(self._cycle.disconnected)
+
+    def answer(self, status: int, head: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """The whole response in one write, ended as uvicorn's ``send`` ends one
+        (``sidecar.transport.relay.ClientRelay.answer``). Only for a response not yet started, to
+        a client still there and not holding writes back, not a HEAD, with no access log line
+        to write, and a ``head`` that names ``body``'s exact length; else False, nothing written.
+        The header checks uvicorn's ``send`` makes are not repeated: every name and value in
+        ``head`` came through llhttp's parser (D's headers, the client's request id)."""
+        cycle = self._cycle
+        if (
+            cycle.response_started
+            or cycle.disconnected
+            or cycle.flow.write_paused
+            or cycle.access_log
+            or cycle.scope["method"] == "HEAD"
+        ):
+            return False
+        length = b"%d" % len(body)
+        content = [STATUS_LINE[status]]
+        framed = False
+        for name, value in (*cycle.default_headers, *head) if cycle.default_headers else head:
+            if name == b"content-length":
+                if framed or value != length:
+                    return False
+                framed = True
+            elif name == b"transfer-encoding":
+                return False
+            content += (name, b": ", value, b"\r\n")
+        if not framed:
+            return False
+        keep_alive = cycle.keep_alive
+        if not keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"\r\n", body)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = False
+        cycle.expected_content_length = 0
+        transport = cycle.transport
+        data = b"".join(content)
+        if isinstance(transport, CoalescingTransport):
+            transport.write_whole(data)
+        else:
+            transport.write(data)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not keep_alive:
+            transport.close()
+        cycle.on_response()
+        return True
 
 
 def guarded_protocol(limits: ServerLimits) -> type[GuardedProtocol]:
