@@ -1,4 +1,4 @@
-"""Every touch point between the sidecar and uvicorn's internals, in this one module.
+"""Every touch point between the sidecar and uvicorn's internals, in this module and ``cycle``.
 
 The sidecar serves HTTP/1.1 with uvicorn's httptools protocol (pinned below
 0.55) plus the client limits uvicorn 0.54 lacks (``docs/limits.md``):
@@ -20,7 +20,7 @@ What it relies on, each checked against the installed uvicorn by
 * its attributes: ``cycle``, ``scope``, ``url``, ``headers``, ``tasks``,
   ``pipeline``, ``app``, ``flow``, ``transport``, ``loop``; written:
   ``access_log``, ``server_state.total_requests``;
-* ``RequestResponseCycle`` (``UvicornCycle`` reads it for the relay):
+* ``RequestResponseCycle`` (``sidecar.server.cycle.UvicornCycle`` reads it for the relay):
   ``transport``, ``chunked_encoding``, ``response_started``,
   ``response_complete``, ``disconnected``, ``flow.write_paused``,
   ``waiting_for_100_continue``; written when a limit closes the connection:
@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.server.accept import Acceptor
+from sidecar.server.cycle import UvicornCycle
 from sidecar.server.limits import ServerLimits, marked_over_limit, raw_error
 from sidecar.server.memory import settle_heap
 from sidecar.transport.coalesce import CoalescingTransport
@@ -295,87 +296,6 @@ class GuardedProtocol(HttpToolsProtocol):
             return cycle is not None and not cycle.response_started
         # A head: the cycle, if any, is the previous request's; it must be answered in full.
         return cycle is None or cycle.response_complete
-
-
-class UvicornCycle:
-    """One request's uvicorn ``RequestResponseCycle`` as the relay reads it
-    (``sidecar.transport.relay.Response``)."""
-
-    __slots__ = ("_cycle",)
-
-    def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
-
-    @property
-    def transport(self) -> asyncio.Transport:
-        transport: asyncio.Transport = self._cycle.transport
-        return transport
-
-    def relayable(self) -> bool:
-        """A chunked body has started and not ended, and the client is still there."""
-        cycle = self._cycle
-        return bool(
-            cycle.chunked_encoding is True
-            and cycle.response_started
-            and not cycle.response_complete
-            and not cycle.disconnected
-        )
-
-    def write_paused(self) -> bool:
-        return bool(self._cycle.flow.write_paused)
-
-    def gone(self) -> bool:
-        return bool(self._cycle.disconnected)
-
-    def answer(self, status: int, head: list[tuple[bytes, bytes]], body: bytes) -> bool:
-        """The whole response in one write, ended as uvicorn's ``send`` ends one
-        (``sidecar.transport.relay.ClientRelay.answer``). Only for a response not yet started, to
-        a client still there and not holding writes back, not a HEAD, with no access log line
-        to write, and a ``head`` that names ``body``'s exact length; else False, nothing written.
-        The header checks uvicorn's ``send`` makes are not repeated: every name and value in
-        ``head`` came through llhttp's parser (D's headers, the client's request id)."""
-        cycle = self._cycle
-        if (
-            cycle.response_started
-            or cycle.disconnected
-            or cycle.flow.write_paused
-            or cycle.access_log
-            or cycle.scope["method"] == "HEAD"
-        ):
-            return False
-        length = b"%d" % len(body)
-        content = [STATUS_LINE[status]]
-        framed = False
-        for name, value in (*cycle.default_headers, *head) if cycle.default_headers else head:
-            if name == b"content-length":
-                if framed or value != length:
-                    return False
-                framed = True
-            elif name == b"transfer-encoding":
-                return False
-            content += (name, b": ", value, b"\r\n")
-        if not framed:
-            return False
-        keep_alive = cycle.keep_alive
-        if not keep_alive:
-            content.append(b"connection: close\r\n")
-        content += (b"\r\n", body)
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
-        cycle.chunked_encoding = False
-        cycle.expected_content_length = 0
-        transport = cycle.transport
-        data = b"".join(content)
-        if isinstance(transport, CoalescingTransport):
-            transport.write_whole(data)
-        else:
-            transport.write(data)
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not keep_alive:
-            transport.close()
-        cycle.on_response()
-        return True
 
 
 def guarded_protocol(limits: ServerLimits) -> type[GuardedProtocol]:

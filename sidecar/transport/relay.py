@@ -52,7 +52,7 @@ class Reader(Protocol):
 
 
 class Response(Protocol):
-    """The client's response as the server protocol exposes it (``UvicornCycle``)."""
+    """The client's response as the server protocol exposes it (``sidecar.server.cycle.UvicornCycle``)."""
 
     @property
     def transport(self) -> asyncio.Transport: ...
