@@ -39,6 +39,7 @@ log = logging.getLogger("sidecar.proxy")
 
 ERROR_BODY_LIMIT = 64 * 1024
 REWRITE_LIMIT = 16 * 1024 * 1024
+WHOLE_LIMIT = 64 * 1024  # a JSON answer up to this size is read whole, then written at once
 Head = list[tuple[bytes, bytes]]
 
 
@@ -162,8 +163,48 @@ class Forwarder:
         self.judged(
             exchange, Event(status=status, stream=streamed, closing=closing, pending=judge is not None)
         )
+        if not streamed and rewriter is None and relay is not None and leg is None:
+            await self._whole(send, response, exchange, head, relay)
+            return
         await send({"type": "http.response.start", "status": status, "headers": head})
         await self.pump(send, response, judge, rewriter, relay)
+
+    async def _whole(
+        self, send: Send, response: Response, exchange: Exchange, head: Head, relay: ClientRelay
+    ) -> None:
+        """An answer that is not streamed and has nothing to correct, judged already: read whole
+        while it is small (``WHOLE_LIMIT``), then its head and body leave in one write
+        (``ClientRelay.answer``). A larger one goes on as the pump sends it; one D breaks off
+        first goes out as far as it came, then the client's connection is aborted, as the pump
+        does (the client sees a cut answer, never a complete one or an error to retry)."""
+        status = response.status
+        body = response.whole()  # the usual case: the body arrived with its head
+        ended = body is not None
+        if body is None:
+            parts: list[bytes] = []
+            size = 0
+            try:
+                async for chunk in response.chunks():
+                    parts.append(chunk)
+                    size += len(chunk)
+                    if response.ended or size > WHOLE_LIMIT:
+                        break
+                else:
+                    ended = True
+            except UpstreamError as exc:
+                log.warning("decode server broke the response", extra={"detail": str(exc)})
+                await send({"type": "http.response.start", "status": status, "headers": head})
+                await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                raise
+            ended = ended or response.ended
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
+        exchange.responded = True
+        if ended and relay.answer(status, head, body):
+            return
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": body, "more_body": not ended})
+        if not ended:
+            await self.pump(send, response, None, None, relay)
 
     async def _refused(
         self, send: Send, response: Response, exchange: Exchange, head: Head, closing: bool

@@ -1,4 +1,4 @@
-"""Every touch point between the sidecar and uvicorn's internals, in this one module.
+"""Every touch point between the sidecar and uvicorn's internals, in this module and ``cycle``.
 
 The sidecar serves HTTP/1.1 with uvicorn's httptools protocol (pinned below
 0.55) plus the client limits uvicorn 0.54 lacks (``docs/limits.md``):
@@ -20,11 +20,15 @@ What it relies on, each checked against the installed uvicorn by
 * its attributes: ``cycle``, ``scope``, ``url``, ``headers``, ``tasks``,
   ``pipeline``, ``app``, ``flow``, ``transport``, ``loop``; written:
   ``access_log``, ``server_state.total_requests``;
-* ``RequestResponseCycle`` (``UvicornCycle`` reads it for the relay):
+* ``RequestResponseCycle`` (``sidecar.server.cycle.UvicornCycle`` reads it for the relay):
   ``transport``, ``chunked_encoding``, ``response_started``,
   ``response_complete``, ``disconnected``, ``flow.write_paused``,
   ``waiting_for_100_continue``; written when a limit closes the connection:
-  ``disconnected``, ``message_event``;
+  ``disconnected``, ``message_event``; read and written to end a whole answer as
+  ``send`` ends one (``UvicornCycle.answer``, checked against uvicorn's own bytes
+  and ending by ``tests/unit/test_whole_answer.py``): ``access_log``,
+  ``default_headers``, ``keep_alive``, ``scope``, ``expected_content_length``,
+  ``on_response``, and the module's ``STATUS_LINE``;
 * ``uvicorn.Server.capture_signals`` and ``startup`` overridden (``Server``, its sockets read by
   ``sidecar.server.accept``); ``uvicorn.Config.load()`` called and ``ssl`` replaced (``serve_tls``).
 """
@@ -45,6 +49,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.server.accept import Acceptor
+from sidecar.server.cycle import UvicornCycle
 from sidecar.server.limits import ServerLimits, marked_over_limit, raw_error
 from sidecar.server.memory import settle_heap
 from sidecar.transport.coalesce import CoalescingTransport
@@ -291,37 +296,6 @@ class GuardedProtocol(HttpToolsProtocol):
             return cycle is not None and not cycle.response_started
         # A head: the cycle, if any, is the previous request's; it must be answered in full.
         return cycle is None or cycle.response_complete
-
-
-class UvicornCycle:
-    """One request's uvicorn ``RequestResponseCycle`` as the relay reads it
-    (``sidecar.transport.relay.Response``)."""
-
-    __slots__ = ("_cycle",)
-
-    def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
-
-    @property
-    def transport(self) -> asyncio.Transport:
-        transport: asyncio.Transport = self._cycle.transport
-        return transport
-
-    def relayable(self) -> bool:
-        """A chunked body has started and not ended, and the client is still there."""
-        cycle = self._cycle
-        return bool(
-            cycle.chunked_encoding is True
-            and cycle.response_started
-            and not cycle.response_complete
-            and not cycle.disconnected
-        )
-
-    def write_paused(self) -> bool:
-        return bool(self._cycle.flow.write_paused)
-
-    def gone(self) -> bool:
-        return bool(self._cycle.disconnected)
 
 
 def guarded_protocol(limits: ServerLimits) -> type[GuardedProtocol]:

@@ -43,6 +43,12 @@ class CoalescingTransport(asyncio.Transport):
         their order until the next write through this one (``sidecar.transport.relay`` writes many)."""
         return self._transport if self._held is None else None
 
+    def write_whole(self, data: bytes) -> None:
+        """A whole response at once: nothing is held for it (``hold_next`` is undone)."""
+        self._hold = False
+        self._flush()
+        self._transport.write(data)
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         held = self._held
         if held is not None:

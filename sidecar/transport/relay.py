@@ -20,6 +20,11 @@ throttles D rather than growing the sidecar's memory. A client that leaves
 gets nothing more written (uvicorn's cycle is marked disconnected) and its
 request's task is cancelled as before. Only a chunked response that has
 started and not ended is relayed; anything else takes the pump as before.
+
+The same seam carries a JSON answer D sent whole, which nothing judges byte by
+byte once its status is judged: ``answer`` writes its head and body in one
+write and ends the response as the server would, without the two response
+messages and their header checks (D's head was parsed and filtered already).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class Reader(Protocol):
 
 
 class Response(Protocol):
-    """The client's response as the server protocol exposes it (``UvicornCycle``)."""
+    """The client's response as the server protocol exposes it (``sidecar.server.cycle.UvicornCycle``)."""
 
     @property
     def transport(self) -> asyncio.Transport: ...
@@ -57,6 +62,8 @@ class Response(Protocol):
     def write_paused(self) -> bool: ...
 
     def gone(self) -> bool: ...
+
+    def answer(self, status: int, head: list[tuple[bytes, bytes]], body: bytes) -> bool: ...
 
 
 class Host(Protocol):
@@ -91,6 +98,13 @@ class ClientRelay:
         if response.write_paused():
             reader.pause_relay()
         return True
+
+    def answer(self, status: int, head: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """D's whole answer, its head and all of its body (``head`` frames it by its
+        ``content-length``), to the client in one write, past the server's response messages;
+        False, having written nothing, when this response cannot take it that way (then it goes
+        through the server as before)."""
+        return self._response.answer(status, head, body)
 
     def write(self, body: bytes) -> None:
         """One part of D's body, as one chunk to the client (nothing once the client left)."""

@@ -79,6 +79,10 @@ class Response(Protocol):
 
     async def read(self, limit: int) -> bytes: ...
 
+    def whole(self) -> bytes | None:
+        """All of the body when it has all arrived, else None; only before it is read otherwise."""
+        ...
+
     async def relay(self, relay: ClientRelay, feed: Feed | None = None) -> bool: ...
 
     async def __aenter__(self) -> Response: ...
@@ -131,6 +135,14 @@ class UpstreamResponse:
         """The body has ended and ``chunks()`` gave all of it: its next chunk would be its end."""
         conn = self._conn
         return self._upstream is not None and conn.complete and not conn.buffered
+
+    def whole(self) -> bytes | None:
+        """All of the body when it has all arrived, else None (then nothing is taken: ``chunks()``
+        gives it all as before). Only before the body is read any other way."""
+        conn = self._conn
+        if self._upstream is None or not conn.complete:
+            return None
+        return conn.take()
 
     async def read(self, limit: int) -> bytes:
         """Read at most about ``limit`` bytes of the body (for small error bodies)."""

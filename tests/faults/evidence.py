@@ -11,8 +11,9 @@ sidecar's loop, its admin ``/metrics`` and its configured bounds.
 An error counts as unhandled when its traceback runs through the sidecar's
 own code (``sidecar/`` outside ``sidecar/sim/``), or when a sidecar logger
 logs at ERROR or above. One kind is deliberate and allowed: the proxy
-re-raises ``UpstreamError`` from ``Forwarder.pump`` when D breaks a response whose
-head was already sent to the client, so the server aborts the client's
+re-raises ``UpstreamError`` from ``Forwarder.pump`` (or ``Forwarder._whole``, which
+reads a small JSON answer whole before writing it) when D breaks a response whose
+head was sent (or is then sent) to the client, so the server aborts the client's
 connection too (the client must see a truncated answer, not a complete one).
 """
 
@@ -40,7 +41,7 @@ from tests.integration.conftest import Sidecar
 OWN_CODE = "/sidecar/"
 SIM_CODE = "/sidecar/sim/"
 #: (exception type name, function that raised it deliberately).
-ALLOWED = {("UpstreamError", "pump")}
+ALLOWED = {("UpstreamError", "pump"), ("UpstreamError", "_whole")}
 SERVER_LOGGERS = ("asyncio", "uvicorn.error")
 
 
@@ -249,7 +250,7 @@ class ProcessView:
             self._decisions[str(entry.get("request_id"))].append(str(entry.get("result")))
             return
         exc = str(entry.get("exc", ""))
-        deliberate = "UpstreamError" in exc and "in pump\n" in exc
+        deliberate = "UpstreamError" in exc and ("in pump\n" in exc or "in _whole\n" in exc)
         if deliberate:
             self.aborted_streams += 1
         elif exc or (entry.get("level") in ("error", "critical") and entry.get("logger") != "sidecar.sim"):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.server.protocol import UvicornCycle
+from sidecar.server.cycle import UvicornCycle
 from sidecar.transport.coalesce import CoalescingTransport
 from sidecar.transport.relay import ClientRelay
 from tests.fakes import FakeTransport

@@ -23,8 +23,9 @@ import uvicorn
 from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
+from sidecar.server.cycle import UvicornCycle
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import UvicornCycle, guarded_protocol
+from sidecar.server.protocol import guarded_protocol
 from sidecar.transport.relay import ClientRelay
 from tests.fakes import FakeTransport
 
