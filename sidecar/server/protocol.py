@@ -98,6 +98,8 @@ class GuardedProtocol(HttpToolsProtocol):
     _timer: LazyTimer
     _head_bytes = 0
     _head_began_mid_read = False  # the header block opened inside the current read
+    _read_bytes = 0  # the size of the current read
+    _began_in_read = False  # the current request's message began inside the current read
     _refused = False
     _hub: DisconnectHub
     _relay: ClientRelay | None = None  # the response whose body D's connection writes to us
@@ -120,7 +122,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._hub.lost()
 
     def data_received(self, data: bytes) -> None:
-        self._head_began_mid_read = False
+        self._head_began_mid_read = self._began_in_read = False
+        self._read_bytes = len(data)
         if self._phase == "idle":
             self._start_head()  # any byte between requests, even a stray CRLF, opens a header block
         super().data_received(data)
@@ -144,6 +147,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_begin()
+        self._began_in_read = True
         self.scope[DISCONNECT_HUB] = self._hub  # type: ignore[literal-required]
         if self._phase != "head":
             self._start_head()
@@ -152,8 +156,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self._refused:
             return
-        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-        if size > self.limits.max_header_bytes:
+        limit = self.limits.max_header_bytes
+        # A block that began and ended inside one read no larger than the limit is within it.
+        if not (self._began_in_read and self._read_bytes <= limit) and (
+            len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > limit
+        ):
             self._refuse(431, "RequestHeaderFieldsTooLargeError", self._too_large())
             return
         self._enter("body", self.limits.body_timeout)
