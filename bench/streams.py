@@ -13,7 +13,10 @@ a ramp; the streams started after it are measured. Two modes:
   --role prefill``) and the stream on D with P's parameters. Direct, the
   relay and nginx carry the client's two legs (the client runs them); the
   sidecar in router mode (``--prefill``) gets one request and runs both.
-  Time to first token counts from the prefill leg.
+  Time to first token counts from the prefill leg. Named in ``--paths``,
+  vLLM's own P/D router (``vllm-router``, ``bench.vllm_router``) is a hop
+  of this mode too, pinned and on both CPUs, read beside the sidecar
+  (``bench.streams_versus``).
 
 Core layout as in ``python -m bench``: the hops on the second CPU, one
 measured at a time; the load generator and fake D (``bench/streams.c``, in C:
