@@ -87,40 +87,41 @@ def p_got(run: PathRun, events: int) -> str:
 def versus_lines(
     paths: Mapping[str, PathRun], judged: Sequence[Versus], seconds: float, events: int
 ) -> list[str]:
-    """The side-by-side table and the verdicts; nothing when vllm-router did not run."""
+    """The side-by-side table, the verdicts, a warning when the load generator was near a full
+    core, and what each hop sends; nothing when vllm-router did not run."""
     shown = [p for p in _COLUMNS if p in paths]
     if not any(p.startswith("vllm-router") for p in shown):
         return []
     lines = ["  router mode beside vllm-router (hop CPU: its process, threads and children; per stream of "
              "the phase, ramp and drain included):"]  # fmt: skip
-    header = ["path", "streams/s", "TTFT p50 ms", "TTFT p99 ms", "hop CPU/stream us", "client / D+P cores",
-              "P got per stream: legs/X-Request-Id/min_tokens/other (refused)"]  # fmt: skip
-    rows = [header]
-    for path in shown:
-        run = paths[path]
-        rows.append([
-            path, f"{rate(run, seconds):,.0f}", f"{run.sample.ttft_p50_ms:,.1f}",
-            f"{run.sample.ttft_p99_ms:,.1f}",
-            f"{run.load.hop_us_per_stream:,.0f}" if path != "direct" else "-",
-            f"{run.load.client_cores:.2f} / {run.load.decode_cores:.2f}",
-            p_got(run, events),
-        ])  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines += ["    " + "  ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) for row in rows]
-    for ours, theirs, how in PAIRS:
-        for v in judged:
-            if (v.ours, v.theirs) == (ours, theirs):
-                verdict = "PASS" if v.passed else "MISS"
-                lines.append(
-                    f"  {how}: {ours} {v.rate:,.0f} streams/s, TTFT p99 {v.ttft_p99_ms:,.1f} ms; {theirs} "
-                    f"{v.their_rate:,.0f}, {v.their_ttft_p99_ms:,.1f}: at or ahead on both  {verdict}"
-                )
+    lines += _table([paths[p] for p in shown], shown, seconds, events)
+    how = {ours: text for ours, _, text in PAIRS}
+    for v in judged:
+        verdict = "PASS" if v.passed else "MISS"
+        lines.append(
+            f"  {how[v.ours]}: {v.ours} {v.rate:,.0f} streams/s, TTFT p99 {v.ttft_p99_ms:,.1f} ms; "
+            f"{v.theirs} {v.their_rate:,.0f}, {v.their_ttft_p99_ms:,.1f}: at or ahead on both  {verdict}"
+        )
     busy = [p for p in shown if paths[p].load.client_cores > CLIENT_BUSY]
     if busy:
         lines.append(f"  the load generator used over {CLIENT_BUSY:g} of its core on {', '.join(busy)}: "
                      "it may limit those rates")  # fmt: skip
-    lines += [f"  {name} sends {text}" for name, text in SENDS.items()]
-    return lines
+    return lines + [f"  {name} sends {text}" for name, text in SENDS.items()]
+
+
+def _table(runs: Sequence[PathRun], names: Sequence[str], seconds: float, events: int) -> list[str]:
+    header = ["path", "streams/s", "TTFT p50 ms", "TTFT p99 ms", "hop CPU/stream us", "client / D+P cores",
+              "P got per stream: legs/X-Request-Id/min_tokens/other (refused)"]  # fmt: skip
+    rows = [header]
+    for name, run in zip(names, runs, strict=True):
+        s = run.sample
+        rows.append([
+            name, f"{rate(run, seconds):,.0f}", f"{s.ttft_p50_ms:,.1f}", f"{s.ttft_p99_ms:,.1f}",
+            f"{run.load.hop_us_per_stream:,.0f}" if name != "direct" else "-",
+            f"{run.load.client_cores:.2f} / {run.load.decode_cores:.2f}", p_got(run, events),
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["    " + "  ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) for row in rows]
 
 
 class WorkersBurst(msgspec.Struct, kw_only=True):
