@@ -110,13 +110,15 @@ def versus_lines(
 
 
 def _table(runs: Sequence[PathRun], names: Sequence[str], seconds: float, events: int) -> list[str]:
-    header = ["path", "streams/s", "TTFT p50 ms", "TTFT p99 ms", "hop CPU/stream us", "client / D+P cores",
+    header = ["path", "streams/s", "TTFT p50 ms", "TTFT p99 ms", "gap p99 ms", "hop CPU/stream us",
+              "client / D+P cores",
               "P got per stream: legs/X-Request-Id/min_tokens/other (refused)"]  # fmt: skip
     rows = [header]
     for name, run in zip(names, runs, strict=True):
         s = run.sample
         rows.append([
             name, f"{rate(run, seconds):,.0f}", f"{s.ttft_p50_ms:,.1f}", f"{s.ttft_p99_ms:,.1f}",
+            f"{s.gap_p99_ms:,.1f}",
             f"{run.load.hop_us_per_stream:,.0f}" if name != "direct" else "-",
             f"{run.load.client_cores:.2f} / {run.load.decode_cores:.2f}", p_got(run, events),
         ])  # fmt: skip

@@ -71,8 +71,8 @@ def test_the_side_by_side_table_prints_every_path_the_verdicts_and_what_each_hop
     text = "\n".join(lines)
     rows = {line.split()[0]: line.split() for line in lines[2:5]}
     assert sorted(rows) == ["direct", "sidecar", "vllm-router"]
-    assert rows["sidecar"][1:4] == ["900", "15.0", "30.0"] and rows["sidecar"][4] == "650"
-    assert rows["direct"][4] == "-"  # no hop
+    assert rows["sidecar"][1:6] == ["900", "15.0", "30.0", "40.0", "650"]
+    assert rows["direct"][5] == "-"  # no hop
     assert rows["sidecar"][-2:] == ["1.00/1.00/0.00/0.00", "(0)"]  # per stream of the phase
     assert "one core each: sidecar 900 streams/s, TTFT p99 30.0 ms; vllm-router 910, 20.0" in text
     assert text.count("  MISS") == 1 and "  PASS" not in text
