@@ -252,7 +252,7 @@ def launched(
             hops["sidecar", "nginx-w2"] = Hop(nwd, 0, (started["nginx-w2"],))
             hops["router", "nginx-w2"] = Hop(nwd, nwp, (started["nginx-w2"],))
         for name, cpus in (("vllm-router", plan.sidecar), ("vllm-router-w2", both)):
-            if name in settings.paths:
+            if name in settings.paths and "router" in settings.modes:
                 port = free_port()
                 child = start(name, vllm_router.argv(settings.vllm_router, p_url, d_url, port), cpus)
                 ready[child] = f"http://{HOST}:{port}/health"
