@@ -6,10 +6,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from bench import streams
+from bench.cli import build_parser
 from bench.cstreams import StreamsSample
 from bench.fast_servers import prefill_refusal
+from bench.procs import BenchError
 from bench.streams_report import HopLoad, PathRun
 from bench.streams_versus import RATE_SLACK, rate, versus, versus_lines, workers_burst, workers_lines
+from bench.vllm_router import INSTALLED, argv
 
 SECONDS, EVENTS = 10.0, 64
 
@@ -123,3 +127,20 @@ LEG = {
 def test_the_fake_p_answers_only_a_prefill_leg(change: dict[str, object], refused: str | None) -> None:
     found = prefill_refusal(msgspec.json.encode({**LEG, **change}))
     assert found == refused if refused is None else refused in (found or "")
+
+
+def test_vllm_router_runs_only_when_named_and_from_the_given_launcher() -> None:
+    default = streams.settings(build_parser().parse_args(["--workload", "streams"]))
+    assert not set(streams.VLLM_ROUTER_PATHS) & set(default.paths) and default.vllm_router == str(INSTALLED)
+    args = ["--workload", "streams", "--paths", "sidecar,vllm-router", "--vllm-router", "/opt/vr"]
+    named = streams.settings(build_parser().parse_args(args))
+    assert (named.paths, named.vllm_router) == (("sidecar", "vllm-router"), "/opt/vr")
+
+
+def test_the_launcher_must_exist_and_runs_as_the_page_does_with_round_robin() -> None:
+    with pytest.raises(BenchError, match="make bench installs it"):
+        argv("/nonexistent/vllm-router", "http://p", "http://d", 1)
+    command = argv(str(INSTALLED) if INSTALLED.exists() else __file__, "http://p:1", "http://d:2", 3)
+    assert command[1:6] == ["--vllm-pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:2"]
+    flags = dict(zip(command[6::2], command[7::2], strict=True))
+    assert flags["--port"] == "3" and flags["--policy"] == "round_robin"
