@@ -6,11 +6,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bench import streams
 from bench.cli import build_parser
 from bench.cstreams import StreamsSample
 from bench.fast_servers import prefill_refusal
 from bench.procs import BenchError
+from bench.streams import VLLM_ROUTER_PATHS
+from bench.streams import settings as streams_settings
 from bench.streams_report import HopLoad, PathRun
 from bench.streams_versus import RATE_SLACK, rate, versus, versus_lines, workers_burst, workers_lines
 from bench.vllm_router import INSTALLED, argv
@@ -130,10 +131,10 @@ def test_the_fake_p_answers_only_a_prefill_leg(change: dict[str, object], refuse
 
 
 def test_vllm_router_runs_only_when_named_and_from_the_given_launcher() -> None:
-    default = streams.settings(build_parser().parse_args(["--workload", "streams"]))
-    assert not set(streams.VLLM_ROUTER_PATHS) & set(default.paths) and default.vllm_router == str(INSTALLED)
+    default = streams_settings(build_parser().parse_args(["--workload", "streams"]))
+    assert not set(VLLM_ROUTER_PATHS) & set(default.paths) and default.vllm_router == str(INSTALLED)
     args = ["--workload", "streams", "--paths", "sidecar,vllm-router", "--vllm-router", "/opt/vr"]
-    named = streams.settings(build_parser().parse_args(args))
+    named = streams_settings(build_parser().parse_args(args))
     assert (named.paths, named.vllm_router) == (("sidecar", "vllm-router"), "/opt/vr")
 
 
