@@ -82,9 +82,16 @@ lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
 	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e
 
-bench: $(STAMP)
+# The streams workload also: router mode beside vLLM's own P/D router, each on one core and on every
+# core (docs/dev/performance-record.md); and the accept burst at one and two workers over three rounds.
+bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench
 	$(UV) run --frozen --no-sync python -m bench --workload streams
+	$(UV) run --frozen --no-sync python -m bench --workload streams --modes router --workers 1,2 \
+		--paths sidecar,sidecar-w2,vllm-router,vllm-router-w2 --vllm-router $(VLLM_ROUTER) \
+		--json out/bench-vllm-router.json
+	$(UV) run --frozen --no-sync python -m bench --workload streams --modes sidecar --workers 1,2 \
+		--paths sidecar,sidecar-w2 --rounds 3 --json out/bench-burst-workers.json
 	$(UV) run --frozen --no-sync python -m bench --workload releases
 	$(UV) run --frozen --no-sync python -m bench.bench_release
 	$(UV) run --frozen --no-sync python -m bench.bench_storm

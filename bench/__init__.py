@@ -29,7 +29,9 @@ every figure, so their CPU is measured and reported.
 Two more workloads share its parts: ``--workload streams`` (``streams``,
 ``streams_report``; thousands of concurrent SSE streams in sidecar and router
 mode, driven by the C load generator and fake D of ``streams.c`` through
-``cstreams``, with ``fast_servers`` as the fake P) and ``--workload releases``
+``cstreams``, with ``fast_servers`` as the fake P; ``vllm_router`` starts
+vLLM's own P/D router beside router mode and ``streams_versus`` reads the
+two side by side, and the accept burst at one and two workers) and ``--workload releases``
 (``releases``, ``releases_load``, ``releases_report``; a steady rate of
 rejected requests, P's own record of when it got its blocks back, with
 ``fast_servers`` as the rejecting D and ``storm_procs``' servers).

@@ -69,7 +69,20 @@ WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
     ),
     ("--quiet-wait", {"type": float, "help": "streams, releases: most seconds to wait for quiet (180)"}),
     ("--modes", {"help": "streams: sidecar,router (default both)"}),
-    ("--paths", {"help": "streams: which hops, e.g. sidecar,nginx (default all; direct always)"}),
+    (
+        "--paths",
+        {
+            "help": "streams: which hops, e.g. sidecar,nginx (default all but vllm-router; direct always); "
+            "vllm-router,vllm-router-w2: vLLM's P/D router beside router mode (--modes router)"
+        },
+    ),
+    (
+        "--vllm-router",
+        {
+            "metavar": "PATH",
+            "help": "streams: the vllm-router launcher (default .tools/vllm-router, make bench)",
+        },
+    ),
     ("--rate", {"type": float, "help": "releases: rejected requests per second (default 2000)"}),
     ("--seconds", {"type": float, "help": "streams, releases: the measured window in seconds"}),
 ]

@@ -8,12 +8,19 @@ precomputed bytes in asyncio Protocols on uvloop, requests parsed by llhttp
 
 * ``--role prefill``: a completion is answered as a prefill leg: JSON with
   ``kv_transfer_params`` naming a fresh request id, for the decode leg (the
-  many-streams workload's router mode, ``bench.streams``);
+  many-streams workload's router mode, ``bench.streams``). Only a prefill
+  leg: ``stream`` false, ``max_tokens`` 1 and ``kv_transfer_params`` with
+  ``do_remote_decode`` (what the sidecar in router mode, vllm-router and the
+  bench's own client send); anything else is refused 400, so a hop that sends
+  P something else shows as errors. ``GET /stats`` counts what came: prefill
+  legs, those with an ``X-Request-Id`` header or ``min_tokens``, refused
+  ones, and other requests (vllm-router's ``/render`` under its default
+  policy);
 * ``--role reject``: a completion is answered 400 the way vLLM's validation
   handler refuses a body, before its handler, so the sidecar releases P's
   blocks (the release-throughput workload, ``bench.releases``).
 
-Both answer ``GET /health`` (200) and ``GET /version``; anything else 404.
+Both answer ``GET /health`` (200), ``GET /version`` and ``GET /stats``; anything else 404.
 Connections are kept alive. ``--port 0`` binds any free port; the first line
 on stdout says which.
 """
@@ -44,6 +51,37 @@ _REJECTION = error_body(
     "Bad Request",
     "body.max_tokens",
 )
+
+
+class _Kv(msgspec.Struct):
+    do_remote_decode: bool = False
+
+
+class PrefillView(msgspec.Struct):
+    """The fields of a prefill leg the fake P checks and counts (the rest is not decoded)."""
+
+    stream: bool = False
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    kv_transfer_params: _Kv | None = None
+
+
+_VIEW = msgspec.json.Decoder(PrefillView)
+#: What ``GET /stats`` counts, in this order.
+COUNTS = ("legs", "with_request_id", "with_min_tokens", "refused", "other")
+
+
+def prefill_refusal(body: bytes) -> str | None:
+    """Why ``body`` is not a prefill leg (None when it is one)."""
+    try:
+        view = _VIEW.decode(body)
+    except msgspec.DecodeError as exc:
+        return f"not a prefill leg: {exc}"
+    if view.stream or view.max_tokens != 1:
+        return f"not a prefill leg: stream {view.stream}, max_tokens {view.max_tokens} (want false, 1)"
+    if view.kv_transfer_params is None or not view.kv_transfer_params.do_remote_decode:
+        return "not a prefill leg: no kv_transfer_params with do_remote_decode true"
+    return None
 
 
 def _response(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -86,6 +124,19 @@ class Server:
         self.role = role
         self.ids = itertools.count()
         self.requests = 0
+        self.counts = dict.fromkeys(COUNTS, 0)
+
+    def prefill(self, body: bytes, request_id: bool) -> bytes:
+        """The answer to a completion on P, counted."""
+        counts = self.counts
+        refusal = prefill_refusal(body)
+        if refusal is not None:
+            counts["refused"] += 1
+            return _response("400 Bad Request", error_body(refusal, 400, "BadRequestError"))
+        counts["legs"] += 1
+        counts["with_request_id"] += request_id
+        counts["with_min_tokens"] += b'"min_tokens"' in body
+        return prefill_answer(f"bench-{next(self.ids)}")
 
 
 _HEALTH = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
@@ -102,6 +153,8 @@ class _Conn(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
+        self._body = b""
+        self._request_id = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -118,8 +171,17 @@ class _Conn(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-request-id":
+            self._request_id = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
     def on_message_complete(self) -> None:
         url, self._url = self._url, b""
+        body, self._body = self._body, b""
+        request_id, self._request_id = self._request_id, False
         server, transport, method = self._server, self._transport, self._parser.get_method()
         if transport is None:
             return
@@ -128,11 +190,14 @@ class _Conn(asyncio.Protocol):
             transport.write(_HEALTH)
         elif method == b"GET" and path == b"/version":
             transport.write(_VERSION)
+        elif method == b"GET" and path == b"/stats":
+            transport.write(_response("200 OK", _ENCODER.encode(server.counts)))
         elif method != b"POST" or path not in _COMPLETIONS:
+            server.counts["other"] += method == b"POST"
             transport.write(_NOT_FOUND)
         elif server.role == "prefill":
             server.requests += 1
-            transport.write(prefill_answer(f"bench-{next(server.ids)}"))
+            transport.write(server.prefill(body, request_id))
         else:
             server.requests += 1
             transport.write(_response("400 Bad Request", _REJECTION))

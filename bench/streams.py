@@ -13,7 +13,10 @@ a ramp; the streams started after it are measured. Two modes:
   --role prefill``) and the stream on D with P's parameters. Direct, the
   relay and nginx carry the client's two legs (the client runs them); the
   sidecar in router mode (``--prefill``) gets one request and runs both.
-  Time to first token counts from the prefill leg.
+  Time to first token counts from the prefill leg. Named in ``--paths``,
+  vLLM's own P/D router (``vllm-router``, ``bench.vllm_router``) is a hop
+  of this mode too, pinned and on both CPUs, read beside the sidecar
+  (``bench.streams_versus``).
 
 Core layout as in ``python -m bench``: the hops on the second CPU, one
 measured at a time; the load generator and fake D (``bench/streams.c``, in C:
@@ -40,9 +43,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import msgspec
 
-from bench import cstreams, profile
+from bench import cstreams, profile, vllm_router
 from bench.load import request_body
 from bench.measure import peaks
 from bench.noise import Other, busiest, loadavg, process_cpu, snapshot_of, wait_quiet
@@ -70,6 +74,8 @@ from bench.streams_report import (
     render,
     targets,
 )
+from bench.streams_versus import versus
+from sidecar.router.bodies import PREFILL_PARAMS
 
 __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 
@@ -78,7 +84,16 @@ __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 # the sidecar with ``--limit-concurrency`` (``--limit``, sidecar mode).
 # "sidecar-w2" and "nginx-w2" (``--workers 1,2``): the sidecar with ``--workers 2`` and nginx with
 # ``worker_processes 2``, each free to run on both CPUs (the load side's one included).
-PATHS = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2")
+# "vllm-router" and "vllm-router-w2" (router mode, only when named in ``--paths``): vLLM's own P/D
+# router (``bench.vllm_router``) pinned to the hop's CPU, and free on both CPUs with its default
+# threads (one per CPU it may use).
+PATHS = (
+    "direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2",
+    "vllm-router", "vllm-router-w2",
+)  # fmt: skip
+VLLM_ROUTER_PATHS = ("vllm-router", "vllm-router-w2")
+# Where one request goes and the hop runs both legs (router mode).
+ONE_REQUEST = ("sidecar", "sidecar-w2", "baseline", *VLLM_ROUTER_PATHS)
 
 
 class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,7 +106,8 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     recovery_clients: int = 300
     recovery_seconds: float = 4.0
     modes: tuple[Mode, ...] = ("sidecar", "router")
-    paths: tuple[str, ...] = PATHS  # which of them to measure (direct always)
+    # Which of them to measure (direct always; vllm-router's only when named).
+    paths: tuple[str, ...] = tuple(p for p in PATHS if p not in VLLM_ROUTER_PATHS)
     ready_timeout: float = 30.0
     # Another checkout of the project (a directory): its sidecar is measured too, as "baseline".
     baseline: str = ""
@@ -110,6 +126,8 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     burst_at: float = 1.0
     # The workers axis: 2 adds the sidecar with --workers 2 and nginx with worker_processes 2.
     workers: int = 1
+    # The vllm-router launcher (``--vllm-router``), for the vllm-router paths.
+    vllm_router: str = str(vllm_router.INSTALLED)
 
 
 FULL = StreamsSettings()
@@ -133,6 +151,7 @@ class StreamServers:
     decode: Child
     prefill: Child
     hops: dict[tuple[Mode, str], Hop]
+    prefill_stats: str  # the fake P's counters (``GET /stats``)
 
     def load_children(self) -> tuple[Child, ...]:
         return (self.decode, self.prefill)
@@ -232,7 +251,14 @@ def launched(
         if "nginx-w2" in started:
             hops["sidecar", "nginx-w2"] = Hop(nwd, 0, (started["nginx-w2"],))
             hops["router", "nginx-w2"] = Hop(nwd, nwp, (started["nginx-w2"],))
-        yield StreamServers(started["fake-decode"], started["fake-prefill"], hops), ready
+        for name, cpus in (("vllm-router", plan.sidecar), ("vllm-router-w2", both)):
+            if name in settings.paths and "router" in settings.modes:
+                port = free_port()
+                child = start(name, vllm_router.argv(settings.vllm_router, p_url, d_url, port), cpus)
+                ready[child] = f"http://{HOST}:{port}/health"
+                hops["router", name] = Hop(port, 0, (child,))
+        servers = StreamServers(started["fake-decode"], started["fake-prefill"], hops, p_url + "/stats")
+        yield servers, ready
 
 
 def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
@@ -241,12 +267,15 @@ def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
         return request_body(True, events).replace(b'"bench-request"', b'"@ID@"'), b""
     plain = msgspec.json.decode(request_body(True, events))
     del plain["kv_transfer_params"]
-    if path in ("sidecar", "sidecar-w2", "baseline"):  # the router runs both legs
+    if path in ONE_REQUEST:  # the router runs both legs
         return msgspec.json.encode(plain), b""
     stream = msgspec.json.encode({**plain, "kv_transfer_params": "@PARAMS@"}).replace(
         b'"@PARAMS@"', b"@PARAMS@"
     )
-    prefill = msgspec.json.encode({**plain, "stream": False, "max_tokens": 1})
+    # The prefill leg a router sends (bench.fast_servers refuses anything else)
+    prefill = msgspec.json.encode(
+        {**plain, "stream": False, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
+    )
     return stream, prefill
 
 
@@ -288,7 +317,11 @@ class Measurer:
             out.parent.mkdir(parents=True, exist_ok=True)
             seconds = settings.ramp + settings.seconds
             sampled = (out, await profile.record(hop.children[0].pid, seconds, out, self._plan.load))
+        before = await _counts(self._servers.prefill_stats) if mode == "router" else {}
         main = await self.phase(mode, path, hop, settings.clients, settings.seconds, settings.ramp)
+        if mode == "router":
+            got = await _counts(self._servers.prefill_stats)
+            main.prefill = {name: got[name] - before.get(name, 0) for name in got}
         if sampled is not None:
             await sampled[1].wait()
             main.profile = profile.summary(sampled[0])
@@ -298,8 +331,9 @@ class Measurer:
         main.load.waited_s, main.load.others_before = waited
         burst = await self.burst(mode, path, hop) if settings.burst and mode == "sidecar" else None
         return PathRun(
-            sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile, burst=burst
-        )
+            sample=main.sample, load=main.load, recovery=after.sample, profile=main.profile, burst=burst,
+            prefill=main.prefill,
+        )  # fmt: skip
 
     async def burst(self, mode: Mode, path: str, hop: Hop) -> cstreams.StreamsSample:
         """The accept-burst step: ``clients`` streaming, and ``burst`` new clients connecting at once
@@ -353,6 +387,8 @@ class Measurer:
             load=HopLoad(
                 hop_cores=cpu_hop / wall,
                 hop_us_per_event=cpu_hop / max(1, sample.events_total) * 1e6,
+                # every stream of the phase (ramp and drain included) had events + [DONE]
+                hop_us_per_stream=cpu_hop / max(1.0, sample.events_total / (settings.events + 1)) * 1e6,
                 hop_rss_peak_mb=peak[0] / MB,
                 hop_fds_peak=peak[1],
                 client_cores=sample.client_cpu / wall,
@@ -361,6 +397,13 @@ class Measurer:
                 other_hop_core=other_hop,
             ),
         )
+
+
+async def _counts(url: str) -> dict[str, int]:
+    """The fake P's counters (``bench.fast_servers``)."""
+    timeout = aiohttp.ClientTimeout(total=10.0)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
+        return msgspec.json.decode(await response.read(), type=dict[str, int])
 
 
 def _cpu(children: Sequence[Child]) -> float:
@@ -434,8 +477,9 @@ async def _round(
         return RoundMode(round=round_, mode=mode, order=paths, paths=runs, added={}, targets=[])
     adds = {path: added(direct, run.sample) for path, run in runs.items() if path != "direct"}
     return RoundMode(
-        round=round_, mode=mode, order=paths, paths=runs, added=adds, targets=targets(mode, runs, adds)
-    )
+        round=round_, mode=mode, order=paths, paths=runs, added=adds, targets=targets(mode, runs, adds),
+        versus=versus(runs, measurer.settings.seconds),
+    )  # fmt: skip
 
 
 def settings(args: argparse.Namespace) -> StreamsSettings:
@@ -453,5 +497,6 @@ def settings(args: argparse.Namespace) -> StreamsSettings:
         "quiet_wait": args.quiet_wait,
         "modes": tuple(args.modes.split(",")) if args.modes else None,
         "paths": tuple(args.paths.split(",")) if args.paths else None,
+        "vllm_router": args.vllm_router,
     }
     return msgspec.structs.replace(base, **{k: v for k, v in given.items() if v is not None})

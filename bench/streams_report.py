@@ -9,7 +9,7 @@ and the sidecar's targets are judged per round beside nginx's figures.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 
@@ -17,6 +17,7 @@ from bench import profile
 from bench.cstreams import StreamsSample
 from bench.profile import Profile
 from bench.report import RunReport
+from bench.streams_versus import Versus, versus_lines, workers_burst, workers_lines
 
 Mode = Literal["sidecar", "router"]
 
@@ -26,6 +27,7 @@ class HopLoad(msgspec.Struct, kw_only=True):
 
     hop_cores: float  # the hop's processes (0 on the direct path)
     hop_us_per_event: float  # the hop's CPU per event the clients received (requests included)
+    hop_us_per_stream: float = 0.0  # the same per stream (ramp and drain included)
     hop_rss_peak_mb: float
     hop_fds_peak: int
     client_cores: float  # the C load generator
@@ -44,6 +46,8 @@ class PathRun(msgspec.Struct, kw_only=True):
     recovery: StreamsSample | None = None  # a smaller phase right after, on the same path
     profile: Profile | None = None  # where a sidecar's CPU went (``--profile``)
     burst: StreamsSample | None = None  # the accept-burst step's new clients (sidecar mode)
+    # What the fake P got during the main phase (router mode; ``bench.fast_servers.COUNTS``).
+    prefill: dict[str, int] | None = None
 
 
 class Added(msgspec.Struct, kw_only=True):
@@ -70,6 +74,7 @@ class RoundMode(msgspec.Struct, kw_only=True):
     paths: dict[str, PathRun]
     added: dict[str, Added]  # by hop
     targets: list[Target]
+    versus: list[Versus] = []  # router mode beside vllm-router (``bench.streams_versus``)
 
 
 class Machine(msgspec.Struct, kw_only=True):
@@ -182,7 +187,8 @@ ROWS = [
 
 
 def _table(run: RoundMode) -> list[str]:
-    order = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2")
+    order = ("direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2",
+             "vllm-router", "vllm-router-w2")  # fmt: skip
     paths = [p for p in order if p in run.paths]
     columns = [[p, *_cells(run.paths[p], run.added.get(p))] for p in paths]
     labels = ["path", *ROWS]
@@ -217,6 +223,10 @@ def render(report: StreamsReport) -> str:
             lines.append(f"  target {target.figure} <= {target.limit:g}: sidecar {value}{nginx}  {verdict}")
         lines += _burst_verdict(run)
         lines += _ratios(run)
+        window, events = cast(float, settings["seconds"]), cast(int, settings["events"])
+        lines += versus_lines(run.paths, run.versus, window, events)
+    bursts = [(run.round, w) for run in report.runs if (w := workers_burst(run.paths)) is not None]
+    lines += workers_lines(bursts)
     for run in report.runs:
         for path, entry in run.paths.items():
             if entry.profile is not None:

@@ -100,5 +100,8 @@ def test_what_a_hop_adds_and_the_targets_follow_from_the_figures(report: dict[st
     for run in report["runs"]:
         assert f"round {run['round']}, {run['mode']} mode" in report["stdout"]
     verdicts = sum(len(run["targets"]) for run in report["runs"])
-    verdicts += NGINX * sum(run["mode"] == "sidecar" for run in report["runs"])  # the burst's, beside nginx
+    sidecar_rounds = sum(run["mode"] == "sidecar" for run in report["runs"])
+    verdicts += NGINX * sidecar_rounds  # the burst's, beside nginx
+    verdicts += sidecar_rounds + 1  # the burst at two workers against one, per round and over all
+    assert "two workers no worse than one in every round: " in report["stdout"]
     assert report["stdout"].count("  PASS") + report["stdout"].count("  MISS") == verdicts

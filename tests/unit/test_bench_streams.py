@@ -8,9 +8,10 @@ import msgspec
 import pytest
 
 from bench.cstreams import timeline
+from bench.fast_servers import prefill_refusal
 from bench.noise import busiest, wait_quiet
 from bench.procs import CorePlan
-from bench.streams import bodies
+from bench.streams import VLLM_ROUTER_PATHS, bodies
 
 
 def test_each_mode_and_path_gets_the_request_its_hop_expects() -> None:
@@ -21,7 +22,10 @@ def test_each_mode_and_path_gets_the_request_its_hop_expects() -> None:
     stream, prefill = bodies("router", "nginx", 64)
     assert stream.endswith(b'"kv_transfer_params":@PARAMS@}')  # P's object goes in whole
     leg = msgspec.json.decode(prefill)
-    assert leg["stream"] is False and leg["max_tokens"] == 1 and "kv_transfer_params" not in leg
+    assert leg["stream"] is False and leg["max_tokens"] == 1 and prefill_refusal(prefill) is None
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True  # what a router asks of P
+    for path in VLLM_ROUTER_PATHS:  # one request: vllm-router runs both legs
+        assert bodies("router", path, 64) == (routed, b"")
     filled = msgspec.json.decode(stream.replace(b"@PARAMS@", b'{"remote_request_id": "r"}'))
     assert filled["stream"] is True and filled["kv_transfer_params"] == {"remote_request_id": "r"}
 
