@@ -37,11 +37,11 @@ from sidecar.network.routable import RoutableAllowlist
 from sidecar.proxy.style import AnswerStyle
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Response, Upstream, UpstreamError
+from sidecar.wire import PREFILL_ANSWER_DECODER
 
 log = logging.getLogger("sidecar.router")
 
 MAX_DYNAMIC_PREFILLERS = 64
-_DECODER = msgspec.json.Decoder()
 
 
 class RouterError(SidecarError):
@@ -368,17 +368,16 @@ def _pick(policy: str, urls: list[str]) -> list[str]:
 
 def _prefill_result(url: str, answer: bytes) -> PrefillResult:
     try:
-        payload = _DECODER.decode(answer)
+        payload = PREFILL_ANSWER_DECODER.decode(answer)
+    except msgspec.ValidationError as exc:  # valid JSON, but not an object
+        raise RouterError(502, f"prefill server {url} answered a non-object") from exc
     except msgspec.DecodeError as exc:
         raise RouterError(502, f"prefill server {url} answered invalid JSON") from exc
-    if not isinstance(payload, dict):
-        raise RouterError(502, f"prefill server {url} answered a non-object")
-    params = payload.get("kv_transfer_params")
-    return PrefillResult(url, params if isinstance(params, dict) else None, _cached_tokens(payload))
+    params = payload.kv_transfer_params
+    return PrefillResult(url, params if isinstance(params, dict) else None, _cached_tokens(payload.usage))
 
 
-def _cached_tokens(payload: dict[str, Any]) -> int:
-    usage = payload.get("usage")
+def _cached_tokens(usage: Any) -> int:
     if not isinstance(usage, dict):
         return 0
     for key in ("prompt_tokens_details", "input_tokens_details"):
