@@ -105,6 +105,15 @@ class AnthropicErrorResponse(msgspec.Struct, tag_field="type", tag="error"):
     error: AnthropicError
 
 
+class PrefillAnswerView(msgspec.Struct):
+    """What router mode reads of P's answer to the prefill leg (any route, any vLLM release): its
+    ``kv_transfer_params`` and ``usage``, as they come (checked by the reader); the rest of the
+    answer is skipped, never turned into Python objects."""
+
+    kv_transfer_params: Any = None
+    usage: Any = None
+
+
 _TRUE_TEXT = frozenset({"1", "t", "y", "on", "yes", "true"})
 _FALSE_TEXT = frozenset({"0", "f", "n", "no", "off", "false"})
 
@@ -129,6 +138,7 @@ def lax_bool(value: Any) -> bool | None:
 VIEW_DECODER = msgspec.json.Decoder(RequestView)
 PARAMS_VIEW_DECODER = msgspec.json.Decoder(ParamsView)
 ERROR_DECODER = msgspec.json.Decoder(ErrorResponse)
+PREFILL_ANSWER_DECODER = msgspec.json.Decoder(PrefillAnswerView)
 ANTHROPIC_ERROR_DECODER = msgspec.json.Decoder(AnthropicErrorResponse)
 ENCODER = msgspec.json.Encoder()
 

@@ -43,7 +43,7 @@ class Policy:
     def decode_answered(self, metrics: Metrics, status: int, elapsed: float) -> None:
         """The decode leg's answer (router mode counts its legs)."""
         if self.leg is not None:
-            metrics.leg_latency.labels(self.leg).observe(elapsed)
+            metrics.leg_latency_for(self.leg).observe(elapsed)
             if status >= 400:
                 metrics.leg_failures.labels(self.leg, f"status_{status // 100}xx").inc()
 

@@ -174,9 +174,10 @@ class Metrics:
             registry=r,
         )
         # The children the request path updates (route, status class; route; outcome, cause;
-        # cause), resolved once.
+        # cause; leg), resolved once.
         self.request_counter = Children(self.requests)
         self.latency_for = Children(self.upstream_latency)
+        self.leg_latency_for = Children(self.leg_latency)
         self.not_released_for = Children(self.not_released)
         self.rejections_for = Children(self.rejections)
 

@@ -14,7 +14,7 @@ imports router mode.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from sidecar.classify import Event, NoAnswer
 from sidecar.config import Config
@@ -107,13 +107,14 @@ class Admission:
     def prefilled(
         self,
         ctx: RequestContext,
-        params: dict[str, Any] | None,
+        raw: bytes | None,
         rewriter: UsageRewriter | None,
         policy: Policy,
         answered: float | None,
     ) -> Exchange:
-        """Router mode: the decode leg's exchange, with P's own parameters (``Inspector.prefilled``)."""
-        return self._parts.inspector.prefilled(ctx, params, rewriter, policy, answered)
+        """Router mode: the decode leg's exchange, with P's own parameters as JSON (``raw``,
+        ``Inspector.prefilled``)."""
+        return self._parts.inspector.prefilled(ctx, raw, rewriter, policy, answered)
 
     def abandoned(self, exchange: Exchange) -> None:
         """The client left before the request went to D: released, counted as gone."""

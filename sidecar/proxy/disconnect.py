@@ -6,6 +6,9 @@ cancels the request's task when the client disconnects. Under the sidecar's
 own server it registers with the connection's ``DisconnectHub`` (no task per
 request); elsewhere, and for a passthrough request whose body it streams to D
 (``body()``), a task listens on ``receive`` (once the body is complete).
+A watcher made ``deferred`` only notes the client leaving (``fired``) until
+``arm()``: router mode's prefill leg runs to P's answer in the request's own
+task, then releases what P kept if the client left meanwhile.
 ``client_gone`` says what the client's leaving means for P's blocks.
 """
 
@@ -23,13 +26,19 @@ from sidecar.proxy.context import Exchange
 class DisconnectWatcher:
     """Cancels the current task when the client disconnects (see the module docstring)."""
 
-    __slots__ = ("_body_done", "_hub", "_owner", "_receive", "_task", "body_pending", "fired")
+    __slots__ = ("_body_done", "_deferred", "_hub", "_owner", "_receive", "_task", "body_pending", "fired")
 
     def __init__(
-        self, receive: Receive, body_pending: bool = False, hub: DisconnectHub | None = None
+        self,
+        receive: Receive,
+        body_pending: bool = False,
+        hub: DisconnectHub | None = None,
+        *,
+        deferred: bool = False,
     ) -> None:
         self._receive = receive
         self._owner = asyncio.current_task()
+        self._deferred = deferred  # until ``arm()``: the client's leaving is noted, not acted on
         self.body_pending = body_pending
         self.fired = False
         self._task: asyncio.Task[None] | None = None
@@ -78,6 +87,13 @@ class DisconnectWatcher:
     def _fire(self) -> None:
         if not self.fired and self._owner is not None:
             self.fired = True
+            if not self._deferred:
+                self._owner.cancel()
+
+    def arm(self) -> None:
+        """From now on the client's leaving cancels the task; at once if it already left."""
+        deferred, self._deferred = self._deferred, False
+        if deferred and self.fired and self._owner is not None:
             self._owner.cancel()
 
     def stop(self) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import msgspec
 
@@ -76,15 +75,15 @@ class Inspector:
     def prefilled(
         self,
         ctx: RequestContext,
-        params: dict[str, Any] | None,
+        raw: bytes | None,
         rewriter: UsageRewriter | None,
         policy: Policy,
         prefilled_at: float | None = None,
     ) -> Exchange:
-        """Router mode: P's own parameters (never the client's), for the decode leg; ``prefilled_at``
-        is when P answered (the judge skips a release P's lease has made pointless)."""
+        """Router mode: P's own parameters (never the client's) as the JSON the decode leg carries,
+        or None; ``prefilled_at`` is when P answered (the judge skips a release P's lease has made
+        pointless)."""
         assert ctx.route is not None
-        raw = msgspec.json.encode(params) if params else None
         found = params_mod.check(raw).params if raw else None
         return Exchange(
             ctx.request_id,

@@ -46,6 +46,8 @@ class UsageRewriter:
 
     def feed(self, chunk: bytes) -> bytes:
         """Complete SSE events of ``chunk`` (corrected); a trailing partial event is held back."""
+        if not self._pending and chunk.endswith(b"\n\n") and b"cached_tokens" not in chunk:
+            return chunk  # whole events with nothing to correct: nearly every part of a stream
         data = self._pending + chunk
         end = data.rfind(b"\n\n")
         if end < 0:

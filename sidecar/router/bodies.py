@@ -101,6 +101,16 @@ def decode_body(request: dict[str, Any], params: dict[str, Any] | None) -> bytes
     return _ENCODER.encode(body)
 
 
+def with_params(request: dict[str, Any], raw: bytes) -> bytes:
+    """``decode_body(request, params)`` from the parameters' JSON ``raw``, the same bytes: the
+    router encodes P's parameters once (they are also checked and signed) and they go last."""
+    if "kv_transfer_params" in request:  # not on the router's path, which drops the client's
+        return decode_body(request, _DECODER.decode(raw))
+    head = _ENCODER.encode(request)
+    member = b'"kv_transfer_params":' + raw + b"}"
+    return head[:-1] + (b"," + member if len(head) > 2 else member)
+
+
 def prefill_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Client headers for P: the same, minus the length (the body changes) and the routing header."""
     return [(n, v) for n, v in headers if n not in ("content-length", "x-prefiller-host-port")]

@@ -26,15 +26,16 @@ from sidecar.params import Ineligible
 from sidecar.proxy.admit import Admission
 from sidecar.proxy.answers import send_error, send_raw
 from sidecar.proxy.context import RequestContext
-from sidecar.proxy.disconnect import DisconnectWatcher, uncancel
+from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.proxy.usage import UsageRewriter
-from sidecar.router.bodies import decode_body, prefill_body, prefill_headers, sized
+from sidecar.router.bodies import decode_body, prefill_body, sized, with_params
 from sidecar.router.pool import AnswerTooLarge, PrefillPool, PrefillResult, RouterError
 from sidecar.upstream import UpstreamError
 from sidecar.wire import lax_bool
 
 log = logging.getLogger("sidecar.router")
 
+_ENCODER = msgspec.json.Encoder()
 RETRIED = frozenset({502, 503, 504})  # P's answers a prefill leg is retried on, as llm-d retries
 
 
@@ -85,7 +86,7 @@ class Router:
                 proxy.metrics.prefill_refused.labels(exc.refused).inc()
             await proxy.answers.prefill_refused(ctx.send, exc.status, str(exc), ctx.request_id, exc.param)
             return
-        watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB))
+        watcher = DisconnectWatcher(ctx.receive, hub=ctx.scope.get(DISCONNECT_HUB), deferred=True)
         try:
             prefilled = await self._prefill_leg(ctx, candidates, request, watcher)
         except asyncio.CancelledError:
@@ -109,10 +110,12 @@ class Router:
     ) -> None:
         proxy = self._proxy
         rewriter = UsageRewriter(prefilled.cached_tokens, lax_bool(request.get("stream")) is True)
-        exchange = proxy.prefilled(ctx, prefilled.params, rewriter, self.policy, prefilled.answered)
-        decode = decode_body(request, prefilled.params)
-        raw = msgspec.json.encode(prefilled.params) if prefilled.params else None
-        signed = proxy.sign(ctx.request_id, raw) if raw else []
+        params = prefilled.params
+        raw = _ENCODER.encode(params) if params is not None else None  # once: sent, checked, signed
+        kept = raw if params else None  # an empty object names nothing: neither checked nor signed
+        exchange = proxy.prefilled(ctx, kept, rewriter, self.policy, prefilled.answered)
+        decode = decode_body(request, None) if raw is None else with_params(request, raw)
+        signed = proxy.sign(ctx.request_id, kept) if kept else []
         await proxy.admit(ctx, exchange, sized(ctx.headers, decode) + signed, decode, watcher)
 
     async def _prefill_leg(
@@ -122,27 +125,26 @@ class Router:
         request: dict[str, Any],
         watcher: DisconnectWatcher,
     ) -> PrefillResult | None:
-        """Try one P, then one other; None when the client left (P's blocks are released)."""
-        task = asyncio.ensure_future(self._try_prefill(ctx, candidates, request))
+        """Try one P, then one other; None when the client left meanwhile (P's blocks are released).
+
+        The leg runs in the request's own task (no task of its own per request) under a deferred
+        watcher: a client that leaves does not cut it, P still answers (bounded by
+        ``prefill_timeout``) and what it kept is released; a cancellation from outside
+        (shutdown) cuts it."""
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
+            result = await self._try_prefill(ctx, candidates, request)
+        except Exception as exc:
             if not watcher.fired:
-                task.cancel()
                 raise
-            uncancel()
-        # The client went away: P still answers (bounded by prefill_timeout); release what it kept.
-        await asyncio.wait({task})
-        if task.cancelled():
+            if isinstance(exc, AnswerTooLarge):
+                self._release_unsent(ctx, exc)
             return None
-        failed = task.exception()
-        if isinstance(failed, AnswerTooLarge):
-            self._release_unsent(ctx, failed)
-        if failed is not None:
+        if watcher.fired:  # the client went away: release what P kept for it
+            proxy = self._proxy
+            proxy.abandoned(proxy.prefilled(ctx, _raw(result.params), None, self.policy, result.answered))
             return None
-        result = task.result()
-        self._proxy.abandoned(self._proxy.prefilled(ctx, result.params, None, self.policy, result.answered))
-        return None
+        watcher.arm()
+        return result
 
     def _release_unsent(self, ctx: RequestContext, exc: AnswerTooLarge) -> None:
         """P's answer was over ``prefill_answer_limit``: no decode leg is sent for it, so D never
@@ -150,7 +152,7 @@ class Router:
         if exc.params is None:
             self._proxy.metrics.ineligible.labels(Ineligible.PREFILL_ANSWER_UNREAD).inc()
             return
-        self._proxy.unsent(self._proxy.prefilled(ctx, exc.params, None, self.policy, exc.answered))
+        self._proxy.unsent(self._proxy.prefilled(ctx, _raw(exc.params), None, self.policy, exc.answered))
 
     async def _try_prefill(
         self, ctx: RequestContext, candidates: list[str], request: dict[str, Any]
@@ -159,7 +161,7 @@ class Router:
         assert ctx.route is not None
         route = ctx.route
         body = prefill_body(request, route)
-        p_headers = sized(prefill_headers(ctx.headers), body)
+        p_headers = sized(ctx.headers, body)  # as prefill_headers(), with the new length
         llmd = self._proxy.answers.one_prefill
         last: Exception | None = None
         for url in candidates[: 1 if llmd else 2]:  # a failing P leg is tried once on another P
@@ -198,7 +200,7 @@ class Router:
                 if attempt == retries:
                     raise
             else:
-                proxy.metrics.leg_latency.labels("prefill").observe(time.monotonic() - started)
+                proxy.metrics.leg_latency_for("prefill").observe(time.monotonic() - started)
                 return result
             await asyncio.sleep(proxy.config.prefill_retry_backoff)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
@@ -240,3 +242,8 @@ class Router:
         """D prefills itself: the request goes to D without kv_transfer_params."""
         body = decode_body(request, None)
         await self._proxy.alone(ctx, lax_bool(request.get("stream")) is True, sized(ctx.headers, body), body)
+
+
+def _raw(params: dict[str, Any] | None) -> bytes | None:
+    """P's parameters as JSON, for the judge (None when they name nothing)."""
+    return _ENCODER.encode(params) if params else None

@@ -37,11 +37,11 @@ from sidecar.network.routable import RoutableAllowlist
 from sidecar.proxy.style import AnswerStyle
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Response, Upstream, UpstreamError
+from sidecar.wire import PREFILL_ANSWER_DECODER
 
 log = logging.getLogger("sidecar.router")
 
 MAX_DYNAMIC_PREFILLERS = 64
-_DECODER = msgspec.json.Decoder()
 
 
 class RouterError(SidecarError):
@@ -155,7 +155,11 @@ class PrefillPool:
         self._unhealthy_until: dict[str, float] = {}
         self._clients: OrderedDict[str, Client] = OrderedDict()
         self._connect = connect or self._upstream  # a fake per P in unit tests
-        self._tls: ssl.SSLContext | None = None  # every P's, made with the first P's client
+        # Every https P's. Building it reads the whole trust store (the system's, tls_ca_file,
+        # SSL_CERT_FILE, each SSL_CERT_DIR file): at start, never for a plain-http P, whose first
+        # prefill leg would otherwise hold the event loop and every stream arriving meanwhile.
+        https = config.prefill_tls or any(url.startswith("https:") for url in self.static)
+        self._tls: ssl.SSLContext | None = self._outbound() if https else None
         self._rotation = itertools.count()
 
     @classmethod
@@ -238,19 +242,23 @@ class PrefillPool:
         self._unhealthy_until[url] = self._clock() + self.config.prefill_backoff
 
     def _upstream(self, url: str) -> Client:
-        return Upstream(
+        upstream = Upstream(
             url,
             connect_timeout=self.config.connect_timeout,
             pool_timeout=self.config.pool_timeout,
             header_timeout=self.config.prefill_timeout,
             read_timeout=self.config.read_timeout,
             pool_size=self.config.pool_size,
-        ).use_tls(self._tls_context())
+        )
+        return upstream.use_tls(self._tls_context()) if url.startswith("https:") else upstream
+
+    def _outbound(self) -> ssl.SSLContext:
+        return outbound(self.config, self.config.prefill_tls_insecure)
 
     def _tls_context(self) -> ssl.SSLContext:
         # Once: it reads the trusted files and folders, as Go reads them once per process.
         if self._tls is None:
-            self._tls = outbound(self.config, self.config.prefill_tls_insecure)
+            self._tls = self._outbound()
         return self._tls
 
     async def client(self, url: str) -> Client:
@@ -368,17 +376,16 @@ def _pick(policy: str, urls: list[str]) -> list[str]:
 
 def _prefill_result(url: str, answer: bytes) -> PrefillResult:
     try:
-        payload = _DECODER.decode(answer)
+        payload = PREFILL_ANSWER_DECODER.decode(answer)
+    except msgspec.ValidationError as exc:  # valid JSON, but not an object
+        raise RouterError(502, f"prefill server {url} answered a non-object") from exc
     except msgspec.DecodeError as exc:
         raise RouterError(502, f"prefill server {url} answered invalid JSON") from exc
-    if not isinstance(payload, dict):
-        raise RouterError(502, f"prefill server {url} answered a non-object")
-    params = payload.get("kv_transfer_params")
-    return PrefillResult(url, params if isinstance(params, dict) else None, _cached_tokens(payload))
+    params = payload.kv_transfer_params
+    return PrefillResult(url, params if isinstance(params, dict) else None, _cached_tokens(payload.usage))
 
 
-def _cached_tokens(payload: dict[str, Any]) -> int:
-    usage = payload.get("usage")
+def _cached_tokens(usage: Any) -> int:
     if not isinstance(usage, dict):
         return 0
     for key in ("prompt_tokens_details", "input_tokens_details"):

@@ -114,13 +114,14 @@ class ClientRelay:
         """The parts of one read from D, one chunk each, in one write (nothing once the client
         left). An empty part would end the body: a part the filter holds back is left out."""
         feed = self._feed
+        if len(parts) == 1:  # one event a read, as a stream's events come: no list made
+            part = parts[0] if feed is None else feed.feed(parts[0])
+            if part and not self._response.gone():
+                self._transport.write(b"%x\r\n%b\r\n" % (len(part), part))
+            return
         if feed is not None:
             parts = [part for part in map(feed.feed, parts) if part]
-        if not parts or self._response.gone():
-            return
-        if len(parts) == 1:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(parts[0]), parts[0]))
-        else:
+        if parts and not self._response.gone():
             self._transport.write(b"".join([b"%x\r\n%b\r\n" % (len(part), part) for part in parts]))
 
     def close(self) -> None:

@@ -282,3 +282,32 @@ async def test_a_stopped_watcher_is_no_longer_told() -> None:
 async def _never() -> dict[str, Any]:
     await asyncio.Event().wait()
     return {}
+
+
+async def test_a_deferred_watcher_notes_the_client_leaving_and_cancels_once_armed() -> None:
+    hub = DisconnectHub()
+    watcher = DisconnectWatcher(_never, hub=hub, deferred=True)
+    hub.lost()
+    await asyncio.sleep(0)  # no cancellation while deferred
+    assert watcher.fired
+    watcher.arm()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(1)
+    owner = asyncio.current_task()
+    assert owner is not None
+    owner.uncancel()
+    watcher.stop()
+
+
+async def test_an_armed_deferred_watcher_cancels_when_the_client_leaves() -> None:
+    hub = DisconnectHub()
+    watcher = DisconnectWatcher(_never, hub=hub, deferred=True)
+    watcher.arm()
+    hub.lost()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(1)
+    owner = asyncio.current_task()
+    assert owner is not None
+    owner.uncancel()
+    assert watcher.fired
+    watcher.stop()

@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from sidecar.router import PREFILL_PARAMS, decode_body, prefill_body
+from sidecar.router import PREFILL_PARAMS, decode_body, prefill_body, prefill_headers, sized
+from sidecar.router.bodies import with_params
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]]}
@@ -91,3 +92,25 @@ def test_prefill_leg_caps_every_budget_field_of_its_route(
 def test_decode_leg_without_parameters_drops_the_clients() -> None:
     body = {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}
     assert msgspec.json.decode(decode_body(body, None)) == {"prompt": "x"}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"prompt": "x"},
+        {"messages": MESSAGES, "stream": True, "n": 1, "extra": {"nested": [1, "é", None]}},
+        {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": False}},  # kept in its place
+    ],
+)
+@pytest.mark.parametrize("params", [PARAMS, {}])
+def test_the_decode_body_from_the_parameters_json_is_byte_for_byte_the_same(
+    body: dict[str, Any], params: dict[str, Any]
+) -> None:
+    assert with_params(body, msgspec.json.encode(params)) == decode_body(body, params)
+
+
+def test_a_rewritten_bodys_headers_drop_the_routing_header_and_the_clients_length() -> None:
+    client = [("content-length", "5"), ("x-prefiller-host-port", "p:1"), ("x-a", "1")]
+    assert sized(client, b"123") == [("x-a", "1"), ("content-length", "3")]
+    assert sized(prefill_headers(client), b"123") == sized(client, b"123")

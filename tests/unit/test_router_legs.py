@@ -233,3 +233,63 @@ async def test_an_answer_many_times_the_tail_is_read_to_its_parameters() -> None
         client = await r.call(Client(body=completion()))
         assert client.status == 502
         assert [job.params.remote_request_id for job in r.releaser.jobs] == ["cmpl-r1-0-abcd1234"]
+
+
+async def test_a_client_gone_while_p_computes_waits_for_p_then_frees_its_blocks() -> None:
+    async def slow(request: FakeRequest) -> FakeResponse:
+        await asyncio.sleep(0.05)  # the client has left by then
+        return prefilled(request)
+
+    async with router(FakeUpstream(ok), p1=slow, p2=slow) as r:
+        client = await r.call(Client(body=completion(), disconnect_after_body=True))
+        assert r.d.requests == [] and client.sent == []
+        assert [job.cause for job in r.releaser.jobs] == ["client_gone_before_forward"]
+        assert len(r.ps[P1].requests + r.ps[P2].requests) == 1  # P answered once, not retried
+
+
+async def test_the_prefill_leg_runs_in_the_requests_own_task() -> None:
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    def seen(request: FakeRequest) -> FakeResponse:
+        tasks.append(asyncio.current_task())
+        return prefilled(request)
+
+    async with router(FakeUpstream(ok), p1=seen, p2=seen) as r:
+        client = Client(body=completion(stream=False))
+        call = asyncio.create_task(r.call(client))
+        await call
+        assert client.status == 200 and tasks == [call]
+
+
+async def test_a_cancellation_from_outside_cuts_the_prefill_leg_and_releases_nothing() -> None:
+    entered, cut = asyncio.Event(), asyncio.Event()
+
+    async def hangs(request: FakeRequest) -> FakeResponse:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cut.set()
+            raise
+        raise AssertionError("unreachable")
+
+    async with router(FakeUpstream(ok), p1=hangs, p2=hangs) as r:
+        client = Client(body=completion())
+        call = asyncio.create_task(r.proxy(client.scope(), client.receive, client.send))
+        await entered.wait()
+        call.cancel()  # shutdown past drain_timeout
+        await asyncio.gather(call, return_exceptions=True)
+        assert cut.is_set() and client.status == 503  # answered as shutting down
+        assert r.d.requests == [] and r.releaser.jobs == []
+
+
+async def test_each_leg_gets_the_clients_headers_with_its_own_body_length() -> None:
+    async with router(FakeUpstream(ok)) as r:
+        headers = [(b"x-request-id", b"r1"), (b"x-tenant", b"t1")]
+        client = await r.call(Client(body=completion(stream=False), headers=headers))
+        assert client.status == 200
+        [prefill] = r.ps[P1].requests + r.ps[P2].requests
+        [decode] = r.d.requests
+        for leg in (prefill, decode):
+            assert leg.header("x-tenant") == "t1" and leg.header("x-request-id") == "r1"
+            assert [v for n, v in leg.headers if n == "content-length"] == [str(len(leg.body or b""))]
