@@ -44,8 +44,11 @@ def test_every_path_completed_streams_and_p_got_one_prefill_leg_per_stream(repor
     events = report["settings"]["events"] + 1  # and [DONE]
     for path, entry in run["paths"].items():
         sample, got = entry["sample"], entry["prefill"]
-        assert sample["streams"] > 0 and sample["errors"] == 0, (path, sample["first_errors"])
+        assert sample["errors"] == 0, (path, sample["first_errors"])
         streams = sample["events_total"] / events  # every stream of the phase, ramp and drain included
+        # Streams completed over the whole phase: the 1 s sample window alone can hold none on a
+        # loaded machine when a hop's first streams wait, which is speed, not what this run checks.
+        assert streams >= 1, path
         # a leg per stream; one the client had not finished reading when the phase ended may count
         assert streams <= got["legs"] <= streams + report["settings"]["clients"], path
         assert got["refused"] == 0 and got["other"] == 0  # round_robin: no /render requests
