@@ -99,9 +99,9 @@ def test_a_whole_json_answer_is_what_d_sent_and_the_connection_serves_the_next(a
     with serve(d_app()) as d, run_sidecar(d.url) as sc:
         host, port = sc.url.removeprefix("http://").split(":")
         direct_host, direct_port = d.url.removeprefix("http://").split(":")
-        with socket.create_connection((direct_host, int(direct_port))) as direct:
+        with socket.create_connection((direct_host, int(direct_port)), timeout=30) as direct:
             _, d_headers, d_body = post(direct, request("r0"))
-        with socket.create_connection((host, int(port))) as sock:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
             for rid in ("r1", "r2", "r3"):  # one keep-alive connection
                 status, headers, body = post(sock, request(rid))
                 assert status == b"HTTP/1.1 200 OK\r\n" and body == d_body and json.loads(body) == ANSWER
@@ -119,7 +119,7 @@ def test_a_whole_json_answer_is_what_d_sent_and_the_connection_serves_the_next(a
 def test_a_chunked_json_answer_and_a_refusal_take_the_server_path(answered: list[bool]) -> None:
     with serve(d_app()) as d, run_sidecar(d.url) as sc:
         host, port = sc.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as sock:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
             status, headers, body = post(sock, request("c1", kind="chunked"))
             assert status == b"HTTP/1.1 200 OK\r\n" and json.loads(body) == ANSWER
             assert headers[b"transfer-encoding"] == b"chunked"
