@@ -20,6 +20,8 @@ from typing import Any
 import msgspec
 
 from sidecar.classify import NoAnswer
+from sidecar.server.limits import ServerLimits
+from sidecar.server.protocol import GuardedProtocol, guarded_protocol
 from sidecar.upstream import Sent, UpstreamError
 
 
@@ -261,3 +263,21 @@ class FakeTransport:
 
     def resume_reading(self) -> None:
         self.reading = True
+
+
+def guarded_connection(
+    app: Any, limits: ServerLimits | None = None, state: Any = None
+) -> tuple[GuardedProtocol, FakeTransport]:
+    """One client connection to the sidecar's server protocol (``GuardedProtocol`` under
+    ``limits``) answered by the ASGI ``app``, on a ``FakeTransport``; uvicorn's ``ServerState``
+    is ``state``, or a new one."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
+    loop = asyncio.get_running_loop()
+    protocol = guarded_protocol(limits or ServerLimits())(config, state or ServerState(), {}, loop)
+    transport = FakeTransport()
+    transport.protocol = protocol
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    return protocol, transport

@@ -51,16 +51,23 @@ class Running:
                 await asyncio.sleep(0.02)
 
 
-@pytest.fixture
-async def running() -> AsyncIterator[Running]:
+def _cluster() -> tuple[FakeKube, ServerThread, AsyncClient, Config]:
+    """A fake API server (started) holding the pool and one pod, a client of it, and the config
+    that names the pool."""
     fake = FakeKube(TOKEN)
     fake.put("inferencepools", inference_pool("pool", OLD, [PORT]))
     fake.put("pods", pod("p-0", "10.0.0.1", OLD))
     server = ServerThread(fake.app()).start()
     kube = KubeConfig.from_one(cluster=Cluster(server=server.url), user=User(token=TOKEN), namespace="llm")
     config = Config(inference_pool="llm/pool", pool_side_channel_ports="5600-5663")
+    return fake, server, AsyncClient(config=kube, trust_env=False), config
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    fake, server, client, config = _cluster()
     prefill, release = LiveAllowlist(()), LiveAllowlist(())
-    watch = Watch(AsyncClient(config=kube, trust_env=False), config, prefill, release)
+    watch = Watch(client, config, prefill, release)
     try:
         await watch.start(5.0)
         assert watch.synced
@@ -164,15 +171,10 @@ async def test_a_publishing_watch_is_followed_and_a_failing_one_keeps_the_lists_
     """The supervisor's watch writes its lists to a file (``sidecar.k8s.shared``); a worker's
     follower enforces them. While the API refuses the watch (401), the file and the follower keep
     the lists last seen, as one process's watch does; once it answers again, changes flow."""
-    fake = FakeKube(TOKEN)
-    fake.put("inferencepools", inference_pool("pool", OLD, [PORT]))
-    fake.put("pods", pod("p-0", "10.0.0.1", OLD))
-    server = ServerThread(fake.app()).start()
-    kube = KubeConfig.from_one(cluster=Cluster(server=server.url), user=User(token=TOKEN), namespace="llm")
-    config = Config(inference_pool="llm/pool", pool_side_channel_ports="5600-5663")
+    fake, server, client, config = _cluster()
     publisher = Publisher(tmp_path / FILE)
     watch = Watch(
-        AsyncClient(config=kube, trust_env=False),
+        client,
         config,
         LiveAllowlist(()),
         LiveAllowlist(()),

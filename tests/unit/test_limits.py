@@ -18,7 +18,7 @@ from uvicorn.server import ServerState
 from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.server.protocol import GuardedProtocol, ServerLimits, guarded_protocol
-from tests.fakes import CountingLoop, FakeTransport
+from tests.fakes import CountingLoop, FakeTransport, guarded_connection
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
 
@@ -28,12 +28,7 @@ async def _holding_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def _connect(limits: ServerLimits, app: Any = _holding_app) -> tuple[GuardedProtocol, FakeTransport]:
-    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
-    protocol = guarded_protocol(limits)(config, ServerState(), {}, asyncio.get_running_loop())
-    transport = FakeTransport()
-    transport.protocol = protocol
-    protocol.connection_made(transport)  # type: ignore[arg-type]
-    return protocol, transport
+    return guarded_connection(app, limits)
 
 
 async def test_a_body_timer_due_as_reading_resumes_does_not_blame_the_client() -> None:
@@ -279,6 +274,15 @@ async def test_a_stopped_watcher_is_no_longer_told() -> None:
     assert not watcher.fired
 
 
+async def _cancelled() -> None:
+    """This task is cancelled at its next wait (taken back once seen)."""
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(1)
+    owner = asyncio.current_task()
+    assert owner is not None
+    owner.uncancel()
+
+
 async def _never() -> dict[str, Any]:
     await asyncio.Event().wait()
     return {}
@@ -291,11 +295,7 @@ async def test_a_deferred_watcher_notes_the_client_leaving_and_cancels_once_arme
     await asyncio.sleep(0)  # no cancellation while deferred
     assert watcher.fired
     watcher.arm()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.sleep(1)
-    owner = asyncio.current_task()
-    assert owner is not None
-    owner.uncancel()
+    await _cancelled()
     watcher.stop()
 
 
@@ -304,10 +304,6 @@ async def test_an_armed_deferred_watcher_cancels_when_the_client_leaves() -> Non
     watcher = DisconnectWatcher(_never, hub=hub, deferred=True)
     watcher.arm()
     hub.lost()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.sleep(1)
-    owner = asyncio.current_task()
-    assert owner is not None
-    owner.uncancel()
+    await _cancelled()
     assert watcher.fired
     watcher.stop()

@@ -15,13 +15,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvicorn
 from uvicorn.server import ServerState
 
-from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import guarded_protocol
 from sidecar.transport.relay import RELAY
-from tests.fakes import FakeTransport
+from tests.fakes import FakeTransport, guarded_connection
 
 BODY = b'{"id":"cmpl-1","choices":[]}'
 HEAD = [
@@ -44,12 +41,8 @@ App = Callable[[Any, Any, Any], Awaitable[None]]
 async def served(app: App, *requests: bytes) -> tuple[FakeTransport, Any, ServerState]:
     """``requests`` through the sidecar's server protocol answered by ``app``; its transport,
     protocol and server state once every request's task ended."""
-    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
     state = ServerState()
-    protocol = guarded_protocol(ServerLimits())(config, state, {}, asyncio.get_running_loop())
-    transport = FakeTransport()
-    transport.protocol = protocol
-    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol, transport = guarded_connection(app, state=state)
     for data in requests:
         protocol.data_received(data)
         await asyncio.gather(*protocol.tasks)
@@ -134,11 +127,7 @@ async def test_what_it_cannot_frame_is_left_to_the_server_and_nothing_is_written
         ok = scope[RELAY].answer(200, list(head), BODY)
         outcomes.append((ok, len(transport.writes) - before, protocol.cycle.response_started))
 
-    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
-    protocol = guarded_protocol(ServerLimits())(config, ServerState(), {}, asyncio.get_running_loop())
-    transport = FakeTransport()
-    transport.protocol = protocol
-    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol, transport = guarded_connection(app)
     protocol.data_received(request(method))
     await asyncio.gather(*protocol.tasks)
     assert outcomes == [(False, 0, False)]  # refused, nothing written, the response not begun
@@ -163,11 +152,7 @@ async def test_a_response_already_started_or_a_client_gone_is_refused() -> None:
         protocol.connection_lost(None)  # the client left while D answered
         outcomes.append(scope[RELAY].answer(200, list(HEAD), BODY))
 
-    config = uvicorn.Config(app=gone, lifespan="off", log_level="critical")
-    protocol = guarded_protocol(ServerLimits())(config, ServerState(), {}, asyncio.get_running_loop())
-    transport = FakeTransport()
-    transport.protocol = protocol
-    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol, transport = guarded_connection(gone)
     protocol.data_received(request())
     await asyncio.gather(*protocol.tasks)
     assert outcomes == [False, False] and BODY not in bytes(transport.written)
@@ -186,11 +171,7 @@ async def test_a_client_that_reads_nothing_gets_the_answer_through_the_server() 
         await send({"type": "http.response.start", "status": 200, "headers": list(HEAD)})
         await send({"type": "http.response.body", "body": BODY})
 
-    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
-    protocol = guarded_protocol(ServerLimits())(config, ServerState(), {}, asyncio.get_running_loop())
-    transport = FakeTransport()
-    transport.protocol = protocol
-    protocol.connection_made(transport)  # type: ignore[arg-type]
+    protocol, transport = guarded_connection(app)
     protocol.data_received(request())
     await asyncio.gather(*protocol.tasks)
     assert outcomes == [False] and bytes(transport.written).endswith(BODY)
