@@ -118,6 +118,7 @@ class Exchange:
     data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
     request_id_generated: bool = False  # the sidecar made the X-Request-Id up; P never saw it
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
+    vouched: bool = False  # the parameters are P's own (P's answer, or the router hop vouched for them)
     prefilled_at: float | None = None  # router mode: when P's answer arrived (P's lease began)
     sent: Sent | None = None  # learns whether the request reached D's socket
     responded: bool = False  # http.response.start was sent (set by ``responding`` only)

@@ -70,6 +70,7 @@ class Inspector:
             body_request_id=view.request_id if isinstance(view.request_id, str) else None,
             data_parallel_rank=ctx.dp_rank,
             request_id_generated=ctx.generated,
+            vouched=params is not None and self._trust.vouches,
         )
 
     def prefilled(
@@ -96,6 +97,7 @@ class Inspector:
             data_parallel_rank=ctx.dp_rank,
             rewriter=rewriter,
             prefilled_at=prefilled_at,
+            vouched=True,  # P's own answer to the router's prefill leg
         )
 
     def oversized(self, ctx: RequestContext, body: Oversized, policy: Policy) -> Exchange:
@@ -112,6 +114,7 @@ class Inspector:
         exchange = self.plain(ctx, stream=False)
         exchange.params, exchange.raw_params = found, self._raw(raw, found)
         exchange.request_id_generated = ctx.generated
+        exchange.vouched = found is not None and self._trust.vouches
         return exchange
 
     def _eligible(self, raw: bytes, request_id: str) -> params_mod.ReleaseParams | None:
