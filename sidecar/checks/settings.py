@@ -185,6 +185,12 @@ async def check_trust(ctx: Context) -> list[Finding]:
             f"{config.trust}: router mode runs every prefill leg itself and drops clients' kv_transfer_params"
         )
         return [ok("trust", detail)]
+    if not config.release_client_params:
+        detail = (
+            f"{config.trust}: clients' own kv_transfer_params are forwarded and never released "
+            "(release_client_params off); only the router's own prefill legs release"
+        )
+        return [ok("trust", detail)]
     if config.trust == "any":
         return [warn("trust", _ANY.format(port=config.port), _ANY_FIX.format(port=config.port))]
     secret = _secret_source(ctx, "trust_key" if config.trust == "hmac" else "trust_token")

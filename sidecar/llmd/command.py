@@ -41,6 +41,8 @@ PD_DEFAULTS: dict[str, Any] = {
     "pool_size": 1024,
     # llm-d connects to any P without --enable-ssrf-protection; this admits any address a P can have.
     "prefill_allow_default": "routable",
+    # As llm-d: a client's own kv_transfer_params go to D and are never released, allowlist or not.
+    "release_client_params": False,
     # llm-d's inbound server (pkg/sidecar/proxy/proxy_helpers.go): IdleTimeout 300 s, ReadHeaderTimeout 30 s.
     "timeout_keep_alive": 300.0,
     "client_header_timeout": 30.0,

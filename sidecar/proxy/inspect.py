@@ -55,6 +55,10 @@ class Inspector:
             return self.plain(ctx, stream=False)
         raw = bytes(view.kv_transfer_params)
         params = self._eligible(raw, ctx.request_id)
+        if params is not None and not self._trust.client_params:
+            # pd-sidecar, as llm-d: only the parameters P returned to the router's own leg release.
+            self._metrics.ineligible.labels(params_mod.Ineligible.CLIENT_PARAMS_DROPPED).inc()
+            params = None
         if params is not None and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
@@ -106,7 +110,7 @@ class Inspector:
         assert ctx.route is not None
         raw = tail_params(body.tail) if body.complete else None
         found = params_mod.check(raw).params if raw else None
-        if found is not None and not policy.client_params:
+        if found is not None and not (policy.client_params and self._trust.client_params):
             found = None  # router mode drops client parameters: they could name any P's blocks
         if found is not None and raw and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()

@@ -11,9 +11,11 @@ value in the body. Router mode signs what it forwards. Untrusted parameters
 are forwarded unchanged but never released (counted as ``untrusted``), and so
 are a client's own parameters while no allowlist vets the P they name
 (``prefill_allow_default = "routable"`` with neither ``prefill_allow`` nor
-``inference_pool``: pd-sidecar's default; the router's own legs still release).
-Trusted parameters under ``token`` or ``hmac`` are vouched for: their ranks are
-P's own topology (``sidecar.nixl.session.Session.claim``).
+``inference_pool``: the router's own legs still release). With
+``release_client_params`` off (pd-sidecar's default, as llm-d's sidecar) a
+client's own parameters are forwarded and never released, whatever the
+allowlist. Trusted parameters under ``token`` or ``hmac`` are vouched for:
+their ranks are P's own topology (``sidecar.nixl.session.Session.claim``).
 Independently of the mode, ``sidecar.decision.inflight`` vetoes releasing
 parameters D may still be reading.
 """
@@ -52,6 +54,8 @@ class Trust:
         self.mode = config.trust
         # Trusted parameters carry the router hop's token or signature: they are P's own.
         self.vouches = self.mode in ("token", "hmac")
+        # Off (pd-sidecar's default, as llm-d): a client's own parameters are never released.
+        self.client_params = config.release_client_params
         # Without an allowlist (pd-sidecar's routable default) nothing vets the P a client's own
         # parameters name: only the parameters P returned to the router's own leg are released.
         listed = bool(config.prefill_allow or config.inference_pool)

@@ -73,6 +73,13 @@ def _dropped(metrics: Metrics) -> float:
     return value or 0.0
 
 
+@pytest.mark.parametrize("allow", [(), ("10.0.0.0/8",)])
+def test_pd_sidecar_drops_the_clients_parameters_whatever_the_allowlist(allow: tuple[str, ...]) -> None:
+    config = Config(release_client_params=False, prefill_allow_default="routable", prefill_allow=allow)
+    kept, _, metrics = _inspected(config)
+    assert not kept and _dropped(metrics) == 1
+
+
 def test_only_ps_answer_and_parameters_the_router_hop_vouched_for_are_vouched() -> None:
     inspector = Inspector(Metrics(CollectorRegistry()), Trust(Config()), keeps_raw=False)
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
