@@ -29,6 +29,7 @@ from sidecar.checks.decode import check_control, check_decode, check_kv_connecto
 from sidecar.checks.settings import (
     check_allowlist,
     check_environment,
+    check_outbound_trust,
     check_release,
     check_retries,
     check_trust,
@@ -40,6 +41,7 @@ from sidecar.observability import logs
 #: The checks, in the order their lines are printed.
 CHECKS: tuple[Check, ...] = (
     check_release,
+    check_outbound_trust,
     check_decode,
     check_version,
     check_control,
@@ -68,7 +70,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # The checks report every problem themselves; the strategies' own warnings would repeat them.
     logs.setup("error", config.log_format)
-    findings = asyncio.run(run_checks(config, sources))
+    try:
+        findings = asyncio.run(run_checks(config, sources))
+    except ConfigError as exc:  # tls_ca_file cannot be used: serve would refuse to start
+        print(f"kv-release-sidecar: {exc.at(sources.get(exc.field, exc.source))}", file=sys.stderr)
+        return 2
     if args.json:
         print(msgspec.json.encode(findings).decode())
     else:

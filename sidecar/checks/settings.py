@@ -25,6 +25,7 @@ from sidecar.config.args import NIXL_STRATEGIES
 from sidecar.network.allowlist import parse_entry
 from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.proxy.trust import Trust
+from sidecar.tls.trust import trust_store
 
 WHAT = {
     "off": "off: nothing is released; the sidecar forwards every request and counts the decisions",
@@ -221,6 +222,13 @@ def _secret_source(ctx: Context, name: str) -> str:
     if path:  # the file wins over the value, as sidecar.proxy.trust reads them
         return f"{path} ({ctx.source(name + '_file')})"
     return f"{name} ({ctx.source(name)})"
+
+
+async def check_outbound_trust(ctx: Context) -> list[Finding]:
+    """What outbound TLS could not trust, one warning each (as ``serve`` logs them); nothing when
+    every file and folder named was read."""
+    fix = "name a regular file of PEM certificates, or a folder of them, or unset it (docs/security.md)"
+    return [warn("tls-trust", problem, fix) for problem in trust_store(ctx.config).problems]
 
 
 async def check_environment(ctx: Context) -> list[Finding]:

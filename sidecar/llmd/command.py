@@ -191,7 +191,11 @@ def check(argv: Sequence[str]) -> int:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     logs.setup("error", config.log_format)
-    findings = asyncio.run(run_checks(config, sources))
+    try:
+        findings = asyncio.run(run_checks(config, sources))
+    except ConfigError as exc:  # tls_ca_file cannot be used: the drop-in would refuse to start
+        print(f"kv-release-sidecar: {exc.at(sources.get(exc.field, exc.source))}", file=sys.stderr)
+        return 2
     print("\n".join(finding.line() for finding in findings))
     return 1 if any(finding.status == "fail" for finding in findings) else 0
 

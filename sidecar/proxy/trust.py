@@ -25,20 +25,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from pathlib import Path
 
 from sidecar.config import Config, ConfigError
+from sidecar.tls.trust import SECRET_BYTES, Unusable, read_regular
 
 TOKEN_HEADER = b"x-kvr-router-token"
 SIGNATURE_HEADER = b"x-kvr-params-signature"
 
 
 def _secret(value: str, path: str, field: str) -> bytes:
+    """The secret: ``value``, or the file ``path``'s text (read as trust material is: a regular
+    file, never blocking, ``sidecar.tls.trust.read_regular``)."""
     if path:
         try:
-            value = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(field + "_file", path, f"cannot read: {exc.strerror}") from exc
+            value = read_regular(path, SECRET_BYTES).decode("utf-8", "replace").strip()
+        except Unusable as exc:
+            raise ConfigError(field + "_file", path, f"cannot read: {exc.why}") from exc
     return value.encode()
 
 
