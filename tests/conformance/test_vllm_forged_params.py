@@ -21,14 +21,12 @@ never released.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.nixl import EngineMismatch, TopologyMismatch
 from sidecar.nixl.versions import WireProfile
@@ -38,6 +36,7 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from tests.conformance.test_vllm_p_side import PProcess, job, p_params, p_request_id, releaser
 from tests.conformance.vllm_source import releases, spoken
 from tests.conformance.wheels import fetch_wheel
+from tests.integration.test_forged_params import sample, wait_sample
 from tests.integration.test_llmd import answers, sidecar
 from tests.servers import ServerThread, free_port, serve
 
@@ -118,12 +117,19 @@ async def test_forged_parameters_leave_ps_listener_alive_and_a_true_release_free
 # --- through the processes users run ---------------------------------------------------------------
 
 
-@contextmanager
-def decode_wanting_a_key(version: str) -> Iterator[ServerThread]:
-    """D (the decode simulator) reporting ``version``, answering 401 to a request without its key."""
-    config = DecodeSimConfig(port=0, version=version, max_model_len=40, model="m", api_key=API_KEY)
-    with serve(create_decode_app(config)) as d:
-        yield d
+@asynccontextmanager
+async def p_holding(version: str) -> AsyncIterator[tuple[PProcess, str, ServerThread]]:
+    """vLLM's P at TP 1 holding the request ``true``; D (the decode simulator) reporting
+    ``version`` and answering 401 to a request without its API key; (P, P's id of ``true``, D)."""
+    p = PProcess(fetch_wheel(version), 1, 1)
+    try:
+        true_id = p_request_id(version, "true")
+        await p.hold(true_id)
+        config = DecodeSimConfig(port=0, version=version, max_model_len=40, model="m", api_key=API_KEY)
+        with serve(create_decode_app(config)) as d:
+            yield p, true_id, d
+    finally:
+        p.stop()
 
 
 def ask(url: str, version: str, p: PProcess, rid: str, **changes: Any) -> int:
@@ -134,49 +140,27 @@ def ask(url: str, version: str, p: PProcess, rid: str, **changes: Any) -> int:
     return response.status_code
 
 
-def sample(admin: str, name: str, **labels: str) -> float:
-    """One sample of the sidecar's metrics (0 when absent)."""
-    for family in text_string_to_metric_families(httpx.get(admin + "/metrics", timeout=5).text):
-        for found in family.samples:
-            if found.name == name and found.labels == labels:
-                return float(found.value)
-    return 0.0
-
-
-def wait_sample(admin: str, name: str, value: float, **labels: str) -> None:
-    deadline = time.monotonic() + 30
-    while (got := sample(admin, name, **labels)) != value:
-        assert time.monotonic() < deadline, f"{name}{labels} is {got}, not {value}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("version", SERVED)
 async def test_forged_requests_through_serve_with_its_shipped_defaults_leave_p_alive(version: str) -> None:
     """The reported attack: a client without D's key sends a held request's parameters with a
     ``tp_size`` (or ``pp_size``) P lacks and a made-up engine id. D answers 401, the sidecar
     releases: rank (0, 0) alone is asked, and P's listener keeps answering."""
-    p = PProcess(fetch_wheel(version), 1, 1)
-    try:
-        true_id = p_request_id(version, "true")
-        await p.hold(true_id)
-        port, admin = free_port(), free_port()
-        with decode_wanting_a_key(version) as d:
-            args = ["--decode-url", d.url, "--release", "nixl", "--prefill-allow", "127.0.0.1"]
-            args += ["--host", "127.0.0.1", "--port", str(port)]
-            args += ["--admin-host", "127.0.0.1", "--admin-port", str(admin)]
-            url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-            with sidecar(args, {}, lambda: answers(admin_url + "/readyz")):
-                changes = forged(version, p, "bogus")
-                for name, change in changes.items():
-                    assert ask(url, version, p, f"forged-{name}", **change) == 401
-                wait_sample(admin_url, "kvr_nixl_refused_total", len(changes), reason="engine_mismatch")
-                await listeners_alive(p)
-                assert ask(url, version, p, "true") == 401
-                await p.await_(lambda: p.finished(true_id) == [(0, 0)], f"{true_id} freed", within=30)
-                wait_sample(admin_url, "kvr_releases_total", 1, strategy="nixl", result="sent")
+    port, admin = free_port(), free_port()
+    url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+    async with p_holding(version) as (p, true_id, d):
+        args = ["--decode-url", d.url, "--release", "nixl", "--prefill-allow", "127.0.0.1"]
+        args += ["--host", "127.0.0.1", "--port", str(port)]
+        args += ["--admin-host", "127.0.0.1", "--admin-port", str(admin)]
+        with sidecar(args, {}, lambda: answers(admin_url + "/readyz")):
+            changes = forged(version, p, "bogus")
+            for name, change in changes.items():
+                assert ask(url, version, p, f"forged-{name}", **change) == 401
+            wait_sample(admin_url, "kvr_nixl_refused_total", len(changes), reason="engine_mismatch")
+            await listeners_alive(p)
+            assert ask(url, version, p, "true") == 401
+            await p.await_(lambda: p.finished(true_id) == [(0, 0)], f"{true_id} freed", within=30)
+            wait_sample(admin_url, "kvr_releases_total", 1, strategy="nixl", result="sent")
         await listeners_alive(p)
-    finally:
-        p.stop()
 
 
 @pytest.mark.parametrize("version", SERVED)
@@ -184,25 +168,21 @@ async def test_a_clients_own_forged_parameters_through_pd_sidecar_never_reach_p(
     """``pd-sidecar`` with ``KVR_PREFILL_ALLOW`` naming P and a request without llm-d's header:
     the client's own parameters, P's true engine id with a topology P lacks, go to D (401) and
     are never released. P's listener is never asked, and answers a true release afterwards."""
-    p = PProcess(fetch_wheel(version), 1, 1)
-    try:
-        true_id = p_request_id(version, "true")
-        await p.hold(true_id)
-        port, admin = free_port(), free_port()
-        with decode_wanting_a_key(version) as d:
-            args = [f"--port={port}", f"--model-server-port={d.port}", "--secure-proxy=false"]
-            args.append("--kv-connector=nixlv2")
-            env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1"}
-            url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-            with sidecar(args, env, lambda: answers(admin_url + "/readyz")):
-                changes = forged(version, p, p.engine_id)
-                for name, change in changes.items():
-                    assert ask(url, version, p, f"forged-{name}", **change) == 401
-                assert ask(url, version, p, "true") == 401  # P's true parameters: the client's own
-                reason = "client_params_dropped"
-                wait_sample(admin_url, "kvr_ineligible_total", len(changes) + 1, reason=reason)
-                assert sample(admin_url, "kvr_nixl_handshakes_total", result="ok") == 0
-                assert sample(admin_url, "kvr_releases_total", strategy="nixl", result="sent") == 0
+    port, admin = free_port(), free_port()
+    url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+    async with p_holding(version) as (p, true_id, d):
+        args = [f"--port={port}", f"--model-server-port={d.port}", "--secure-proxy=false"]
+        args.append("--kv-connector=nixlv2")
+        env = {"KVR_ADMIN_PORT": str(admin), "KVR_PREFILL_ALLOW": "127.0.0.1"}
+        with sidecar(args, env, lambda: answers(admin_url + "/readyz")):
+            changes = forged(version, p, p.engine_id)
+            for name, change in changes.items():
+                assert ask(url, version, p, f"forged-{name}", **change) == 401
+            assert ask(url, version, p, "true") == 401  # P's true parameters: the client's own
+            reason = "client_params_dropped"
+            wait_sample(admin_url, "kvr_ineligible_total", len(changes) + 1, reason=reason)
+            assert sample(admin_url, "kvr_nixl_handshakes_total", result="ok") == 0
+            assert sample(admin_url, "kvr_releases_total", strategy="nixl", result="sent") == 0
         await listeners_alive(p)
         assert p.finished(true_id) == []
         direct = await releaser(version)  # the listener still answers a true release
@@ -211,5 +191,3 @@ async def test_a_clients_own_forged_parameters_through_pd_sidecar_never_reach_p(
             await p.await_(lambda: p.finished(true_id) == [(0, 0)], f"{true_id} freed")
         finally:
             await direct.close()
-    finally:
-        p.stop()
