@@ -37,6 +37,7 @@ from sidecar.checks.settings import (
 from sidecar.config import Config, ConfigError
 from sidecar.config import args as config_args
 from sidecar.observability import logs
+from sidecar.tls.trust import CAFileError
 
 #: The checks, in the order their lines are printed.
 CHECKS: tuple[Check, ...] = (
@@ -72,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     logs.setup("error", config.log_format)
     try:
         findings = asyncio.run(run_checks(config, sources))
-    except ConfigError as exc:  # tls_ca_file cannot be used: serve would refuse to start
-        print(f"kv-release-sidecar: {exc.at(sources.get(exc.field, exc.source))}", file=sys.stderr)
+    except CAFileError as exc:  # tls_ca_file cannot be used: serve would refuse to start
+        error = ConfigError("tls_ca_file", exc.path, exc.why, sources.get("tls_ca_file", ""))
+        print(f"kv-release-sidecar: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(msgspec.json.encode(findings).decode())

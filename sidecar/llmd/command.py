@@ -184,6 +184,7 @@ def check(argv: Sequence[str]) -> int:
 
     from sidecar.checks.command import run_checks
     from sidecar.observability import logs
+    from sidecar.tls.trust import CAFileError
 
     try:
         config, sources = load(argv, os.environ)
@@ -193,8 +194,9 @@ def check(argv: Sequence[str]) -> int:
     logs.setup("error", config.log_format)
     try:
         findings = asyncio.run(run_checks(config, sources))
-    except ConfigError as exc:  # tls_ca_file cannot be used: the drop-in would refuse to start
-        print(f"kv-release-sidecar: {exc.at(sources.get(exc.field, exc.source))}", file=sys.stderr)
+    except CAFileError as exc:  # tls_ca_file cannot be used: the drop-in would refuse to start
+        error = ConfigError("tls_ca_file", exc.path, exc.why, sources.get("tls_ca_file", ""))
+        print(f"kv-release-sidecar: {error}", file=sys.stderr)
         return 2
     print("\n".join(finding.line() for finding in findings))
     return 1 if any(finding.status == "fail" for finding in findings) else 0

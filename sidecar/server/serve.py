@@ -33,7 +33,7 @@ from sidecar.server import memory, workers
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS, TLSFileError, serving
-from sidecar.tls.trust import trust_store
+from sidecar.tls.trust import CAFileError, trust_store
 
 log = logging.getLogger("sidecar.serve")
 
@@ -254,7 +254,10 @@ def preflight(config: config_mod.Config) -> Serving:
     parts, the service account for the InferencePool watch, the certificates served, and the ones
     outbound TLS trusts (read here, before the event loop runs, and kept: ``sidecar.tls.trust``);
     raises a one-line error."""
-    trust_store(config)
+    try:
+        trust_store(config)
+    except CAFileError as exc:
+        raise config_mod.ConfigError("tls_ca_file", exc.path, exc.why) from exc
     if config.inference_pool:
         extras.require_module(
             f"the InferencePool watch (inference_pool {config.inference_pool})", "llm-d", "lightkube"

@@ -23,7 +23,7 @@ __all__ = ["TrustSettings", "outbound"]
 
 def outbound(config: TrustSettings, insecure: bool) -> ssl.SSLContext:
     """The client context for one stage: the trust ``config`` names, and that stage's
-    ``*_tls_insecure`` (``insecure``). Raises ``ConfigError`` when ``tls_ca_file`` cannot be used."""
+    ``*_tls_insecure`` (``insecure``). Raises ``CAFileError`` when ``tls_ca_file`` cannot be used."""
     # What ssl.create_default_context makes, without the store it loads: OpenSSL would read the
     # files SSL_CERT_FILE and SSL_CERT_DIR name itself, unchecked (a FIFO there blocks forever).
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # certificate and name verified

@@ -22,7 +22,7 @@ further than the size it declared. A folder is refused on ``/proc`` or
 bounded by ``MAX_TOTAL_BYTES`` and ``READ_SECONDS``. A symlink loop is named as
 one. What cannot be used is one line each (``TrustStore.problems``, logged as
 warnings once): ``tls_ca_file``, the CA bundle an operator names explicitly,
-stops the start instead (``ConfigError``, exit 2), as it did when OpenSSL
+stops the start instead (``CAFileError``, exit 2), as it did when OpenSSL
 could not load it.
 
 OpenSSL's own default file, or the file ``SSL_CERT_FILE`` puts in its place
@@ -44,10 +44,8 @@ import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
-from sidecar.config import ConfigError
 from sidecar.exceptions import SidecarError
 
 log = logging.getLogger("sidecar.tls")
@@ -82,6 +80,10 @@ class Unusable(SidecarError):
     def __init__(self, path: str, why: str, missing: bool = False) -> None:
         super().__init__(f"{path}: {why}")
         self.path, self.why, self.missing = path, why, missing
+
+
+class CAFileError(Unusable):
+    """``tls_ca_file`` cannot be used: the start stops (the caller names the setting's source)."""
 
 
 def _pseudo_devices() -> frozenset[int]:
@@ -305,7 +307,7 @@ class TrustSettings(Protocol):
 
 
 def read_store(config: TrustSettings, environ: Mapping[str, str] = os.environ) -> TrustStore:
-    """Read what outbound TLS trusts (module docstring); raises ``ConfigError`` when
+    """Read what outbound TLS trusts (module docstring); raises ``CAFileError`` when
     ``tls_ca_file`` cannot be used."""
     reading = _Reading()
     defaults = ssl.get_default_verify_paths()
@@ -318,9 +320,9 @@ def read_store(config: TrustSettings, environ: Mapping[str, str] = os.environ) -
         try:
             found = reading.file("tls_ca_file", config.tls_ca_file)
         except Unusable as exc:
-            raise ConfigError("tls_ca_file", config.tls_ca_file, exc.why) from exc
+            raise CAFileError(config.tls_ca_file, exc.why) from exc
         if not TrustStore(tuple(found)).load(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)):
-            raise ConfigError("tls_ca_file", config.tls_ca_file, "holds no PEM certificate OpenSSL can load")
+            raise CAFileError(config.tls_ca_file, "holds no PEM certificate OpenSSL can load")
         reading.pems += found
     if config.ssl_cert_file and config.ssl_cert_file != default_file:
         reading.optional("ssl_cert_file", config.ssl_cert_file)
@@ -364,26 +366,6 @@ def trust_store(config: TrustSettings) -> TrustStore:
 
 
 # --- the parts, as the tests read them ----------------------------------------------------------
-
-
-def folder_files(folder: str) -> list[Path]:
-    """The regular files of ``folder`` Go reads, in name order ([] when it cannot be listed)."""
-    try:
-        dfd = os.open(folder, _FLAGS | os.O_DIRECTORY)
-    except OSError:
-        return []
-    try:
-        names = _names(dfd, MAX_FOLDER_ENTRIES) or []
-        files = []
-        for name in names:
-            try:
-                if _refusal(os.stat(name, dir_fd=dfd), None) is None and not _hash_link(name, dfd):
-                    files.append(Path(folder) / name)
-            except OSError:
-                continue
-        return files
-    finally:
-        os.close(dfd)
 
 
 def certificates(files: Iterable[str], folders: Sequence[str]) -> list[str]:
