@@ -43,8 +43,9 @@ from tests.servers import ServerThread, free_port, serve
 pytestmark = pytest.mark.nixl
 
 FORMS = releases("KVR_CONFORMANCE_FORGED_VLLM", "0.11.0,0.21.0,0.25.1,0.26.0,0.29.0,0.34.0")
-#: The scheduler listener's two request forms, through the processes users run.
-SERVED = releases("KVR_CONFORMANCE_FORGED_SERVED_VLLM", "0.21.0,0.34.0")
+#: Through the processes users run: the scheduler listener's two request forms (every release
+#: named, when the variable names them).
+SERVED = [v for v in FORMS if v in ("0.21.0", "0.34.0")] or FORMS
 API_KEY = "d-api-key"
 
 
@@ -135,8 +136,10 @@ async def p_holding(version: str) -> AsyncIterator[tuple[PProcess, str, ServerTh
 def ask(url: str, version: str, p: PProcess, rid: str, **changes: Any) -> int:
     """A completion carrying the parameters of P's request ``rid`` (with ``changes``), no API key."""
     params = {**p_params(version, p, rid), "do_remote_decode": False, **changes}
-    body = {"model": "m", "prompt": "tok tok tok", "max_tokens": 2, "kv_transfer_params": params}
-    response = httpx.post(url + "/v1/completions", json=body, headers={"x-request-id": rid}, timeout=10)
+    messages = [{"role": "user", "content": "tok tok tok"}]
+    body = {"model": "m", "messages": messages, "max_tokens": 2, "kv_transfer_params": params}
+    # The chat route: before 0.13.0 P's id is chatcmpl-<x-request-id> (p_request_id).
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=10)
     return response.status_code
 
 
