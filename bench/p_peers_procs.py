@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 VLLM_VERSION = "0.34.0"
+ENGINE_ID = "bench-p-peers"  # P's engine: its handshake reply names it, the D side checks it
 NUM_THREADS = 4  # vLLM 0.33.0's default "num_threads" for P's UCX backend
 HOST = "127.0.0.1"
 BATCH = 32  # notifications per notify_many call on a peer
@@ -146,7 +147,7 @@ def handshake_table(agent: Any, memory: Any, regions: int) -> dict[Any, bytes]:
     release = release_for(VLLM_VERSION)
     block_len = memory.nbytes // regions
     worker = WorkerIdentity(0, 0, agent.name, agent.get_agent_metadata(), int(memory.ctypes.data), block_len)
-    shape = EngineShape(str(uuid.uuid4()), regions - 1, 16, 1, "sim-prefill")
+    shape = EngineShape(ENGINE_ID, regions - 1, 16, 1, "sim-prefill")
     return {handshake_key(release, worker): encode_handshake(release, worker, shape)}
 
 
@@ -225,7 +226,7 @@ async def serve_peer() -> int:
             started = time.perf_counter()
             if command["cmd"] == "handshake":
                 target = Target(HOST, HOST, command["port"])
-                replies = await client.fetch(target, profile, [(0, 0)])
+                replies = await client.fetch(target, profile, [(0, 0)], ENGINE_ID)
                 fetched = time.perf_counter()
                 remote = await peer.add_remote(replies[(0, 0)].agent_metadata)
                 added = time.perf_counter()

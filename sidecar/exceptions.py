@@ -20,7 +20,7 @@ the boundary that handles it::
         |   +-- ResolveFailed                  (sidecar.network.resolver)
         |   +-- ControlUnreachable, ControlFailed                        (sidecar.release.http)
         +-- PermanentReleaseError              refused at once (allowlist, unsupported release, ...)
-            +-- EngineMismatch                 (sidecar.nixl)
+            +-- EngineMismatch, TopologyMismatch   (sidecar.nixl)
             +-- Unresolvable                   (sidecar.network.resolver)
 
 ``sidecar.nixl`` and ``sidecar.release.http`` list their reasons. Errors of
@@ -70,6 +70,8 @@ class Reason(StrEnum):
     BAD_PORT = "bad_port"
     UNRESOLVABLE = "unresolvable"
     ENGINE_MISMATCH = "engine_mismatch"
+    # the parameters claim ranks P does not have (P's own parameters, or another engine answering)
+    TOPOLOGY_MISMATCH = "topology_mismatch"
     P_RESTARTED = "p_restarted"
     NO_PARAMS = "no_params"  # the http strategy has no raw parameters to hand on
     NO_PATH = "no_path"  # auto: neither NIXL nor D's control endpoint can carry it

@@ -45,7 +45,8 @@ class Ineligible(StrEnum):
     EMPTY_BLOCKS = "empty_blocks"  # P kept nothing
     NOT_JSON = "not_json"  # the body is not a JSON object: D answers it, nothing names P's blocks
     UNTRUSTED = "untrusted"  # not signed as ``trust`` requires: forwarded, never released
-    CLIENT_PARAMS_DROPPED = "client_params_dropped"  # router mode drops the client's parameters
+    # router mode, and pd-sidecar (release_client_params off), drop the client's parameters
+    CLIENT_PARAMS_DROPPED = "client_params_dropped"
     # router mode: P's answer over prefill_answer_limit did not end in readable parameters
     PREFILL_ANSWER_UNREAD = "prefill_answer_unread"
 

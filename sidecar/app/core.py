@@ -115,13 +115,15 @@ class ProxyApp:
         probes = None if deps.upstream is not None else _upstream(config, pool_size=1)
         if probes is not None:
             await probes.start()
-        notice = VersionNotice(config.unknown_vllm, metrics.unknown_vllm)
+        notice = VersionNotice(
+            config.unknown_vllm, metrics.unknown_vllm, metrics.version_unusable, config.vllm_version
+        )
         notice.seen(config.vllm_version)
         decode = DecodeState(
             probes or upstream,
             interval=config.decode_health_interval,
             kv_connector=config.decode_kv_connector,
-            on_version=notice.seen,
+            on_version=notice.read,
         )
         await decode.start()
         # NIXL targets, router mode's P: static, watched, or (a worker) the supervisor's watch's

@@ -29,6 +29,7 @@ from sidecar.checks.decode import check_control, check_decode, check_kv_connecto
 from sidecar.checks.settings import (
     check_allowlist,
     check_environment,
+    check_outbound_trust,
     check_release,
     check_retries,
     check_trust,
@@ -36,10 +37,12 @@ from sidecar.checks.settings import (
 from sidecar.config import Config, ConfigError
 from sidecar.config import args as config_args
 from sidecar.observability import logs
+from sidecar.tls.trust import CAFileError
 
 #: The checks, in the order their lines are printed.
 CHECKS: tuple[Check, ...] = (
     check_release,
+    check_outbound_trust,
     check_decode,
     check_version,
     check_control,
@@ -68,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # The checks report every problem themselves; the strategies' own warnings would repeat them.
     logs.setup("error", config.log_format)
-    findings = asyncio.run(run_checks(config, sources))
+    try:
+        findings = asyncio.run(run_checks(config, sources))
+    except CAFileError as exc:  # tls_ca_file cannot be used: serve would refuse to start
+        error = ConfigError("tls_ca_file", exc.path, exc.why, sources.get("tls_ca_file", ""))
+        print(f"kv-release-sidecar: {error}", file=sys.stderr)
+        return 2
     if args.json:
         print(msgspec.json.encode(findings).decode())
     else:

@@ -25,6 +25,7 @@ from sidecar.config.args import NIXL_STRATEGIES
 from sidecar.network.allowlist import parse_entry
 from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.proxy.trust import Trust
+from sidecar.tls.trust import trust_store
 
 WHAT = {
     "off": "off: nothing is released; the sidecar forwards every request and counts the decisions",
@@ -185,6 +186,12 @@ async def check_trust(ctx: Context) -> list[Finding]:
             f"{config.trust}: router mode runs every prefill leg itself and drops clients' kv_transfer_params"
         )
         return [ok("trust", detail)]
+    if not config.release_client_params:
+        detail = (
+            f"{config.trust}: clients' own kv_transfer_params are forwarded and never released "
+            "(release_client_params off); only the router's own prefill legs release"
+        )
+        return [ok("trust", detail)]
     if config.trust == "any":
         return [warn("trust", _ANY.format(port=config.port), _ANY_FIX.format(port=config.port))]
     secret = _secret_source(ctx, "trust_key" if config.trust == "hmac" else "trust_token")
@@ -215,6 +222,13 @@ def _secret_source(ctx: Context, name: str) -> str:
     if path:  # the file wins over the value, as sidecar.proxy.trust reads them
         return f"{path} ({ctx.source(name + '_file')})"
     return f"{name} ({ctx.source(name)})"
+
+
+async def check_outbound_trust(ctx: Context) -> list[Finding]:
+    """What outbound TLS could not trust, one warning each (as ``serve`` logs them); nothing when
+    every file and folder named was read."""
+    fix = "name a regular file of PEM certificates, or a folder of them, or unset it (docs/security.md)"
+    return [warn("tls-trust", problem, fix) for problem in trust_store(ctx.config).problems]
 
 
 async def check_environment(ctx: Context) -> list[Finding]:

@@ -115,6 +115,11 @@ HELP: dict[str, tuple[str, str]] = {
     "trust_token_file": ("file holding the router token", "path"),
     "trust_key": ("HMAC key shared with the router for trust hmac; prefer the file", ""),
     "trust_key_file": ("file holding the HMAC key", "path"),
+    "release_client_params": (
+        "sidecar mode: release the kv_transfer_params a client sends (off: forwarded, never released; "
+        "pd-sidecar's default, docs/llm-d.md)",
+        "",
+    ),
     "inject_rate": ("load tests only: share of releasable requests rejected by the sidecar", "0 to 1"),
     "inject_seed": ("load tests only: seed of the injection, for reproducible runs", "integer"),
     "inject_statuses": ("load tests only: statuses injected", "comma-separated list of HTTP statuses"),

@@ -130,6 +130,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     trust_token_file: str = ""
     trust_key: str = ""
     trust_key_file: str = ""
+    # Sidecar mode releases the kv_transfer_params a client sends (trust permitting); off, they go
+    # to D unchanged and are never released. pd-sidecar turns it off: llm-d's own legs carry P's.
+    release_client_params: bool = True
     # Rejection injection for load tests (off by default): the sidecar answers an error itself,
     # never forwards the request, and releases P's blocks as for a real rejection.
     inject_rate: float = 0.0

@@ -107,6 +107,7 @@ class Case(Protocol):
     request_id_generated: bool
     prefilled_at: float | None
     judged: Judged | None
+    vouched: bool
 
     @property
     def sent(self) -> object | None:
@@ -220,6 +221,7 @@ class Judge:
             data_parallel_rank=exchange.data_parallel_rank,
             trace_context=self._tracing.job_context() if self._tracing.enabled else None,
             decode_reachable=decision.cause is not Cause.UNREACHABLE,
+            vouched=exchange.vouched,
         )
         return self._covered(job, now)
 

@@ -24,11 +24,12 @@ What D exposes about its KV connector, read in vLLM 0.21.0, 0.25.1, 0.29.0,
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 
 from sidecar.classify import NoAnswer
+from sidecar.nixl.versions import parse_version
 from sidecar.upstream import Client, UpstreamError
 
 Engine = Literal["alive", "dead", "unknown"]
@@ -65,19 +66,37 @@ async def probe_health(upstream: Client) -> tuple[Engine, bool]:
     return ("alive" if status == 200 else "dead" if status == 503 else "unknown"), closing
 
 
-async def read_version(upstream: Client) -> tuple[bool, str | None]:
-    """(D answered, its release from ``GET /version``)."""
+class VersionRead(NamedTuple):
+    """What ``GET /version`` gave: whether D answered, the version string it named (if any), and
+    why the answer is no vLLM version when D answered one that is not (``reason`` is a metric
+    label: ``status``, ``not_json``, ``no_version`` or ``not_a_version``; ``problem`` says more)."""
+
+    answered: bool
+    version: str | None = None
+    reason: str | None = None
+    problem: str | None = None
+
+
+async def read_version(upstream: Client) -> VersionRead:
+    """D's release from ``GET /version`` (``{"version": "0.34.0"}`` in every vLLM release)."""
     try:
         async with await upstream.send("GET", "/version", [], None, header_timeout=PROBE_TIMEOUT) as response:
             body = await response.read(4096)
             status = response.status
     except UpstreamError:
-        return False, None
+        return VersionRead(False)
+    if status != 200:
+        return VersionRead(True, None, "status", f"answered {status}")
     try:
-        version = _VERSION.decode(body).get("version") if status == 200 else None
+        version = _VERSION.decode(body).get("version")
     except msgspec.DecodeError:
-        version = None
-    return True, version if isinstance(version, str) and version else None
+        shown = "an empty body" if not body.strip() else f"{body[:40]!r}"
+        return VersionRead(True, None, "not_json", f"answered {shown}, not a JSON object")
+    if not isinstance(version, str) or not version:
+        return VersionRead(True, None, "no_version", "answered JSON without a version string")
+    if parse_version(version) is None:
+        return VersionRead(True, version, "not_a_version", f"named {version[:40]!r}, not a version")
+    return VersionRead(True, version)
 
 
 async def read_kv_connector(upstream: Client) -> tuple[bool, bool | None]:

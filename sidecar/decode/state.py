@@ -56,7 +56,14 @@ from dataclasses import dataclass
 
 from sidecar.classify import ENGINE_FAULTED_MESSAGE, NoAnswer
 from sidecar.config import KvConnectorSetting
-from sidecar.decode.probes import Engine, probe_health, read_kv_connector, read_version, unreachable_cause
+from sidecar.decode.probes import (
+    Engine,
+    VersionRead,
+    probe_health,
+    read_kv_connector,
+    read_version,
+    unreachable_cause,
+)
 from sidecar.upstream import Client
 
 log = logging.getLogger("sidecar.decode_state")
@@ -138,13 +145,13 @@ class DecodeState:
         interval: float,
         clock: Callable[[], float] = time.monotonic,
         kv_connector: KvConnectorSetting = "auto",
-        on_version: Callable[[str | None], None] = lambda _: None,
+        on_version: Callable[[VersionRead], None] = lambda _: None,
     ) -> None:
         self._upstream = upstream
         self._interval = interval
         self._clock = clock
         self._setting = kv_connector
-        self._on_version = on_version  # told each version read from D (``sidecar.decode.notice``)
+        self._on_version = on_version  # told each /version answer of D (``sidecar.decode.notice``)
         self._engine: Engine = "unknown"
         self._engine_at = float("-inf")  # when the engine value was learnt (a probe's start)
         self._health: Engine = "unknown"  # what /health last answered (alive or dead)
@@ -261,19 +268,20 @@ class DecodeState:
         if self._version is None:
             async with self._lock:
                 if self._version is None:
-                    _, self._version = await read_version(self._upstream)
-                    self._on_version(self._version)
+                    read = await read_version(self._upstream)
+                    self._version = read.version
+                    self._on_version(read)
                     self._publish()
         return self._version
 
     async def _read_info(self, started: float) -> None:
-        version_answered, version = await read_version(self._upstream)
+        read = await read_version(self._upstream)
         kv_answered, kv = await read_kv_connector(self._upstream)
-        self._version = version or self._version
-        self._on_version(version)
+        self._version = read.version or self._version
+        self._on_version(read)
         if kv_answered:
             self._note_kv(kv)
-        if version_answered and kv_answered:
+        if read.answered and kv_answered:
             self._info_due = started + INFO_MAX_AGE
 
     def _note_kv(self, kv: bool | None) -> None:

@@ -41,6 +41,8 @@ PD_DEFAULTS: dict[str, Any] = {
     "pool_size": 1024,
     # llm-d connects to any P without --enable-ssrf-protection; this admits any address a P can have.
     "prefill_allow_default": "routable",
+    # As llm-d: a client's own kv_transfer_params go to D and are never released, allowlist or not.
+    "release_client_params": False,
     # llm-d's inbound server (pkg/sidecar/proxy/proxy_helpers.go): IdleTimeout 300 s, ReadHeaderTimeout 30 s.
     "timeout_keep_alive": 300.0,
     "client_header_timeout": 30.0,
@@ -182,6 +184,7 @@ def check(argv: Sequence[str]) -> int:
 
     from sidecar.checks.command import run_checks
     from sidecar.observability import logs
+    from sidecar.tls.trust import CAFileError
 
     try:
         config, sources = load(argv, os.environ)
@@ -189,7 +192,12 @@ def check(argv: Sequence[str]) -> int:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
     logs.setup("error", config.log_format)
-    findings = asyncio.run(run_checks(config, sources))
+    try:
+        findings = asyncio.run(run_checks(config, sources))
+    except CAFileError as exc:  # tls_ca_file cannot be used: the drop-in would refuse to start
+        error = ConfigError("tls_ca_file", exc.path, exc.why, sources.get("tls_ca_file", ""))
+        print(f"kv-release-sidecar: {error}", file=sys.stderr)
+        return 2
     print("\n".join(finding.line() for finding in findings))
     return 1 if any(finding.status == "fail" for finding in findings) else 0
 

@@ -18,7 +18,8 @@ Every failure is translated once, where it happens, into this tree (the
     |   +-- BadReply           "bad_reply"          wrong frame count, undecodable payload
     |   +-- NixlError          "nixl_error"         add_remote_agent / send_notif failed
     +-- PermanentReleaseError                 never retried; reasons listed in REFUSALS
-        +-- EngineMismatch     "engine_mismatch"    reply's engine_id is not remote_engine_id
+        +-- EngineMismatch     "engine_mismatch"    rank (0, 0)'s engine_id is not remote_engine_id
+        +-- TopologyMismatch   "topology_mismatch"  the parameters claim ranks P does not have
         +-- PRestarted         "p_restarted"        P came back as a new process (``lineage``)
         +-- UnknownWire        "unknown_wire"       a vLLM newer than every known one, whose reply
                                                     does not decode under the newest known wire
@@ -41,6 +42,7 @@ REFUSALS = (
     Reason.BAD_PORT,  # a side-channel port past 65535
     Reason.UNRESOLVABLE,  # remote_host names no address (NXDOMAIN)
     Reason.ENGINE_MISMATCH,  # P's side channel serves another engine: the one named is gone
+    Reason.TOPOLOGY_MISMATCH,  # the parameters claim ranks P does not have
     Reason.P_RESTARTED,  # the request's P process is gone; a new one answers there (lineage)
 )
 
@@ -66,17 +68,30 @@ class BadReply(RetryableReleaseError):
 
 
 class EngineMismatch(PermanentReleaseError):
-    """The endpoint answered for another engine than ``remote_engine_id``.
+    """Rank (0, 0) answered for another engine than ``remote_engine_id``.
 
-    Permanent: the engine the parameters name no longer serves there (P restarted, or the
-    address now belongs to another P), so its blocks are gone with it; retrying would only
-    load that P's side channel with handshakes until the deadline.
+    Permanent: the engine the parameters name does not serve there (P restarted, the address
+    now belongs to another P, or the id is forged), so there are no blocks of it to free;
+    retrying would only load that P's side channel with handshakes until the deadline. Nothing
+    more is asked of P: rank (0, 0) is asked alone, first (``sidecar.nixl.handshake``).
     """
 
     health = TargetHealth.UP  # something answered there: the endpoint itself is alive
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Reason.ENGINE_MISMATCH)
+
+
+class TopologyMismatch(PermanentReleaseError):
+    """The parameters claim ranks P does not have: more than P's own parameters named for the P
+    process at that address, or a worker of another engine answers at a claimed rank's port.
+
+    Permanent, and nothing more is asked of P: a request for a rank P lacks ends vLLM's
+    side-channel listener (0.11.1+), and with it every later handshake with that P.
+    """
+
+    def __init__(self, message: str, health: TargetHealth = TargetHealth.UNTOUCHED) -> None:
+        super().__init__(message, Reason.TOPOLOGY_MISMATCH, health)
 
 
 class PRestarted(PermanentReleaseError):
@@ -113,5 +128,6 @@ __all__ = [
     "NixlError",
     "PRestarted",
     "PeerUnreachable",
+    "TopologyMismatch",
     "UnknownWire",
 ]

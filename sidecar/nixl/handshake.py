@@ -6,7 +6,10 @@ checked, and the checked address is what gets connected). ``HandshakeClient``
 asks each P worker for its metadata with a REQ socket in the framing of P's
 release (``messages``), with a deadline on every receive; a socket is used
 for one handshake and closed with linger 0 (a REQ that timed out is never
-reused). A socket monitor turns a refused or dropped connection into
+reused). Rank (0, 0) is asked first, alone, and the other ranks only when its
+reply names the engine the parameters name: a forged or stale engine id never
+gets a request for a rank P may lack, which would end P's listener thread.
+A socket monitor turns a refused or dropped connection into
 ``PeerUnreachable`` at once instead of waiting for the timeout.
 ``HandshakeCache`` remembers, per P engine, the NIXL agent names of its
 workers so later releases to the same P cost no handshake.
@@ -25,10 +28,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from sidecar.exceptions import PermanentReleaseError, Reason
+from sidecar.exceptions import PermanentReleaseError, Reason, TargetHealth
 from sidecar.network.allowlist import Allowlist, ip_or_none, is_host_name
 from sidecar.network.resolver import Resolver
-from sidecar.nixl import HandshakeTimeout, PeerUnreachable
+from sidecar.nixl import EngineMismatch, HandshakeTimeout, PeerUnreachable, TopologyMismatch
 from sidecar.nixl.messages import PeerMetadata, decode_reply, encode_request
 from sidecar.nixl.versions import WireProfile
 from sidecar.ttlmap import TTLMap
@@ -115,26 +118,52 @@ class HandshakeClient:
         self._timeout = timeout
 
     async def fetch(
-        self, target: Target, profile: WireProfile, ranks: Sequence[Rank]
+        self, target: Target, profile: WireProfile, ranks: Sequence[Rank], engine_id: str
     ) -> dict[Rank, PeerMetadata]:
-        """Every rank's metadata, within one ``timeout`` for the whole engine."""
+        """Every rank's metadata, within one ``timeout`` for the whole engine.
+
+        Rank (0, 0) is asked first, alone, and the other ranks only once its reply names
+        ``engine_id``: a forged or stale engine id stops there (``EngineMismatch``), before any
+        request for a rank that P may lack (which ends vLLM's listener thread from 0.11.1, 1.6).
+        Every other reply is checked too: before 0.11.1 each worker listens on its own port,
+        where another engine's worker may answer (``TopologyMismatch``).
+        """
         deadline = asyncio.get_running_loop().time() + self._timeout
+        first = (0, 0)
+        assert first in ranks, "every P has rank (0, 0)"
+        rest = [rank for rank in ranks if rank != first]
         if profile.wire.listener == "scheduler":
             port = profile.port(target.base_port, 0)
-            return await self._session(target.address, port, profile, ranks, deadline)
-        # 0.9.x-0.11.0: one listener per TP worker, queried in parallel.
-        parts = await asyncio.gather(
-            *(
-                self._session(
-                    target.address, profile.port(target.base_port, tp), profile, [(pp, tp)], deadline
-                )
-                for pp, tp in ranks
-            )
+            return await self._session(target.address, port, profile, [first, *rest], deadline, engine_id)
+        # 0.9.x-0.11.0: one listener per TP worker; rank 0 first, then the others in parallel.
+        replies = await self._session(
+            target.address, profile.port(target.base_port, 0), profile, [first], deadline, engine_id
         )
-        return {rank: meta for part in parts for rank, meta in part.items()}
+        parts = await _all(
+            [
+                self._session(
+                    target.address,
+                    profile.port(target.base_port, tp),
+                    profile,
+                    [(pp, tp)],
+                    deadline,
+                    engine_id,
+                )
+                for pp, tp in rest
+            ]
+        )
+        for part in parts:
+            replies.update(part)
+        return replies
 
     async def _session(
-        self, address: str, port: int, profile: WireProfile, ranks: Sequence[Rank], deadline: float
+        self,
+        address: str,
+        port: int,
+        profile: WireProfile,
+        ranks: Sequence[Rank],
+        deadline: float,
+        engine_id: str,
     ) -> dict[Rank, PeerMetadata]:
         sock = self._context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
@@ -153,13 +182,39 @@ class HandshakeClient:
                     sock.send(encode_request(profile, pp_rank, tp_rank)), watcher, deadline, endpoint
                 )
                 frames = await _bounded(sock.recv_multipart(), watcher, deadline, endpoint)
-                replies[(pp_rank, tp_rank)] = decode_reply(profile, frames)
+                meta = decode_reply(profile, frames)
+                _check_engine(meta, (pp_rank, tp_rank), engine_id, endpoint)
+                replies[(pp_rank, tp_rank)] = meta
             return replies
         finally:
             watcher.cancel()
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
+
+
+def _check_engine(meta: PeerMetadata, rank: Rank, engine_id: str, endpoint: str) -> None:
+    """Raise unless ``meta`` (rank ``rank``'s reply from ``endpoint``) names ``engine_id``."""
+    if meta.engine_id == engine_id:
+        return
+    if rank == (0, 0):
+        raise EngineMismatch(f"{endpoint} serves engine {meta.engine_id!r}, not {engine_id!r}")
+    raise TopologyMismatch(
+        f"rank {rank} at {endpoint} answers for engine {meta.engine_id!r}, not {engine_id!r}: "
+        "P does not have the ranks the parameters claim",
+        TargetHealth.UP,
+    )
+
+
+async def _all(operations: list[Awaitable[_T]]) -> list[_T]:
+    """Every result; on the first failure the others are cancelled (and awaited) first."""
+    tasks = [asyncio.ensure_future(op) for op in operations]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _watch(monitor: zmq.asyncio.Socket) -> int:

@@ -8,10 +8,13 @@ timeout they retry, not its cancellation. A handshake first drops the
 engine's old agents (NIXL names an agent by the remote, so removing an old
 entry after re-adding the same worker would remove the new one), checks the
 target against the allowlist (``TargetCheck``; a loopback ``remote_host`` is
-warned about), refuses replies from another engine and records the P process
-it reached (``sidecar.nixl.lineage``). Entries leave the cache by LRU, by TTL
-(``sweep``), on a failed send (``invalidate``) and at shutdown; each leaving
-agent is removed from the NIXL peer.
+warned about), asks rank (0, 0) first and stops there when it serves another
+engine, and records the P process it reached (``sidecar.nixl.lineage``), with
+its topology when the parameters are P's own (``claim`` refuses, before any
+contact, parameters no one vouched for that claim more ranks than that).
+Entries leave the cache by LRU, by TTL (``sweep``), on a failed send
+(``invalidate``) and at shutdown; each leaving agent is removed from the NIXL
+peer.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import zmq.asyncio
 
 from sidecar.config import Config
 from sidecar.exceptions import ReleaseError, TargetHealth
-from sidecar.nixl import EngineMismatch, HandshakeTimeout
+from sidecar.nixl import HandshakeTimeout, TopologyMismatch
 from sidecar.nixl.handshake import HandshakeCache, HandshakeClient, PeerSet, Rank, Target, TargetCheck
 from sidecar.nixl.lineage import Lineage
 from sidecar.nixl.metrics import NixlMetrics
@@ -80,6 +83,22 @@ class Session:
     def ready(self) -> bool:
         return self._context is not None and self.peer.ready()
 
+    def claim(self, engine_id: str, endpoint: Endpoint, ranks: list[Rank], vouched: bool) -> None:
+        """Raise ``TopologyMismatch`` when parameters no one vouched for claim a rank that P's own
+        parameters did not name for the process at ``endpoint`` (``Lineage.topology``): asking P
+        for a rank it lacks would end its listener. Without such evidence the claim stands
+        (docs/security.md says what that leaves open)."""
+        known = None if vouched else self.lineage.topology(endpoint, engine_id)
+        if known is None:
+            return
+        extra = sorted(set(ranks) - known)
+        if extra:
+            raise TopologyMismatch(
+                f"the parameters claim rank {extra[0]} of engine {engine_id!r} at "
+                f"{endpoint[0]}:{endpoint[1]}, which P's own parameters did not name "
+                f"({len(known)} rank(s)): nothing is asked of P"
+            )
+
     async def peers(
         self,
         engine_id: str,
@@ -87,14 +106,18 @@ class Session:
         endpoint: Endpoint,
         profile: WireProfile,
         ranks: list[Rank],
+        vouched: bool = False,
     ) -> tuple[PeerSet, str]:
-        """The agents of ``ranks`` and how they were found (``warm``: cached; ``cold``)."""
+        """The agents of ``ranks`` and how they were found (``warm``: cached; ``cold``).
+        ``vouched``: the parameters are P's own, so ``ranks`` are every rank of P's engine."""
         peers = self.cache.get(engine_id)
         if peers is not None and peers.serves(generation, endpoint, ranks):
             self.metrics.lookup("hit").inc()
+            if vouched:
+                self.lineage.vouched(endpoint, [peers.agents[rank] for rank in ranks], engine_id, ranks)
             return peers, "warm"
         self.metrics.lookup("miss").inc()
-        return await self.connect(engine_id, generation, endpoint, profile, ranks), "cold"
+        return await self.connect(engine_id, generation, endpoint, profile, ranks, vouched), "cold"
 
     async def connect(
         self,
@@ -103,6 +126,7 @@ class Session:
         endpoint: Endpoint,
         profile: WireProfile,
         ranks: list[Rank],
+        vouched: bool = False,
     ) -> PeerSet:
         """A handshake, or the one in flight for ``engine_id`` when it serves these ranks."""
         pending = self.pending.get(engine_id)
@@ -115,7 +139,7 @@ class Session:
         try:
             # The span is made on the event loop around the await; the NIXL thread never sees it.
             with self._tracing.handshake_span(engine_id, endpoint, ranks):
-                peers = await self._handshake(engine_id, generation, endpoint, profile, ranks)
+                peers = await self._handshake(engine_id, generation, endpoint, profile, ranks, vouched)
         except asyncio.CancelledError:
             # The job that began it was cancelled (its deadline): the jobs waiting on this
             # handshake get a timeout they retry, not a cancellation that is not theirs.
@@ -140,6 +164,7 @@ class Session:
         endpoint: Endpoint,
         profile: WireProfile,
         ranks: list[Rank],
+        vouched: bool,
     ) -> PeerSet:
         assert self._client is not None, "start() first"
         # The old set's agents go first: NIXL names an agent by the remote, so a re-add of
@@ -154,14 +179,11 @@ class Session:
         started = time.perf_counter()
         try:
             try:
-                replies = await self._client.fetch(target, profile, ranks)
+                replies = await self._client.fetch(target, profile, ranks, engine_id)
             except ReleaseError as exc:
                 if exc.health is TargetHealth.DOWN:
                     self.lineage.lost(endpoint)
                 raise
-            wrong = sorted({meta.engine_id for meta in replies.values() if meta.engine_id != engine_id})
-            if wrong:
-                raise EngineMismatch(f"{host}:{base_port} serves engine {wrong[0]!r}, not {engine_id!r}")
             agents: dict[Rank, str] = {}
             try:
                 for rank in ranks:
@@ -176,6 +198,8 @@ class Session:
         self.metrics.handshake_seconds.observe(time.perf_counter() - started)
         peers = PeerSet(engine_id, generation, endpoint, agents)
         self.lineage.seen(endpoint, agents.values())
+        if vouched:
+            self.lineage.vouched(endpoint, agents.values(), engine_id, ranks)
         await self.drop(self.cache.put(peers), "lru")
         return peers
 

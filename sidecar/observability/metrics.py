@@ -157,6 +157,13 @@ class Metrics:
             ["version"],
             registry=r,
         )
+        self.version_unusable = Gauge(
+            "kvr_vllm_version_unusable",
+            "1 while D's GET /version answers something that is not a vLLM version, by reason: status "
+            "(not 200), not_json, no_version (no version string) or not_a_version.",
+            ["reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kvr_release_queue_depth", "Release jobs waiting.", registry=r)
         self.ledger_size = Gauge(
             "kvr_release_ledger_size", "Entries in the de-duplication ledger.", registry=r

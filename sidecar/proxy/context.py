@@ -48,6 +48,7 @@ class RequestContext:
     has_body: bool
     dp_rank: int | None
     started: float = field(default_factory=time.monotonic)
+    declared: int | None = None  # the body's size as Content-Length declares it (None: chunked, or none)
 
     @classmethod
     def of(cls, scope: Scope, receive: Receive, send: Send) -> RequestContext:
@@ -76,6 +77,7 @@ class RequestContext:
             headers_read=headers_read,
             has_body=_has_body(framing),
             dp_rank=data_parallel_rank([(DATA_PARALLEL_RANK, rank)]) if rank is not None else None,
+            declared=_declared(framing),
         )
 
     @property
@@ -94,6 +96,13 @@ class RequestContext:
     @property
     def prefiller(self) -> bytes | None:
         return self.headers_read.get(PREFILLER_HEADER)
+
+
+def _declared(framing: tuple[bytes, bytes] | None) -> int | None:
+    """The size a ``Content-Length`` framing declares (the server checked its form)."""
+    if framing is None or framing[0] != b"content-length" or not framing[1].strip().isdigit():
+        return None
+    return int(framing[1])
 
 
 def _has_body(framing: tuple[bytes, bytes] | None) -> bool:
@@ -118,6 +127,7 @@ class Exchange:
     data_parallel_rank: int | None = None  # the request's X-data-parallel-rank, if valid
     request_id_generated: bool = False  # the sidecar made the X-Request-Id up; P never saw it
     rewriter: UsageRewriter | None = None  # router mode: corrects cached_tokens
+    vouched: bool = False  # the parameters are P's own (P's answer, or the router hop vouched for them)
     prefilled_at: float | None = None  # router mode: when P's answer arrived (P's lease began)
     sent: Sent | None = None  # learns whether the request reached D's socket
     responded: bool = False  # http.response.start was sent (set by ``responding`` only)

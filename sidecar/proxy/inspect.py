@@ -55,6 +55,10 @@ class Inspector:
             return self.plain(ctx, stream=False)
         raw = bytes(view.kv_transfer_params)
         params = self._eligible(raw, ctx.request_id)
+        if params is not None and not self._trust.client_params:
+            # pd-sidecar, as llm-d: only the parameters P returned to the router's own leg release.
+            self._metrics.ineligible.labels(params_mod.Ineligible.CLIENT_PARAMS_DROPPED).inc()
+            params = None
         if params is not None and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
             # Forwarded unchanged, never released: anyone could name another tenant's blocks.
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
@@ -70,6 +74,7 @@ class Inspector:
             body_request_id=view.request_id if isinstance(view.request_id, str) else None,
             data_parallel_rank=ctx.dp_rank,
             request_id_generated=ctx.generated,
+            vouched=params is not None and self._trust.vouches,
         )
 
     def prefilled(
@@ -96,6 +101,7 @@ class Inspector:
             data_parallel_rank=ctx.dp_rank,
             rewriter=rewriter,
             prefilled_at=prefilled_at,
+            vouched=True,  # P's own answer to the router's prefill leg
         )
 
     def oversized(self, ctx: RequestContext, body: Oversized, policy: Policy) -> Exchange:
@@ -104,7 +110,7 @@ class Inspector:
         assert ctx.route is not None
         raw = tail_params(body.tail) if body.complete else None
         found = params_mod.check(raw).params if raw else None
-        if found is not None and not policy.client_params:
+        if found is not None and not (policy.client_params and self._trust.client_params):
             found = None  # router mode drops client parameters: they could name any P's blocks
         if found is not None and raw and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
             self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
@@ -112,6 +118,7 @@ class Inspector:
         exchange = self.plain(ctx, stream=False)
         exchange.params, exchange.raw_params = found, self._raw(raw, found)
         exchange.request_id_generated = ctx.generated
+        exchange.vouched = found is not None and self._trust.vouches
         return exchange
 
     def _eligible(self, raw: bytes, request_id: str) -> params_mod.ReleaseParams | None:

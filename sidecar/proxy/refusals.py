@@ -108,7 +108,12 @@ class Refusals:
 
     async def too_large(self, ctx: RequestContext, body: Oversized, policy: Policy) -> None:
         exchange = self._inspector.oversized(ctx, body, policy)
-        message = f"request body of {body.size} bytes exceeds the limit of {self._config.max_body_bytes}"
+        # The size the client declared; without one, what was read (all of it, or a lower bound).
+        if ctx.declared is not None:
+            size = f"{ctx.declared} bytes"
+        else:
+            size = f"{body.size} bytes" if body.complete else f"more than {body.size} bytes"
+        message = f"request body of {size} exceeds the limit of {self._config.max_body_bytes}"
         # Past scan_limit the rest of the body is unread: shed the connection rather than have the
         # server read and discard an unbounded remainder outside limit_concurrency.
         await self.refuse(ctx, exchange, NoAnswer.BODY_TOO_LARGE, message, close=not body.complete)

@@ -11,7 +11,11 @@ value in the body. Router mode signs what it forwards. Untrusted parameters
 are forwarded unchanged but never released (counted as ``untrusted``), and so
 are a client's own parameters while no allowlist vets the P they name
 (``prefill_allow_default = "routable"`` with neither ``prefill_allow`` nor
-``inference_pool``: pd-sidecar's default; the router's own legs still release).
+``inference_pool``: the router's own legs still release). With
+``release_client_params`` off (pd-sidecar's default, as llm-d's sidecar) a
+client's own parameters are forwarded and never released, whatever the
+allowlist. Trusted parameters under ``token`` or ``hmac`` are vouched for:
+their ranks are P's own topology (``sidecar.nixl.session.Session.claim``).
 Independently of the mode, ``sidecar.decision.inflight`` vetoes releasing
 parameters D may still be reading.
 """
@@ -21,20 +25,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from pathlib import Path
 
 from sidecar.config import Config, ConfigError
+from sidecar.tls.trust import SECRET_BYTES, Unusable, read_regular
 
 TOKEN_HEADER = b"x-kvr-router-token"
 SIGNATURE_HEADER = b"x-kvr-params-signature"
 
 
 def _secret(value: str, path: str, field: str) -> bytes:
+    """The secret: ``value``, or the file ``path``'s text (read as trust material is: a regular
+    file, never blocking, ``sidecar.tls.trust.read_regular``)."""
     if path:
         try:
-            value = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(field + "_file", path, f"cannot read: {exc.strerror}") from exc
+            value = read_regular(path, SECRET_BYTES).decode("utf-8", "replace").strip()
+        except Unusable as exc:
+            raise ConfigError(field + "_file", path, f"cannot read: {exc.why}") from exc
     return value.encode()
 
 
@@ -48,6 +54,10 @@ class Trust:
 
     def __init__(self, config: Config) -> None:
         self.mode = config.trust
+        # Trusted parameters carry the router hop's token or signature: they are P's own.
+        self.vouches = self.mode in ("token", "hmac")
+        # Off (pd-sidecar's default, as llm-d): a client's own parameters are never released.
+        self.client_params = config.release_client_params
         # Without an allowlist (pd-sidecar's routable default) nothing vets the P a client's own
         # parameters name: only the parameters P returned to the router's own leg are released.
         listed = bool(config.prefill_allow or config.inference_pool)

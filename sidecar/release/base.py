@@ -73,6 +73,10 @@ class ReleaseJob(msgspec.Struct, frozen=True, kw_only=True):
     not_before: float = 0.0
     # Whether D answered at all (``auto`` cannot use D's control endpoint for a D it could not reach).
     decode_reachable: bool = True
+    # The parameters are P's own: P's answer to the router's prefill leg, or parameters the router
+    # hop signed (``trust hmac``) or sent with its token (``trust token``). Their ranks are P's
+    # topology; a client's own claim is checked against what such parameters proved.
+    vouched: bool = False
 
     def but(self, **changes: Any) -> ReleaseJob:
         """This job with ``changes``."""

@@ -25,6 +25,7 @@ Failures, translated once here (``reason`` is the metric label)::
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,6 +47,7 @@ from sidecar.release.base import (
     TargetHealth,
 )
 from sidecar.tls.client import outbound
+from sidecar.tls.trust import SECRET_BYTES, Unusable, read_regular
 from sidecar.vllm_plugin.messages import ACCEPTED_DECODER, ENCODER, HEALTH_PATH, RELEASE_PATH
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,15 @@ def health_url(config: Config) -> str:
 
 
 def read_token(config: Config) -> str:
-    """``control_token``, else the first line of ``control_token_file``; raises OSError if unreadable."""
+    """``control_token``, else the first line of ``control_token_file``; raises OSError if unreadable
+    (read as trust material is: a regular file, never blocking, ``sidecar.tls.trust.read_regular``)."""
     if config.control_token or not config.control_token_file:
         return config.control_token.strip()
-    with open(config.control_token_file, encoding="utf-8") as handle:
-        return handle.read().strip()
+    try:
+        data = read_regular(config.control_token_file, SECRET_BYTES)
+    except Unusable as exc:
+        raise OSError(errno.EINVAL, exc.why, config.control_token_file) from exc
+    return data.decode("utf-8", "replace").strip()
 
 
 class ControlMetrics:

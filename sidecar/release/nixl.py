@@ -4,9 +4,11 @@ One job (the judge decided it is the sidecar's to send) reads top to bottom:
 the version (P's vLLM release: ``--vllm-version``, else D's ``GET /version``
 through D's state; P and D run the same release), the parameters
 (``kv_transfer_params`` checked against that release, P's id for the request
-derived), the peers (P's workers through the NIXL session,
-``sidecar.nixl.session``: cached or handshaken, the target checked against the
-allowlist) and the notification (each worker once, ``<id>:1``; ``<id>`` for
+derived), the ranks (what the parameters claim; refused when parameters no one
+vouched for claim more than P's own named, ``Session.claim``), the peers (P's
+workers through the NIXL session, ``sidecar.nixl.session``: cached or
+handshaken, rank (0, 0) first and alone until it proves the engine, the target
+checked against the allowlist) and the notification (each worker once, ``<id>:1``; ``<id>`` for
 0.9.0, refused when P is not the process that held the blocks,
 ``sidecar.nixl.lineage``). ``rehearse`` stops before the peers, after the
 target check (``sidecar.release.dryrun``). Nothing is ever sent by trial: an
@@ -170,6 +172,8 @@ class NixlReleaser:
                 Reason.NO_REQUEST_ID,
             )
         ranks = profile.ranks(params)
+        endpoint = (host, port)
+        self.session.claim(engine_id, endpoint, ranks, job.vouched)
         if rehearse:  # every check the live release makes before it connects to P
             await self.session.target(host, sorted({profile.port(port, tp) for _, tp in ranks}))
             return JobResult.WOULD_SEND, "dry_run"
@@ -180,16 +184,15 @@ class NixlReleaser:
             )
         if await self.session.sweep():
             self._progress.expire()
-        endpoint = (host, port)
         generation = params.remote_registration_generation
-        peers, path = await self.session.peers(engine_id, generation, endpoint, profile, ranks)
+        peers, path = await self.session.peers(engine_id, generation, endpoint, profile, ranks, job.vouched)
         message = notification(profile, request_id)
         progress.attempted = True
         failed = await self._send(peers, ranks, message, progress, job)
         if failed and not unsafe:
             # A cached agent may be gone (P restarted): handshake again, once.
             await self.session.invalidate(peers, "send_failure")
-            peers = await self.session.connect(engine_id, generation, endpoint, profile, ranks)
+            peers = await self.session.connect(engine_id, generation, endpoint, profile, ranks, job.vouched)
             failed = await self._send(peers, ranks, message, progress, job)
         if failed:
             raise NixlError(f"notification to {len(failed)} P worker(s) failed: {failed[0]}")

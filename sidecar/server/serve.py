@@ -33,6 +33,7 @@ from sidecar.server import memory, workers
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS, TLSFileError, serving
+from sidecar.tls.trust import CAFileError, trust_store
 
 log = logging.getLogger("sidecar.serve")
 
@@ -57,20 +58,21 @@ def run(args: argparse.Namespace) -> int:
 
 def start(config: config_mod.Config, sources: dict[str, str]) -> int:
     """Serve ``config`` until SIGTERM (``sources``: where each setting came from, for errors)."""
+    stop_on_signals()  # a SIGTERM while starting ends the start (the event loop's handler comes later)
+    logs.setup(config.log_level, config.log_format, config.access_log)  # start-up's warnings are logged
     try:
         try:
             trust = Trust(config)  # secrets read once, before any socket opens
             tracing.require(config)  # the otel extra installed when tracing is configured
+            tls = preflight(config)
         except config_mod.ConfigError as exc:
             raise exc.at(sources.get(exc.field, exc.source)) from exc
         if config.release in config_args.NIXL_STRATEGIES:
             extras.require(f"--release {config.release}", ["nixl"])
-        tls = preflight(config)
         sockets = listen(config)
     except (config_mod.ConfigError, ListenError, TLSFileError, extras.MissingExtra) as exc:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 2
-    logs.setup(config.log_level, config.log_format, config.access_log)
     memory.release_large_buffers()
     raise_file_limit(config.pool_size)
     for warning in config_mod.unknown_env(os.environ):
@@ -91,6 +93,20 @@ def start(config: config_mod.Config, sources: dict[str, str]) -> int:
         print(f"kv-release-sidecar: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the process while it starts: before the event loop installs its own
+    handlers, and whatever start-up step runs (a read of a slow file system). In a container the
+    sidecar is PID 1, which the kernel sends no signal its default action would end: without a
+    handler a SIGTERM during start-up would be lost, and the pod killed at its grace period."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_starting)
+
+
+def _stop_starting(signum: int, frame: object) -> None:
+    log.warning("stopped while starting", extra={"signal": signal.Signals(signum).name})
+    raise SystemExit(128 + signum)
 
 
 class ListenError(SidecarError):
@@ -235,7 +251,13 @@ class Serving:
 
 def preflight(config: config_mod.Config) -> Serving:
     """What start-up needs beyond the config, checked before any socket opens: the llm-d extra's
-    parts, the service account for the InferencePool watch, the certificates; raises a one-line error."""
+    parts, the service account for the InferencePool watch, the certificates served, and the ones
+    outbound TLS trusts (read here, before the event loop runs, and kept: ``sidecar.tls.trust``);
+    raises a one-line error."""
+    try:
+        trust_store(config)
+    except CAFileError as exc:
+        raise config_mod.ConfigError("tls_ca_file", exc.path, exc.why) from exc
     if config.inference_pool:
         extras.require_module(
             f"the InferencePool watch (inference_pool {config.inference_pool})", "llm-d", "lightkube"

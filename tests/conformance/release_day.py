@@ -61,6 +61,7 @@ SUITE = {
     "tests/conformance/test_vllm_coverage_source.py": "KVR_CONFORMANCE_COVERAGE_VLLM",
     "tests/conformance/test_vllm_decode_state_source.py": "KVR_CONFORMANCE_DECODE_STATE_VLLM",
     "tests/conformance/test_vllm_duplicates.py": "KVR_CONFORMANCE_DUPLICATE_VLLM",
+    "tests/conformance/test_vllm_forged_params.py": "KVR_CONFORMANCE_FORGED_VLLM",
     "tests/conformance/test_vllm_p_side.py": "KVR_CONFORMANCE_VLLM",
     "tests/conformance/test_vllm_parallel_sampling.py": "KVR_CONFORMANCE_SAMPLING_VLLM",
     "tests/conformance/test_vllm_plugin_contract.py": "KVR_CONFORMANCE_PLUGIN_VLLM",

@@ -73,7 +73,7 @@ class DReader:
         context = zmq.asyncio.Context()
         try:
             replies = await HandshakeClient(context, 5.0).fetch(
-                Target("127.0.0.1", "127.0.0.1", p.port), profile, ranks
+                Target("127.0.0.1", "127.0.0.1", p.port), profile, ranks, p.engine_id
             )
         finally:
             context.destroy(linger=0)

@@ -568,7 +568,22 @@ def prefill(wheel: tuple[str, Path]) -> Any:
     p.stop()
 
 
-def job(version: str, p: PProcess, x_request_id: str) -> ReleaseJob:
+def job(version: str, p: PProcess, x_request_id: str, **changes: Any) -> ReleaseJob:
+    """A release of the request P holds as ``p_request_id(version, x_request_id)``; ``changes``
+    replace fields of its ``kv_transfer_params``."""
+    now = time.monotonic()
+    return ReleaseJob(
+        request_id=x_request_id,
+        route="/v1/chat/completions",
+        params=release_params({**p_params(version, p, x_request_id), **changes}),
+        cause="unreachable",  # D never answered: not D's own fix's to release
+        detected_at=now,
+        deadline=now + 30,
+    )
+
+
+def p_params(version: str, p: PProcess, x_request_id: str) -> dict[str, Any]:
+    """``kv_transfer_params`` as P of ``version`` emits them for the request ``x_request_id``."""
     profile = WireProfile.for_version(spoken(version))
     assert profile is not None
     low = profile.low
@@ -586,15 +601,7 @@ def job(version: str, p: PProcess, x_request_id: str) -> ReleaseJob:
         fields["pp_size"], fields["dcp_size"] = p.pp, 1
     if low >= (0, 33, 0):
         fields["remote_registration_generation"] = 1
-    now = time.monotonic()
-    return ReleaseJob(
-        request_id=x_request_id,
-        route="/v1/chat/completions",
-        params=release_params(fields),
-        cause="unreachable",  # D never answered: not D's own fix's to release
-        detected_at=now,
-        deadline=now + 30,
-    )
+    return fields
 
 
 def p_request_id(version: str, x_request_id: str) -> str:

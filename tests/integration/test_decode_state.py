@@ -18,6 +18,7 @@ from sidecar.decode.state import DecodeState, DecodeView
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
 from sidecar.sim.decode.engine import CLIENT_MESSAGE
 from sidecar.upstream import Upstream, UpstreamError
+from tests.integration.conftest import run_sidecar
 from tests.integration.test_release_causes import until
 from tests.servers import ServerThread, serve
 
@@ -153,3 +154,23 @@ async def test_an_unreachable_d_leaves_kv_connector_unknown() -> None:
         await state.start()
         await state.close()
     assert state.view() == DecodeView("unknown", False, None, None)
+
+
+def test_a_d_whose_version_is_no_version_is_warned_at_start_and_shown_as_a_metric(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sidecar as it ships (nixl, no vllm_version) in front of a D whose ``GET /version`` names
+    no version: it says so as it starts, and the metric stays 1 while releases are refused."""
+    caplog.set_level(logging.WARNING, logger="sidecar.version")
+    with (
+        serve(create_decode_app(DecodeSimConfig(version="garbage"))) as d,
+        run_sidecar(d.url, release="nixl", prefill_allow=("127.0.0.1",)) as sc,
+    ):
+        assert sc.sample("kvr_vllm_version_unusable", reason="not_a_version") == 1
+        [line] = [r.getMessage() for r in caplog.records if "GET /version" in r.getMessage()]
+        assert line.startswith("D's GET /version named 'garbage', not a version: P's vLLM release is unknown")
+        params = {**REMOTE, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 5600}
+        body = {**CHAT, "max_tokens": "x", "kv_transfer_params": params}
+        assert httpx.post(sc.url + "/v1/chat/completions", json=body, timeout=10).status_code == 400
+        sc.settle()
+        assert sc.sample("kvr_nixl_refused_total", reason="unknown_version") == 1

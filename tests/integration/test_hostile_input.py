@@ -471,6 +471,8 @@ def test_body_over_the_cap_gets_vllm_shaped_413_and_releases(decode: ServerThrea
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert (error["type"], error["code"]) == ("RequestEntityTooLargeError", 413)
+        sent = len(response.request.content)
+        assert error["message"] == f"request body of {sent} bytes exceeds the limit of 4096"
         assert sc.wait_released(1) == ["cap-1"] and sc.releaser.recorded[0].cause == "body_too_large"
         assert not seen_by_d(decode, "cap-1")
 
@@ -488,11 +490,33 @@ def test_a_body_far_over_the_cap_is_answered_without_reading_it_all(dial: Dial, 
                 break
         answer = read_answer(sock, time.monotonic() + 5)
         assert answer.status == 413 and sent < total  # past 4 x the cap the sidecar stops reading
+        # The message names the size the client declared, not the part of it the sidecar read.
+        message = json.loads(answer.body)["error"]["message"]
+        assert message == f"request body of {total} bytes exceeds the limit of 4096"
         # ... and sheds the connection instead of reading the unbounded rest outside the limits
         assert answer.headers.get("connection") == "close" and answer.closed
         sc.settle()
         assert sc.released() == []  # the tail never arrived: no trustworthy parameters
         assert not seen_by_d(decode, "huge-1")
+
+
+def test_a_chunked_body_far_over_the_cap_is_named_by_what_was_read(dial: Dial, decode: ServerThread) -> None:
+    """No size declared: the message gives what was read, as a lower bound when reading stopped."""
+    with guarded_sidecar(decode.url, max_body_bytes=4096) as sc:
+        sock = dial(sc.url)
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        sock.sendall(head)
+        chunk = b"1000\r\n" + b"x" * 4096 + b"\r\n"
+        for _ in range(64):  # 256 KiB, past 4 x the cap: the sidecar stops reading
+            sock.sendall(chunk)
+            readable, _, _ = select.select([sock], [], [], 0.001)
+            if readable:
+                break
+        answer = read_answer(sock, time.monotonic() + 5)
+        message = json.loads(answer.body)["error"]["message"]
+        assert answer.status == 413 and message.startswith("request body of more than ")
+        read = int(message.split()[5])
+        assert 4 * 4096 < read <= 64 * 4096 and message.endswith(" bytes exceeds the limit of 4096")
 
 
 # --- bodies D must judge ----------------------------------------------------------------------

@@ -477,6 +477,114 @@ async def test_engine_mismatch_is_refused_and_not_cached(
     assert len(releaser.session.cache) == 0 and all(not v for v in p.notifs.values())
 
 
+# --- forged parameters: never a handshake P cannot answer ---------------------------------------
+
+#: One P of each handshake form: per-worker listeners (raw request), the 2-element request, the
+#: 3-element request without and with PP ranks on pull.
+FORMS = ["0.11.0", "0.21.0", "0.26.0", "0.34.0"]
+
+
+def forgeries(version: str) -> dict[str, dict[str, Any]]:
+    """What a client may change in a held request's parameters, by name, for P of ``version``."""
+    forged = {
+        "tp_size": {"tp_size": 2, "remote_engine_id": "bogus"},
+        "engine_id": {"remote_engine_id": "bogus"},
+    }
+    profile = WireProfile.for_version(version)
+    assert profile is not None
+    if profile.wire.pp_on_pull:
+        forged["pp_size"] = {"pp_size": 2, "remote_engine_id": "bogus"}
+    return forged
+
+
+@pytest.mark.parametrize("version", FORMS)
+async def test_a_forged_engine_id_stops_at_rank_zero_and_p_keeps_its_listener(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], version: str
+) -> None:
+    """A TP 1 P is asked for rank (0, 0) alone: its reply names another engine, so a forged
+    ``tp_size`` or ``pp_size`` never reaches P as a request for a rank it lacks (which ends a
+    0.11.1+ listener); a true release afterwards is freed."""
+    p = start(prefills, version, 1, 1)
+    releaser = await releaser_factory(config(vllm_version=version))
+    route = "/v1/completions"
+    for name, forged in forgeries(version).items():
+        with pytest.raises(EngineMismatch):
+            await releaser.release(make_job(p.params(f"forged-{name}", **forged), f"forged-{name}", route))
+        assert p.dead == [], name
+    assert p.requests == len(forgeries(version))  # one request each: rank (0, 0)
+    assert sample(releaser, "kvr_nixl_refused_total", reason="engine_mismatch") == len(forgeries(version))
+    assert await releaser.release(make_job(p.params("true"), "true", route)) is JobResult.SENT
+    wire_id = "true" if p.profile.wire.has_remote_request_id else "cmpl-true-0"
+    assert await p.received(f"{wire_id}:1".encode()) == {(0, 0): 1}
+    assert p.dead == [] and sum(len(v) for v in p.notifs.values()) == 1
+
+
+@pytest.mark.parametrize("version", ["0.21.0", "0.34.0"])
+async def test_a_client_claiming_more_ranks_than_ps_own_parameters_named_is_refused(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any], version: str
+) -> None:
+    """P's own parameters (vouched: router mode, or a router hop's token or signature) proved
+    P's ranks; a client's own claim of more, with P's true engine id, asks P nothing."""
+    p = start(prefills, version, 2, 1)
+    releaser = await releaser_factory(config(vllm_version=version))
+    assert await releaser.release(make_job(p.params("own"), "own", vouched=True)) is JobResult.SENT
+    forged = {"tp_size": 4}
+    if p.profile.wire.pp_on_pull:
+        forged = {"pp_size": 2}
+    with pytest.raises(PermanentReleaseError) as info:
+        await releaser.release(make_job(p.params("forged", **forged), "forged"))
+    assert info.value.reason == "topology_mismatch" and "nothing is asked of P" in str(info.value)
+    assert sample(releaser, "kvr_nixl_refused_total", reason="topology_mismatch") == 1
+    with pytest.raises(PermanentReleaseError):  # the dry run refuses it too
+        await releaser.rehearse(make_job(p.params("forged-2", **forged), "forged-2"))
+    # The client's claim of P's true ranks goes, and so does a vouched claim of more (P restarted).
+    assert await releaser.release(make_job(p.params("client"), "client")) is JobResult.SENT
+    wire_id = "{}" if p.profile.wire.has_remote_request_id else "chatcmpl-{}"
+    assert await p.received(f"{wire_id.format('client')}:1".encode()) == {(0, 0): 1, (0, 1): 1}
+    assert p.requests == 2 and p.dead == []
+
+
+async def test_without_ps_own_parameters_a_claim_within_what_answered_is_released(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    """No vouched parameters, no evidence: the claim stands once rank (0, 0) proved the engine
+    (docs/security.md says what that leaves open); a smaller claim is no mismatch."""
+    p = start(prefills, "0.34.0", 2, 1)
+    releaser = await releaser_factory(config(vllm_version="0.34.0"))
+    assert await releaser.release(make_job(p.params("two"), "two")) is JobResult.SENT
+    assert await releaser.release(make_job(p.params("one", tp_size=1), "one")) is JobResult.SENT
+    await p.wait(lambda: b"one:1" in p.notifs[(0, 0)])
+    await p.received(b"two:1")
+    assert b"one:1" not in p.notifs[(0, 1)] and p.requests == 2 and p.dead == []
+
+
+async def test_per_worker_listeners_have_every_reply_checked(
+    prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
+) -> None:
+    """Before 0.11.1 rank k listens on base + k, where another engine's worker may be (a
+    neighbouring data-parallel engine): its reply ends the release, nothing is sent."""
+    p = start(prefills, "0.11.0", 1, 1)
+    neighbour = None
+    for _ in range(20):  # the port after P's may be taken; try another P
+        try:
+            neighbour = start(prefills, "0.11.0", 1, 1, port=p.port + 1)
+            break
+        except zmq.ZMQError:
+            p.stop()
+            prefills.remove(p)
+            p = start(prefills, "0.11.0", 1, 1)
+    assert neighbour is not None
+    releaser = await releaser_factory(config(vllm_version="0.11.0"))
+    with pytest.raises(PermanentReleaseError) as info:
+        await releaser.release(make_job(p.params("x", tp_size=2), "x"))
+    assert info.value.reason == "topology_mismatch" and neighbour.engine_id in str(info.value)
+    assert (p.requests, neighbour.requests) == (1, 1)
+    for each in (p, neighbour):
+        each.drain()
+        assert all(not v for v in each.notifs.values())
+    assert len(releaser.session.cache) == 0
+
+
 async def test_p_restarted_with_new_agents_rehandshakes(
     prefills: list[FakePrefill], releaser_factory: Callable[..., Any]
 ) -> None:

@@ -175,9 +175,11 @@ def test_the_job_carries_what_the_strategies_need() -> None:
         body_request_id="body-1",
         data_parallel_rank=1,
         request_id_generated=True,
+        vouched=True,
     )
     rig.judge.judge(made, Event(status=404, error_type="NotFoundError"))
     [job] = rig.queue.jobs
+    assert job.vouched is True  # the parameters' ranks are P's own topology
     assert (job.request_id, job.route, job.body_request_id) == ("req-1", "/v1/chat/completions", "body-1")
     assert (job.raw_params, job.data_parallel_rank) == (b'{"do_remote_prefill": true}', 1)
     assert job.request_id_generated is True and job.params == PARAMS

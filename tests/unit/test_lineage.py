@@ -173,3 +173,32 @@ def test_what_it_knows_of_an_endpoint_expires_on_its_clock() -> None:
     assert known.refusal(P, NEW, created=clock.now - 5) is not None
     clock.now += 61
     assert known.refusal(P, NEW, created=clock.now - 66) is None  # forgotten after its ttl
+
+
+def test_handshakes_for_more_ranks_of_one_process_keep_its_lineage() -> None:
+    """Every handshake asks rank (0, 0): names shared with what was seen are the same process."""
+    known, clock = lineage()
+    known.seen(P, OLD[:1])  # a claim of rank (0, 0) only
+    known.lost(P)
+    clock.now += 5
+    known.seen(P, OLD)  # then both ranks: the same process, not a restart
+    assert known.refusal(P, OLD, created=clock.now - 5) is None
+    assert known.refusal(P, OLD[:1], created=clock.now - 5) is None
+
+
+def test_the_topology_ps_own_parameters_named_is_kept_for_its_process_and_engine() -> None:
+    known, _ = lineage()
+    assert known.topology(P, "e") is None
+    known.seen(P, OLD)
+    assert known.topology(P, "e") is None  # a handshake alone proves no topology
+    known.vouched(P, OLD, "e", [(0, 0), (0, 1)])
+    assert known.topology(P, "e") == {(0, 0), (0, 1)}
+    assert known.topology(P, "other-engine") is None and known.topology(("10.0.0.8", 5600), "e") is None
+    known.seen(P, OLD[:1])  # the same process again
+    assert known.topology(P, "e") == {(0, 0), (0, 1)}
+    known.seen(P, NEW)  # a new process: its topology is not known yet
+    assert known.topology(P, "e") is None
+    known.vouched(P, OLD, "e", [(0, 0)])  # agents of a process gone prove nothing of this one
+    assert known.topology(P, "e") is None
+    known.vouched(P, NEW, "e", [(0, 0), (0, 1), (0, 2), (0, 3)])
+    assert known.topology(P, "e") == {(0, 0), (0, 1), (0, 2), (0, 3)}

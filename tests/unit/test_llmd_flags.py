@@ -12,8 +12,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from sidecar.checks import Context
+from sidecar.checks.settings import check_trust
 from sidecar.config import ConfigError
 from sidecar.llmd.command import load, recognises
 from sidecar.llmd.flags import duration
@@ -208,6 +211,15 @@ def test_the_guides_args_serve_with_llm_d_s_inbound_timeouts() -> None:
     assert (config.timeout_keep_alive, config.client_header_timeout) == (300.0, 30.0)
 
 
+def test_a_clients_own_parameters_are_never_released_by_default_allowlist_or_not() -> None:
+    """As llm-d's sidecar: only the parameters P returned to the router's own leg are released."""
+    for env in ({}, {"KVR_PREFILL_ALLOW": "10.0.0.0/8"}):
+        config, _ = load(["--port=8000", "--kv-connector=nixlv2"], env)
+        assert config.release_client_params is False
+    config, _ = load([], {"KVR_PREFILL_ALLOW": "10.0.0.0/8", "KVR_RELEASE_CLIENT_PARAMS": "true"})
+    assert config.release_client_params is True  # a setup that needs them says so
+
+
 def test_kserve_s_args_with_and_without_tls() -> None:
     env = {"INFERENCE_POOL_NAMESPACE": "ns", "INFERENCE_POOL_NAME": "svc-inference-pool"}
     common = ["/app/pd-sidecar", "--port=8000", "--vllm-port=8001", "--kv-connector=nixlv2"]
@@ -316,3 +328,10 @@ def test_an_unknown_flag_stops_the_start_naming_it_and_the_newest_tag_known(
         load(argv, {})
     assert caught.value.field == flag and caught.value.source == f"--{flag}"
     assert f"unknown flag{hint}: not a flag of llm-d's pd-sidecar up to {NEWEST_TAG}," in str(caught.value)
+
+
+async def test_check_says_a_clients_own_parameters_are_never_released() -> None:
+    config, sources = load(["--port=8000", "--kv-connector=nixlv2"], {"KVR_PREFILL_ALLOW": "10.0.0.0/8"})
+    async with httpx.AsyncClient() as client:
+        [finding] = await check_trust(Context(config, sources, client))
+    assert finding.status == "ok" and "never released" in finding.detail

@@ -15,6 +15,7 @@ import pytest
 
 from sidecar.config import Config
 from sidecar.router.pool import PrefillPool
+from sidecar.tls.trust import CAFileError
 
 
 def missing_ca(tmp_path: Path) -> str:
@@ -51,5 +52,5 @@ async def test_header_named_http_ps_read_no_trust_store(tmp_path: Path) -> None:
 def test_the_trust_store_of_https_ps_is_read_when_the_pool_is_built(
     tmp_path: Path, settings: dict[str, object]
 ) -> None:
-    with pytest.raises(FileNotFoundError):  # at start, not in the first prefill leg
+    with pytest.raises(CAFileError, match="absent-ca"):  # at start, not in the first prefill leg
         PrefillPool(Config(tls_ca_file=missing_ca(tmp_path), **settings))  # type: ignore[arg-type]

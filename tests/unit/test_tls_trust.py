@@ -19,7 +19,16 @@ from cryptography import x509
 
 from sidecar.config import Config, load
 from sidecar.tls.client import outbound
-from sidecar.tls.trust import certificates, folder_files, pem_certificates, trust
+from sidecar.tls.trust import (
+    MAX_FILE_BYTES,
+    CAFileError,
+    Unusable,
+    certificates,
+    pem_certificates,
+    read_regular,
+    read_store,
+    trust,
+)
 from tests.certs import kserve_self_signed, write_secret
 from tests.servers import serve
 
@@ -36,8 +45,7 @@ def kserve_tls(tmp_path: Path) -> tuple[Path, bytes, bytes]:
 
 def test_a_secret_folder_gives_its_certificate_and_not_its_key(kserve_tls: tuple[Path, bytes, bytes]) -> None:
     folder, cert, _ = kserve_tls
-    assert [p.name for p in folder_files(str(folder))] == ["tls.crt", "tls.key"]  # ..data: a link here
-    [found] = certificates([], [str(folder)])
+    [found] = certificates([], [str(folder)])  # ..data (a folder) not descended, the links read once
     assert found.encode() == cert and subject_of(found) == "O=Kserve Self Signed"
 
 
@@ -63,8 +71,7 @@ def test_every_certificate_of_a_bundle_counts_and_a_hash_link_only_once(tmp_path
     folder = tmp_path / "certs"
     folder.mkdir()
     (folder / "bundle.pem").write_bytes(b"# a comment line\n" + first + b"\nsome text\n" + second)
-    (folder / "5ed36f99.0").symlink_to("bundle.pem")  # OpenSSL's hash link beside its target
-    assert [p.name for p in folder_files(str(folder))] == ["bundle.pem"]
+    (folder / "5ed36f99.0").symlink_to("bundle.pem")  # OpenSSL's hash link beside its target: read once
     assert [pem.encode() for pem in certificates([], [str(folder)])] == [first, second]
 
 
@@ -131,3 +138,99 @@ def test_tls_ca_file_and_the_system_store_stay_trusted(kserve_tls: tuple[Path, b
     assert context.cert_store_stats()["x509"] == system + 1  # the system's store kept beside it
     both = outbound(Config(tls_ca_file=str(folder / "tls.crt"), ssl_cert_file=str(folder / "tls.crt")), False)
     assert both.cert_store_stats()["x509"] == system + 1  # the same certificate twice: one entry
+
+
+# --- what a setting may name: read safely, each problem in one line --------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_proc_a_symlink_loop_and_an_oversized_file_are_refused_without_reading(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")  # a blocking open or read would hang past the timeout
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with (tmp_path / "huge.pem").open("wb") as handle:
+        handle.truncate(MAX_FILE_BYTES + 1)  # sparse
+    cases = {
+        str(tmp_path / "fifo"): "not a regular file (a FIFO)",
+        "/proc/self/status": "a kernel file of /proc or /sys",
+        "/dev/null": "not a regular file (a character device)",
+        str(tmp_path / "loop"): "a symlink loop",
+        str(tmp_path / "huge.pem"): f"{MAX_FILE_BYTES + 1} bytes, over the limit of {MAX_FILE_BYTES}",
+        str(tmp_path / "absent"): "No such file or directory",
+        str(tmp_path): "not a regular file (a folder)",
+    }
+    for path, why in cases.items():
+        with pytest.raises(Unusable) as caught:
+            read_regular(path, MAX_FILE_BYTES)
+        assert caught.value.path == path and why in caught.value.why
+
+
+def test_a_file_is_read_no_further_than_the_size_it_declares(tmp_path: Path) -> None:
+    cert = kserve_self_signed()[0]
+    (tmp_path / "ca.pem").write_bytes(cert)
+    assert read_regular(str(tmp_path / "ca.pem"), MAX_FILE_BYTES) == cert
+    with pytest.raises(Unusable, match="over the limit of 10"):
+        read_regular(str(tmp_path / "ca.pem"), 10)
+
+
+@pytest.mark.timeout(30)
+def test_each_folder_problem_is_one_line_and_the_rest_is_read(
+    tmp_path: Path, kserve_tls: tuple[Path, bytes, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sidecar.tls.trust.MAX_FOLDER_ENTRIES", 20)
+    folder, cert, _ = kserve_tls
+    os.mkfifo(folder / "pipe")
+    (folder / "a").symlink_to("b")
+    (folder / "b").symlink_to("a")
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    for i in range(21):
+        (crowded / str(i)).touch()
+    config = Config(ssl_cert_dir=(str(folder), "/proc", "/sys/kernel", str(crowded), str(tmp_path / "none")))
+    store = read_store(config, environ={})
+    assert [pem.encode() for pem in store.pems if pem.encode() == cert] == [cert]
+    assert sorted(store.problems) == sorted(
+        [
+            f"ssl_cert_dir {folder}/a: a symlink loop (too many levels of symbolic links): not trusted",
+            f"ssl_cert_dir {folder}/b: a symlink loop (too many levels of symbolic links): not trusted",
+            f"ssl_cert_dir {folder}/pipe: not a regular file (a FIFO): not trusted",
+            "ssl_cert_dir /proc: a folder of /proc or /sys, not certificates: not read",
+            "ssl_cert_dir /sys/kernel: a folder of /proc or /sys, not certificates: not read",
+            f"ssl_cert_dir {crowded}: more than 20 entries, no certificate folder: not read",
+        ]
+    )  # the folder that does not exist is no problem: KServe names folders some images lack
+
+
+def test_the_whole_read_is_bounded_in_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sidecar.tls.trust.MAX_TOTAL_BYTES", 3000)
+    folder = tmp_path / "certs"
+    folder.mkdir()
+    for name in ("1.pem", "2.pem", "3.pem", "4.pem"):
+        (folder / name).write_bytes(kserve_self_signed()[0])  # about 1.2 kB each
+    no_default = {"SSL_CERT_FILE": str(tmp_path / "absent")}  # OpenSSL's own bundle is larger
+    store = read_store(Config(ssl_cert_dir=(str(folder),)), environ=no_default)
+    assert len(store.pems) == 2 and len(store.problems) == 2
+    assert "3.pem: past the 3000 bytes all trust material may take" in store.problems[0]
+    assert "4.pem: not read, nor anything after it" in store.problems[1]
+
+
+def test_ssl_cert_file_and_dir_in_the_environment_replace_openssls_defaults(
+    tmp_path: Path, kserve_tls: tuple[Path, bytes, bytes]
+) -> None:
+    folder, cert, _ = kserve_tls
+    os.mkfifo(tmp_path / "fifo")
+    environ = {"SSL_CERT_FILE": str(tmp_path / "fifo"), "SSL_CERT_DIR": str(folder)}
+    store = read_store(Config(), environ=environ)
+    assert [pem.encode() for pem in store.pems] == [cert]  # the folder, read as Go reads it
+    assert store.capath is None  # OpenSSL looks nothing up in a folder a variable names
+    assert store.problems == (f"SSL_CERT_FILE {tmp_path / 'fifo'}: not a regular file (a FIFO): not trusted",)
+
+
+def test_an_unusable_tls_ca_file_stops_with_the_setting_named(tmp_path: Path) -> None:
+    (tmp_path / "key.pem").write_bytes(kserve_self_signed()[1])  # a key, no certificate
+    for path, why in (
+        (tmp_path / "key.pem", "holds no PEM certificate"),
+        (Path("/proc/self/status"), "/proc"),
+    ):
+        with pytest.raises(CAFileError) as caught:
+            read_store(Config(tls_ca_file=str(path)), environ={})
+        assert caught.value.path == str(path) and why in caught.value.why
