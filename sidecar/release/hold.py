@@ -22,16 +22,15 @@ class Deadline(NamedTuple):
 
     since: Version
     seconds: float | None  # None: P never frees them by itself
-    last: str  # the last release of the span, as the docs write it ("" for the newest span)
 
 
 #: P's deadline release by release, oldest first (vLLM's NIXL connector: no deadline before
 #: 0.10.0; ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 120 s then 480 s by default; ``kv_lease_duration``).
 DEADLINES: tuple[Deadline, ...] = (
-    Deadline((0, 9, 0), None, "0.9.x"),
-    Deadline((0, 10, 0), 120.0, "0.11.0"),
-    Deadline((0, 11, 1), 480.0, "0.21.x"),
-    Deadline((0, 22, 0), 30.0, ""),
+    Deadline((0, 9, 0), None),
+    Deadline((0, 10, 0), 120.0),
+    Deadline((0, 11, 1), 480.0),
+    Deadline((0, 22, 0), 30.0),
 )
 LEASE_SINCE: Version = DEADLINES[-1].since
 LEASE_SECONDS = 30.0
@@ -54,11 +53,9 @@ def deadlines_text() -> str:
     for deadline in reversed(DEADLINES):
         since = ".".join(map(str, deadline.since))
         if deadline.seconds is None:
-            parts.append(f"none before {'.'.join(map(str, DEADLINES[1].since))}")
-        elif not deadline.last:
-            parts.append(f"{deadline.seconds:g} s from vLLM {since}")
+            parts.append("none before")
         else:
-            parts.append(f"{deadline.seconds:g} s from {since} to {deadline.last}")
+            parts.append(f"{deadline.seconds:g} s from {'vLLM ' if not parts else ''}{since}")
     return ", ".join(parts)
 
 

@@ -352,7 +352,11 @@ def metric_rows() -> dict[str, Row]:
 def test_the_label_cell_reader() -> None:
     """The reader itself: values, commentary in deeper parentheses, and what makes a list partial."""
     cell = "`leg` (`prefill`), `cause` (`a` (note: `x`, `y`), `b`, ...), `path`"
-    assert label_cell(cell) == {"leg": ({"prefill"}, True), "cause": ({"a", "b"}, False), "path": (set(), False)}
+    assert label_cell(cell) == {
+        "leg": ({"prefill"}, True),
+        "cause": ({"a", "b"}, False),
+        "path": (set(), False),
+    }
     assert label_cell("`reason` (`ok`, the failure reason, or `target_down`)") == {
         "reason": ({"ok", "target_down"}, False)
     }
@@ -364,13 +368,17 @@ def test_the_metrics_reference_is_the_code() -> None:
     rows, problems = metric_rows(), []
     exposed = {f.name + ("_total" if f.kind == "Counter" else ""): f for f in FAMILIES.values()}
     problems += [f"{name}: no row in docs/metrics.md" for name in sorted(set(exposed) - set(rows))]
-    problems += [f"{name}: a row, but the code exports no such metric" for name in sorted(set(rows) - set(exposed))]
+    problems += [
+        f"{name}: a row, but the code exports no such metric" for name in sorted(set(rows) - set(exposed))
+    ]
     for name in sorted(set(rows) & set(exposed)):
         row, family = rows[name], exposed[name]
         if KINDS.get(row.kind) != family.kind:
             problems.append(f"{name}: a {row.kind} in the docs, a {family.kind} in the code")
         if set(row.labels) != family.labels:
-            problems.append(f"{name}: labels {sorted(row.labels)} in the docs, {sorted(family.labels)} in the code")
+            problems.append(
+                f"{name}: labels {sorted(row.labels)} in the docs, {sorted(family.labels)} in the code"
+            )
     assert problems == []
 
 
@@ -384,12 +392,16 @@ def test_every_label_value_in_the_reference_is_the_codes() -> None:
             known = ENUM_VALUES.get((family, label))
             if known is None:
                 continue
-            problems += [f"{row.name}{{{label}}}: {v!r} is no value of the code" for v in sorted(values - known)]
+            problems += [
+                f"{row.name}{{{label}}}: {v!r} is no value of the code" for v in sorted(values - known)
+            ]
             if (family, label) in EXACT:
                 exact_seen.add((family, label))
                 missing = sorted(known - values)
                 if missing or not complete:
-                    problems.append(f"{row.name}{{{label}}}: the row must list every value: missing {missing}")
+                    problems.append(
+                        f"{row.name}{{{label}}}: the row must list every value: missing {missing}"
+                    )
     assert problems == []
     assert exact_seen == EXACT
 
@@ -401,7 +413,9 @@ def test_the_nixl_reasons_are_its_errors() -> None:
         obj
         for module in (sidecar.nixl, resolver)
         for obj in vars(module).values()
-        if isinstance(obj, type) and issubclass(obj, RetryableReleaseError) and obj.__module__ == module.__name__
+        if isinstance(obj, type)
+        and issubclass(obj, RetryableReleaseError)
+        and obj.__module__ == module.__name__
     ]
     assert {cls.reason for cls in classes} == set(RETRIES)
     assert len(set(RETRIES)) == len(RETRIES) and len(set(REFUSALS)) == len(REFUSALS)
@@ -424,4 +438,6 @@ def test_a_share_of_p_d_requests_divides_by_p_d_requests() -> None:
     for rule in rules:
         denominator = rule["expr"].split("/", 1)[1]
         assert "kvr_requests_total" not in denominator, rule["alert"]
-        assert "kvr_rejections_total" in denominator and "kvr_not_released_total" in denominator, rule["alert"]
+        assert "kvr_rejections_total" in denominator and "kvr_not_released_total" in denominator, rule[
+            "alert"
+        ]

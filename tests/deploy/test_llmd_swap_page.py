@@ -228,7 +228,9 @@ def metrics_port_patch() -> str:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_with_metrics_port_the_pages_patch_moves_the_scrape_to_the_admin_port(tmp_path: Path, shape: str) -> None:
+def test_with_metrics_port_the_pages_patch_moves_the_scrape_to_the_admin_port(
+    tmp_path: Path, shape: str
+) -> None:
     """llm-d's ``--metrics-port`` moves the admin port; the PodMonitor follows it only with the
     page's patch (without it, Prometheus would scrape 9100, where nothing listens)."""
     port = int(re.search(r":(\d+)", metrics_port_patch().split("value:")[1])[1])
@@ -243,7 +245,10 @@ def test_with_metrics_port_the_pages_patch_moves_the_scrape_to_the_admin_port(tm
     (tmp_path / "swap").mkdir()
     layout = Layout(tmp_path)
     scraped = {}
-    for name, text in (("without", swap_kustomization()), ("with", swap_kustomization() + metrics_port_patch())):
+    for name, text in (
+        ("without", swap_kustomization()),
+        ("with", swap_kustomization() + metrics_port_patch()),
+    ):
         (tmp_path / "swap" / "kustomization.yaml").write_text(text)
         resources = layout.run(["kubectl", "kustomize", "swap"])
         [monitor] = [r for r in resources if r["kind"] == "PodMonitor"]

@@ -176,7 +176,11 @@ def test_a_503_before_ds_handler_is_released_and_one_from_it_is_ds_own(origin: s
             assert decode(sc, f"busy-{n}", params, prompt_words=4).status_code == 503
         after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         sc.settle()
-        assert (after["freed_by_notification"], after["freed_by_expiry"], after["notifs_unknown"]) == (3, 0, 0)
+        assert (after["freed_by_notification"], after["freed_by_expiry"], after["notifs_unknown"]) == (
+            3,
+            0,
+            0,
+        )
         assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == covered
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 3 - covered
 

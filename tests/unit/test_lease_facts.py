@@ -30,9 +30,7 @@ def flat(text: str) -> str:
 
 
 def test_the_table_renders_newest_first() -> None:
-    assert deadlines_text() == (
-        "30 s from vLLM 0.22.0, 480 s from 0.11.1 to 0.21.x, 120 s from 0.10.0 to 0.11.0, none before 0.10.0"
-    )
+    assert deadlines_text() == ("30 s from vLLM 0.22.0, 480 s from 0.11.1, 120 s from 0.10.0, none before")
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from sidecar.cli import build_parser, main
 from sidecar.config import ConfigError
 from sidecar.sim.decode import DecodeSimConfig, SimulatedDrop, add_arguments, create_decode_app
 from sidecar.sim.decode.config import config_from_args
-from sidecar.sim.decode.rules import Markers, ParsedRequest, Rejection, decode_view, read_markers, validate
 from sidecar.sim.decode.rejections import HANDLER_ERROR_TYPES
+from sidecar.sim.decode.rules import Markers, ParsedRequest, Rejection, decode_view, read_markers, validate
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 REMOTE = {"do_remote_prefill": True, "remote_request_id": "p-1", "remote_block_ids": [[1, 2]]}

@@ -39,8 +39,8 @@ __all__ = [
     "Origin",
     "Rejection",
     "handler_error_type",
-    "pre_handler_rejection",
     "handler_rejection",
+    "pre_handler_rejection",
     "unsupported_media_type",
     "vllm_error_message",
 ]
