@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,25 +167,22 @@ def wait_closed(port: int, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def started(block: str, log: Path, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``block`` run by bash in ``cwd``, in a process group of its own, stopped on exit."""
+def in_own_group(
+    command: list[str], log: Path, ready: Callable[[], bool], timeout: float = 60.0
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` in a process group of its own, once ``ready()``; the group stopped on exit."""
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            ["bash", "-c", block + "\nwait"],
-            cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        deadline = time.monotonic() + timeout  # a bound for a hang, not a measure
+        while not ready():
+            assert process.poll() is None, log.read_bytes()[-3000:]
+            assert time.monotonic() < deadline, log.read_bytes()[-3000:]
+            time.sleep(0.05)
         yield process
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # the group this test started
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(5)
+        process.wait(20)
 
 
 def bash(script: str, cwd: Path) -> str:

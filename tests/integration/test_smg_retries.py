@@ -36,9 +36,6 @@ parameters, this module fails and names the status.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -55,6 +52,7 @@ from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.deploy.manifests import ROOT
 from tests.integration.conftest import run_sidecar
+from tests.integration.guides import in_own_group
 from tests.servers import ServerThread, free_port, serve
 
 pytestmark = pytest.mark.nixl
@@ -114,19 +112,9 @@ def smg(args: list[str], log: Path) -> Iterator[str]:
     port = free_port()
     command = [str(SMG), "launch", "--pd-disaggregation", *args, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *FAST]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60  # a bound for a hang, not a measure
-        while not _ready(url):
-            assert process.poll() is None, log.read_bytes()[-3000:]
-            assert time.monotonic() < deadline, log.read_bytes()[-3000:]
-            time.sleep(0.05)
+    with in_own_group(command, log, lambda: _ready(url)):
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the group this test started
-        process.wait(20)
 
 
 def _ready(url: str) -> bool:

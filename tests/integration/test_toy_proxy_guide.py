@@ -31,10 +31,9 @@ from tests.integration.guides import (
     on_free_ports,
     runnable,
     sample,
-    started,
     until_p,
 )
-from tests.integration.test_readme_by_hand import wait_for
+from tests.integration.test_readme_by_hand import started, wait_for
 from tests.servers import free_port
 
 pytestmark = pytest.mark.nixl

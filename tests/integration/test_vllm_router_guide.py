@@ -46,11 +46,10 @@ from tests.integration.guides import (
     port_of,
     runnable,
     sample,
-    started,
     until_p,
     wait_closed,
 )
-from tests.integration.test_readme_by_hand import wait_for
+from tests.integration.test_readme_by_hand import started, wait_for
 from tests.servers import free_port
 
 pytestmark = pytest.mark.nixl
