@@ -33,6 +33,15 @@ $(VLLM_ROUTER): $(UV) requirements/vllm-router.txt
 	$(UV) pip install --quiet --no-config -p $(TOOLS)/vllm-router/bin/python -r requirements/vllm-router.txt
 	@touch $@
 
+# SGLang's model gateway (smg, a Rust binary with a Python launcher), which the tests of docs/smg.md and
+# the e2e smg mode run: a virtualenv of its own in .tools/, at requirements/smg.txt's pins.
+SMG := $(TOOLS)/smg/bin/smg
+$(SMG): $(UV) requirements/smg.txt
+	rm -rf $(TOOLS)/smg
+	$(UV) venv --quiet --no-config --python $(PYTHON) $(TOOLS)/smg
+	$(UV) pip install --quiet --no-config -p $(TOOLS)/smg/bin/python -r requirements/smg.txt
+	@touch $@
+
 # Three pytest runs: the suite on TEST_WORKERS processes (pytest-xdist); then the tests marked serial
 # (they measure CPU or time, or load the machine), on three processes and away from the rest: the fault
 # scenarios one after another in one, each other module whole in either; last, alone, the tests that
@@ -48,7 +57,7 @@ MARKED = $(shell grep -rlE --include='test_*.py' 'mark\.($(1))' tests | grep -v 
 OWN_PATHS = $(if $(findstring tests/,$(PYTEST_ARGS)),,$(1))
 SERIAL_PATHS = tests/faults $(call MARKED,serial|netns)
 NETNS_PATHS = $(call MARKED,netns|alone)
-test: $(STAMP) tools $(VLLM_ROUTER)
+test: $(STAMP) tools $(VLLM_ROUTER) $(SMG)
 	$(UV) run --frozen --no-sync pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(UV) run --frozen --no-sync pytest -q -n $(SERIAL_WORKERS) --dist loadgroup -m "serial and not netns and not alone" \
 		$(call OWN_PATHS,$(SERIAL_PATHS)) $(PYTEST_ARGS) || [ $$? -eq 5 ]
@@ -140,7 +149,7 @@ soak: $(STAMP)
 E2E_VENV := .venv-e2e
 E2E_FIND_LINKS ?=
 E2E_ARGS ?=
-e2e: $(STAMP)
+e2e: $(STAMP) $(SMG)
 	rm -rf out/e2e/dist out/e2e/report.json && $(UV) build --quiet --wheel --out-dir out/e2e/dist
 	$(PYTHON) -m tests.e2e.setup_env --uv $(UV) --venv $(E2E_VENV) --find-links "$(E2E_FIND_LINKS)" \
 		--wheel "out/e2e/dist/kv_release_sidecar-*.whl"

@@ -153,7 +153,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # The spans' resource: key=value pairs, as OTEL_RESOURCE_ATTRIBUTES (its values percent-encoded).
     trace_resource_attributes: tuple[str, ...] = ()
     # P's hold of an unreleased request's blocks, for kvr_pinned_block_seconds_saved_total;
-    # 0: from P's vLLM release (30 s lease from 0.22.0, 480 s abort timeout before).
+    # 0: from P's vLLM release (sidecar.release.hold.DEADLINES).
     p_hold_seconds: float = 0.0
     may_cover_delay: float = 1.0
     # TLS on the proxy port(s) (sidecar.tls): tls.crt and tls.key from tls_cert_dir, reloaded when

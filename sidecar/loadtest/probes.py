@@ -113,10 +113,15 @@ def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
 
 
 def prometheus_snapshot(text: str) -> PSnapshot:
-    """A ``PSnapshot`` from Prometheus text: vLLM's names, or the simulator's."""
+    """A ``PSnapshot`` from Prometheus text: vLLM's names, or the simulator's (which also mirrors
+    two of vLLM's: read from its own, exact series then)."""
     snap = PSnapshot()
     usages: list[float] = []
-    for name, labels, value in _samples(text):
+    samples = list(_samples(text))
+    simulated = any(name.startswith(SIM_PREFIX) for name, _, _ in samples)
+    for name, labels, value in samples:
+        if simulated and not name.startswith(SIM_PREFIX):
+            continue
         if name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
             usages.append(value)
         elif name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():

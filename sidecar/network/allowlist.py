@@ -17,6 +17,8 @@ import ipaddress
 from dataclasses import dataclass
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+_LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
+_LOOPBACK_V6 = ipaddress.IPv6Network("::1/128")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,12 @@ def parse_entry(entry: str) -> Entry:
     if not label or not all(part and _is_label(part) for part in label.split(".")):
         raise ValueError(f"{host!r} is neither an IP, a CIDR nor a host name")
     return Entry(None, name, ports)
+
+
+def _within_loopback(network: IPNetwork) -> bool:
+    if isinstance(network, ipaddress.IPv4Network):
+        return network.subnet_of(_LOOPBACK_V4)
+    return network.subnet_of(_LOOPBACK_V6)
 
 
 def _is_label(part: str) -> bool:
@@ -138,6 +146,23 @@ class Allowlist:
     def may_admit_address(self, port: int) -> bool:
         """Some CIDR/IP entry covers ``port``: a host name's addresses could pass on it."""
         return any(entry.network is not None and entry.port_ok(port) for entry in self.entries)
+
+    def names_loopback(self, host: str, address: str, port: int) -> bool:
+        """Whether an entry names this loopback target itself: a loopback IP or CIDR entry (inside
+        127.0.0.0/8 or ``::1``) holding ``address``, or a ``localhost`` entry for that name, on
+        ``port``. A wider entry that merely contains loopback (``0.0.0.0/0``) names nothing."""
+        ip = ip_or_none(address)
+        if ip is None or not ip.is_loopback:
+            return False
+        name = host.lower().rstrip(".")
+        for entry in self.entries:
+            if not entry.port_ok(port):
+                continue
+            if entry.network is not None and ip in entry.network and _within_loopback(entry.network):
+                return True
+            if entry.name == "localhost" and name == "localhost":
+                return True
+        return False
 
     def allows(self, host: str, port: int, resolved: list[str] | None = None) -> bool:
         """Whether ``host:port`` may be contacted.

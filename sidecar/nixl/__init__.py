@@ -17,6 +17,7 @@ Every failure is translated once, where it happens, into this tree (the
     |   +-- HandshakeTimeout   "handshake_timeout"  no reply within config.handshake_timeout
     |   +-- BadReply           "bad_reply"          wrong frame count, undecodable payload
     |   +-- NixlError          "nixl_error"         add_remote_agent / send_notif failed
+    |   +-- ResolveFailed      "dns_failure"        (sidecar.network.resolver) no DNS answer now
     +-- PermanentReleaseError                 never retried; reasons listed in REFUSALS
         +-- EngineMismatch     "engine_mismatch"    rank (0, 0)'s engine_id is not remote_engine_id
         +-- TopologyMismatch   "topology_mismatch"  the parameters claim ranks P does not have
@@ -44,6 +45,14 @@ REFUSALS = (
     Reason.ENGINE_MISMATCH,  # P's side channel serves another engine: the one named is gone
     Reason.TOPOLOGY_MISMATCH,  # the parameters claim ranks P does not have
     Reason.P_RESTARTED,  # the request's P process is gone; a new one answers there (lineage)
+)
+#: ``RetryableReleaseError.reason`` values the NIXL strategy uses (``kvr_nixl_errors_total{reason}``).
+RETRIES = (
+    Reason.UNREACHABLE,  # PeerUnreachable
+    Reason.HANDSHAKE_TIMEOUT,  # HandshakeTimeout
+    Reason.BAD_REPLY,  # BadReply
+    Reason.NIXL_ERROR,  # NixlError
+    Reason.DNS_FAILURE,  # sidecar.network.resolver.ResolveFailed: P's host name got no answer now
 )
 
 
@@ -122,6 +131,7 @@ class NixlError(RetryableReleaseError):
 
 __all__ = [
     "REFUSALS",
+    "RETRIES",
     "BadReply",
     "EngineMismatch",
     "HandshakeTimeout",

@@ -65,7 +65,8 @@ class NixlMetrics:
         )
         self.loopback = Counter(
             "kvr_nixl_loopback_targets",
-            "Handshakes aimed at a loopback remote_host (P may have left VLLM_NIXL_SIDE_CHANNEL_HOST unset).",
+            "Handshakes aimed at a loopback remote_host that no allowlist entry names itself (P may have "
+            "left VLLM_NIXL_SIDE_CHANNEL_HOST unset).",
             registry=reg,
         )
         self.handshake_seconds = Histogram(

@@ -8,13 +8,13 @@ timeout they retry, not its cancellation. A handshake first drops the
 engine's old agents (NIXL names an agent by the remote, so removing an old
 entry after re-adding the same worker would remove the new one), checks the
 target against the allowlist (``TargetCheck``; a loopback ``remote_host`` is
-warned about), asks rank (0, 0) first and stops there when it serves another
-engine, and records the P process it reached (``sidecar.nixl.lineage``), with
-its topology when the parameters are P's own (``claim`` refuses, before any
-contact, parameters no one vouched for that claim more ranks than that).
-Entries leave the cache by LRU, by TTL (``sweep``), on a failed send
-(``invalidate``) and at shutdown; each leaving agent is removed from the NIXL
-peer.
+warned about unless the allowlist names that loopback endpoint), asks rank
+(0, 0) first and stops there when it serves another engine, and records the P
+process it reached (``sidecar.nixl.lineage``), with its topology when the
+parameters are P's own (``claim`` refuses, before any contact, parameters no
+one vouched for that claim more ranks than that). Entries leave the cache by
+LRU, by TTL (``sweep``), on a failed send (``invalidate``) and at shutdown;
+each leaving agent is removed from the NIXL peer.
 """
 
 from __future__ import annotations
@@ -234,7 +234,11 @@ class Session:
         return True
 
     def _warn_loopback(self, target: Target) -> None:
-        if not target.loopback:
+        """A loopback target is counted and warned about, unless the allowlist names it itself (P on
+        this machine, a local trial): then P announced where it runs, not vLLM's default."""
+        if not target.loopback or self.check.allowlist.names_loopback(
+            target.host, target.address, target.base_port
+        ):
             return
         self.metrics.loopback.inc()
         now = time.monotonic()

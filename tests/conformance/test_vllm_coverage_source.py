@@ -418,3 +418,43 @@ def test_every_request_model_validator_refusal_is_told_apart(vllm: Vllm) -> None
     assert version >= (0, 27, 0)
     unknown = [m for m in messages if not validator_refusal(f"{m} (parameter=p, value=v)")]
     assert unknown == [], unknown
+
+
+#: Where vLLM's server writes a literal 503, and why none of them is a typed answer to a completion
+#: request before its handler (``sidecar.sim.decode.rejections.pre_handler_rejection`` answers so).
+OWN_503 = {
+    "/elastic_ep/middleware.py": "elastic-EP scaling: {'error': ...}, no type",
+    "/instrumentator/health.py": "GET /health",
+    "/elastic_ep/api_router.py": "its own scaling routes",
+    "/checkpoint/api_router.py": "its own checkpoint routes",
+    "/dp_supervisor.py": "the data-parallel supervisor's health",
+    "/anthropic/protocol.py": "Anthropic's name for the status (translate_error_type)",
+}
+LITERAL_503 = ("status_code=503", "HTTPStatus.SERVICE_UNAVAILABLE")
+
+
+def test_the_only_503_before_a_completion_handler_is_scaling_and_untyped(vllm: Vllm) -> None:
+    """A completion request is answered 503 before its handler only by the elastic-EP scaling
+    middleware, with an untyped ``{"error": ...}`` body. A 503 typed ``"ServiceUnavailableError"``
+    (``RetryableRequestError``, ``paused_engine``) or ``"Service Unavailable"`` (admission,
+    ``admission``) comes from the handler: the simulator must never answer those before it."""
+    _, src = vllm
+    sites = {
+        path
+        for path, text in src.files.items()
+        if path.startswith("vllm/entrypoints/") and any(literal in text for literal in LITERAL_503)
+    }
+    unexplained = {path for path in sites if not path.endswith(tuple(OWN_503))}
+    assert unexplained == set()
+    [middleware_path] = [path for path in sites if path.endswith("/elastic_ep/middleware.py")]
+    middleware = src.trees[middleware_path]
+    answers_503 = [
+        node
+        for node in ast.walk(middleware)
+        if isinstance(node, ast.Call)
+        and any(k.arg == "status_code" and ast.unparse(k.value) == "503" for k in node.keywords)
+    ]
+    assert answers_503
+    for call in answers_503:
+        [content] = [k.value for k in call.keywords if k.arg == "content"]
+        assert isinstance(content, ast.Dict) and [ast.unparse(k) for k in content.keys if k] == ["'error'"]

@@ -133,21 +133,34 @@ def test_the_component_changes_only_images() -> None:
     assert all(SIDECAR_IMAGE in entry["newName"] for entry in spec["images"])
 
 
-@pytest.mark.parametrize("shape", ["disaggregatedset", "disaggregatedset-secure-proxy"])
-def test_ssrf_protection_binds_the_guides_account_and_mounts_its_token(tmp_path: Path, shape: str) -> None:
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ssrf_protection_binds_the_account_the_decode_pods_run_as_and_mounts_its_token(
+    tmp_path: Path, shape: str
+) -> None:
+    """Whatever account the guide's decode pods ran as (the recipe's ``sa``, the guide's
+    ``pd-disagg-vllm``), the Role is bound to the one they run as after the component, and only
+    they get a token: the guide's own account and its prefill pods stay as they were."""
     plain = render(tmp_path, shape, COMPONENT)
-    [account] = [r for r in plain if r["kind"] == "ServiceAccount"]
-    assert account["automountServiceAccountToken"] is False  # the guide's, untouched by default
     assert not [r for r in plain if r["kind"] in ("Role", "RoleBinding")]
+    accounts_before = [r for r in plain if r["kind"] == "ServiceAccount"]
+    [decode_before] = decode_pods(plain)
+    assert decode_before["serviceAccountName"] in ("sa", GUIDES_ACCOUNT)
 
     resources = render(tmp_path, shape, COMPONENT, SSRF_PROTECTION)
-    [account] = [r for r in resources if r["kind"] == "ServiceAccount"]
     [binding] = [r for r in resources if r["kind"] == "RoleBinding"]
     [role] = [r for r in resources if r["kind"] == "Role"]
-    pods = decode_pods(resources)
-    assert account["metadata"]["name"] == GUIDES_ACCOUNT == pods[0]["serviceAccountName"]
-    assert account["automountServiceAccountToken"] is True
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GUIDES_ACCOUNT}]
+    [pod] = decode_pods(resources)
+    accounts = {r["metadata"]["name"]: r for r in resources if r["kind"] == "ServiceAccount"}
+    [subject] = binding["subjects"]
+    assert subject == {"kind": "ServiceAccount", "name": pod["serviceAccountName"]}
+    assert accounts[pod["serviceAccountName"]]["automountServiceAccountToken"] is True
+    assert pod["automountServiceAccountToken"] is True
+    for account in accounts_before:  # the guide's account, shared with the prefill pods: untouched
+        assert accounts[account["metadata"]["name"]] == account
+    others = [spec for spec in pod_specs(resources) if spec is not pod]
+    assert [spec.get("serviceAccountName") for spec in others] == [
+        spec.get("serviceAccountName") for spec in pod_specs(plain) if spec is not decode_before
+    ]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert {tuple(rule["resources"]) for rule in role["rules"]} == {("inferencepools",), ("pods",)}
     assert all(rule["verbs"] == ["get", "list", "watch"] for rule in role["rules"])
@@ -219,3 +232,13 @@ def test_kserves_decode_templates_get_the_image_and_their_command_loads(
 def template_of(resource: Resource, template: str) -> bool:
     """``resource`` is the LLMInferenceServiceConfig of the fixture file ``template``."""
     return bool(resource["metadata"]["name"] == "kserve-" + template.removesuffix(".yaml"))
+
+
+@pytest.mark.parametrize("shape", ["deployment", "disaggregatedset"])
+def test_docs_llm_d_quotes_the_current_guides_args(shape: str) -> None:
+    """docs/llm-d.md says which args llm-d's guides run the routing sidecar with: the current
+    guides' (the recipe's Deployment and the guide's DisaggregatedSet, as vendored)."""
+    text = " ".join((ROOT / "docs" / "llm-d.md").read_text().split())
+    quoted = text.split("llm-d's guides run the routing sidecar without `--enable-ssrf-protection` (`")[1]
+    [sidecar] = sidecars(build(FIXTURES / shape))
+    assert quoted.split("`", 1)[0].split() == sidecar["args"]

@@ -220,3 +220,50 @@ def test_the_answers_the_page_says_differ_are_the_codes() -> None:
         assert refusal(ipaddress.ip_address(address)) is not None, address
     for claim in ("| 400 (`param: n`)", "| 403,", "| 503 when nothing was sent", "504 when D sent"):
         assert claim in text, claim
+
+
+def metrics_port_patch() -> str:
+    [text] = [b for b in blocks("yaml") if "kind: PodMonitor" in b and "patches:" in b]
+    return text
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_with_metrics_port_the_pages_patch_moves_the_scrape_to_the_admin_port(
+    tmp_path: Path, shape: str
+) -> None:
+    """llm-d's ``--metrics-port`` moves the admin port; the PodMonitor follows it only with the
+    page's patch (without it, Prometheus would scrape 9100, where nothing listens)."""
+    port = int(re.search(r":(\d+)", metrics_port_patch().split("value:")[1])[1])
+    guide = tmp_path / "guide"
+    guide.mkdir()
+    rendered = build(FIXTURES / shape)
+    _, container = decode_pod(rendered)
+    container["args"].append(f"--metrics-port={port}")
+    (guide / "all.yaml").write_text(yaml.safe_dump_all(rendered))
+    (guide / "kustomization.yaml").write_text("resources:\n  - all.yaml\n")
+    (tmp_path / "kv-release-sidecar").symlink_to(ROOT)
+    (tmp_path / "swap").mkdir()
+    layout = Layout(tmp_path)
+    scraped = {}
+    for name, text in (
+        ("without", swap_kustomization()),
+        ("with", swap_kustomization() + metrics_port_patch()),
+    ):
+        (tmp_path / "swap" / "kustomization.yaml").write_text(text)
+        resources = layout.run(["kubectl", "kustomize", "swap"])
+        [monitor] = [r for r in resources if r["kind"] == "PodMonitor"]
+        _, sidecar = decode_pod(resources)
+        config, _ = load(sidecar["args"], {})
+        [rule] = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
+        scraped[name] = relabel("10.4.0.7:8000", rule)
+    assert config.admin_port == port != 9100
+    assert scraped == {"without": "10.4.0.7:9100", "with": f"10.4.0.7:{port}"}
+
+
+def test_the_rollback_is_the_guide_not_a_rollout_undo() -> None:
+    """``kubectl rollout undo`` goes back one revision (stage one's dry run, or releases on again
+    after the runbook's off switch): the page runs no such command and says why not."""
+    assert not any("rollout undo" in block for block in blocks("sh"))
+    text = " ".join(PAGE.read_text().split())
+    rollback = text[text.index("## 6. Roll back") : text.index("## 7.")]
+    assert "Not `kubectl rollout undo`" in rollback and "dry run" in rollback and "release-off" in rollback

@@ -30,7 +30,7 @@ from tests.deploy.test_llmd_swap_page import (
 )
 
 PAGE = DOCS / "runbook.md"
-GUIDE_ARGS = ["--port=8000", "--kv-connector=nixlv2", "--zap-log-level=1", "--secure-proxy=false"]
+GUIDE_ARGS = ["--port=8000", "--kv-connector=nixlv2", "--zap-log-level=1", "--secure-serving=false"]
 
 
 def blocks(lang: str) -> list[str]:

@@ -8,7 +8,9 @@ log lines; ``--control-token-file`` D's plugin token, for the http mode).
 Order: the modes' scenarios (``nixl``, ``http``, ``router``, ``auto``, and
 ``defaults``: the sidecar with every setting as ``serve`` ships it; with
 ``--modes`` also ``vllm-router``: vLLM's own P/D router in front, the sidecar
-in front of D, then its control without the sidecar, ``tests.e2e.vllmrouter``), the
+in front of D, then its control without the sidecar, ``tests.e2e.vllmrouter``;
+and ``smg``: SGLang's gateway in front of a decode engine that requires an API
+key, then its control, ``tests.e2e.smg``), the
 negative control (releases off), the output control (``tests.e2e.controls``),
 the simulator comparison, then D stopped for the D-down scenarios. It
 writes ``out/e2e/report.json``, prints the table and exits 0 only on a
@@ -24,7 +26,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from fnmatch import fnmatch
 from pathlib import Path
@@ -32,13 +34,14 @@ from types import FrameType
 
 import httpx
 
-from tests.e2e import cluster, controls, simcompare, twopods, vllmrouter
+from tests.e2e import cluster, controls, simcompare, smg, twopods, vllmrouter
 from tests.e2e.engines import EngineFailed, Processes
 from tests.e2e.report import Attempt, Report, Row, table
-from tests.e2e.runner import Runner
+from tests.e2e.runner import Runner, Target
 from tests.e2e.scenarios import (
     CONTROL,
     SIDECAR_SCENARIOS,
+    SMG_CONTROL,
     VLLM_ROUTER_CONTROL,
     Mode,
     Scenario,
@@ -49,8 +52,11 @@ from tests.e2e.stalls import StallWatch
 from tests.e2e.verdict import judge, kinds_of, retry_allowed
 
 MODES: tuple[Mode, ...] = ("nixl", "http", "router", "auto", "defaults")
-#: Modes run only when ``--modes`` names them: vllm-router (``tests.e2e.vllmrouter``).
-OPT_IN: tuple[Mode, ...] = ("vllm-router",)
+#: Modes run only when ``--modes`` names them: vllm-router (``tests.e2e.vllmrouter``), smg
+#: (``tests.e2e.smg``: a third engine, its D with an API key).
+OPT_IN: tuple[Mode, ...] = ("vllm-router", "smg")
+#: The modes whose P ran a counted number of prefills per request (a front that retries the pair).
+COUNTED: frozenset[Mode] = frozenset({"smg", "smg-bare"})
 MISSING = 3
 #: Seconds the harness keeps an idle connection: under the servers' own 5 s keep-alive.
 KEEPALIVE = 2.0
@@ -148,7 +154,8 @@ def run(args: argparse.Namespace, out: Path, processes: Processes, report: Repor
             args.p_url, args.d_url, args.lease or 30, args.p_log, args.control_token_file
         )
     else:
-        if args.two_pods:
+        keyed = "smg" in args.modes.split(",") and not args.two_pods
+        if args.two_pods or keyed:
             twopods.enough_memory()
         engines = cluster.own_engines(
             processes,
@@ -157,6 +164,7 @@ def run(args: argparse.Namespace, out: Path, processes: Processes, report: Repor
             int(args.lease or LEASE),
             args.engine_timeout,
             decoders=2 if args.two_pods else 1,
+            keyed=keyed,
         )
     report.info.update(engines.info)
     try:
@@ -202,6 +210,14 @@ def run_all(
         if "vllm-router" in modes and router is None:
             modes.remove("vllm-router")
             report.skipped.append("vllm-router: not installed beside the engines nor in .tools (make test)")
+        smg_binary = smg.smg_binary()
+        if "smg" in modes and (smg_binary is None or engines.keyed_d is None):
+            modes.remove("smg")
+            report.skipped.append(
+                "smg: not installed in .tools/smg (make e2e installs it)"
+                if smg_binary is None
+                else "smg: needs the harness's own engines (a decode engine with an API key)"
+            )
         chosen = Chosen(args.reduced, tuple(p for p in args.only.split(",") if p))
         sidecars: dict[Mode, Proxy] = {
             mode: start_sidecar(processes, mode, peers, out / "logs" / f"sidecar-{mode}.log")
@@ -212,9 +228,12 @@ def run_all(
         if "vllm-router" in modes and router is not None:
             sidecars["vllm-router"], bare = vllmrouter.start_fronts(processes, router, peers, out / "logs")
         for mode in modes:
-            run_mode(runner, mode, sidecars[mode], report, down=False, chosen=chosen)
+            if mode != "smg":
+                run_mode(runner, mode, sidecars[mode], report, down=False, chosen=chosen)
         if bare is not None and not args.no_controls:
             report.rows.append(run_row(runner, "vllm-router-bare", VLLM_ROUTER_CONTROL, bare))
+        if "smg" in modes and smg_binary is not None and engines.keyed_d is not None:
+            run_smg(args, out, processes, report, runner, peers, smg_binary, engines.keyed_d, chosen)
         if not args.no_controls:
             control = start_sidecar(processes, "off", peers, out / "logs" / "sidecar-off.log")
             evidence = runner.run(CONTROL, "off", control)
@@ -232,7 +251,42 @@ def run_all(
         processes.stop(engines.d)
         target.d_up = False
         for mode in modes:
-            run_mode(runner, mode, sidecars[mode], report, down=True, chosen=chosen)
+            if mode != "smg":  # its D (Dk) stays up: it has no D-down scenario
+                run_mode(runner, mode, sidecars[mode], report, down=True, chosen=chosen)
+
+
+def run_smg(
+    args: argparse.Namespace,
+    out: Path,
+    processes: Processes,
+    report: Report,
+    runner: Runner,
+    peers: Peers,
+    binary: Path,
+    keyed_d: tuple[str, str],
+    chosen: Chosen,
+) -> None:
+    """The smg mode against the decode engine that requires an API key, then its control."""
+    url, key = keyed_d
+    main = runner.target
+    target = Target(
+        main.p_url,
+        url,
+        main.model,
+        main.lease,
+        main.p_log,
+        main.long_prompt_words,
+        main.max_model_len,
+        d_key=key,
+    )
+    report.info["smg_warm_up_seconds"] = round(cluster.warm_up(target, runner.client), 1)
+    keyed = Runner(target, runner.client, runner.stalls)
+    front, bare = smg.start_fronts(
+        processes, binary, replace(peers, d_url=url), target.model, key, out / "logs"
+    )
+    run_mode(keyed, "smg", front, report, down=False, chosen=chosen)
+    if not args.no_controls:
+        report.rows.append(run_row(keyed, "smg-bare", SMG_CONTROL, bare))
 
 
 @dataclass(frozen=True)
@@ -264,10 +318,11 @@ def run_mode(
 def run_row(runner: Runner, mode: Mode, scenario: Scenario, sidecar: Proxy) -> Row:
     """One scenario, run again only while ``retry_allowed`` says so; every failed attempt is kept."""
     expect, status = scenario.expectation(mode), scenario.expected_status()
+    prefills = scenario.prefills if mode in COUNTED else None
     attempts: list[Attempt] = []
     while True:
         evidence = runner.run(scenario, mode, sidecar)
-        problems = judge(expect, status, evidence, scenario.also_accepted(mode))
+        problems = judge(expect, status, evidence, scenario.also_accepted(mode), prefills)
         if not retry_allowed(kinds_of(problems), evidence.window_stall, len(attempts) + 1):
             break
         attempts.append(Attempt.of(problems, evidence))

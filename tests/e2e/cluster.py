@@ -51,6 +51,7 @@ class Engines:
     info: dict[str, Any] = field(default_factory=dict)
     memory: PeakMemory | None = None  # the harness's own engines: their peak memory
     more_d: list[tuple[str, Child]] = field(default_factory=list)  # other decode engines: URL, child
+    keyed_d: tuple[str, str] | None = None  # a decode engine requiring an API key: its URL and key
 
 
 def make_model(python: str, out: Path) -> float:
@@ -71,10 +72,17 @@ def token_file(out: Path) -> Path:
 
 
 def own_engines(
-    processes: Processes, python: str, out: Path, lease: int, timeout: float, decoders: int = 1
+    processes: Processes,
+    python: str,
+    out: Path,
+    lease: int,
+    timeout: float,
+    decoders: int = 1,
+    keyed: bool = False,
 ) -> Engines:
     """Start P and ``decoders`` D engines (see the module docstring); ``EngineFailed`` if one does not
-    come up. The first D is the target's; the others (``D2``...) share its cores."""
+    come up. The first D is the target's; the others (``D2``...) share its cores. With ``keyed``, one
+    more decode engine (``Dk``, on D's cores) requires an API key (``--api-key``): the smg mode's D."""
     model_seconds = make_model(python, out / "model")
     token = token_file(out)
     logs = out / "logs"
@@ -96,6 +104,21 @@ def own_engines(
             for index in range(decoders)
         ),
     ]
+    if keyed:
+        key = secrets.token_hex(16)
+        specs.append(
+            EngineSpec(
+                "Dk",
+                python,
+                out / "model",
+                free_port(),
+                free_port(),
+                lease,
+                logs / "dk.log",
+                cpus=d_cpus,
+                api_key=key,
+            )
+        )
     children = [start_engine(processes, spec) for spec in specs]
     memory = PeakMemory(children).__enter__()
     started = {}
@@ -115,8 +138,11 @@ def own_engines(
     info = {"engines": "started by the harness", "model_seconds": round(model_seconds, 1)}
     info["engine_ready_seconds"] = {role: round(seconds, 1) for role, seconds in started.items()}
     info["engine_threads_pinned"] = pinned
-    more = [(spec.url, child) for spec, child in zip(specs[2:], children[2:], strict=True)]
-    return Engines(target, children[1], token, info, memory, more)
+    more = [
+        (spec.url, child) for spec, child in zip(specs[2:], children[2:], strict=True) if not spec.api_key
+    ]
+    keyed_d = next(((spec.url, spec.api_key) for spec in specs if spec.api_key), None)
+    return Engines(target, children[1], token, info, memory, more, keyed_d)
 
 
 def given_engines(p_url: str, d_url: str, lease: float, p_log: str, token: str) -> Engines:
@@ -146,8 +172,8 @@ def warm_up(target: Target, client: httpx.Client) -> float:
     text = prompt("warm-up", target.long_prompt_words)
     plain = {"model": target.model, "prompt": text, "max_tokens": 8, "temperature": 0}
     for _ in range(2):
-        for url in (target.p_url, target.d_url):
-            client.post(url + "/v1/completions", json=plain).raise_for_status()
+        client.post(target.p_url + "/v1/completions", json=plain).raise_for_status()
+        client.post(target.d_url + "/v1/completions", json=plain, headers=target.d_headers).raise_for_status()
     pin = {
         **plain,
         "max_tokens": 1,
@@ -157,7 +183,9 @@ def warm_up(target: Target, client: httpx.Client) -> float:
     answer.raise_for_status()
     params = answer.json()["kv_transfer_params"]
     client.post(
-        target.d_url + "/v1/completions", json={**plain, "kv_transfer_params": params}
+        target.d_url + "/v1/completions",
+        json={**plain, "kv_transfer_params": params},
+        headers=target.d_headers,
     ).raise_for_status()
     return time.monotonic() - started
 

@@ -75,6 +75,7 @@ class EngineSpec:
     log: Path
     plugin_token_file: Path | None = None  # D: serve the kv_release control endpoint
     cpus: str = ""  # the cores its worker's threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
+    api_key: str = ""  # D: require this API key (``--api-key``) on its OpenAI routes
 
     @property
     def url(self) -> str:
@@ -103,6 +104,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
         *ENGINE_FLAGS,
         "--kv-transfer-config",
         json.dumps(kv_config),
+        *(("--api-key", spec.api_key) if spec.api_key else ()),
     ]
 
 

@@ -152,6 +152,7 @@ class Evidence:
     error_param: str | None = None
     stream_error: int | None = None  # the code of an error event in a 200 stream
     pinned: bool = False  # P held blocks for the request (or, router mode, served its prefill leg)
+    prefills: int = 0  # the prefills P ran for the request (a routed mode's front; 0: not counted)
     freed_after: float | None = None  # seconds from the pin until P held no block, None: never seen
     first_poll: float = 0.0  # seconds from the pin to the harness's first look at P's usage
     expired: int = 0

@@ -80,10 +80,16 @@ class Target:
     long_prompt_words: int = 100
     max_model_len: int = 256
     d_up: bool = True
+    d_key: str = ""  # D's API key (vllm serve --api-key), when it requires one
 
     @property
     def limits(self) -> Limits:
         return Limits(self.max_model_len)
+
+    @property
+    def d_headers(self) -> dict[str, str]:
+        """What the harness's own requests to D carry: D's API key, when it has one."""
+        return {"authorization": f"Bearer {self.d_key}"} if self.d_key else {}
 
 
 @dataclass
@@ -129,8 +135,12 @@ class Runner:
     def step_engines(self) -> None:
         """A one-token request to P and to D (when up): each engine steps and moves its NIXL queues."""
         body = {"model": self.target.model, "prompt": "ka", "max_tokens": 1}
-        for url in (self.target.p_url, self.target.d_url) if self.target.d_up else (self.target.p_url,):
-            self.client.post(url + "/v1/completions", json=body).raise_for_status()
+        self.client.post(self.target.p_url + "/v1/completions", json=body).raise_for_status()
+        if self.target.d_up:
+            d = self.client.post(
+                self.target.d_url + "/v1/completions", json=body, headers=self.target.d_headers
+            )
+            d.raise_for_status()
 
     def before(self, sidecar: Proxy) -> Before:
         """The counters a scenario starts from, once P holds no block and both engines have
@@ -190,8 +200,9 @@ class Runner:
             params, started = self.pin(scenario, text, ev)
             content = decode_leg(body, params)
         self.send(sidecar.url + scenario.route, content, scenario, ev)
-        if mode in ROUTED:  # the router ran the prefill leg before the decode leg
-            ev.pinned = self.p_view().prefills > before.p.prefills
+        if mode in ROUTED:  # the router ran the prefill leg (or legs) before the decode leg
+            ev.prefills = round(self.p_view().prefills - before.p.prefills)
+            ev.pinned = ev.prefills > 0
         self.wait_p_idle(started, ev)
         if ev.pinned:
             self.settle(sidecar, before)
@@ -223,6 +234,8 @@ class Runner:
         evidence too (``ev.transport_error``), not the end of the run: P's and the sidecar's
         counters then say whether the sidecar ever read it (``tests.e2e.verdict``)."""
         headers = headers_for(scenario, f"e2e-{scenario.key}-{time.time_ns()}")
+        if not scenario.keyless:
+            headers.update(self.target.d_headers)
         try:
             with self.client.stream("POST", url, content=content, headers=headers) as response:
                 raw = response.read()
@@ -274,7 +287,7 @@ class Runner:
         reference = base_body(route, self.target.model, text, detail=True)
         if stream:
             reference["stream"] = True
-        response = self.client.post(self.target.d_url + route, json=reference)
+        response = self.client.post(self.target.d_url + route, json=reference, headers=self.target.d_headers)
         response.raise_for_status()
         return answers.output_of(route, response.content)
 

@@ -26,9 +26,23 @@ from typing import Any, Literal
 
 from sidecar.router.bodies import prefill_body
 
-Mode = Literal["nixl", "http", "router", "auto", "defaults", "pods", "off", "vllm-router", "vllm-router-bare"]
+Mode = Literal[
+    "nixl",
+    "http",
+    "router",
+    "auto",
+    "defaults",
+    "pods",
+    "off",
+    "vllm-router",
+    "vllm-router-bare",
+    "smg",
+    "smg-bare",
+]
 #: The modes whose front runs the prefill leg itself: the client's body goes to it, not P's parameters.
-ROUTED: frozenset[str] = frozenset({"router", "vllm-router", "vllm-router-bare"})
+ROUTED: frozenset[str] = frozenset({"router", "vllm-router", "vllm-router-bare", "smg", "smg-bare"})
+#: The controls: a router in front of D itself, no sidecar; what the sidecar frees elsewhere P's lease frees.
+BARE: frozenset[str] = frozenset({"vllm-router-bare", "smg-bare"})
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MESSAGES, GENERATE = "/v1/messages", "/inference/v1/generate"
 OUTPUT_TOKENS = 8
@@ -66,6 +80,8 @@ class Scenario:
     d_down: bool = False  # run with D stopped
     long_prompt: bool = False  # a prompt over one KV block (admitted requests: D reads them all)
     status: int = 0  # the status the client must get (0: from the group)
+    keyless: bool = False  # sent without D's API key (the smg modes, whose D requires one)
+    prefills: int = 1  # the prefills P runs for it (a front that retries the pair runs more)
 
     def expectation(self, mode: Mode) -> Expect:
         """What P must show in ``mode``. D down: the control strategy cannot reach D, and the
@@ -74,8 +90,8 @@ class Scenario:
         lease frees the blocks."""
         if self.d_down and mode == "http":
             return Expect.LEASE
-        if mode == "vllm-router-bare" and self.expect is Expect.SIDECAR_FREES:
-            return Expect.LEASE  # the control: vllm-router straight to D, no sidecar
+        if mode in BARE and self.expect is Expect.SIDECAR_FREES:
+            return Expect.LEASE  # the control: the router straight to D, no sidecar
         if self.d_down and mode in ("defaults", "pods"):
             return Expect.LEFT
         return self.expect
@@ -315,6 +331,37 @@ VLLM_ROUTER_SCENARIOS: tuple[Scenario, ...] = (
 #: Its control: the same refusal through vllm-router with no sidecar, held until P's lease.
 VLLM_ROUTER_CONTROL = STREAM_OPTIONS
 
+#: smg in front (tests.e2e.smg), its D requiring an API key that every other request carries: a
+#: request without it is refused by D (401, before its handler) and, not streamed, retried by smg as
+#: a whole pair, five prefills in all (its --retry-max-retries), the client then getting smg's 500.
+SMG_RETRIES = 5
+NO_KEY = Scenario(
+    "pre-no-key",
+    "no API key for D: 401, smg retries the pair",
+    PRE,
+    COMPLETIONS,
+    Expect.SIDECAR_FREES,
+    keyless=True,
+    status=500,
+    prefills=SMG_RETRIES,
+)
+SMG_SCENARIOS: tuple[Scenario, ...] = (
+    *(_BY_KEY[key] for key in ("admit", "admit-chat", "admit-stream")),
+    NO_KEY,
+    Scenario(
+        "pre-no-key-stream",
+        "no API key, stream: 401, not retried",
+        PRE,
+        COMPLETIONS,
+        Expect.SIDECAR_FREES,
+        stream=True,
+        keyless=True,
+        status=401,
+    ),
+)
+#: Its control: the same refusal through smg straight to D, every retried prefill held until the lease.
+SMG_CONTROL = NO_KEY
+
 #: The negative control: the sidecar with releases off, on a rejection only the sidecar can free.
 CONTROL = _BY_KEY["pre-validation"]
 #: A few scenarios per mode for a short run (``--reduced``): together every group of the full
@@ -348,6 +395,10 @@ def scenarios_for(mode: Mode, reduced: bool = False) -> tuple[Scenario, ...]:
         return (VLLM_ROUTER_CONTROL,)
     if mode == "vllm-router":  # a few already: the reduced run takes them all
         return VLLM_ROUTER_SCENARIOS
+    if mode == "smg-bare":
+        return (SMG_CONTROL,)
+    if mode == "smg":
+        return SMG_SCENARIOS
     chosen = ROUTER_SCENARIOS if mode == "router" else SIDECAR_SCENARIOS
     if mode == "defaults":
         chosen = tuple(s for s in chosen if not s.oversize)

@@ -44,6 +44,7 @@ MODE_ARGS: dict[Mode, tuple[str, ...]] = {
     "nixl": ("--release", "nixl"),
     "router": ("--release", "nixl"),
     "vllm-router": ("--release", "nixl"),  # as docs/vllm-router.md runs it (and --retried-statuses none)
+    "smg": ("--release", "nixl"),  # as docs/smg.md runs it (and --retried-statuses none)
     "http": ("--release", "http"),
     "auto": ("--release", "auto"),
     "off": ("--release", "off"),

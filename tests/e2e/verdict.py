@@ -53,6 +53,7 @@ class Kind(StrEnum):
     READ = "read"  # D read blocks it must not, or made no read
     OUTPUT = "output"  # the P/D answer differs from D's own (or could not be compared)
     NO_EXPIRY = "no-expiry"  # a scenario only P's lease can free was freed otherwise
+    PREFILLS = "prefills"  # P ran another number of prefills than the front must have asked for
     UNSENT = "unsent"  # the harness's request never reached the sidecar (closed unread, uncounted)
 
 
@@ -85,12 +86,23 @@ def kinds_of(problems: Collection[Problem]) -> list[Kind]:
     return list(dict.fromkeys(problem.kind for problem in problems))
 
 
-def judge(expect: Expect, status: int, ev: Evidence, also: frozenset[int] = frozenset()) -> list[Problem]:
+def judge(
+    expect: Expect,
+    status: int,
+    ev: Evidence,
+    also: frozenset[int] = frozenset(),
+    prefills: int | None = None,
+) -> list[Problem]:
     """Why the scenario failed; an empty list when it passed. ``also``: other statuses the client
-    may get (``Scenario.also_accepted``)."""
+    may get (``Scenario.also_accepted``). ``prefills``: how many prefills P must have run for the
+    request (a front that retries the whole pair), each freed as ``expect`` says; None: one, its
+    count not checked."""
     if ev.transport_error is not None and not ev.sidecar_requests:
         return [Problem(Kind.UNSENT, f"the request never reached the sidecar ({ev.transport_error})")]
     problems = _status(status, ev, also)
+    if prefills is not None and ev.prefills != prefills:
+        problems.append(Problem(Kind.PREFILLS, f"P ran {ev.prefills} prefills for it, not {prefills}"))
+    count = prefills or 1
     if expect is Expect.NOT_PINNED:
         if ev.pinned:
             problems.append(Problem(Kind.UNPINNED, "P served a prefill leg for it"))
@@ -106,12 +118,12 @@ def judge(expect: Expect, status: int, ev: Evidence, also: frozenset[int] = froz
             )
         )
     if expect is Expect.LEASE:  # the sidecar tried (http: D's endpoint is down) and could not
-        return problems + _expired(ev) + _releases(ev, 0, may_fail=True)
+        return problems + _expired(ev, count) + _releases(ev, 0, may_fail=True)
     if expect is Expect.LEFT:
         return problems + _expired(ev) + _releases(ev, 0) + _left(ev)
     problems += _freed_once(ev)
     if expect is Expect.SIDECAR_FREES:
-        problems += _releases(ev, 1) + _no_read(ev)
+        problems += _releases(ev, count) + _no_read(ev)
     elif expect is Expect.D_FREES:
         problems += _releases(ev, 0) + _no_read(ev)
     else:
@@ -163,8 +175,9 @@ def _freed_once(ev: Evidence) -> list[Problem]:
     return problems
 
 
-def _expired(ev: Evidence) -> list[Problem]:
-    if ev.expired < 1 or not ev.p_log.expired:
+def _expired(ev: Evidence, count: int = 1) -> list[Problem]:
+    """P's lease freed the request's blocks: ``count`` prefills' worth, by P's counter and log."""
+    if ev.expired < count or len(ev.p_log.expired) < count:
         return [
             Problem(
                 Kind.NO_EXPIRY,

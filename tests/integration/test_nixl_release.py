@@ -387,6 +387,37 @@ async def test_empty_allowlist_warns_at_start(
     assert "releases nothing" in caplog.text
 
 
+LOOPBACK_WARNING = "is a loopback address"
+
+
+@pytest.mark.parametrize(
+    ("allow", "warned"),
+    [
+        (("127.0.0.0/8",), False),  # loopback named: P runs on this machine, and said so
+        (("127.0.0.1:{port}",), False),
+        (("0.0.0.0/0",), True),  # loopback merely contained: P may have left its host at localhost
+        (("127.0.0.1:{other}", "0.0.0.0/0"), True),  # the loopback entry names another port
+    ],
+)
+async def test_a_loopback_p_is_warned_about_unless_the_allowlist_names_it(
+    prefills: list[FakePrefill],
+    releaser_factory: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+    allow: tuple[str, ...],
+    warned: bool,
+) -> None:
+    """The warning and ``kvr_nixl_loopback_targets_total`` (alert ``KVReleasePrefillOnLocalhost``)
+    are for a P that announces loopback where nobody said P runs; the release is sent either way."""
+    caplog.set_level("WARNING", logger="sidecar.release.nixl")
+    p = start(prefills, "0.34.0")
+    entries = tuple(e.format(port=p.port, other=p.port + 1) for e in allow)
+    releaser = await releaser_factory(config(vllm_version="0.34.0", prefill_allow=entries))
+    assert await releaser.release(make_job(p.params("lo"), "lo")) is JobResult.SENT
+    await p.received(b"lo:1")
+    assert sample(releaser, "kvr_nixl_loopback_targets_total") == (1 if warned else 0)
+    assert (LOOPBACK_WARNING in caplog.text) is warned
+
+
 @pytest.mark.parametrize(
     ("answer", "unknown"),
     [(None, "newest"), ("0.26.0rc1", "newest"), ("not-a-version", "newest"), ("0.35.0", "refuse")],

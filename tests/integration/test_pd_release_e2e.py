@@ -36,13 +36,16 @@ def cluster(
     vllm_d: bool = True,
     lease: float = 0,
     d_version: str | None = None,
+    d_settings: dict[str, Any] | None = None,
     **sidecar: Any,
 ) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
     p_config = PrefillSimConfig(
         port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=lease, side_channel_port=0
     )
     hooks = VllmDHooks(version) if vllm_d else None
-    d_config = DecodeSimConfig(port=0, version=d_version or version, max_model_len=40, model="sim-prefill")
+    d_config = DecodeSimConfig(
+        port=0, version=d_version or version, max_model_len=40, model="sim-prefill", **(d_settings or {})
+    )
     settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
     with (
         serve(create_prefill_app(p_config)) as p,
@@ -157,6 +160,29 @@ def test_engine_fix_covers_handler_rejections_and_sidecar_covers_the_rest() -> N
         assert after["notifs_unknown"] == 0
         assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == 1
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
+
+
+@pytest.mark.parametrize(("origin", "covered"), [("pre_handler", 0), ("handler", 3)])
+def test_a_503_before_ds_handler_is_released_and_one_from_it_is_ds_own(origin: str, covered: int) -> None:
+    """vLLM answers a completion request 503 before its handler only from the elastic-EP scaling
+    middleware (untyped, ``{"error": ...}``): D's cleanup never sees it and the sidecar releases
+    it. A 503 typed "ServiceUnavailableError" comes from the handler (a retryable error D's engine
+    sent back, 0.33.0+), which D's engine frees itself. With ``retried_statuses`` empty (nothing in
+    front retries on another D) every 503 may be released."""
+    fail = {"fail_first": 3, "fail_status": 503, "fail_origin": origin}
+    with cluster("0.34.0", 1, d_settings=fail, retried_statuses=()) as (p, _d, sc):
+        for n in range(3):
+            params = prefill(p, f"busy-{n}")
+            assert decode(sc, f"busy-{n}", params, prompt_words=4).status_code == 503
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
+        sc.settle()
+        assert (after["freed_by_notification"], after["freed_by_expiry"], after["notifs_unknown"]) == (
+            3,
+            0,
+            0,
+        )
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="covered_by_engine") == covered
+        assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 3 - covered
 
 
 def test_before_the_fix_release_handler_rejections_too() -> None:

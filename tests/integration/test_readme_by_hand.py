@@ -68,11 +68,12 @@ def wait_for(url: str, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def started(block: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def started(block: str, log: Path, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+    """``block`` run by bash in ``cwd``, in a process group of its own, stopped (all of it) on exit."""
     with log.open("wb") as out:
         proc = subprocess.Popen(
             ["bash", "-c", block + "\nwait"],
-            cwd=ROOT,
+            cwd=cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -138,6 +138,9 @@ async def test_unnotified_request_expires_then_late_release_is_unknown(release: 
         assert stats["blocks_in_use"] == 0 and stats["freed_by_notification"] == 0
         assert stats["rank_finished_by_expiry"] == [1] * (tp * pp)
         assert stats["pinned_block_seconds"] >= 0.9  # one block held for about the lease
+        metrics = (await sim.http.get("/metrics")).text
+        assert 'vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="sim-model"} 1.0' in metrics
+        assert 'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.0' in metrics
         await sim.dclient.release(params, request_id=internal)
         late = await sim.wait_stats(lambda s: s["notifs_unknown"] == tp * pp)
         assert late["freed_by_notification"] == 0 and late["worker_errors"] == 0
@@ -200,6 +203,10 @@ async def test_response_shapes(release: tuple[str, int, int]) -> None:
         assert (await sim.http.get("/version")).json() == {"version": version}
         metrics = (await sim.http.get("/metrics")).text
         assert "kvr_sim_prefill_blocks_in_use 2.0" in metrics
+        # vLLM's names for what a P is checked by: 2 of 64 blocks pinned, none expired yet.
+        labels = '{engine="0",model_name="sim-model"}'
+        assert f"vllm:kv_cache_usage_perc{labels} 0.03125" in metrics
+        assert f"vllm:nixl_num_kv_expired_reqs_total{labels} 0.0" in metrics
 
 
 def _send_bad_handshake(ctx: zmq.Context[zmq.Socket[bytes]], version: str, port: int) -> None:

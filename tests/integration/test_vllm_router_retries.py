@@ -34,10 +34,6 @@ the status.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -51,6 +47,7 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.deploy.manifests import ROOT
+from tests.integration.guides import in_own_group
 from tests.servers import ServerThread, free_port, serve
 
 pytestmark = pytest.mark.nixl
@@ -69,19 +66,9 @@ def vllm_router(args: list[str], log: Path) -> Iterator[str]:
     port = free_port()
     command = [str(ROUTER), *args, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60  # a bound for a hang, not a measure
-        while not _healthy(url):
-            assert process.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.05)
+    with in_own_group(command, log, lambda: _healthy(url)):
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the group this test started
-        process.wait(20)
 
 
 def _healthy(url: str) -> bool:

@@ -96,3 +96,26 @@ def test_prefiller_header_cannot_smuggle_another_host(header: bytes) -> None:
     with pytest.raises(RouterError) as caught:
         parse_targets(header, ALLOW)
     assert caught.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("entries", "host", "address", "port", "named"),
+    [
+        (["127.0.0.1"], "127.0.0.1", "127.0.0.1", 5600, True),
+        (["127.0.0.1:5600"], "127.0.0.1", "127.0.0.1", 5600, True),
+        (["127.0.0.1:5600"], "127.0.0.1", "127.0.0.1", 5601, False),  # another port
+        (["127.0.0.0/8"], "localhost", "127.0.0.1", 5600, True),
+        (["localhost:5600-5663"], "localhost", "127.0.0.1", 5601, True),
+        (["*.localhost"], "localhost", "127.0.0.1", 5600, False),
+        (["::1"], "::1", "::1", 5600, True),
+        (["127.0.0.2"], "127.0.0.1", "127.0.0.1", 5600, False),
+        (["0.0.0.0/0"], "127.0.0.1", "127.0.0.1", 5600, False),  # contains loopback, names nothing
+        (["::/0"], "::1", "::1", 5600, False),
+        (["10.0.0.0/8"], "10.0.0.1", "10.0.0.1", 5600, False),  # not loopback at all
+        (["10.0.0.1"], "p.example", "10.0.0.1", 5600, False),
+    ],
+)
+def test_names_loopback_only_for_an_entry_that_is_loopback_itself(
+    entries: list[str], host: str, address: str, port: int, named: bool
+) -> None:
+    assert Allowlist(entries).names_loopback(host, address, port) is named

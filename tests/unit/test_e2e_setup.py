@@ -262,7 +262,7 @@ def test_the_vllm_router_mode_runs_the_page_and_its_control() -> None:
     assert control.expectation("vllm-router-bare") is Expect.LEASE
     body = client_body(control, "m", "a b", Limits())
     assert body["stream_options"] and not body.get("stream")
-    assert {"vllm-router", "vllm-router-bare", "router"} == ROUTED
+    assert {"vllm-router", "vllm-router-bare", "router", "smg", "smg-bare"} == ROUTED
 
 
 def test_the_e2e_environment_installs_the_tested_vllm_router(tmp_path: Path) -> None:

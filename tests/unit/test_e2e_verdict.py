@@ -10,7 +10,7 @@ from tests.e2e.__main__ import run_row
 from tests.e2e.controls import Leg, OutputControl
 from tests.e2e.evidence import Evidence, PLog
 from tests.e2e.report import Attempt, Report, Row, table
-from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect
+from tests.e2e.scenarios import CONTROL, SIDECAR_SCENARIOS, Expect, scenarios_for
 from tests.e2e.simcompare import Answer, Comparison, differences
 from tests.e2e.verdict import ATTEMPTS, TIMING, Kind, Problem, judge, kinds_of, retry_allowed
 
@@ -406,3 +406,47 @@ def test_both_pods_down_behind_nginx_may_end_in_its_own_502_and_nowhere_else() -
     assert kinds_of(judge(Expect.LEFT, 503, left, down.also_accepted("defaults"))) == [Kind.STATUS]
     left.status = 500
     assert kinds_of(judge(Expect.LEFT, 503, left, down.also_accepted("pods"))) == [Kind.STATUS]
+
+
+def test_a_retried_pair_is_judged_by_every_prefill_p_ran() -> None:
+    """smg's retries: P ran the five prefills smg asks for, the sidecar released all five; four
+    releases, or a sixth prefill, fail; without the sidecar all five must expire."""
+    five = freed_by_sidecar(status=500, sidecar={"sent": 5}, prefills=5)
+    assert judge(Expect.SIDECAR_FREES, 500, five, prefills=5) == []
+    assert texts(
+        judge(
+            Expect.SIDECAR_FREES,
+            500,
+            freed_by_sidecar(status=500, sidecar={"sent": 4}, prefills=5),
+            prefills=5,
+        )
+    ) == ["the sidecar sent 4 releases, not 5 ({'sent': 4})"]
+    six = judge(
+        Expect.SIDECAR_FREES, 500, freed_by_sidecar(status=500, sidecar={"sent": 5}, prefills=6), prefills=5
+    )
+    assert kinds_of(six) == [Kind.PREFILLS]
+    held = Evidence(
+        status=500,
+        pinned=True,
+        freed_after=LEASE + 0.1,
+        expired=5,
+        p_log=PLog(expired=tuple(f"cmpl-{n}" for n in range(5))),
+        prefills=5,
+        lease=LEASE,
+    )
+    assert judge(Expect.LEASE, 500, held, prefills=5) == []
+    one = Evidence(**{**held.__dict__, "expired": 1, "p_log": PLog(expired=("cmpl-0",))})
+    assert kinds_of(judge(Expect.LEASE, 500, one, prefills=5)) == [Kind.NO_EXPIRY]
+
+
+def test_the_smg_modes_scenarios() -> None:
+    """smg in front: admitted requests and the keyless refusal; its control holds the refusal's five
+    prefills to P's lease."""
+    smg = {s.key: s for s in scenarios_for("smg")}
+    assert {"admit", "admit-chat", "admit-stream", "pre-no-key", "pre-no-key-stream"} == set(smg)
+    no_key = smg["pre-no-key"]
+    assert (no_key.keyless, no_key.prefills, no_key.expected_status()) == (True, 5, 500)
+    assert no_key.expectation("smg") is Expect.SIDECAR_FREES
+    [control] = scenarios_for("smg-bare")
+    assert control is no_key and control.expectation("smg-bare") is Expect.LEASE
+    assert smg["pre-no-key-stream"].prefills == 1 and smg["pre-no-key-stream"].expected_status() == 401

@@ -17,6 +17,7 @@ from sidecar.cli import build_parser, main
 from sidecar.config import ConfigError
 from sidecar.sim.decode import DecodeSimConfig, SimulatedDrop, add_arguments, create_decode_app
 from sidecar.sim.decode.config import config_from_args
+from sidecar.sim.decode.rejections import HANDLER_ERROR_TYPES
 from sidecar.sim.decode.rules import Markers, ParsedRequest, Rejection, decode_view, read_markers, validate
 
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -676,6 +677,10 @@ async def test_max_concurrency_rejects_above_limit_with_503() -> None:
     assert after.status_code == 200
 
 
+SCALING = {"error": "The model is currently scaling. Please try again later."}
+HANDLER_503 = "ServiceUnavailableError"
+
+
 @pytest.mark.parametrize(("origin", "notified"), [("pre_handler", False), ("handler", True)])
 async def test_fail_first_then_success_and_reset(origin: str, notified: bool) -> None:
     hooks = RecordingHooks()
@@ -692,9 +697,38 @@ async def test_fail_first_then_success_and_reset(origin: str, notified: bool) ->
     assert statuses == [503, 503, 200] and first.status_code == 200
     assert [entry["origin"] for entry in entries[:2]] == [origin, origin]
     assert again.status_code == 503
-    assert again.json()["error"]["type"] == "ServiceUnavailableError"
+    # Before the handler vLLM's only 503 is elastic-EP scaling's untyped body; "ServiceUnavailableError"
+    # is a handler's (a retryable error the engine sent back), which D's own cleanup sees.
+    if origin == "pre_handler":
+        assert again.json() == SCALING
+    else:
+        assert again.json()["error"]["type"] == HANDLER_503
     rejected = [call for call in hooks.calls if call[0] == "rejected"]
     assert len(rejected) == (2 if notified else 0)
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (401, {"error": "Unauthorized"}),  # the API-key middleware
+        (503, SCALING),  # the elastic-EP scaling middleware
+        (400, {"type": "Bad Request", "code": 400}),  # an HTTPException: typed with the phrase
+        (429, {"type": "Too Many Requests", "code": 429}),
+        (500, {"type": "Internal Server Error", "code": 500}),
+    ],
+)
+async def test_a_pre_handler_failure_is_answered_as_vllm_answers_before_its_handler(
+    status: int, body: dict[str, object]
+) -> None:
+    async with sim(fail_first=1, fail_status=status, fail_origin="pre_handler") as client:
+        answer = await post(client, CHAT, body_for(CHAT, kv_transfer_params=REMOTE))
+    assert answer.status_code == status
+    found = answer.json()
+    if "error" in body and isinstance(body["error"], str):
+        assert found == body
+    else:
+        assert {key: found["error"][key] for key in body} == body
+        assert found["error"]["type"] not in HANDLER_ERROR_TYPES.values()
 
 
 async def test_log_is_bounded() -> None:

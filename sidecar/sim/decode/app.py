@@ -55,6 +55,7 @@ from sidecar.sim.decode.rules import (
     handler_rejection,
     header_rank,
     model_check,
+    pre_handler_rejection,
     rank_error,
     read_markers,
     sampling_checks,
@@ -180,6 +181,8 @@ class DecodeSim:
         """The ``fail_first`` answer for the request that just arrived."""
         status, origin = self.config.fail_status, self.config.fail_origin
         message = f"sim-decode: fail_first rejection {self.state.arrivals} of {self.config.fail_first}"
+        if origin == "pre_handler":
+            return pre_handler_rejection(status, message)
         return Rejection(status, error_body(message, status, handler_error_type(status)), origin)
 
     def _admit(self) -> bool:

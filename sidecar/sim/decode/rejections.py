@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Literal
 
 from sidecar.sim.decode.fields import ROUTE_FIELDS, FieldError
@@ -31,6 +32,24 @@ HANDLER_ERROR_TYPES = {
 def handler_error_type(status: int) -> str:
     """The ``type`` vLLM gives a handler error with this status."""
     return HANDLER_ERROR_TYPES.get(status, "BadRequestError")
+
+
+#: What vLLM's outer middlewares answer before any handler: the API key's (401) and elastic-EP
+#: scaling's (503), ``{"error": ...}`` with no type. No 503 on a completion route comes from
+#: anywhere else before the handler: vLLM types a 503 ``"ServiceUnavailableError"`` only in
+#: ``create_error_response``, for a ``RetryableRequestError`` the engine sent back (0.33.0+),
+#: and ``"Service Unavailable"`` for admission control, in the handler (0.29.0+).
+UNAUTHORIZED = b'{"error":"Unauthorized"}'
+SCALING = b'{"error":"The model is currently scaling. Please try again later."}'
+_MIDDLEWARE_BODIES = {401: UNAUTHORIZED, 503: SCALING}
+
+
+def pre_handler_rejection(status: int, message: str) -> Rejection:
+    """A refusal of ``status`` before any handler, as vLLM answers it: the middleware's body for
+    401 and 503, else an ``HTTPException``'s (typed with the HTTP phrase, vLLM's
+    ``http_exception_handler``)."""
+    body = _MIDDLEWARE_BODIES.get(status) or error_body(message, status, HTTPStatus(status).phrase)
+    return Rejection(status, body, "pre_handler")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from sidecar.sim.decode.rejections import (
     handler_rejection,
     in_model_order,
     json_error,
+    pre_handler_rejection,
     rejection_of,
     unsupported_media_type,
     validation_error,
@@ -39,6 +40,7 @@ __all__ = [
     "Rejection",
     "handler_error_type",
     "handler_rejection",
+    "pre_handler_rejection",
     "unsupported_media_type",
     "vllm_error_message",
 ]

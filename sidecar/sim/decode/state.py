@@ -23,6 +23,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sidecar.sim.decode.config import COMPLETION_ROUTES, DecodeSimConfig
+from sidecar.sim.decode.rejections import SCALING, UNAUTHORIZED
 from sidecar.sim.decode.rules import BodyView, Origin, Rejection, kv_params_of
 from sidecar.wire import lax_bool
 
@@ -169,8 +170,6 @@ async def wait_for_disconnect(receive: Receive, seconds: float | None) -> bool:
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 _SCALING_EXEMPT = frozenset({"/health", "/is_scaling_elastic_ep"})
 _CLOSE = (b"connection", b"close")
-_UNAUTHORIZED = b'{"error":"Unauthorized"}'
-_SCALING = b'{"error":"The model is currently scaling. Please try again later."}'
 
 
 class FrontMiddleware:
@@ -222,10 +221,10 @@ class FrontMiddleware:
         path: str = scope["path"]
         guarded = scope["method"] != "OPTIONS" and path.startswith(_GUARDED)
         if self.api_key is not None and guarded and not self._authorized(scope):
-            return 401, _UNAUTHORIZED
+            return 401, UNAUTHORIZED
         exempt = path in _SCALING_EXEMPT or path.startswith("/sim/")
         if self.scaling and not exempt:
-            return 503, _SCALING
+            return 503, SCALING
         return None
 
     def _authorized(self, scope: Scope) -> bool:

@@ -183,7 +183,7 @@ def create_prefill_app(config: PrefillSimConfig) -> Starlette:
         sim = PrefillSim(config)
         await asyncio.to_thread(sim.start)
         try:
-            yield {"sim": sim, "registry": build_registry(sim.stats)}
+            yield {"sim": sim, "registry": build_registry(sim.stats, config.model)}
         finally:
             await asyncio.to_thread(sim.stop)
 

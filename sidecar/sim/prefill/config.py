@@ -2,7 +2,7 @@
 
 Field ``a_b`` is flag ``--a-b``. ``None`` means "what the chosen vLLM release
 does": the lease defaults to the release's timeout (30 s from 0.22.0, 480 s
-for 0.11.1-0.21.x, 120 s for 0.10.x, none before) and the side-channel port
+for 0.11.1-0.21.x, 120 s for 0.10.0-0.11.0, none before) and the side-channel port
 to ``VLLM_NIXL_SIDE_CHANNEL_PORT``'s default (5557 up to 0.11.0, 5600 after);
 a side-channel port of 0 picks a free one. Validation errors name the field,
 the value and the reason, before any socket or agent exists.

@@ -2,7 +2,12 @@
 
 A custom collector reads the ``/stats`` snapshot at scrape time, so the
 numbers on ``/metrics`` and ``/stats`` cannot drift apart. Names start with
-``kvr_sim_prefill_``; labels are small enumerations (cause, kind, rank).
+``kvr_sim_prefill_``; labels are small enumerations (cause, kind, rank). Two
+series also carry vLLM's own names and labels (``model_name``, ``engine``),
+the ones a P is checked by on real vLLM: ``vllm:kv_cache_usage_perc`` (the
+share of the pool pinned) and ``vllm:nixl_num_kv_expired_reqs_total``
+(requests freed by the lease), so a page's check of P runs the same on the
+simulator.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ _COUNTERS = {
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], model: str) -> None:
         self._stats = stats
+        self._model = model
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -53,10 +59,28 @@ class _StatsCollector(Collector):
         for rank, count in enumerate(stats["notifs_per_rank"]):
             per_rank.add_metric([str(rank)], float(count))
         yield per_rank
+        yield from self._vllm(stats)
+
+    def _vllm(self, stats: Mapping[str, Any]) -> Iterator[Metric]:
+        """vLLM's names for the two series P is judged by (``vllm/v1/metrics/loggers.py``,
+        ``kv_connector/v1/nixl/stats.py``): one engine, index 0."""
+        labels, values = ["model_name", "engine"], [self._model, "0"]
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
+        )
+        usage.add_metric(values, float(stats["blocks_in_use"]) / max(1, int(stats["blocks_total"])))
+        yield usage
+        expired = CounterMetricFamily(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
+            labels=labels,
+        )
+        expired.add_metric(values, float(stats["freed_by_expiry"]))
+        yield expired
 
 
-def build_registry(stats: Callable[[], Mapping[str, Any]]) -> CollectorRegistry:
+def build_registry(stats: Callable[[], Mapping[str, Any]], model: str = "sim-model") -> CollectorRegistry:
     """A fresh registry exposing ``stats()`` (one per app, never the global one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats))
+    registry.register(_StatsCollector(stats, model))
     return registry
