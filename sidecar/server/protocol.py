@@ -1,7 +1,7 @@
 """Every touch point between the sidecar and uvicorn's internals, in this module and ``cycle``.
 
-The sidecar serves HTTP/1.1 with uvicorn's httptools protocol (pinned below
-0.55) plus the client limits uvicorn 0.54 lacks (``docs/limits.md``):
+The sidecar serves HTTP/1.1 with uvicorn's httptools protocol plus the
+client limits uvicorn lacks (``docs/limits.md``):
 ``GuardedProtocol`` answers 431 over ``max_header_bytes``, 408 past
 ``client_header_timeout`` or ``client_body_timeout``, and marks a request
 above ``limit_concurrency`` (``over_limit``: the proxy answers it 503 with
