@@ -8,6 +8,7 @@ packages tried alone when the suites fail, and the make target's arguments.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -142,8 +143,13 @@ def test_the_suites_run_as_make_test_runs_them() -> None:
 
 
 def test_make_target_passes_the_package_and_version_through() -> None:
+    # a make this runs under (make deps-release itself) passes its own variables down: not here
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PKG", "VERSION", "TEST_WORKERS")
+    env = {name: value for name, value in os.environ.items() if name not in outer}
+
     def dry_run(*args: str) -> str:
-        done = subprocess.run(["make", "-n", "deps-release", *args], cwd=ROOT, capture_output=True, text=True)
+        command = ["make", "-n", "deps-release", *args]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stderr
         lines = done.stdout.replace("\\\n", " ").splitlines()  # the recipe's continued lines, joined
         return " ".join(next(line for line in lines if "deps_release" in line).split())
