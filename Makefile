@@ -8,10 +8,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance vllm-release faults soak e2e image clean tools mutate loaded
+.PHONY: help demo test lint bench conformance vllm-release deps-release faults soak e2e image clean tools mutate loaded
 
 help:
-	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | faults | soak | e2e | mutate | loaded | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | deps-release [PKG=name [VERSION=X]] | faults | soak | e2e | mutate | loaded | image | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -119,6 +119,17 @@ conformance: $(STAMP)
 VLLM ?=
 vllm-release: $(STAMP)
 	$(UV) run --frozen --no-sync python -m tests.conformance.release_day $(if $(VLLM),--vllm $(VLLM))
+
+# Release day for what the sidecar is built on: the newest release of every runtime dependency (or PKG,
+# at VERSION) installed over uv.lock in a scratch environment (out/deps-release/venv), then the unit and
+# integration suites there; a table of package, locked, newest, tested and the suites' result, and a
+# non-zero exit on a failure (docs/testing.md, "When a dependency releases"). Not part of make test or
+# CI: its answer depends on what the index holds that day.
+PKG ?=
+VERSION ?=
+deps-release: $(STAMP) tools $(VLLM_ROUTER) $(SMG)
+	$(UV) run --frozen --no-sync python -m tests.deps_release --uv $(UV) --workers $(TEST_WORKERS) \
+		$(if $(PKG),--package $(PKG)) $(if $(VERSION),--version $(VERSION))
 
 # The slow fault scenarios (the fast ones run in make test).
 faults: $(STAMP)

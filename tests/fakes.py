@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
 from typing import Any
 
 import msgspec
@@ -225,7 +225,7 @@ class CountingLoop:
 
 
 class FakeTransport:
-    """The transport calls uvicorn's protocol makes, recorded."""
+    """The transport calls the server protocol makes, recorded."""
 
     def __init__(self) -> None:
         self.written = bytearray()
@@ -265,18 +265,23 @@ class FakeTransport:
         self.reading = True
 
 
+@dataclass
+class ServerState:
+    """What a server shares with its connections (uvicorn's ``Server.server_state``)."""
+
+    connections: set[Any] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    total_requests: int = 0
+
+
 def guarded_connection(
-    app: Any, limits: ServerLimits | None = None, state: Any = None
+    app: Any, limits: ServerLimits | None = None, state: ServerState | None = None, loop: Any = None
 ) -> tuple[GuardedProtocol, FakeTransport]:
     """One client connection to the sidecar's server protocol (``GuardedProtocol`` under
-    ``limits``) answered by the ASGI ``app``, on a ``FakeTransport``; uvicorn's ``ServerState``
-    is ``state``, or a new one."""
-    import uvicorn
-    from uvicorn.server import ServerState
-
-    config = uvicorn.Config(app=app, lifespan="off", log_level="critical")
-    loop = asyncio.get_running_loop()
-    protocol = guarded_protocol(limits or ServerLimits())(config, state or ServerState(), {}, loop)
+    ``limits``) answered by the ASGI ``app``, on a ``FakeTransport``; the server's state is
+    ``state``, or a new one; ``loop`` the running loop unless given."""
+    config = SimpleNamespace(loaded_app=app)
+    protocol = guarded_protocol(limits or ServerLimits())(config, state or ServerState(), {}, loop=loop)
     transport = FakeTransport()
     transport.protocol = protocol
     protocol.connection_made(transport)  # type: ignore[arg-type]

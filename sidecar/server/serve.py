@@ -30,8 +30,8 @@ from sidecar.k8s.account import check_service_account
 from sidecar.observability import logs, tracing
 from sidecar.proxy.trust import Trust
 from sidecar.server import memory, workers
+from sidecar.server.host import Server, serve_tls, uvicorn_config
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS, TLSFileError, serving
 from sidecar.tls.trust import CAFileError, trust_store
 

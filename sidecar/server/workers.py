@@ -59,8 +59,8 @@ from sidecar.k8s import PoolWatch, publishing_watch
 from sidecar.k8s.shared import FILE as POOL_LISTS
 from sidecar.release.shared import SharedTable
 from sidecar.server import scratch
+from sidecar.server.host import Server, serve_tls, uvicorn_config
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import Server, serve_tls, uvicorn_config
 from sidecar.tls.server import ServerTLS
 
 log = logging.getLogger("sidecar.serve")

@@ -2,13 +2,13 @@
 
 The proxy reads a stream's first event to judge it; the rest of D's body only
 passes through. Handing each of those parts to the request's task (wake the
-task, resume the pump, an ASGI message into uvicorn's cycle, back to sleep)
+task, resume the pump, an ASGI message into the server's cycle, back to sleep)
 cost several times what writing it costs. ``ClientRelay`` is one request's
 way around that: the server protocol (``sidecar.server.protocol``) puts one in
 the scope (the proxy drops it when the request ends), the proxy ``open``\\ s it
 on D's connection (``sidecar.upstream.http1``), and
 from then on that connection's ``data_received`` writes every body part it
-parses to the client's transport, framed exactly as uvicorn frames a body
+parses to the client's transport, framed exactly as the server frames a body
 message (one HTTP/1.1 chunk each), while the request's task waits once for
 the body's end. What the proxy must still see (router mode's corrected
 ``cached_tokens``) is applied to each part on the way (``Feed``).
@@ -17,7 +17,7 @@ Back-pressure holds both ways: when the client's transport is over its
 high-water mark (``pause``, from the server protocol's ``pause_writing``) D's
 connection stops reading until it drains (``resume``), so a slow client
 throttles D rather than growing the sidecar's memory. A client that leaves
-gets nothing more written (uvicorn's cycle is marked disconnected) and its
+gets nothing more written (the server's cycle is marked disconnected) and its
 request's task is cancelled as before. Only a chunked response that has
 started and not ended is relayed; anything else takes the pump as before.
 
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 from typing import Protocol
-
-from sidecar.transport.coalesce import CoalescingTransport
 
 RELAY = "kvr.relay"  # scope key: the request's ``ClientRelay``, from the server protocol
 
@@ -52,7 +50,7 @@ class Reader(Protocol):
 
 
 class Response(Protocol):
-    """The client's response as the server protocol exposes it (``sidecar.server.cycle.UvicornCycle``)."""
+    """The client's response as the server exposes it (``sidecar.server.cycle.Cycle``)."""
 
     @property
     def transport(self) -> asyncio.Transport: ...
@@ -90,10 +88,7 @@ class ClientRelay:
         if not response.relayable():
             return False
         self._reader, self._feed = reader, feed
-        transport = response.transport
-        if isinstance(transport, CoalescingTransport):  # past its held head: one call less a part
-            transport = transport.direct() or transport
-        self._transport = transport
+        self._transport = response.transport
         self._host.relaying(self)
         if response.write_paused():
             reader.pause_relay()

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.release.stub import StubReleaser
+from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import server_options
 from tests.servers import ServerThread, serve
 
 
@@ -115,7 +115,7 @@ def run_sidecar(decode_url: str, record: bool = False, **settings: Any) -> Itera
     releaser = Recording(keep=100_000, frees=frees, keeps_raw=keeps_raw)
     injected = releaser if record or config.release == "dry-run" else None
     app = create_app(config, Deps(releaser=injected, registry=CollectorRegistry()))
-    # The production protocol (httptools behind GuardedProtocol, sidecar.server.serve) on the proxy port,
+    # The production protocol (sidecar.server.protocol, as sidecar.server.serve runs it) on the proxy port,
     # not the test servers' default h11: what a client meets is what the sidecar ships.
     options = server_options(ServerLimits.of(config))
     with serve(app, create_admin_app(app), server_header=False, date_header=False, **options) as server:

@@ -20,8 +20,8 @@ import uvicorn
 import uvloop
 
 from sidecar.server.accept import Acceptor
+from sidecar.server.host import Server, uvicorn_config
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import Server, uvicorn_config
 
 WAITING = 300
 

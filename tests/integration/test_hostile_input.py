@@ -6,7 +6,7 @@ timers and size limit (``sidecar.server.protocol.GuardedProtocol``), oversized b
 vLLM's 413, unreadable JSON is forwarded for D to answer, and malformed
 parameters are never released while odd but valid ids are released intact.
 The sidecars here run the production HTTP protocol and limits
-(``sidecar.server.protocol.server_options``), not the test harness's default h11; one
+(``sidecar.server.host.server_options``), not the test harness's default h11; one
 test runs the ``serve`` process itself. Raw sockets pace bytes where the test
 is about timing; everything else is polled against deadlines.
 """
@@ -33,8 +33,8 @@ from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.params import MAX_BLOCK_IDS
 from sidecar.release.stub import StubReleaser as DryRunReleaser
+from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import server_options
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, retried_statuses
@@ -373,11 +373,13 @@ def test_a_stalled_pipelined_head_waits_for_the_answer_before_it(
     assert 1.5 <= time.monotonic() - started <= 1.5 + HEADER_TIMEOUT + SLACK  # deferred past the answer
 
 
-def test_control_characters_in_a_header_get_uvicorns_400(dial: Dial, sidecar: Sidecar) -> None:
+def test_control_characters_in_a_header_get_a_vllm_shaped_400(dial: Dial, sidecar: Sidecar) -> None:
     sock = dial(sidecar.url)
     sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-bad: a\x00b\r\n\r\n")
     answer = read_answer(sock, time.monotonic() + 5)
     assert (answer.status, answer.closed) == (400, True)
+    error = answer.error()
+    assert error["type"] == "BadRequestError" and error["message"].startswith("invalid HTTP request: ")
 
 
 # --- slow and oversized bodies ----------------------------------------------------------------

@@ -26,7 +26,7 @@ from tests.integration.conftest import kv_params, run_sidecar
 from tests.servers import serve
 
 EVENTS = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"]
-PER_REQUEST = ("RequestResponseCycle", "ClientRelay", "UvicornCycle", "RequestContext", "Exchange")
+PER_REQUEST = ("Cycle", "ClientRelay", "RequestContext", "Exchange")
 
 
 async def answer(request: Request) -> Response:

@@ -26,8 +26,8 @@ from sidecar.network.allowlist import Allowlist
 from sidecar.network.resolver import Resolver
 from sidecar.nixl.handshake import TargetCheck
 from sidecar.release.nixl import NixlReleaser
+from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
-from sidecar.server.protocol import server_options
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Sidecar, kv_params

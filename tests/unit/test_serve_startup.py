@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from sidecar.server.host import Server, uvicorn_config
 from sidecar.server.limits import ServerLimits
 from sidecar.server.memory import YOUNG_COLLECTION
-from sidecar.server.protocol import Server, uvicorn_config
 
 
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -1,8 +1,8 @@
-"""A whole answer leaves in one write past uvicorn's response messages, exactly as they would frame it.
+"""A whole answer leaves in one write past the server's response messages, exactly as they would frame it.
 
-``ClientRelay.answer`` (``UvicornCycle.answer``) writes D's head and entire
-body at once and ends the response as uvicorn's ``send`` ends one. These
-tests run uvicorn's real protocol (``GuardedProtocol``) on a recording
+``ClientRelay.answer`` (``Cycle.answer``) writes D's head and entire
+body at once and ends the response as the server's ``send`` ends one. These
+tests run the server's protocol (``GuardedProtocol``) on a recording
 transport: the bytes must be what the two ASGI messages would have written,
 the cycle must end the same way (keep-alive, ``Connection: close``, the
 request count), and every case it cannot frame must write nothing and say so.
@@ -15,10 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from uvicorn.server import ServerState
 
 from sidecar.transport.relay import RELAY
-from tests.fakes import FakeTransport, guarded_connection
+from tests.fakes import FakeTransport, ServerState, guarded_connection
 
 BODY = b'{"id":"cmpl-1","choices":[]}'
 HEAD = [
@@ -45,7 +44,7 @@ async def served(app: App, *requests: bytes) -> tuple[FakeTransport, Any, Server
     protocol, transport = guarded_connection(app, state=state)
     for data in requests:
         protocol.data_received(data)
-        await asyncio.gather(*protocol.tasks)
+        await asyncio.gather(*state.tasks)
         await asyncio.sleep(0)  # a held write leaves at the end of the loop iteration
     return transport, protocol, state
 
@@ -86,9 +85,9 @@ async def test_the_bytes_and_the_ending_are_the_asgi_messages_own(extra: bytes) 
     assert fast.closing == slow.closing == bool(extra)  # the client's Connection: close is honoured
     assert fast_state.total_requests == slow_state.total_requests == 1
     cycle = fast_protocol.cycle
-    assert cycle.response_started and cycle.response_complete and not cycle.chunked_encoding
+    assert cycle.response_started and cycle.response_complete and not cycle.chunked
     if not extra:
-        assert fast_protocol._phase == slow_protocol._phase == "idle"  # the keep-alive clock runs
+        assert fast_protocol._clock.phase == slow_protocol._clock.phase == "idle"  # the keep-alive clock runs
     fast_protocol.connection_lost(None)
     slow_protocol.connection_lost(None)
 
@@ -102,19 +101,29 @@ async def test_a_keep_alive_connection_serves_the_next_request_after_a_whole_ans
     protocol.connection_lost(None)
 
 
+async def test_a_head_request_gets_the_head_alone_as_the_asgi_messages_give_it() -> None:
+    taken: list[bool] = []
+    fast, fast_protocol, _ = await served(answering(HEAD, BODY, taken), request("HEAD"))
+    slow, slow_protocol, _ = await served(messages(HEAD, BODY), request("HEAD"))
+    assert taken == [True] and bytes(fast.written) == bytes(slow.written)
+    written = bytes(fast.written)
+    assert b"content-length: %d\r\n" % len(BODY) in written and written.endswith(b"\r\n\r\n")  # no body
+    fast_protocol.connection_lost(None)
+    slow_protocol.connection_lost(None)
+
+
 HEADLESS = [(n, v) for n, v in HEAD if n != b"content-length"]
 
 
 @pytest.mark.parametrize(
     ("method", "head"),
     [
-        ("POST", HEADLESS),  # no length named: uvicorn would frame it chunked
+        ("POST", HEADLESS),  # no length named: the server would frame it chunked
         ("POST", [*HEADLESS, (b"content-length", b"3")]),  # a length that is not the body's
         ("POST", [*HEAD, (b"content-length", b"%d" % len(BODY))]),  # named twice
         ("POST", [*HEAD, (b"transfer-encoding", b"chunked")]),
-        ("HEAD", HEAD),  # a HEAD answer carries no body
     ],
-    ids=["no-length", "wrong-length", "two-lengths", "chunked", "head-request"],
+    ids=["no-length", "wrong-length", "two-lengths", "chunked"],
 )
 async def test_what_it_cannot_frame_is_left_to_the_server_and_nothing_is_written(
     method: str, head: list[tuple[bytes, bytes]]
@@ -129,7 +138,7 @@ async def test_what_it_cannot_frame_is_left_to_the_server_and_nothing_is_written
 
     protocol, transport = guarded_connection(app)
     protocol.data_received(request(method))
-    await asyncio.gather(*protocol.tasks)
+    await asyncio.gather(*protocol.state.tasks)
     assert outcomes == [(False, 0, False)]  # refused, nothing written, the response not begun
     protocol.connection_lost(None)
 
@@ -154,12 +163,12 @@ async def test_a_response_already_started_or_a_client_gone_is_refused() -> None:
 
     protocol, transport = guarded_connection(gone)
     protocol.data_received(request())
-    await asyncio.gather(*protocol.tasks)
+    await asyncio.gather(*protocol.state.tasks)
     assert outcomes == [False, False] and BODY not in bytes(transport.written)
 
 
 async def test_a_client_that_reads_nothing_gets_the_answer_through_the_server() -> None:
-    # The client's transport is over its high-water mark: uvicorn's send waits for it to drain;
+    # The client's transport is over its high-water mark: the server's send waits for it to drain;
     # a whole answer must not jump that queue.
     outcomes: list[bool] = []
 
@@ -173,6 +182,6 @@ async def test_a_client_that_reads_nothing_gets_the_answer_through_the_server() 
 
     protocol, transport = guarded_connection(app)
     protocol.data_received(request())
-    await asyncio.gather(*protocol.tasks)
+    await asyncio.gather(*protocol.state.tasks)
     assert outcomes == [False] and bytes(transport.written).endswith(BODY)
     protocol.connection_lost(None)
