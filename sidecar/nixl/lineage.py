@@ -91,7 +91,7 @@ class Lineage:
             # P may as well be the same process that was merely unreachable.
             record.lost_before = record.lost_at if record.identity is not None else None
             record.identity, record.since = names, self._clock()
-            record.engine_id, record.topology = "", None  # a new process: its topology is unknown
+            record.topology = None  # a new process: its topology is unknown (and ``engine_id`` moot)
         record.lost_at = None
 
     def vouched(

@@ -202,3 +202,20 @@ def test_the_topology_ps_own_parameters_named_is_kept_for_its_process_and_engine
     assert known.topology(P, "e") is None
     known.vouched(P, NEW, "e", [(0, 0), (0, 1), (0, 2), (0, 3)])
     assert known.topology(P, "e") == {(0, 0), (0, 1), (0, 2), (0, 3)}
+
+
+def test_a_handshake_for_fewer_ranks_keeps_every_name_the_process_showed() -> None:
+    """A rank (0, 0)-only handshake after one of every rank leaves the process's identity whole:
+    P's own parameters naming every rank still vouch for it, and a release to every rank is still
+    judged as that process's."""
+    known, clock = lineage()
+    known.seen(P, OLD)
+    known.seen(P, OLD[:1])
+    known.vouched(P, OLD, "e", [(0, 0), (0, 1)])
+    assert known.topology(P, "e") == {(0, 0), (0, 1)}
+    known.lost(P)
+    clock.now += 5
+    known.seen(P, NEW)  # a restart after the outage
+    assert known.refusal(P, NEW, created=clock.now - 5) is not None
+    known.seen(P, NEW[:1])
+    assert known.refusal(P, NEW, created=clock.now - 5) is not None  # still the process after the outage
