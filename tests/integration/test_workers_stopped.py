@@ -9,7 +9,9 @@ leaves); then worker 0 is stopped and resumed at random times while both
 serve. A new connection reaches only a running worker, so every request
 answered while worker 0 is stopped was served by worker 1: none may take more
 than 100 ms longer than the slowest request before any stop (this machine's
-own noise: the fake D shares the test process with the clients).
+own noise: the fake D shares the test process with the clients); under
+emulation (``make arm64``) no duration is asserted, the rest is. A reader
+stopped inside worker 1's shard stalls worker 1 no more than a writer does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.emulation import quick
 from tests.integration.test_workers import FakeDecode, Workers, start_workers, wait_until
 from tests.servers import ServerThread, serve
 
@@ -33,25 +36,39 @@ from tests.servers import ServerThread, serve
 pytestmark = [pytest.mark.serial, pytest.mark.alone]
 BOUND = 0.1  # seconds a request served by the running worker may wait on the stopped one
 
-# Emulates a worker stopped inside a table operation: the ledger's lock held, and the first slot
-# of two buckets (a ledger bucket, one of worker 0's shard) with the odd sequence a write in
-# progress leaves; finished (sequences even, lock let go) once resumed.
+# Emulates a worker stopped inside a table operation: the ledger's writer lock held, and a ledger
+# bucket and a bucket of worker 0's shard held exclusive with their first slot's writing flag set,
+# as a write in progress leaves them; finished (flags cleared, locks let go) once resumed.
 HALF_WRITTEN = """
-import os, signal, struct, sys
+import fcntl, os, signal, struct, sys
 from pathlib import Path
-from sidecar.release.shared import SharedTable, _digest
+from sidecar.release.shared import SharedTable, _BUCKET, _digest
 table = SharedTable(Path(sys.argv[1]))
 assert table._lock()
 bases = [table._bucket(table._ledger, table._ledger_buckets, _digest(("p-engine", "stuck-spent"))),
          table._shard(0, _digest(("p-engine", "stuck-veto")))]
-seqs = [struct.unpack_from("<I", table._map, base)[0] | 1 for base in bases]
-for base, seq in zip(bases, seqs):
-    struct.pack_into("<I", table._map, base, seq)
+for base in bases:
+    assert table._take(fcntl.F_WRLCK, base, _BUCKET, 5.0)
+    struct.pack_into("<I", table._map, base, 1)
 print("stopping", flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
-for base, seq in zip(bases, seqs):
-    struct.pack_into("<I", table._map, base, seq + 1)
+for base in bases:
+    struct.pack_into("<I", table._map, base, 0)
+    table._drop(base, _BUCKET)
 table._unlock()
+"""
+
+# Emulates a worker stopped while it reads: every bucket of worker 1's shard held shared (a reader
+# holds one at a time; holding them all stands for a reader in whichever bucket a request needs).
+READING = """
+import fcntl, os, signal, sys
+from pathlib import Path
+from sidecar.release.shared import SharedTable, _BUCKET
+table = SharedTable(Path(sys.argv[1]))
+start = table._veto + 1 * table._veto_buckets * _BUCKET
+assert table._take(fcntl.F_RDLCK, start, table._veto_buckets * _BUCKET, 5.0)
+print("stopping", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
@@ -103,13 +120,13 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
         answers = [_timed(workers, f"ok-{i}") for i in range(20)]
         answers += [_timed(workers, f"rejected-{i}", "reject") for i in range(5)]
         assert [status for status, _ in answers] == [200] * 20 + [400] * 5
-        assert max(took for _, took in answers) < calm + BOUND, (calm, answers)
+        assert quick(max(took for _, took in answers), calm + BOUND), (calm, answers)
         # Their buckets half written: "spent?" is yes (the replay refused, D never sees it) and
         # "may D read them?" is yes (not released).
         status, took = _timed(workers, "stuck-spent")
-        assert (status, "stuck-spent" in fake.completions) == (409, False) and took < calm + BOUND
+        assert (status, "stuck-spent" in fake.completions) == (409, False) and quick(took, calm + BOUND)
         status, took = _timed(workers, "stuck-veto", "reject")
-        assert status == 400 and took < calm + BOUND
+        assert status == 400 and quick(took, calm + BOUND)
         time.sleep(0.5)  # a release made would have reached D by now
         assert fake.releases == []  # the ledger could not record them: not released
         said = [line for line in workers.lines() if "lock is held by a stopped" in line.get("msg", "")]
@@ -123,6 +140,53 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
     assert helper.returncode == 0
     assert workers.complete("after", "reject").status_code == 400
     wait_until(lambda: fake.releases == ["after"], "releases made again once the lock is free")
+    workers.ready()
+
+
+def test_a_worker_stopped_while_it_reads_another_workers_shard_stalls_nobody(
+    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+) -> None:
+    # Worker 1 cannot write its own shard while a reader holds it: its requests at D go to the
+    # shard's header, and what D admitted meanwhile holds every release for the lease (2 s here).
+    fake = decode[0]
+    workers = start_workers(decode[1].url, tmp_path, "--release-deadline", "2")
+    running = next(workers)
+    try:
+        _reader_stopped_inside_worker_1s_shard(fake, running)
+    finally:
+        workers.close()
+
+
+def _reader_stopped_inside_worker_1s_shard(fake: FakeDecode, workers: Workers) -> None:
+    stopped = _pids(workers)[0]
+    calm = max(took for _, took in (_timed(workers, f"calm-{i}") for i in range(20)))
+    os.kill(stopped, signal.SIGSTOP)  # every request to worker 1
+    reader = subprocess.Popen([sys.executable, "-c", READING, str(_table(workers))], stdout=subprocess.PIPE)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == b"stopping\n"
+        wait_until(lambda: _stopped(reader.pid), "the reader stopped inside worker 1's shard")
+        answers = [_timed(workers, f"ok-{i}") for i in range(20)]
+        answers += [_timed(workers, f"held-{i}", "reject") for i in range(5)]
+        assert [status for status, _ in answers] == [200] * 20 + [400] * 5
+        assert quick(max(took for _, took in answers), calm + BOUND), (calm, answers)
+        assert fake.releases == []  # D admitted requests no slot could hold: every release held
+    finally:
+        os.kill(reader.pid, signal.SIGKILL)  # its locks go with it
+        reader.wait(30)
+        assert reader.stdout is not None
+        reader.stdout.close()
+    # Once the lease of what D admitted has passed, releases are made again.
+    sent = 0
+
+    def released() -> bool:
+        nonlocal sent
+        assert workers.complete(f"after-{sent}", "reject").status_code == 400
+        sent += 1
+        return bool(fake.releases)
+
+    wait_until(released, "releases made again once the reader let go and the lease passed")
+    assert fake.releases[0].startswith("after-")
+    os.kill(stopped, signal.SIGCONT)
     workers.ready()
 
 
@@ -164,5 +228,5 @@ def test_a_worker_stopped_at_random_times_under_load_stalls_nobody(
     # Answered while worker 0 was stopped: served by worker 1.
     inside = [end - start for start, end, _ in answers if any(b <= start and end <= e for b, e in windows)]
     assert len(inside) >= 40, (len(inside), len(answers))  # it kept serving
-    assert max(inside) < calm + BOUND, (calm, sorted(inside)[-5:])
+    assert quick(max(inside), calm + BOUND), (calm, sorted(inside)[-5:])
     workers.ready()
