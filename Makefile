@@ -10,10 +10,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance vllm-release faults soak e2e image clean tools mutate loaded
+.PHONY: help demo test lint bench conformance vllm-release faults soak e2e image clean tools mutate loaded arm64 arm64-proof
 
 help:
-	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | faults | soak | e2e | mutate | loaded | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | faults | soak | e2e | mutate | loaded | arm64 | arm64-proof | image | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -82,7 +82,7 @@ tools: $(UV)
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
-	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e
+	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e tests/arm64
 
 # The streams workload also: router mode beside vLLM's own P/D router, each on one core and on every
 # core (docs/dev/performance-record.md); and the accept burst at one and two workers over three rounds.
@@ -134,6 +134,18 @@ loaded: $(STAMP)
 # A bounded soak through the simulators with random faults (about 15 minutes; stops by itself).
 soak: $(STAMP)
 	$(UV) run --frozen --no-sync python -m tests.faults.soak
+
+# The project on aarch64 Linux, under qemu-user emulation on an x86_64 host (natively on an aarch64
+# one), as root: an arm64 Debian root file system extracted from Debian's packages (cached in
+# /var/cache/kv-release-sidecar/arm64, KVR_ARM64_CACHE), the checkout installed there from uv.lock,
+# then the unit suite, the NIXL release and stopped-worker integration tests and make demo
+# (tests/arm64). arm64-proof, for CI: the install, the shared table's tests, one NIXL release.
+# Installs qemu-user-static and mmdebstrap when missing (Debian); no duration is asserted there.
+arm64:
+	$(PYTHON) -m tests.arm64
+
+arm64-proof:
+	$(PYTHON) -m tests.arm64 --proof
 
 # The sidecar between two real vLLM engines (a CPU build, NIXL on loopback): docs/testing.md "Real vLLM,
 # end to end". The engines run from their own environment ($(E2E_VENV)); the harness and the sidecar
