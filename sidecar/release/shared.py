@@ -383,24 +383,25 @@ class SharedTable:
             raise ValueError(f"worker index {worker} outside 0..{self.shards - 1}")
         return self._bucket(self._veto + worker * self._veto_buckets * _BUCKET, self._veto_buckets, digest)
 
-    def _head(self, worker: int, count: int = 0, until: float = 0.0, patience: float | None = None) -> bool:
-        """Add ``count`` to the worker's requests at D counted here; hold every release until
-        ``until``. Waits for the header past ``patience`` (None: until it is free) only when
-        readers stopped inside it and inside the key's bucket at once: two stopped workers."""
+    def _head(self, worker: int, count: int = 0, until: float = 0.0, dead: float | None = None) -> None:
+        """Add ``count`` to the worker's requests at D counted in its header; hold every release
+        until ``until``. ``dead``: the worker died, its count goes, and every release is held
+        until then if it counted any (unknown by key) or died writing the header. Waits for the
+        header only while readers stopped inside it and inside the key's bucket at once: two
+        stopped workers (or, for ``reap``, one reading every header)."""
         at = self._heads + worker * _SLOT.size
-        if not self._take(fcntl.F_WRLCK, at, _SLOT.size, self._patience if patience is None else patience):
-            if patience is not None:
-                return False
+        if not self._take(fcntl.F_WRLCK, at, _SLOT.size, self._patience):
             log.warning("the shared veto's header is held by stopped workers; waiting for it")
-            fcntl.fcntl(
-                self._fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, at, _SLOT.size, 0)
-            )
+            lock = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, at, _SLOT.size, 0)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, lock)
         try:
-            _, now_count, now_until, _ = _SLOT.unpack_from(self._map, at)
+            writing, now_count, now_until, _ = _SLOT.unpack_from(self._map, at)
+            if dead is not None:
+                until = max(until, dead) if writing or now_count else until
+                count = -now_count
             self._write(at, min(_LIVE_MAX, max(0, now_count + count)), max(now_until, until), _EMPTY)
         finally:
             self._drop(at, _SLOT.size)
-        return True
 
     def _veto_write(
         self, worker: int, digest: bytes, change: int, until: float, now: float, patience: float
@@ -509,7 +510,7 @@ class SharedTable:
             start = self._veto + worker * self._veto_buckets * _BUCKET
             length = self._veto_buckets * _BUCKET
             if not self._take(fcntl.F_RDLCK, start, length, self._patience):
-                self._head(worker, 0, now + ttl)
+                self._head(worker, 0, now + ttl, dead=now + ttl)
                 return 0
             try:
                 shard = self._map[start : start + length]
@@ -533,18 +534,7 @@ class SharedTable:
                             found += 1
                 finally:
                     self._drop(base, _BUCKET)
-            head = self._heads + worker * _SLOT.size
-            if not self._take(fcntl.F_RDLCK, head, _SLOT.size, self._patience):
-                hold = True
-                count = 0
-            else:
-                try:
-                    writing, count, _, _ = _SLOT.unpack_from(self._map, head)
-                finally:
-                    self._drop(head, _SLOT.size)
-                hold = hold or bool(writing) or bool(count)  # requests at D not known by key
-            if hold:
-                self._head(worker, -count, now + ttl)
+            self._head(worker, 0, now + ttl if hold else 0.0, dead=now + ttl)
             return found
 
 

@@ -340,3 +340,21 @@ def test_the_lock_request_is_laid_out_as_the_kernel_reads_it(tables: tuple[Share
     holder._drop(base, _BUCKET)
     kind, *_ = _FLOCK.unpack(fcntl.fcntl(asker._fd, fcntl.F_OFD_GETLK, question))
     assert kind == fcntl.F_UNLCK
+
+
+def test_a_dead_workers_requests_in_its_header_are_held_for_the_lease_then_let_go(
+    tables: tuple[SharedTable, SharedTable], clock: Clock
+) -> None:
+    reader, supervisor = tables
+    dead = SharedTable(tables[0].path, clock)
+    key, unrelated = ("engine", "r1"), ("engine", "unrelated")
+    _hold(reader, dead._shard(3, _digest(key)), fcntl.F_RDLCK)
+    SharedInFlight(dead, 3, 30.0).forwarded(key)  # counted in its header, then the worker died
+    dead.close()
+    reader._drop(supervisor._shard(3, _digest(key)), _BUCKET)
+    veto = SharedInFlight(supervisor, 1, 30.0)
+    assert veto.may_be_read(unrelated)
+    assert supervisor.reap(3, 30.0) == 0  # none by key
+    assert veto.may_be_read(unrelated)  # which keys is unknown: every release held for the lease
+    clock.now += 31
+    assert not veto.may_be_read(unrelated) and not veto.may_be_read(key)  # its count went with it
