@@ -25,7 +25,7 @@ from tests.arm64.lane import (
 )
 
 INSTALL = ("install from uv.lock", "make .venv/.synced", 1800)
-PYTEST = ".tools/bin/uv run --frozen --no-sync pytest -p no:cacheprovider"
+PYTEST = ".tools/bin/uv run --frozen --no-sync pytest -p no:cacheprovider -o timeout=900"
 # The proof: the shared table's tests (the stopped and killed workers among them) and one
 # release through NIXL, end to end: the sidecar, real agents, the P and D simulators.
 PROOF = (

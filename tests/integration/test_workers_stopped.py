@@ -16,6 +16,7 @@ stopped inside worker 1's shard stalls worker 1 no more than a writer does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -42,7 +43,8 @@ BOUND = 0.1  # seconds a request served by the running worker may wait on the st
 HALF_WRITTEN = """
 import fcntl, os, signal, struct, sys
 from pathlib import Path
-from sidecar.release.shared import SharedTable, _BUCKET, _digest
+from sidecar.release.shared import SharedTable
+from sidecar.release.table import _BUCKET, _digest
 table = SharedTable(Path(sys.argv[1]))
 assert table._lock()
 bases = [table._bucket(table._ledger, table._ledger_buckets, _digest(("p-engine", "stuck-spent"))),
@@ -63,7 +65,8 @@ table._unlock()
 READING = """
 import fcntl, os, signal, sys
 from pathlib import Path
-from sidecar.release.shared import SharedTable, _BUCKET
+from sidecar.release.shared import SharedTable
+from sidecar.release.table import _BUCKET
 table = SharedTable(Path(sys.argv[1]))
 start = table._veto + 1 * table._veto_buckets * _BUCKET
 assert table._take(fcntl.F_RDLCK, start, table._veto_buckets * _BUCKET, 5.0)
@@ -99,6 +102,22 @@ def _stopped(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
+def _stopped_helper(script: str, workers: Workers) -> subprocess.Popen[bytes]:
+    """``script`` run against the workers' table until it stops itself (inside the table)."""
+    helper = subprocess.Popen([sys.executable, "-c", script, str(_table(workers))], stdout=subprocess.PIPE)
+    assert helper.stdout is not None and helper.stdout.readline() == b"stopping\n"
+    wait_until(lambda: _stopped(helper.pid), "the helper stopped inside the table")
+    return helper
+
+
+def _served_in_time(workers: Workers, calm: float, rejected: str) -> None:
+    """20 requests D admits and 5 it rejects, each answered within ``BOUND`` of ``calm``."""
+    answers = [_timed(workers, f"ok-{i}") for i in range(20)]
+    answers += [_timed(workers, f"{rejected}-{i}", "reject") for i in range(5)]
+    assert [status for status, _ in answers] == [200] * 20 + [400] * 5
+    assert quick(max(took for _, took in answers), calm + BOUND), (calm, answers)
+
+
 def _timed(workers: Workers, rid: str, prompt: str = "say ok") -> tuple[int, float]:
     started = time.monotonic()
     status = workers.complete(rid, prompt).status_code
@@ -111,16 +130,9 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
     fake, stopped = decode[0], _pids(workers)[0]
     calm = max(took for _, took in (_timed(workers, f"calm-{i}") for i in range(20)))
     os.kill(stopped, signal.SIGSTOP)
-    helper = subprocess.Popen(
-        [sys.executable, "-c", HALF_WRITTEN, str(_table(workers))], stdout=subprocess.PIPE
-    )
+    helper = _stopped_helper(HALF_WRITTEN, workers)
     try:
-        assert helper.stdout is not None and helper.stdout.readline() == b"stopping\n"
-        wait_until(lambda: _stopped(helper.pid), "the helper stopped holding the lock")
-        answers = [_timed(workers, f"ok-{i}") for i in range(20)]
-        answers += [_timed(workers, f"rejected-{i}", "reject") for i in range(5)]
-        assert [status for status, _ in answers] == [200] * 20 + [400] * 5
-        assert quick(max(took for _, took in answers), calm + BOUND), (calm, answers)
+        _served_in_time(workers, calm, "rejected")
         # Their buckets half written: "spent?" is yes (the replay refused, D never sees it) and
         # "may D read them?" is yes (not released).
         status, took = _timed(workers, "stuck-spent")
@@ -149,26 +161,19 @@ def test_a_worker_stopped_while_it_reads_another_workers_shard_stalls_nobody(
     # Worker 1 cannot write its own shard while a reader holds it: its requests at D go to the
     # shard's header, and what D admitted meanwhile holds every release for the lease (2 s here).
     fake = decode[0]
-    workers = start_workers(decode[1].url, tmp_path, "--release-deadline", "2")
-    running = next(workers)
-    try:
-        _reader_stopped_inside_worker_1s_shard(fake, running)
-    finally:
-        workers.close()
+    with contextlib.contextmanager(start_workers)(
+        decode[1].url, tmp_path, "--release-deadline", "2"
+    ) as workers:
+        _reader_stopped_inside_worker_1s_shard(fake, workers)
 
 
 def _reader_stopped_inside_worker_1s_shard(fake: FakeDecode, workers: Workers) -> None:
     stopped = _pids(workers)[0]
     calm = max(took for _, took in (_timed(workers, f"calm-{i}") for i in range(20)))
     os.kill(stopped, signal.SIGSTOP)  # every request to worker 1
-    reader = subprocess.Popen([sys.executable, "-c", READING, str(_table(workers))], stdout=subprocess.PIPE)
+    reader = _stopped_helper(READING, workers)
     try:
-        assert reader.stdout is not None and reader.stdout.readline() == b"stopping\n"
-        wait_until(lambda: _stopped(reader.pid), "the reader stopped inside worker 1's shard")
-        answers = [_timed(workers, f"ok-{i}") for i in range(20)]
-        answers += [_timed(workers, f"held-{i}", "reject") for i in range(5)]
-        assert [status for status, _ in answers] == [200] * 20 + [400] * 5
-        assert quick(max(took for _, took in answers), calm + BOUND), (calm, answers)
+        _served_in_time(workers, calm, "held")
         assert fake.releases == []  # D admitted requests no slot could hold: every release held
     finally:
         os.kill(reader.pid, signal.SIGKILL)  # its locks go with it

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from sidecar.app.shared import SharedInFlight
-from sidecar.release.shared import _BUCKET, _FLOCK, _SLOT, SharedLedger, SharedTable, _digest
+from sidecar.release.shared import SharedLedger, SharedTable
+from sidecar.release.table import _BUCKET, _FLOCK, _SLOT, _digest
 from tests.emulation import quick
 
 
@@ -157,15 +158,22 @@ def _other(key: tuple[str, str], where: Callable[[tuple[str, str]], int]) -> tup
     return next(k for i in range(100) if where(k := ("engine", f"other-{i}")) != where(key))
 
 
+def _in_shard(table: SharedTable, worker: int) -> Callable[[tuple[str, str]], int]:
+    """Where a key's bucket is in ``worker``'s shard."""
+    return lambda key: table._shard(worker, _digest(key))
+
+
+def _in_ledger(table: SharedTable) -> Callable[[tuple[str, str]], int]:
+    """Where a key's bucket is in the ledger."""
+    return lambda key: table._bucket(table._ledger, table._ledger_buckets, _digest(key))
+
+
 def test_a_shard_half_written_by_a_dead_worker_vetoes_its_bucket_and_nothing_else(
     tables: tuple[SharedTable, SharedTable],
 ) -> None:
     stopped, alive = tables
     key = ("engine", "r1")
-
-    def bucket(k: tuple[str, str]) -> int:
-        return stopped._shard(0, _digest(k))
-
+    bucket = _in_shard(stopped, 0)
     other = _other(key, bucket)
     _half_written(stopped, bucket(key))
     veto = SharedInFlight(alive, 1, 30.0)
@@ -183,10 +191,7 @@ def test_a_ledger_bucket_half_written_reads_as_spent_and_the_lock_is_never_waite
     holder, waiter = tables
     ledger = SharedLedger(waiter, 600.0)
     key = ("engine", "r1")
-
-    def bucket(k: tuple[str, str]) -> int:
-        return holder._bucket(holder._ledger, holder._ledger_buckets, _digest(k))
-
+    bucket = _in_ledger(holder)
     other = _other(key, bucket)
     assert holder._lock()
     _half_written(holder, bucket(key))  # a writer died mid-spend; the holder stopped in another
@@ -213,10 +218,7 @@ def test_a_worker_stopped_writing_its_shard_vetoes_that_bucket_at_once(
 ) -> None:
     stopped, alive = tables
     key = ("engine", "r1")
-
-    def bucket(k: tuple[str, str]) -> int:
-        return stopped._shard(0, _digest(k))
-
+    bucket = _in_shard(stopped, 0)
     other = _other(key, bucket)
     _hold(stopped, bucket(key), fcntl.F_WRLCK)  # inside a write, stopped: the lock never let go
     started = time.monotonic()
@@ -273,10 +275,7 @@ def test_a_reader_stopped_inside_a_ledger_bucket_costs_that_bucket_its_releases_
     reader, writer = tables
     ledger = SharedLedger(writer, 600.0)
     key = ("engine", "r1")
-
-    def bucket(k: tuple[str, str]) -> int:
-        return writer._bucket(writer._ledger, writer._ledger_buckets, _digest(k))
-
+    bucket = _in_ledger(writer)
     other = _other(key, bucket)
     _hold(reader, bucket(key), fcntl.F_RDLCK)
     started = time.monotonic()
@@ -291,7 +290,8 @@ def test_a_reader_stopped_inside_a_ledger_bucket_costs_that_bucket_its_releases_
 KILLED_WRITING = """
 import fcntl, os, signal, struct, sys
 from pathlib import Path
-from sidecar.release.shared import SharedTable, _digest
+from sidecar.release.shared import SharedTable
+from sidecar.release.table import _digest
 table = SharedTable(Path(sys.argv[1]))
 base = table._shard(0, _digest(("engine", "r1")))
 assert table._take(fcntl.F_WRLCK, base, 256, 5.0)
