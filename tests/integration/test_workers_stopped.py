@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.emulation import quick
+from tests.emulation import EMULATED, quick
 from tests.integration.test_workers import FakeDecode, Workers, start_workers, wait_until
 from tests.servers import ServerThread, serve
 
@@ -232,6 +232,8 @@ def test_a_worker_stopped_at_random_times_under_load_stalls_nobody(
     assert {status for _, _, status in answers} <= {200, 400}
     # Answered while worker 0 was stopped: served by worker 1.
     inside = [end - start for start, end, _ in answers if any(b <= start and end <= e for b, e in windows)]
-    assert len(inside) >= 40, (len(inside), len(answers))  # it kept serving
+    # It kept serving: 40 answers inside the stops on a real CPU; under emulation, where a request
+    # takes ten times as long, at least one (how many is a measure of speed, not asserted there).
+    assert len(inside) >= (1 if EMULATED else 40), (len(inside), len(answers))
     assert quick(max(inside), calm + BOUND), (calm, sorted(inside)[-5:])
     workers.ready()
