@@ -10,10 +10,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance vllm-release faults soak e2e image clean tools mutate loaded arm64 arm64-proof
+.PHONY: help demo test lint bench conformance vllm-release faults soak e2e image clean tools mutate loaded arm64 arm64-proof image-check
 
 help:
-	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | faults | soak | e2e | mutate | loaded | arm64 | arm64-proof | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | faults | soak | e2e | mutate | loaded | arm64 | arm64-proof | image | image-check | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -82,7 +82,7 @@ tools: $(UV)
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
-	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e tests/arm64
+	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e tests/arm64 tests/image
 
 # The streams workload also: router mode beside vLLM's own P/D router, each on one core and on every
 # core (docs/dev/performance-record.md); and the accept burst at one and two workers over three rounds.
@@ -160,12 +160,20 @@ e2e: $(STAMP)
 		--wheel "out/e2e/dist/kv_release_sidecar-*.whl"
 	$(UV) run --frozen --no-sync python -m tests.e2e --engine-python $(E2E_VENV)/bin/python $(E2E_ARGS)
 
-# nixl-cu12 ships x86_64 wheels only. The sidecar (default target), the loadtest Job's image, the plugin.
-image:
-	docker build --platform linux/amd64 -t kv-release-sidecar:dev .
-	docker build --platform linux/amd64 --target loadtest -t kv-release-loadtest:dev .
-	rm -rf dist && $(UV) build --wheel --out-dir dist
-	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev .
+# One image for linux/amd64 and linux/arm64 (a manifest list) from the one Dockerfile: the sidecar
+# (default target) and the loadtest Job's image; the plugin image for this machine's platform
+# (tests/image). With podman when installed (a local manifest list: podman manifest push --all), else
+# docker buildx (IMAGE_REPO=registry/path IMAGE_TAG=0.1.0 IMAGE_PUSH=1 push both platforms). Without a container registry, stand-ins for python:3.11-slim-bookworm
+# from Debian's packages, as root (the arm64 one under qemu-user, as make arm64).
+# image-check: each platform's image as it runs (no torch, user 10001, /app/pd-sidecar --help,
+# a NIXL agent, /readyz 503 while D is away) and its size; root and podman.
+IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
+IMAGE_TAG ?= dev
+image: $(UV)
+	$(PYTHON) -m tests.image build --platforms $(IMAGE_PLATFORMS) --tag $(IMAGE_TAG)
+
+image-check:
+	$(PYTHON) -m tests.image check --platforms $(IMAGE_PLATFORMS) --tag $(IMAGE_TAG)
 
 clean:
 	rm -rf $(TOOLS) $(VENV) $(E2E_VENV) .pytest_cache .mypy_cache .ruff_cache out mutants

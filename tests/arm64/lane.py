@@ -98,10 +98,10 @@ def run(
     return subprocess.CompletedProcess(command, process.returncode, out, "")
 
 
-def host_tools(host: Host) -> None:
-    """mmdebstrap, unshare, chroot and (emulated) qemu-user-static; installed from Debian when
-    missing and apt-get is there, else LaneError naming the packages."""
-    needed = dict(HOST_PACKAGES)
+def host_tools(host: Host, also: dict[str, str] | None = None) -> None:
+    """mmdebstrap, unshare, chroot, (emulated) qemu-user-static and ``also`` (tool -> Debian
+    package); installed from Debian when missing and apt-get is there, else LaneError naming them."""
+    needed = {**HOST_PACKAGES, **(also or {})}
     if host.emulated:
         needed[QEMU] = "qemu-user-static"
     missing = sorted({package for tool, package in needed.items() if not shutil.which(tool)})
