@@ -212,8 +212,10 @@ def sources() -> list[str]:
     names: list[str] = []
     for extra in ((), ("--others", "--exclude-standard")):
         done = subprocess.run(
-            ["git", "ls-files", "-z", *extra], cwd=ROOT, capture_output=True, check=True, timeout=60
+            ["git", "ls-files", "-z", *extra], cwd=ROOT, capture_output=True, check=False, timeout=60
         )
+        if done.returncode != 0:
+            raise LaneError(f"the lane copies a git checkout's files: git ls-files failed in {ROOT}")
         names += [n for n in done.stdout.decode().split("\0") if n and (ROOT / n).is_file()]
     return names
 
