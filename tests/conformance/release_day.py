@@ -53,7 +53,7 @@ from sidecar.nixl import versions
 from sidecar.nixl.versions import WireProfile, parse_version
 from tests.conformance.vllm_facts import ABSENT, SEP, Facts, wheel_facts
 from tests.conformance.vllm_source import WIRE_AS
-from tests.conformance.wheels import cached, fetch_wheel, pip_command, wheel_dir
+from tests.conformance.wheels import WHEEL_PLATFORM, cached, fetch_wheel, pip_command, wheel_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Each conformance module that reads vLLM wheels, and the variable naming the releases it reads.
@@ -170,7 +170,7 @@ def newest_on_index() -> str:
     directory = wheel_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as staging:
-        command = [*pip_command(), "download", "--no-deps", "--only-binary=:all:", "vllm", "-d", staging]
+        command = [*pip_command(), "download", "--no-deps", *WHEEL_PLATFORM, "vllm", "-d", staging]
         fetched = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
         found = sorted(Path(staging).glob("vllm-*.whl"))
         if fetched.returncode != 0 or not found:
