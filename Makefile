@@ -94,7 +94,7 @@ lint: $(STAMP)
 	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e tests/arm64 tests/image
 
 # The streams workload also: router mode beside vLLM's own P/D router, each on one core and on every
-# core (docs/dev/performance-record.md); and the accept burst at one and two workers over three rounds.
+# core (docs/dev/performance.md); and the accept burst at one and two workers over three rounds.
 bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench
 	$(UV) run --frozen --no-sync python -m bench --workload streams

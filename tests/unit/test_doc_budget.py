@@ -38,7 +38,7 @@ def test_the_performance_page_fits_its_line_budget() -> None:
     lines = len((ROOT / "docs" / "performance.md").read_text(encoding="utf-8").splitlines())
     assert lines <= PERFORMANCE_LINES, (
         f"docs/performance.md is {lines} lines, over {PERFORMANCE_LINES}: dated runs and profiles "
-        "belong in docs/dev/performance-record.md"
+        "belong in git history; the method and current figures in docs/dev/performance.md"
     )
 
 
