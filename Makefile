@@ -139,7 +139,7 @@ faults: $(STAMP)
 
 # Mutation testing of the decision core (docs/testing.md, "Mutation testing"): a fresh mutmut run
 # over the modules [tool.mutmut] in pyproject.toml names, then the score per module; fails while a
-# surviving mutant is neither killed nor listed in docs/dev/testing-record.md as equivalent.
+# surviving mutant is neither killed nor listed in docs/dev/testing.md as equivalent.
 MUTATE_CHILDREN ?= 2
 mutate: $(STAMP)
 	rm -rf mutants
