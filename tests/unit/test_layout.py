@@ -1,10 +1,12 @@
 """The package's shape stays one a maintainer can hold: layers, small modules, short functions.
 
-Limits for ``sidecar/``: a module is at most 400 lines, the simulators and
-the load generator included; outside those tools (rather than the service) a
-function is at most 60 (metric declarations aside: one collector is several
-lines and they belong together), and no function takes more than 6
-parameters besides ``self``/``cls``. ``classify`` (the release table) is called from one module.
+Limits for ``sidecar/``: a module is at most 800 lines, the simulators and
+the load generator included (split a module by concept, never to fit a
+number: past about 800 lines one usually holds two); outside those tools
+(rather than the service) a function is at most 60 (metric declarations
+aside: one collector is several lines and they belong together), and no
+function takes more than 6 parameters besides ``self``/``cls``.
+``classify`` (the release table) is called from one module.
 
 The layers: at most 12 modules at the top of ``sidecar/``, the rest in
 packages; no import cycle between the packages and top-level modules, an
@@ -28,7 +30,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sidecar"
 TOOLS = ("sim", "loadtest")
-MAX_MODULE, MAX_FUNCTION, MAX_PARAMS = 400, 60, 6
+MAX_MODULE, MAX_FUNCTION, MAX_PARAMS = 800, 60, 6
 # Functions that only declare Prometheus collectors, one after another.
 DECLARATIONS = {("observability/metrics.py", "__init__"), ("nixl/metrics.py", "__init__")}
 
