@@ -121,7 +121,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ledger_ttl: float = 600.0
     release_ambiguous: bool = False
     # Statuses a gateway or mesh in front of the decode pods may retry on another pod with the
-    # same body (sidecar.retries): never released behind, since that pod's D reads P's blocks.
+    # same body (sidecar.retries): never released behind, since that pod's D reads P's blocks. The
+    # default: Istio's default retry policy (503) and Envoy's gateway-error (502, 503, 504).
     retried_statuses: tuple[str, ...] = ("502", "503", "504")
     shutdown_delay: float = 0.0
     drain_timeout: float = 20.0

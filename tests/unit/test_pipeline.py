@@ -10,7 +10,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.observability.metrics import Metrics
-from sidecar.params import release_params
 from sidecar.release.base import (
     JobResult,
     PermanentReleaseError,
@@ -21,6 +20,7 @@ from sidecar.release.base import (
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
 from sidecar.release.targets import BreakerPolicy
+from tests.fakes import release_params
 
 
 class Down(RetryableReleaseError):

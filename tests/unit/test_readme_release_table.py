@@ -40,13 +40,13 @@ from sidecar.decision.judge import Judge
 from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
-from sidecar.params import check, release_params
+from sidecar.params import check
 from sidecar.proxy.context import Exchange
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob
 from sidecar.release.http import HttpReleaser
 from sidecar.upstream.client import Sent
-from tests.fakes import FakeDecode
+from tests.fakes import FakeDecode, release_params
 from tests.unit.test_proxy import V033
 
 README = Path(__file__).resolve().parents[2] / "README.md"
