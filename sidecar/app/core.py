@@ -29,7 +29,7 @@ from sidecar.app.runtime import Deps, Runtime
 from sidecar.app.shared import SharedInFlight
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.decode.notice import VersionNotice
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import FIRST_SYNC_SECONDS, watched_allowlists

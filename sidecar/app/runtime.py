@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app.decode_ranks import Rank, ranks_ready
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import PoolWatch
 from sidecar.observability.metrics import Metrics

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from sidecar.asgi import Receive, Scope, Send, over_limit
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
-from sidecar.decision.judge import DecodeWatch, Judge
+from sidecar.decision.judge import DecodeWatch, InFlight, Judge
 from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing

@@ -21,14 +21,13 @@ import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
 from sidecar.classify import Event
-from sidecar.decision.judge import Judge
+from sidecar.decision.judge import Judge, StreamJudge
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.observability.tracing import Leg, Tracing
 from sidecar.proxy.answers import FAILURE_STATUS, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.headers import response_head, response_headers
-from sidecar.proxy.stream import StreamJudge
 from sidecar.proxy.style import VLLM, AnswerStyle
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.transport.relay import RELAY, ClientRelay

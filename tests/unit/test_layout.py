@@ -251,7 +251,7 @@ def test_the_decision_imports_nothing_of_the_request_path() -> None:
     assert offenders == []
 
 
-def test_the_judge_is_entered_from_two_modules() -> None:
+def test_the_request_path_enters_the_judge_from_one_module() -> None:
     callers = set()
     for path in modules():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -261,7 +261,8 @@ def test_the_judge_is_entered_from_two_modules() -> None:
                 and node.func.attr == "judge"
             ):
                 callers.add(name(path))
-    assert callers == {"proxy/forward.py", "proxy/stream.py"}
+    # the forwarder (``Forwarder.judged``), and a stream judged from its first event (``StreamJudge``)
+    assert callers == {"proxy/forward.py", "decision/judge.py"}
 
 
 def test_router_mode_uses_the_proxy_only_through_its_admission_step() -> None:

@@ -35,8 +35,7 @@ from sidecar.classify import (
     stream_event,
 )
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
-from sidecar.decision.judge import Judge
+from sidecar.decision.judge import InFlight, Judge
 from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
