@@ -37,7 +37,7 @@ class SidecarError(Exception):
 
 
 class TargetHealth(StrEnum):
-    """What one attempt says about its target's health (``sidecar.release.targets``)."""
+    """What one attempt says about its target's health, for its breaker (``sidecar.release.pipeline``)."""
 
     UP = "up"  # it reached the target: a success, or an answer the target gave
     DOWN = "down"  # a connect-level failure: refused, unreachable, no reply in time

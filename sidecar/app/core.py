@@ -46,9 +46,8 @@ from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.hold import hold_seconds
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry, Settings
+from sidecar.release.pipeline import BreakerPolicy, Pipeline, Retry, Settings
 from sidecar.release.shared import SharedLedger
-from sidecar.release.targets import BreakerPolicy
 from sidecar.router.legs import Router
 from sidecar.router.pool import PrefillPool
 from sidecar.tls.client import outbound

@@ -18,8 +18,7 @@ from sidecar.release.base import (
     TargetHealth,
 )
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry, Settings
-from sidecar.release.targets import BreakerPolicy
+from sidecar.release.pipeline import BreakerPolicy, Pipeline, Retry, Settings
 from tests.fakes import release_params
 
 
