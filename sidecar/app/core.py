@@ -38,9 +38,9 @@ from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
 from sidecar.proxy.admit import Admission, RouterMode
+from sidecar.proxy.answers import STYLES
 from sidecar.proxy.headers import request_headers
 from sidecar.proxy.inject import Injector
-from sidecar.proxy.style import STYLES
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser

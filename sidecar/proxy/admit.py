@@ -21,13 +21,13 @@ from sidecar.config import Config
 from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
+from sidecar.proxy.answers import AnswerStyle
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.proxy.forward import Forwarder
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
 from sidecar.proxy.refusals import SHUTTING_DOWN, Refusals
-from sidecar.proxy.style import AnswerStyle
 from sidecar.proxy.trust import Trust
 from sidecar.proxy.usage import UsageRewriter
 

@@ -28,7 +28,7 @@ from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import OFF, Tracing
 from sidecar.proxy.admit import Admission, Collaborators, RouterMode
-from sidecar.proxy.answers import send_error
+from sidecar.proxy.answers import STYLES, send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.disconnect import uncancel
@@ -36,7 +36,6 @@ from sidecar.proxy.forward import Forwarder
 from sidecar.proxy.inject import Injector
 from sidecar.proxy.inspect import Inspector
 from sidecar.proxy.refusals import SHUTTING_DOWN, Refusals
-from sidecar.proxy.style import STYLES
 from sidecar.proxy.trust import Trust
 from sidecar.release.pipeline import Pipeline
 from sidecar.transport.relay import RELAY

@@ -20,15 +20,14 @@ import time
 import msgspec
 
 from sidecar.asgi import DISCONNECT_HUB, Send
-from sidecar.classify import Event
+from sidecar.classify import FAILURE_STATUS, Event
 from sidecar.decision.judge import Judge, StreamJudge
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
 from sidecar.observability.tracing import Leg, Tracing
-from sidecar.proxy.answers import FAILURE_STATUS, send_error
+from sidecar.proxy.answers import VLLM, AnswerStyle, send_error
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.disconnect import DisconnectWatcher, client_gone, uncancel
 from sidecar.proxy.headers import response_head, response_headers
-from sidecar.proxy.style import VLLM, AnswerStyle
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.transport.relay import RELAY, ClientRelay
 from sidecar.upstream import Client, Response, Sent, UpstreamError

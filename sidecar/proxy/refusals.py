@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 
 from sidecar import retries
-from sidecar.classify import Event, NoAnswer
+from sidecar.classify import FAILURE_STATUS, Event, NoAnswer
 from sidecar.config import Config
 from sidecar.decision.judge import Judge
 from sidecar.decision.policy import Policy
 from sidecar.observability.metrics import ROUTES, Metrics, status_class
-from sidecar.proxy.answers import CLOSE, FAILURE_STATUS, INJECTED, NO_RETRY, send_error
+from sidecar.proxy.answers import CLOSE, INJECTED, NO_RETRY, send_error
 from sidecar.proxy.body import ClientGone, Oversized, read_body
 from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.forward import Forwarder

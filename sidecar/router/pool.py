@@ -34,7 +34,7 @@ from sidecar.exceptions import SidecarError
 from sidecar.network.allowlist import Allowlist, ip_or_none, split_host_port
 from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.network.routable import RoutableAllowlist
-from sidecar.proxy.style import AnswerStyle
+from sidecar.proxy.answers import AnswerStyle
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Response, Upstream, UpstreamError
 from sidecar.wire import PREFILL_ANSWER_DECODER
