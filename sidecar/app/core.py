@@ -37,10 +37,9 @@ from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.admit import Admission, RouterMode
 from sidecar.proxy.answers import STYLES
+from sidecar.proxy.handler import Injector, RouterMode
 from sidecar.proxy.headers import request_headers
-from sidecar.proxy.inject import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
@@ -138,15 +137,17 @@ class ProxyApp:
             if deps.shared is None
             else SharedInFlight(deps.shared.table, deps.shared.index, config.release_deadline)
         )
+        trust = deps.trust or Trust(config)
+        pool = deps.pool or PrefillPool.of(config, lists.prefill, self.answers)
         parts = ProxyParts(
             upstream=upstream,
             pipeline=pipeline,
             metrics=metrics,
-            trust=deps.trust or Trust(config),
+            trust=trust,
             inflight=inflight,
             injector=deps.injector or Injector(config),
             decode=decode,
-            routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill, self.answers)),
+            routing=_routing(config, pool, metrics, trust, tracing),
             tracing=tracing,
         )
         proxy = Proxy(config, parts)
@@ -220,9 +221,13 @@ def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
     return ProxyApp(config, deps)
 
 
-def _routing(pool: PrefillPool | None) -> Callable[[Admission], RouterMode] | None:
-    """Router mode, built on each proxy's admission, when there is a P pool (or llm-d's header)."""
-    return None if pool is None else lambda admission: Router(admission, pool)
+def _routing(
+    config: Config, pool: PrefillPool | None, metrics: Metrics, trust: Trust, tracing: Tracing
+) -> Callable[[Proxy], RouterMode] | None:
+    """Router mode, built on each proxy's admission step, when there is a P pool (or llm-d's header)."""
+    return (
+        None if pool is None else lambda proxy: Router(proxy, pool, config, metrics, trust.outgoing, tracing)
+    )
 
 
 def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:

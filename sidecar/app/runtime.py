@@ -24,7 +24,7 @@ from sidecar.k8s import PoolWatch
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.proxy import Proxy
-from sidecar.proxy.inject import Injector
+from sidecar.proxy.handler import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release.base import Releaser
 from sidecar.release.pipeline import Pipeline

@@ -229,11 +229,12 @@ def test_control_a_lazy_import_loop_is_found(tmp_path: Path) -> None:
 
 
 # The release decision (docs/dev/architecture.md, "The release decision") and what router mode may
-# use of the proxy: its admission step, and the request's context, answers, disconnect watcher,
-# usage correction and answer style, never the forwarder, the refusals or the proxy's parts.
+# import of the proxy: the request's context, the answers, the disconnect watcher and the usage
+# correction, never the handler or the proxy's parts (the proxy's admission step reaches router mode
+# through the small ``Admission`` protocol router mode declares, the app joining the two).
 DECISION = ("decision", "classify", "retries")
 REQUEST_PATH = ("proxy", "router", "app")
-ROUTER_USES = {"admit", "answers", "context", "disconnect", "usage", "style"}
+ROUTER_USES = {"answers", "context", "disconnect", "usage"}
 
 
 def _imports_of(path: Path) -> set[str]:
@@ -262,7 +263,7 @@ def test_the_request_path_enters_the_judge_from_one_module() -> None:
             ):
                 callers.add(name(path))
     # the forwarder (``Forwarder.judged``), and a stream judged from its first event (``StreamJudge``)
-    assert callers == {"proxy/forward.py", "decision/judge.py"}
+    assert callers == {"proxy/handler.py", "decision/judge.py"}
 
 
 def test_router_mode_uses_the_proxy_only_through_its_admission_step() -> None:
@@ -273,7 +274,11 @@ def test_router_mode_uses_the_proxy_only_through_its_admission_step() -> None:
         if _unit(module) == "proxy" and module.count(".") >= 2
     }
     bare = [name(p) for p in (PACKAGE / "router").glob("*.py") if "sidecar.proxy" in _imports_of(p)]
-    assert used <= ROUTER_USES and "admit" in used and bare == []
+    legs = ast.parse((PACKAGE / "router" / "legs.py").read_text())
+    seam = [n for n in ast.walk(legs) if isinstance(n, ast.ClassDef) and n.name == "Admission"]
+    steps = {f.name for f in functions(seam[0])} if seam else set()
+    assert used <= ROUTER_USES and "handler" not in used and bare == []
+    assert steps == {"admit", "alone", "prefilled", "abandoned", "unsent"}  # the one small seam
 
 
 def test_at_most_twelve_modules_at_the_top() -> None:

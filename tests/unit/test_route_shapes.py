@@ -6,7 +6,7 @@ import pytest
 
 from sidecar.classify import Outcome, classify, stream_event
 from sidecar.decision.sse import parse_event
-from sidecar.proxy.forward import _error
+from sidecar.proxy.handler import _error
 from sidecar.release.hold import lease_seconds, release_by
 
 
