@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.release import shared
 from sidecar.release.ledger import Ledger
 

@@ -103,10 +103,6 @@ class Table:
             os.close(fd)
         return cls(path)
 
-    @property
-    def size_bytes(self) -> int:
-        return len(self._map)
-
     def close(self) -> None:
         self._map.close()
         os.close(self._fd)

@@ -10,7 +10,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.observability.metrics import Metrics
-from sidecar.params import release_params
 from sidecar.release.base import (
     JobResult,
     PermanentReleaseError,
@@ -19,9 +18,9 @@ from sidecar.release.base import (
     TargetHealth,
 )
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry, Settings
-from sidecar.release.targets import BreakerPolicy
+from sidecar.release.pipeline import BreakerPolicy, Pipeline, Retry, Settings
 from tests.emulation import quick
+from tests.fakes import release_params
 
 
 class Down(RetryableReleaseError):
