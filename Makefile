@@ -94,7 +94,7 @@ lint: $(STAMP)
 	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e tests/arm64 tests/image
 
 # The streams workload also: router mode beside vLLM's own P/D router, each on one core and on every
-# core (docs/dev/performance-record.md); and the accept burst at one and two workers over three rounds.
+# core (docs/dev/performance.md); and the accept burst at one and two workers over three rounds.
 bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench
 	$(UV) run --frozen --no-sync python -m bench --workload streams
@@ -139,7 +139,7 @@ faults: $(STAMP)
 
 # Mutation testing of the decision core (docs/testing.md, "Mutation testing"): a fresh mutmut run
 # over the modules [tool.mutmut] in pyproject.toml names, then the score per module; fails while a
-# surviving mutant is neither killed nor listed in docs/dev/testing-record.md as equivalent.
+# surviving mutant is neither killed nor listed in docs/dev/testing.md as equivalent.
 MUTATE_CHILDREN ?= 2
 mutate: $(STAMP)
 	rm -rf mutants

@@ -4,7 +4,7 @@ The sidecar decodes only ``engine_id`` and ``agent_metadata`` of P's reply
 (``sidecar.nixl.messages.AgentMetadataView``, unknown keys ignored); these are
 the full layouts of vLLM's NIXL connector, which the tests encode to play P.
 Extend ``AGENT_METADATA_LAYOUTS`` when a vLLM release changes the layout
-(docs/dev/testing-guide.md, "Taking a new vLLM release in").
+(docs/dev/testing.md, "Taking a new vLLM release in").
 """
 
 from __future__ import annotations
