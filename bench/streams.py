@@ -63,6 +63,7 @@ from bench.procs import (
 )
 from bench.report import MB
 from bench.run import order
+from bench.streams_render import render
 from bench.streams_report import (
     HopLoad,
     Machine,
@@ -71,7 +72,6 @@ from bench.streams_report import (
     RoundMode,
     StreamsReport,
     added,
-    render,
     targets,
 )
 from bench.streams_versus import versus

@@ -8,20 +8,18 @@ rate (streams completed per second of the window; "at": within
 ``RATE_SLACK``, the window's edges alone move a closed loop's count that
 much) and on TTFT p99. ``workers_burst`` reads the accept-burst step at one
 and two workers: two must be no worse than one on the new connections'
-TTFT p99. ``versus_lines`` and ``workers_lines`` print them.
+TTFT p99. ``versus_lines`` and ``workers_lines`` print them. The judged pairs
+(``Versus``) are part of the report (``bench.streams_report``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 
+from bench.streams_report import PathRun, Versus
 from bench.vllm_router import SENDS
-
-if TYPE_CHECKING:
-    from bench.streams_report import PathRun
 
 RATE_SLACK = 0.01
 #: (the sidecar's path, vllm-router's, how they run)
@@ -29,18 +27,6 @@ PAIRS = (("sidecar", "vllm-router", "one core each"), ("sidecar-w2", "vllm-route
 _COLUMNS = ("direct", "sidecar", "vllm-router", "sidecar-w2", "vllm-router-w2")
 # A client above this share of its core may be what limits the rate.
 CLIENT_BUSY = 0.9
-
-
-class Versus(msgspec.Struct, kw_only=True):
-    """The sidecar against vllm-router, one pair of paths in one round."""
-
-    ours: str
-    theirs: str
-    rate: float  # streams/s
-    their_rate: float
-    ttft_p99_ms: float
-    their_ttft_p99_ms: float
-    passed: bool
 
 
 def rate(run: PathRun, seconds: float) -> float:
