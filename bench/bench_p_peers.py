@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from bench.cli import bench_parser, progress
+from bench.harness.main import bench_parser, progress
+from bench.harness.procs import BenchError
+from bench.harness.report import write_json
 from bench.p_peers_report import (
     Handshake,
     Idle,
@@ -55,8 +57,6 @@ from bench.p_peers_report import (
     read_p,
     render,
 )
-from bench.procs import BenchError
-from bench.report import write_json
 
 DEFAULT_JSON = Path("out/bench-p-peers.json")
 START_TIMEOUT = 180.0  # seconds for every peer to be up: each imports NIXL, on two busy cores

@@ -14,7 +14,7 @@ So the difference is where the prefill leg is orchestrated: the router's
 added latency and its requests/s are measured against a client doing the
 same two hops itself. Each path is measured at 1 and at 8 connections,
 ``rounds`` times in ABBA order, after its own warm-up. The processes are laid
-out as in ``bench.procs``: P, D and this load generator on one core, both
+out as in ``bench.harness.procs``: P, D and this load generator on one core, both
 sidecars on the other, each child in its own session, dying with us;
 readiness is polled against deadlines. The whole run (start-up included) is
 bounded: 40 s full, 10 s quick.
@@ -38,12 +38,11 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from bench.cli import bench_parser, progress, run_and_report
-from bench.load import HEADERS, Sample
-from bench.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
-from bench.render import render_counted
-from bench.run import CountedPhase, counted_rounds
-from bench.settings import CountedSettings
+from bench.harness.load import HEADERS, Sample
+from bench.harness.main import bench_parser, progress, run_and_report
+from bench.harness.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
+from bench.harness.rounds import CountedPhase, counted_rounds, render_counted
+from bench.harness.settings import CountedSettings
 from sidecar.router import decode_body, prefill_body
 
 PathName = Literal["router", "sidecar_only"]

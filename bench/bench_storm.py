@@ -59,10 +59,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.cli import bench_parser, run_and_report
-from bench.noise import Other, Snapshot, snapshot_of
-from bench.procs import BenchError, CorePlan, cpu_seconds
-from bench.report import environment, other_cpu
+from bench.harness.main import bench_parser, run_and_report
+from bench.harness.noise import Other, Snapshot, snapshot_of
+from bench.harness.procs import BenchError, CorePlan, cpu_seconds
+from bench.harness.report import environment, other_cpu
 from bench.settings import STORM_FULL, STORM_QUICK, StormSettings
 from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, release_jobs, released
 from bench.storm_procs import MODEL, StormServers, launched, wait_ready

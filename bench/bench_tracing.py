@@ -15,7 +15,7 @@ the sidecar's CPU seconds per 1,000 requests (``/proc``, all threads, so the
 exporter's thread counts), the ratios to direct and on/off, and the spans
 the sink received. A micro-measurement times the guards tracing-off leaves on
 the request path (``tracing.enabled`` checks, ``exchange.leg`` tests) per
-request, in process. Processes are laid out as in ``bench.procs``: D, the
+request, in process. Processes are laid out as in ``bench.harness.procs``: D, the
 sink and this load generator on one core, both sidecars on the other.
 
 Exit codes: 0 when the run completed; 1 when the benchmark broke; 130 on Ctrl-C.
@@ -39,12 +39,11 @@ from typing import Any, Literal
 
 import aiohttp
 
-from bench.cli import bench_parser, progress, run_and_report
-from bench.load import LoadClient, Sample
-from bench.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
-from bench.render import render_counted
-from bench.run import CountedPhase, counted_rounds
-from bench.settings import CountedSettings
+from bench.harness.load import LoadClient, Sample
+from bench.harness.main import bench_parser, progress, run_and_report
+from bench.harness.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
+from bench.harness.rounds import CountedPhase, counted_rounds, render_counted
+from bench.harness.settings import CountedSettings
 
 PathName = Literal["direct", "off", "on"]
 PATHS: tuple[PathName, ...] = ("direct", "off", "on")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import msgspec
 
-from bench.procs import BenchError, child_setup
-from bench.stats import ms, percentile
+from bench.harness.procs import BenchError, child_setup
+from bench.harness.stats import ms, percentile
 
 SOURCE = Path(__file__).with_name("streams.c")
 CACHE = Path("out/cbin")

@@ -13,23 +13,22 @@ over the rounds, so a path's figures come from every round alike.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from bench.load import Kind, LoadClient, Sample, check
-from bench.noise import Other, Snapshot, snapshot
-from bench.procs import Child, CorePlan, PathName, Servers
-from bench.report import MB, JsonFigures, ProxyCost, SseFigures
+from bench.harness.load import Kind, LoadClient, Sample, check
+from bench.harness.noise import Other, Snapshot, snapshot_of
+from bench.harness.procs import Child, CorePlan, rss_peak
+from bench.harness.report import MB
+from bench.harness.stats import ms, percentile
+from bench.procs import PathName, Servers
+from bench.report import JsonFigures, ProxyCost, SseFigures
 from bench.saturation import PhaseLoad, phase_load
 from bench.settings import Settings
-from bench.stats import ms, percentile
 
 PhaseName = Literal["json_c1", "json_c32", "sse"]
-SAMPLE_INTERVAL = 0.1  # seconds between two readings of the hop's RSS (and open files) during a phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +146,11 @@ def proxy_cost(pooled: dict[PhaseName, Pooled], rss_idle: int) -> ProxyCost:
     )
 
 
+def snapshot(plan: CorePlan, servers: Servers) -> Snapshot:
+    ours_load = time.process_time() + servers.decode.cpu_seconds()
+    return snapshot_of(plan, ours_load, sum(proxy.cpu_seconds() for proxy in servers.proxies()))
+
+
 class Measurer:
     """Measures phases on the running servers: warm-up, then the measured part with its readings."""
 
@@ -192,36 +196,3 @@ def stalled(sample: Sample) -> bool:
 
 def _cpu(proxy: Child | None) -> float:
     return proxy.cpu_seconds() if proxy is not None else 0.0
-
-
-def rss_peak(proxy: Child | None) -> contextlib.AbstractAsyncContextManager[list[int]]:
-    """The highest RSS of ``proxy`` read while the block runs (in a one-item list), 0 without a hop."""
-    return peaks([] if proxy is None else [proxy], Child.rss_bytes)
-
-
-@contextlib.asynccontextmanager
-async def peaks(children: Sequence[Child], *reads: Callable[[Child], int]) -> AsyncIterator[list[int]]:
-    """The highest sum over ``children`` of each of ``reads`` (RSS, open files), one item each: read
-    every ``SAMPLE_INTERVAL`` seconds while the block runs and once more at its end; 0 without children."""
-    peak = [0] * len(reads)
-
-    def take() -> None:
-        for i, read in enumerate(reads):
-            peak[i] = max(peak[i], sum(read(child) for child in children))
-
-    async def sample() -> None:
-        while True:
-            take()
-            await asyncio.sleep(SAMPLE_INTERVAL)
-
-    if not children:
-        yield peak
-        return
-    task = asyncio.create_task(sample())
-    try:
-        yield peak
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        take()

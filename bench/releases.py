@@ -44,14 +44,13 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from bench import profile
-from bench.measure import rss_peak
-from bench.noise import Other, loadavg, snapshot_of, wait_quiet
-from bench.procs import BenchError, CorePlan
+from bench.harness import profile
+from bench.harness.noise import Other, loadavg, snapshot_of, wait_quiet
+from bench.harness.procs import BenchError, CorePlan, rss_peak
+from bench.harness.report import MB
+from bench.harness.stats import ms, percentile
 from bench.releases_load import OpenLoop, prepare
 from bench.releases_report import ReleasesReport, Step, line, render
-from bench.report import MB
-from bench.stats import ms, percentile
 from bench.storm_load import Samples, Scrape, release_latency_ms, released, sample
 from bench.storm_procs import Hop, StormServers, launched, wait_ready
 

@@ -20,7 +20,7 @@ from typing import cast
 import httptools
 import msgspec
 
-from bench.procs import BenchError
+from bench.harness.procs import BenchError
 from bench.storm_procs import MODEL, PROMPT
 
 

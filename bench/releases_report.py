@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from bench import profile
-from bench.profile import Profile
-from bench.report import RunReport
+from bench.harness import profile
+from bench.harness.profile import Profile
+from bench.harness.report import RunReport
 
 
 class Step(msgspec.Struct, kw_only=True):

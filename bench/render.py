@@ -10,8 +10,7 @@ processes busy on the benchmark's cores) and the verdicts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from bench.report import ROWS, PathReport, ProxyCost, Report, Target
 
@@ -135,34 +134,3 @@ def _summary(targets: list[Target]) -> str:
     if unjudged:
         text += f"; not judged: {', '.join(unjudged)}"
     return text
-
-
-def render_counted(
-    report: dict[str, Any],
-    title: str,
-    paths: Sequence[str],
-    column: tuple[str, Callable[[dict[str, float]], str]],
-    summary: Callable[[str], str],
-    tail: list[str],
-) -> str:
-    """The table of a bench of counted phases (``bench.run.counted_rounds``): ``title`` with the
-    run's kind, length and cores; for each number of connections a row per path (requests, req/s,
-    p50 ms and ``column``, a header and a cell) and its ``summary`` line; then ``tail`` and the
-    phases stopped early."""
-    width = max(len(path) for path in paths) + 1
-    header, cell = column
-    run = f"{'quick' if report['quick'] else 'full'} run, {report['seconds']:.1f} s; {report['cores']}"
-    lines = [
-        f"{title} ({run})",
-        f"{'':<4} {'path':<{width}} {'requests':>8} {'req/s':>9} {'p50 ms':>8} {header}",
-    ]
-    for conns in report["ratios"]:
-        for path in paths:
-            f = report[path][conns]
-            figures = f"{f['requests']:>8} {f['rps']:>9.0f} {f['p50_ms']:>8.2f}"
-            lines.append(f"{conns:<4} {path:<{width}} {figures} {cell(f)}")
-        lines.append(summary(conns))
-    lines += tail
-    if report["stopped_early"]:
-        lines.append("stopped early by the time bound: " + ", ".join(report["stopped_early"]))
-    return "\n".join(lines)

@@ -10,19 +10,13 @@ and against nginx, from the same run. ``bench.render`` prints it as a table.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
-from bench.noise import Other
+from bench.harness.report import Environment
 from bench.saturation import PhaseLoad
-
-# Other processes taking more than this share of one of the benchmark's cores disturb it.
-DISTURBED_SHARE = 0.1
-MB = 1e6
 
 
 class JsonFigures(msgspec.Struct, kw_only=True):
@@ -87,38 +81,6 @@ class PathReport(msgspec.Struct, kw_only=True):
     load: dict[str, PhaseLoad]  # by phase name
 
 
-class OtherCpu(msgspec.Struct, kw_only=True):
-    """Cores' worth of CPU that other processes took on the load core and the sidecar core during
-    one path's measured phases (or one phase of the storm bench)."""
-
-    load_core: float
-    sidecar_core: float
-
-
-def other_cpu(other: Other) -> OtherCpu:
-    load, sidecar = other.shares()
-    return OtherCpu(load_core=load, sidecar_core=sidecar)
-
-
-class Environment(msgspec.Struct, kw_only=True):
-    """How quiet the machine was: figures taken beside other busy processes are disturbed."""
-
-    loadavg_start: float
-    loadavg_end: float
-    other_cpu: dict[str, OtherCpu]  # by path (by phase in the storm bench)
-    disturbed: bool
-
-
-def environment(loadavg: tuple[float, float], other: dict[str, OtherCpu]) -> Environment:
-    shares = [share for cpu in other.values() for share in (cpu.load_core, cpu.sidecar_core)]
-    return Environment(
-        loadavg_start=loadavg[0],
-        loadavg_end=loadavg[1],
-        other_cpu=other,
-        disturbed=max(shares) > DISTURBED_SHARE,
-    )
-
-
 class Target(msgspec.Struct, kw_only=True):
     """One target of the sidecar: the figure it judges, the limit, the verdict (None: not judged)."""
 
@@ -128,15 +90,6 @@ class Target(msgspec.Struct, kw_only=True):
     limit: float | None
     unit: str
     passed: bool | None
-
-
-class RunReport(msgspec.Struct, kw_only=True):
-    """The fields the storm, streams and releases reports begin with (the paths report orders its own)."""
-
-    quick: bool  # a smoke run
-    cores: str  # which CPUs the load side and the sidecars got (``CorePlan.describe``)
-    settings: dict[str, object]
-    seconds: float  # the whole run, start-up and shutdown included
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -238,13 +191,3 @@ def client_saturated(results: dict[str, PathReport]) -> list[str]:
         for phase, load in entry.load.items()
         if load.bound == "client"
     ]
-
-
-def write_json(report: msgspec.Struct | dict[str, Any], path: Path) -> None:
-    """A report's raw figures, indented, into ``path`` (its directory made if need be); a report of
-    plain dicts (the router and tracing benches') as the ``json`` module writes it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(report, dict):
-        path.write_text(json.dumps(report, indent=2) + "\n")
-    else:
-        path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")

@@ -9,12 +9,6 @@ the number of rounds is a multiple of ``N``, so each path takes each position
 equally often and drift or a burst of noise hits all paths alike. Each path's
 samples are pooled over the rounds (``bench.measure``). Each hop's RSS is
 read once every server is ready, before any load: its idle RSS.
-
-``counted_rounds`` is the same rotation for the benches whose phases send a
-count of requests (``bench.bench_router``, ``bench.bench_tracing``): every
-path at every number of connections, in rounds, each phase warmed up and
-given an even share of the time left (``CountedPhase``), the figures pooled
-per path and number of connections (``Tally``).
 """
 
 from __future__ import annotations
@@ -22,34 +16,24 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import msgspec
 
-from bench.load import Sample, check
+from bench.harness.noise import Other
+from bench.harness.procs import BenchError, CorePlan
+from bench.harness.report import environment, other_cpu
+from bench.harness.rounds import order
+from bench.harness.stats import ms, percentile
 from bench.measure import JsonLoad, Measured, Measurer, Phase, PhaseName, Pooled, proxy_cost, stalled
-from bench.noise import Other
-from bench.procs import BenchError, Child, CorePlan, PathName, Servers, launched, wait_all_ready, wait_ready
-from bench.report import (
-    PathFigures,
-    PathReport,
-    Report,
-    client_saturated,
-    environment,
-    other_cpu,
-    path_report,
-    targets,
-)
+from bench.procs import PathName, Servers, launched, wait_ready
+from bench.report import PathFigures, PathReport, Report, client_saturated, path_report, targets
 from bench.saturation import PhaseLoad
-from bench.settings import CountedSettings, Settings
-from bench.stats import ms, percentile
+from bench.settings import Settings
 
 Progress = Callable[[str], None]
-_Path = TypeVar("_Path")
-_Name = TypeVar("_Name", bound=str)
 
 
 class _Budget:
@@ -76,12 +60,6 @@ def phases(settings: Settings, rounds: int) -> list[Phase]:
         Phase("json_c1", "json", 1, seconds=settings.json_c1_seconds / rounds),
         Phase("sse", "sse", settings.sse_concurrency, count=math.ceil(settings.sse_streams / rounds)),
     ]
-
-
-def order(paths: Sequence[_Path], round_: int) -> list[_Path]:
-    """Round ``round_``'s order (0-based): ``paths`` rotated to start at ``round_ mod len(paths)``."""
-    start = round_ % len(paths)
-    return [*paths[start:], *paths[:start]]
 
 
 @dataclass(slots=True)
@@ -193,118 +171,3 @@ def _line(phase: Phase, round_: int, path: PathName, measured: Measured) -> str:
         f"  CPU client/D/hop {cpu.client:.2f}/{cpu.decode:.2f}/{cpu.proxy:.2f}"
         f" other {cpu.other_load:.2f}/{cpu.other_hop:.2f} saturated: {cpu.bound}{bounded}"
     )
-
-
-# -- phases of a fixed count of requests (the router and tracing benches) -------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CountedPhase:
-    """One path at one number of connections in one round: ``warmup`` requests, then ``count``."""
-
-    connections: int
-    count: int
-    warmup: int
-    bound: float  # seconds for both
-
-    async def warm_then_measure(
-        self,
-        send: Callable[[int, float], Awaitable[Sample]],
-        children: Iterable[Child],
-        what: str,
-        hop: Child | None = None,
-    ) -> tuple[Sample, float]:
-        """Warm up (a quarter of the bound, 2 s at most), then measure in what is left, every answer
-        checked; ``send(count, bound)`` sends them. Returns the measured sample and ``hop``'s CPU
-        seconds during it (0 without one)."""
-        what = f"{what} at {self.connections} connection(s)"
-        warm = await send(self.warmup, min(self.bound / 4, 2.0))
-        check(warm, children, f"{what}, warm-up")
-        cpu = hop.cpu_seconds() if hop else 0.0
-        sample = await send(self.count, self.bound - warm.wall)
-        cpu = hop.cpu_seconds() - cpu if hop else 0.0
-        check(sample, children, f"{what}, measured phase")
-        return sample, cpu
-
-
-@dataclass(slots=True)
-class Tally:
-    """One path at one number of connections, pooled over the rounds."""
-
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    cpu: float = 0.0  # the hop's CPU seconds; 0 where none was read
-
-    def figures(self, p99: bool) -> dict[str, float]:
-        if not self.latencies or self.wall <= 0:
-            raise BenchError("a phase completed no request")
-        figures = {
-            "requests": len(self.latencies),
-            "rps": len(self.latencies) / self.wall,
-            "p50_ms": ms(percentile(self.latencies, 50)),
-        }
-        if p99:
-            figures["p99_ms"] = ms(percentile(self.latencies, 99))
-        if self.cpu:
-            figures["cpu_s_per_1k"] = self.cpu / len(self.latencies) * 1000
-        return figures
-
-
-@dataclass(slots=True)
-class Counted(Generic[_Name]):
-    """What ``counted_rounds`` measured: a tally per (connections, path), and the phases stopped early."""
-
-    tallies: dict[tuple[int, _Name], Tally]
-    end: float  # the end of the measured phases' time (monotonic); shutdown has what is left after it
-    stopped_early: list[str] = field(default_factory=list)
-
-    def figures(self, path: _Name, p99: bool = True) -> dict[str, dict[str, float]]:
-        """``path``'s figures by ``c<connections>``: requests, req/s, p50 (and p99) ms, CPU s per 1,000."""
-        return {f"c{c}": tally.figures(p99) for (c, name), tally in self.tallies.items() if name == path}
-
-    def completed(self, path: _Name) -> int:
-        return sum(len(tally.latencies) for (_, name), tally in self.tallies.items() if name == path)
-
-
-async def counted_rounds(
-    settings: CountedSettings,
-    paths: Sequence[_Name],
-    measure: Callable[[_Name, CountedPhase], Awaitable[tuple[Sample, float]]],
-    progress: Progress,
-    *,
-    ready: Mapping[Child, str],
-    started: float,
-    cores: str,
-) -> Counted[_Name]:
-    """Once every child answers its ``ready`` URL, every path at every number of connections,
-    ``settings.rounds`` times, the path order rotating from round to round (``order``). Start-up
-    has its own bound (``ready_timeout`` from ``started``, monotonic), and the measured phases keep
-    their whole budget after it: each gets an even share of the time left until ``Counted.end``.
-    ``measure`` runs one: its sample and the hop's CPU seconds."""
-    await wait_all_ready(ready, started + settings.ready_timeout)
-    end = time.monotonic() + settings.total_bound - settings.shutdown_reserve
-    progress(f"ready after {time.monotonic() - started:.1f} s; {cores}")
-    counted = Counted({(c, path): Tally() for c in settings.requests for path in paths}, end)
-    left = len(settings.requests) * settings.rounds * len(paths)
-    width = max(len(path) for path in paths)
-    for connections, count in settings.requests.items():
-        for round_ in range(settings.rounds):
-            for path in order(paths, round_):
-                bound = (end - time.monotonic()) / left
-                left -= 1
-                if bound <= 0.2:
-                    raise BenchError("no time left for the measured phases (start-up too slow)")
-                phase = CountedPhase(connections, count, settings.warmup * connections, bound)
-                sample, cpu = await measure(path, phase)
-                tally = counted.tallies[connections, path]
-                tally.latencies += sample.latencies
-                tally.wall += sample.wall
-                tally.cpu += cpu
-                if sample.bounded:
-                    counted.stopped_early.append(f"c{connections} {path} round {round_ + 1}")
-                done = len(sample.latencies)
-                progress(
-                    f"c{connections:<2} round {round_ + 1} {path:<{width}} {done:>6} in {sample.wall:5.2f} s"
-                    f"  {done / sample.wall:7.0f}/s  p50 {ms(percentile(sample.latencies, 50)):6.2f} ms"
-                )
-    return counted

@@ -8,33 +8,18 @@ stops it early when the servers are slow or stall. On a quiet 2-core machine
 the full preset takes about a minute per path (four with nginx); the quick
 one, the smoke run of the test suite, a few seconds per path.
 
-``StormSettings`` is ``bench.bench_storm``'s; ``CountedSettings``, a fixed
-count of requests per phase, that of ``bench.bench_router`` and
-``bench.bench_tracing`` (their presets are in their modules).
+``StormSettings`` is ``bench.bench_storm``'s. Both build on
+``bench.harness.settings.Knobs``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import msgspec
-
-
-class _Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What every bench that starts servers has; all its knobs must be positive."""
-
-    # Seconds for every server to answer ready, and for one request to be answered.
-    ready_timeout: float = 30.0
-    request_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in msgspec.structs.asdict(self):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"invalid {name} = {getattr(self, name)!r}: must be positive")
+from bench.harness.settings import Knobs
 
 
-class Settings(_Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Settings(Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How much load each phase sends, and the bounds that keep the run short."""
 
     # Seconds of non-streaming JSON requests per path, at 1 and at 32 connections, over all rounds.
@@ -72,7 +57,7 @@ QUICK = Settings(
 )  # fmt: skip
 
 
-class StormSettings(_Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class StormSettings(Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The rejection-storm bench's knobs."""
 
     normal_connections: int = 8
@@ -103,16 +88,3 @@ STORM_QUICK = StormSettings(
     phase_seconds=1.2, warmup_seconds=0.5, warmup_storm=300, max_params=8_000, prepare_bound=2.0,
     drain_timeout=5.0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CountedSettings:
-    """Load per phase, as a count of requests, and the bounds that keep the run short."""
-
-    requests: dict[int, int]  # connections -> requests per path and round (a phase may stop early)
-    warmup: int  # requests per connection before each measured phase
-    rounds: int
-    total_bound: float  # seconds for the measured phases and shutdown, after start-up (ready_timeout)
-    ready_timeout: float = 30.0
-    request_timeout: float
-    shutdown_reserve: float  # kept back from the measured phases for stopping the children

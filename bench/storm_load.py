@@ -28,9 +28,9 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load import HEADERS, ROUTE, Connections, Failures
-from bench.procs import BenchError, child_setup
-from bench.stats import ms
+from bench.harness.load import HEADERS, ROUTE, Connections, Failures
+from bench.harness.procs import BenchError, child_setup
+from bench.harness.stats import ms
 
 
 @dataclass(slots=True)

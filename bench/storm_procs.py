@@ -1,6 +1,6 @@
 """The three servers of ``bench.bench_storm`` as child processes: P, D and the sidecar releasing over NIXL.
 
-The same way as ``bench.procs``: each child is ``python -m sidecar ...`` in a
+The same way as ``bench.harness.procs``: each child is ``python -m sidecar ...`` in a
 session of its own, pinned before exec (the sidecar on its own core, P and D
 on the load core beside the load generators), dying with this process, and
 polled for readiness against a deadline (P's and D's ``GET /health``, the
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import HOST, STOP_TIMEOUT, Child, CorePlan, free_port, sidecar_argv, wait_all_ready
+from bench.harness.procs import HOST, STOP_TIMEOUT, Child, CorePlan, free_port, sidecar_argv, wait_all_ready
 
 VLLM_VERSION = "0.34.0"
 MODEL = "sim-prefill"  # P's default model name; D serves the same

@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
-from bench.procs import BenchError
-from bench.report import Environment, RunReport
-from bench.stats import ms, percentile
+from bench.harness.procs import BenchError
+from bench.harness.report import Environment, RunReport
+from bench.harness.stats import ms, percentile
 from bench.storm_load import RESULTS, Samples, release_latency_ms, released, sample
 
 

@@ -36,7 +36,7 @@ import aiohttp
 import msgspec
 import uvloop
 
-from bench.load import HEADERS, Failures, client_session
+from bench.harness.load import HEADERS, Failures, client_session
 from bench.storm_procs import PROMPT
 
 

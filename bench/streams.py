@@ -46,23 +46,24 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from bench import cstreams, profile, vllm_router
-from bench.load import request_body
-from bench.measure import peaks
-from bench.noise import Other, busiest, loadavg, process_cpu, snapshot_of, wait_quiet
-from bench.procs import (
+from bench import cstreams, vllm_router
+from bench.harness import profile
+from bench.harness.load import request_body
+from bench.harness.noise import Other, busiest, loadavg, process_cpu, snapshot_of, wait_quiet
+from bench.harness.procs import (
     HOST,
     Child,
     CorePlan,
     free_port,
-    nginx_config,
+    peaks,
     serve_args,
     sidecar_argv,
     starting,
     wait_all_ready,
 )
-from bench.report import MB
-from bench.run import order
+from bench.harness.report import MB
+from bench.harness.rounds import order
+from bench.procs import nginx_config
 from bench.streams_render import render
 from bench.streams_report import (
     HopLoad,
@@ -111,7 +112,7 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     ready_timeout: float = 30.0
     # Another checkout of the project (a directory): its sidecar is measured too, as "baseline".
     baseline: str = ""
-    # Sample the sidecars with py-spy during their main phases (bench.profile), into this directory.
+    # Sample the sidecars with py-spy during their main phases (bench.harness.profile), into this directory.
     profile: str = ""
     # Before each path, wait until other processes use at most ``quiet`` cores' worth of the two
     # cores (over a second), for at most ``quiet_wait`` seconds; what was waited is reported.

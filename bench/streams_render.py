@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import cast
 
-from bench import profile
 from bench.cstreams import StreamsSample
+from bench.harness import profile
 from bench.streams_report import Added, PathRun, RoundMode, StreamsReport
 from bench.streams_versus import versus_lines, workers_burst, workers_lines
 

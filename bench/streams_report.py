@@ -15,8 +15,8 @@ from typing import Literal
 import msgspec
 
 from bench.cstreams import StreamsSample
-from bench.profile import Profile
-from bench.report import RunReport
+from bench.harness.profile import Profile
+from bench.harness.report import RunReport
 
 Mode = Literal["sidecar", "router"]
 

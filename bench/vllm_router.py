@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.procs import HOST, BenchError, free_port
+from bench.harness.procs import HOST, BenchError, free_port
 
 INSTALLED = Path(__file__).resolve().parents[1] / ".tools" / "vllm-router" / "bin" / "vllm-router"
 

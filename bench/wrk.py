@@ -31,8 +31,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.load import ROUTE, Sample
-from bench.procs import BenchError
+from bench.harness.load import ROUTE, Sample
+from bench.harness.procs import BenchError
 
 _SUMMARY = "bench-summary"
 _BUCKET = "bench-latency"

@@ -6,8 +6,9 @@ from collections import Counter
 
 import pytest
 
+from bench.harness.rounds import order
 from bench.procs import PathName
-from bench.run import order, phases
+from bench.run import phases
 from bench.settings import FULL, QUICK, Settings
 
 PATHS: tuple[PathName, ...] = ("direct", "sidecar", "relay", "nginx")

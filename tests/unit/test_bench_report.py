@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.harness.report import Environment
 from bench.render import render
 from bench.report import (
-    Environment,
     JsonFigures,
     PathFigures,
     PathReport,

@@ -9,8 +9,8 @@ import pytest
 
 from bench.cstreams import timeline
 from bench.fast_servers import prefill_refusal
-from bench.noise import busiest, wait_quiet
-from bench.procs import CorePlan
+from bench.harness.noise import busiest, wait_quiet
+from bench.harness.procs import CorePlan
 from bench.streams import VLLM_ROUTER_PATHS, bodies
 
 

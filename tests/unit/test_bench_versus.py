@@ -9,7 +9,7 @@ import pytest
 from bench.cli import build_parser
 from bench.cstreams import StreamsSample
 from bench.fast_servers import prefill_refusal
-from bench.procs import BenchError
+from bench.harness.procs import BenchError
 from bench.streams import VLLM_ROUTER_PATHS
 from bench.streams import settings as streams_settings
 from bench.streams_report import HopLoad, PathRun

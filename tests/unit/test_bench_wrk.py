@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.load import Sample, request_body
+from bench.harness.load import Sample, request_body
+from bench.harness.procs import BenchError
 from bench.measure import stalled
-from bench.procs import BenchError
 from bench.wrk import lua_script, parse
 
 WRK_REPORT = """\

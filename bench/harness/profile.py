@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.procs import BenchError, child_setup
+from bench.harness.procs import BenchError, child_setup
 
 RATE = 100  # samples per second
 

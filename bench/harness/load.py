@@ -30,7 +30,7 @@ import aiohttp
 import msgspec
 from yarl import URL
 
-from bench.procs import BenchError, Child
+from bench.harness.procs import BenchError, Child
 
 Kind = Literal["json", "sse"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import CorePlan, Servers
+from bench.harness.procs import CorePlan
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -42,11 +42,6 @@ def core_busy() -> dict[int, float]:
         if name.startswith("cpu") and name != "cpu":
             busy[int(name[3:])] = sum(int(f) for f in fields[:3]) / _TICKS
     return busy
-
-
-def snapshot(plan: CorePlan, servers: Servers) -> Snapshot:
-    ours_load = time.process_time() + servers.decode.cpu_seconds()
-    return snapshot_of(plan, ours_load, sum(proxy.cpu_seconds() for proxy in servers.proxies()))
 
 
 def snapshot_of(plan: CorePlan, ours_load: float, ours_sidecar: float) -> Snapshot:
