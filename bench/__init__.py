@@ -2,7 +2,7 @@
 
 One run starts the fake decode server D (``kv-release-sidecar sim-decode``),
 the sidecar in front of it, and two reference hops in front of it too, as
-separate processes: the relay (``python -m bench.relay``, a zero-logic byte
+separate processes: the relay (``python -m bench.servers.relay``, a zero-logic byte
 relay, the cheapest hop Python can run) and, when an ``nginx`` binary is on
 ``PATH`` or given with ``--nginx``, nginx (skipped otherwise). It drives
 every path (client -> D, client -> sidecar -> D, client -> relay -> D,

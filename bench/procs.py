@@ -3,7 +3,7 @@
 D (``sim-decode``) and the sidecar (``serve``) run as ``python -m sidecar``
 children of this process (``bench.harness.procs``), D on the load core and
 the hops on the other. Beside the sidecar, on its core, run the reference
-hops: the relay (``python -m bench.relay``, the cheapest hop Python can run)
+hops: the relay (``python -m bench.servers.relay``, the cheapest hop Python can run)
 and, when an ``nginx`` binary is available, nginx (one worker, upstream
 keep-alive, no buffering; configured in a temporary directory). Readiness is
 polled against a deadline (D's ``GET /health``, the sidecar's ``GET /readyz``
@@ -13,9 +13,8 @@ on the admin port, D's ``GET /health`` through the relay and through nginx).
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,6 +30,7 @@ from bench.harness.procs import (
     starting,
     wait_all_ready,
 )
+from bench.servers.nginx import nginx_config
 
 # The measured paths: straight to D, through the sidecar, through the reference hops.
 PathName = Literal["direct", "sidecar", "baseline", "relay", "nginx"]
@@ -102,7 +102,7 @@ def launched(
         sidecar = start("sidecar", sidecar_argv(*serve_args(decode_url, s_port, a_port)), plan.sidecar)
         relay = start(
             "relay",
-            [sys.executable, "-m", "bench.relay", "--host", HOST, "--port", str(r_port),
+            [sys.executable, "-m", "bench.servers.relay", "--host", HOST, "--port", str(r_port),
              "--target", f"{HOST}:{d_port}"],
             plan.sidecar,
         )  # fmt: skip
@@ -128,63 +128,6 @@ def launched(
             before,
             f"http://{HOST}:{b_port}" if before else None,
         )
-
-
-def nginx_config(
-    nginx: str,
-    directory: Path,
-    listeners: Mapping[int, str],
-    connections: int = 1024,
-    keepalive: int = 64,
-    workers: int = 1,
-) -> Path:
-    """Write nginx's configuration into ``directory`` and return its path.
-
-    ``listeners``: each port nginx listens on, and the ``HOST:PORT`` it proxies to. ``workers``
-    worker processes (1 unless given), each allowed ``connections`` connections (clients and
-    upstreams together; its open-files limit raised to match), the log and every temporary path
-    inside ``directory``, no access log, HTTP/1.1 keep-alive connections to each target
-    (``keepalive`` kept idle) that are never closed after a number of requests (nor are the
-    client's), and no buffering either way, so
-    stream events pass as they come. The temporary path directives of the modules this binary
-    was built without are left out (they would not parse).
-    """
-    built = subprocess.run([nginx, "-V"], capture_output=True, text=True, timeout=10, check=False).stderr
-    temp_paths = "".join(
-        f"  {module}_temp_path {directory}/{module};\n"
-        for module in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        if f"--without-http_{module}_module" not in built
-    )
-    servers = "".join(
-        f"""  upstream t{port} {{ server {target}; keepalive {keepalive}; keepalive_requests 1000000; }}
-  server {{
-    listen {HOST}:{port} backlog=4096;
-    location / {{
-      proxy_pass http://t{port};
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering off;
-    }}
-  }}
-"""
-        for port, target in listeners.items()
-    )
-    conf = directory / "nginx.conf"
-    conf.write_text(
-        f"""worker_processes {workers};
-worker_rlimit_nofile {2 * connections + 64};
-daemon off;
-pid {directory}/nginx.pid;
-error_log stderr warn;
-events {{ worker_connections {connections}; }}
-http {{
-  access_log off;
-{temp_paths}  keepalive_requests 1000000;
-{servers}}}
-"""
-    )
-    return conf
 
 
 async def wait_ready(servers: Servers, deadline: float) -> None:

@@ -3,7 +3,7 @@ how fast P gets its blocks back.
 
 P is ``sim-prefill`` (vLLM 0.33.0, real NIXL agents, TP 2 by default: every
 release is a notification to each of its two workers; no lease, so a block is
-freed only by a release). D is ``bench.fast_servers --role reject``: it
+freed only by a release). D is ``bench.servers.fakes --role reject``: it
 refuses every completion with vLLM's 400 for a body that fails validation,
 before its handler, which vLLM's own cleanup does not cover, so the sidecar
 (``--release nixl``, 32 release workers) releases every one. Processes are

@@ -102,7 +102,7 @@ def launched(
 ) -> Iterator[StormServers]:
     """Start P, D and the sidecar (not yet known ready); stop them all on exit.
 
-    ``tp``: P's tensor-parallel workers. ``fast_decode``: D is ``bench.fast_servers --role reject``
+    ``tp``: P's tensor-parallel workers. ``fast_decode``: D is ``bench.servers.fakes --role reject``
     (every completion refused before its handler, at a fraction of sim-decode's CPU) instead of
     sim-decode. ``baseline``: another checkout whose sidecar runs too, beside this tree's, in front
     of the same D and on the same core (``StormServers.others``, named "baseline").
@@ -134,7 +134,7 @@ def launched(
                 "--max-model-len", str(MAX_MODEL_LEN),
             )  # fmt: skip
             if fast_decode:
-                d_argv = [sys.executable, "-m", "bench.fast_servers", "--role", "reject"]
+                d_argv = [sys.executable, "-m", "bench.servers.fakes", "--role", "reject"]
                 d_argv += ["--port", str(d_port)]
             started.append(Child("fake-decode" if fast_decode else "sim-decode", d_argv, plan.load, log_dir))
             queue, workers = release_queue_size, release_workers

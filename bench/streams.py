@@ -8,8 +8,8 @@ a ramp; the streams started after it are measured. Two modes:
 * **sidecar**: the client sends each request with ``kv_transfer_params`` of
   its own (so the sidecar inspects it and judges the stream's first event)
   to D directly, or through the sidecar (``serve --release dry-run``), the
-  byte relay (``bench.relay``) or nginx;
-* **router**: each stream is two legs, a prefill leg on P (``bench.fast_servers
+  byte relay (``bench.servers.relay``) or nginx;
+* **router**: each stream is two legs, a prefill leg on P (``bench.servers.fakes
   --role prefill``) and the stream on D with P's parameters. Direct, the
   relay and nginx carry the client's two legs (the client runs them); the
   sidecar in router mode (``--prefill``) gets one request and runs both.
@@ -63,18 +63,9 @@ from bench.harness.procs import (
 )
 from bench.harness.report import MB
 from bench.harness.rounds import order
-from bench.procs import nginx_config
+from bench.servers.nginx import nginx_config
 from bench.streams_render import render
-from bench.streams_report import (
-    HopLoad,
-    Machine,
-    Mode,
-    PathRun,
-    RoundMode,
-    StreamsReport,
-    added,
-    targets,
-)
+from bench.streams_report import HopLoad, Machine, Mode, PathRun, RoundMode, StreamsReport, added, targets
 from bench.streams_versus import versus
 from sidecar.router.bodies import PREFILL_PARAMS
 
@@ -170,7 +161,7 @@ def _sidecar(
 
 
 def _relay(name: str, port: int, target: int) -> tuple[str, list[str], str]:
-    argv = [sys.executable, "-m", "bench.relay", "--host", HOST, "--port", str(port),
+    argv = [sys.executable, "-m", "bench.servers.relay", "--host", HOST, "--port", str(port),
             "--target", f"{HOST}:{target}"]  # fmt: skip
     return name, argv, f"http://{HOST}:{port}/health"
 
@@ -183,7 +174,7 @@ def launched(
     d, p, sc, sca, rt, rta, rd, rp, nd, np_ = (free_port() for _ in range(10))
     d_url, p_url = f"http://{HOST}:{d}", f"http://{HOST}:{p}"
     fake_d = cstreams.server_argv(binary, d, settings.events, settings.duration)
-    fake_p = [sys.executable, "-m", "bench.fast_servers", "--role", "prefill", "--port", str(p)]
+    fake_p = [sys.executable, "-m", "bench.servers.fakes", "--role", "prefill", "--port", str(p)]
     load = [("fake-decode", fake_d, d_url + "/health"), ("fake-prefill", fake_p, p_url + "/health")]
     router = ("--prefill", p_url, "--prefill-allow", HOST)
     hop = [
@@ -273,7 +264,7 @@ def bodies(mode: Mode, path: str, events: int) -> tuple[bytes, bytes]:
     stream = msgspec.json.encode({**plain, "kv_transfer_params": "@PARAMS@"}).replace(
         b'"@PARAMS@"', b"@PARAMS@"
     )
-    # The prefill leg a router sends (bench.fast_servers refuses anything else)
+    # The prefill leg a router sends (bench.servers.fakes refuses anything else)
     prefill = msgspec.json.encode(
         {**plain, "stream": False, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
     )
@@ -401,7 +392,7 @@ class Measurer:
 
 
 async def _counts(url: str) -> dict[str, int]:
-    """The fake P's counters (``bench.fast_servers``)."""
+    """The fake P's counters (``bench.servers.fakes``)."""
     timeout = aiohttp.ClientTimeout(total=10.0)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
         return msgspec.json.decode(await response.read(), type=dict[str, int])

@@ -45,7 +45,7 @@ class PathRun(msgspec.Struct, kw_only=True):
     recovery: StreamsSample | None = None  # a smaller phase right after, on the same path
     profile: Profile | None = None  # where a sidecar's CPU went (``--profile``)
     burst: StreamsSample | None = None  # the accept-burst step's new clients (sidecar mode)
-    # What the fake P got during the main phase (router mode; ``bench.fast_servers.COUNTS``).
+    # What the fake P got during the main phase (router mode; ``bench.servers.fakes.COUNTS``).
     prefill: dict[str, int] | None = None
 
 

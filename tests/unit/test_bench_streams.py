@@ -8,9 +8,9 @@ import msgspec
 import pytest
 
 from bench.cstreams import timeline
-from bench.fast_servers import prefill_refusal
 from bench.harness.noise import busiest, wait_quiet
 from bench.harness.procs import CorePlan
+from bench.servers.fakes import prefill_refusal
 from bench.streams import VLLM_ROUTER_PATHS, bodies
 
 

@@ -1,5 +1,5 @@
 """Router mode beside vllm-router and one worker beside two (``bench.streams_versus``), and the fake
-P's check of a prefill leg (``bench.fast_servers``): pure readings of made-up figures."""
+P's check of a prefill leg (``bench.servers.fakes``): pure readings of made-up figures."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from bench.cli import build_parser
 from bench.cstreams import StreamsSample
-from bench.fast_servers import prefill_refusal
 from bench.harness.procs import BenchError
+from bench.servers.fakes import prefill_refusal
 from bench.streams import VLLM_ROUTER_PATHS
 from bench.streams import settings as streams_settings
 from bench.streams_report import HopLoad, PathRun

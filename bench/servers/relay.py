@@ -1,4 +1,4 @@
-"""``python -m bench.relay --host H --port P --target HOST:PORT``: the cheapest hop Python can run.
+"""``python -m bench.servers.relay --host H --port P --target HOST:PORT``: the cheapest hop Python can run.
 
 The benchmark's floor for any proxy on the sidecar's core: a TCP relay with
 no logic at all. Each accepted client connection gets one upstream
@@ -201,7 +201,7 @@ def parse_target(value: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.relay", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.servers.relay", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
     parser.add_argument("--target", type=parse_target, required=True, help="HOST:PORT to relay to")

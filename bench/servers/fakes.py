@@ -1,4 +1,4 @@
-"""``python -m bench.fast_servers --role prefill|reject --port P``: a fake P, or a D that rejects.
+"""``python -m bench.servers.fakes --role prefill|reject --port P``: a fake P, or a D that rejects.
 
 The simulators (``sim-prefill``, ``sim-decode``) are Starlette apps at some
 hundreds of microseconds per request, which would fill the load core before
@@ -222,7 +222,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.fast_servers", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.servers.fakes", description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=["prefill", "reject"], required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True, help="0: any free port")
