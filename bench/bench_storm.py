@@ -63,7 +63,7 @@ from bench.harness.main import bench_parser, run_and_report
 from bench.harness.noise import Other, Snapshot, snapshot_of
 from bench.harness.procs import BenchError, CorePlan, cpu_seconds
 from bench.harness.report import environment, other_cpu
-from bench.settings import STORM_FULL, STORM_QUICK, StormSettings
+from bench.harness.settings import Knobs
 from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, release_jobs, released
 from bench.storm_procs import MODEL, StormServers, launched, wait_ready
 from bench.storm_report import (
@@ -81,6 +81,43 @@ from bench.storm_report import (
 )
 
 DEFAULT_JSON = Path("out/bench-storm.json")
+
+
+class StormSettings(Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The rejection-storm bench's knobs."""
+
+    normal_connections: int = 8
+    storm_connections: int = 32
+    # Seconds of each measured phase (baseline, storm at most, storm without releases).
+    phase_seconds: float
+    # The other requests, unmeasured, before anything else.
+    warmup_seconds: float
+    # Rejections of the warm-up storm (released and drained before anything is measured).
+    warmup_storm: int
+    # Parameters prepared for the storm: the warm-up storm's rate x phase_seconds x this, at most max_params.
+    params_margin: float = 1.6
+    max_params: int
+    # Longest time spent preparing them (a busy machine prepares slowly; the storm then ends early).
+    prepare_bound: float
+    # Longest wait for the release backlog after the storm.
+    drain_timeout: float
+    # The sidecar's release pipeline (its defaults).
+    release_queue_size: int = 4096
+    release_workers: int = 4
+
+
+FULL = StormSettings(
+    phase_seconds=8.0, warmup_seconds=1.0, warmup_storm=1000, max_params=60_000, prepare_bound=6.0,
+    drain_timeout=10.0,
+)  # fmt: skip
+
+
+QUICK = StormSettings(
+    phase_seconds=1.2, warmup_seconds=0.5, warmup_storm=300, max_params=8_000, prepare_bound=2.0,
+    drain_timeout=5.0,
+)  # fmt: skip
+
+
 Progress = Callable[[str], None]
 
 
@@ -341,8 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--release-workers",
         type=int,
         default=None,
-        help=f"the sidecar's --release-workers (default {STORM_FULL.release_workers}, "
-        "the sidecar's own default)",
+        help=f"the sidecar's --release-workers (default {FULL.release_workers}, the sidecar's own default)",
     )
     return parser
 
@@ -350,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings = STORM_QUICK if args.quick else STORM_FULL
+    settings = QUICK if args.quick else FULL
     if args.release_workers is not None:
         if args.release_workers < 1:
             parser.error("--release-workers must be at least 1")

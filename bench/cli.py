@@ -29,12 +29,12 @@ from pathlib import Path
 from bench.harness.load import request_body
 from bench.harness.main import progress, run_and_report
 from bench.harness.procs import CorePlan
-from bench.measure import JsonLoad, PythonJson
-from bench.render import render
-from bench.report import Report
-from bench.run import run
-from bench.settings import FULL, QUICK, Settings
-from bench.wrk import find_wrk
+from bench.paths.measure import JsonLoad, PythonJson
+from bench.paths.render import render
+from bench.paths.report import Report
+from bench.paths.run import run
+from bench.paths.settings import FULL, QUICK, Settings
+from bench.paths.wrk import find_wrk
 
 DEFAULT_JSON = {
     "paths": Path("out/bench.json"),

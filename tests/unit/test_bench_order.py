@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 
 from bench.harness.rounds import order
-from bench.procs import PathName
-from bench.run import phases
-from bench.settings import FULL, QUICK, Settings
+from bench.paths.launch import PathName
+from bench.paths.run import phases
+from bench.paths.settings import FULL, QUICK, Settings
 
 PATHS: tuple[PathName, ...] = ("direct", "sidecar", "relay", "nginx")
 

@@ -6,8 +6,8 @@ import pytest
 
 from bench.harness.load import Sample, request_body
 from bench.harness.procs import BenchError
-from bench.measure import stalled
-from bench.wrk import lua_script, parse
+from bench.paths.measure import stalled
+from bench.paths.wrk import lua_script, parse
 
 WRK_REPORT = """\
 Running 1s test @ http://127.0.0.1:8000/v1/chat/completions

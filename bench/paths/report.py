@@ -5,7 +5,7 @@ the relay, nginx when it was measured) has the same entry: its figures, and
 for the hops their ratios to direct, what they add to the SSE time to first
 byte, their own CPU and memory (``ProxyCost``), and who used how much CPU in
 each phase (``PhaseLoad``). The targets judge the sidecar, against direct
-and against nginx, from the same run. ``bench.render`` prints it as a table.
+and against nginx, from the same run. ``bench.paths.render`` prints it as a table.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 import msgspec
 
 from bench.harness.report import Environment
-from bench.saturation import PhaseLoad
+from bench.paths.saturation import PhaseLoad
 
 
 class JsonFigures(msgspec.Struct, kw_only=True):

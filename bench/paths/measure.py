@@ -23,10 +23,10 @@ from bench.harness.noise import Other, Snapshot, snapshot_of
 from bench.harness.procs import Child, CorePlan, rss_peak
 from bench.harness.report import MB
 from bench.harness.stats import ms, percentile
-from bench.procs import PathName, Servers
-from bench.report import JsonFigures, ProxyCost, SseFigures
-from bench.saturation import PhaseLoad, phase_load
-from bench.settings import Settings
+from bench.paths.launch import PathName, Servers
+from bench.paths.report import JsonFigures, ProxyCost, SseFigures
+from bench.paths.saturation import PhaseLoad, phase_load
+from bench.paths.settings import Settings
 
 PhaseName = Literal["json_c1", "json_c32", "sse"]
 

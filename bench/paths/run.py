@@ -7,7 +7,7 @@ is measured in several short rounds, every round on every path; round ``r``
 takes the paths in their base order rotated to start at path ``r mod N``, and
 the number of rounds is a multiple of ``N``, so each path takes each position
 equally often and drift or a burst of noise hits all paths alike. Each path's
-samples are pooled over the rounds (``bench.measure``). Each hop's RSS is
+samples are pooled over the rounds (``bench.paths.measure``). Each hop's RSS is
 read once every server is ready, before any load: its idle RSS.
 """
 
@@ -27,11 +27,11 @@ from bench.harness.procs import BenchError, CorePlan
 from bench.harness.report import environment, other_cpu
 from bench.harness.rounds import order
 from bench.harness.stats import ms, percentile
-from bench.measure import JsonLoad, Measured, Measurer, Phase, PhaseName, Pooled, proxy_cost, stalled
-from bench.procs import PathName, Servers, launched, wait_ready
-from bench.report import PathFigures, PathReport, Report, client_saturated, path_report, targets
-from bench.saturation import PhaseLoad
-from bench.settings import Settings
+from bench.paths.launch import PathName, Servers, launched, wait_ready
+from bench.paths.measure import JsonLoad, Measured, Measurer, Phase, PhaseName, Pooled, proxy_cost, stalled
+from bench.paths.report import PathFigures, PathReport, Report, client_saturated, path_report, targets
+from bench.paths.saturation import PhaseLoad
+from bench.paths.settings import Settings
 
 Progress = Callable[[str], None]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.report import ROWS, PathReport, ProxyCost, Report, Target
+from bench.paths.report import ROWS, PathReport, ProxyCost, Report, Target
 
 _LABEL = 26
 _CELL = 18

@@ -1,15 +1,12 @@
-"""The benchmarks' knobs: a frozen struct per bench, each with a full and a quick preset.
+"""The paths workload's knobs (``python -m bench``), with a full and a quick preset.
 
-``Settings`` is ``python -m bench``'s (the paths workload). The JSON phases
+The JSON phases
 run for a fixed time per path (split evenly over the rounds; wrk takes whole
 seconds, so a round's share is rounded up to one); the SSE phase sends a
 fixed number of streams per path, split the same way, with a time bound that
 stops it early when the servers are slow or stall. On a quiet 2-core machine
 the full preset takes about a minute per path (four with nginx); the quick
 one, the smoke run of the test suite, a few seconds per path.
-
-``StormSettings`` is ``bench.bench_storm``'s. Both build on
-``bench.harness.settings.Knobs``.
 """
 
 from __future__ import annotations
@@ -54,37 +51,4 @@ FULL = Settings(json_c1_seconds=8.0, json_c32_seconds=24.0, sse_streams=6000, wa
 QUICK = Settings(
     json_c1_seconds=0.5, json_c32_seconds=1.0, sse_streams=100, warmup_requests=50, rounds=1,
     phase_bound=10.0, run_budget=15.0,
-)  # fmt: skip
-
-
-class StormSettings(Knobs, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The rejection-storm bench's knobs."""
-
-    normal_connections: int = 8
-    storm_connections: int = 32
-    # Seconds of each measured phase (baseline, storm at most, storm without releases).
-    phase_seconds: float
-    # The other requests, unmeasured, before anything else.
-    warmup_seconds: float
-    # Rejections of the warm-up storm (released and drained before anything is measured).
-    warmup_storm: int
-    # Parameters prepared for the storm: the warm-up storm's rate x phase_seconds x this, at most max_params.
-    params_margin: float = 1.6
-    max_params: int
-    # Longest time spent preparing them (a busy machine prepares slowly; the storm then ends early).
-    prepare_bound: float
-    # Longest wait for the release backlog after the storm.
-    drain_timeout: float
-    # The sidecar's release pipeline (its defaults).
-    release_queue_size: int = 4096
-    release_workers: int = 4
-
-
-STORM_FULL = StormSettings(
-    phase_seconds=8.0, warmup_seconds=1.0, warmup_storm=1000, max_params=60_000, prepare_bound=6.0,
-    drain_timeout=10.0,
-)  # fmt: skip
-STORM_QUICK = StormSettings(
-    phase_seconds=1.2, warmup_seconds=0.5, warmup_storm=300, max_params=8_000, prepare_bound=2.0,
-    drain_timeout=5.0,
 )  # fmt: skip
