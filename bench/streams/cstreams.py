@@ -1,4 +1,4 @@
-"""The many-streams load generator and fake D (``bench/streams.c``): built, started, read.
+"""The many-streams load generator and fake D (``bench/streams/streams.c``): built, started, read.
 
 A Python client (aiohttp, or even raw asyncio Protocols with llhttp) spends
 10-15 us of CPU per SSE event it receives, and a Python D as much per event it
@@ -44,7 +44,9 @@ def build(cc: str | None = None, cache: Path = CACHE) -> Path:
         return binary
     compiler = shutil.which(cc or "cc") or shutil.which("gcc")
     if compiler is None:
-        raise BenchError("the streams workload needs a C compiler (cc or gcc) to build bench/streams.c")
+        raise BenchError(
+            "the streams workload needs a C compiler (cc or gcc) to build bench/streams/streams.c"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     partial = binary.with_suffix(".tmp")
     result = subprocess.run(
@@ -55,7 +57,7 @@ def build(cc: str | None = None, cache: Path = CACHE) -> Path:
         check=False,
     )
     if result.returncode != 0:
-        raise BenchError(f"building bench/streams.c failed:\n{result.stderr}")
+        raise BenchError(f"building bench/streams/streams.c failed:\n{result.stderr}")
     partial.rename(binary)
     return binary
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.harness.procs import HOST, BenchError, free_port
 
-INSTALLED = Path(__file__).resolve().parents[1] / ".tools" / "vllm-router" / "bin" / "vllm-router"
+INSTALLED = Path(__file__).resolve().parents[2] / ".tools" / "vllm-router" / "bin" / "vllm-router"
 
 #: What each router-mode hop sends P and D per stream, printed beside the figures (the fake P's
 #: counts, printed beside them, show what came).

@@ -5,7 +5,7 @@ measures every path of each mode once (its order rotating), and every round is
 kept and printed: runs that disagree are shown side by side, not averaged
 away. A hop's figures are read against direct's of the same round (``added``),
 and the sidecar's targets are judged per round beside nginx's figures.
-``bench.streams_render`` prints it.
+``bench.streams.render`` prints it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Literal
 
 import msgspec
 
-from bench.cstreams import StreamsSample
 from bench.harness.profile import Profile
 from bench.harness.report import RunReport
+from bench.streams.cstreams import StreamsSample
 
 Mode = Literal["sidecar", "router"]
 
@@ -85,7 +85,7 @@ class RoundMode(msgspec.Struct, kw_only=True):
     paths: dict[str, PathRun]
     added: dict[str, Added]  # by hop
     targets: list[Target]
-    versus: list[Versus] = []  # router mode beside vllm-router (``bench.streams_versus``)
+    versus: list[Versus] = []  # router mode beside vllm-router (``bench.streams.versus``)
 
 
 class Machine(msgspec.Struct, kw_only=True):

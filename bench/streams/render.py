@@ -3,7 +3,7 @@
 One column per path of a round (``ROWS`` in order), then the sidecar's
 targets beside nginx's figures, the accept burst against nginx's, each
 sidecar's cost against nginx's with as many processes, router mode beside
-vllm-router (``bench.streams_versus``), one worker beside two, and the
+vllm-router (``bench.streams.versus``), one worker beside two, and the
 profiles taken with ``--profile``.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import cast
 
-from bench.cstreams import StreamsSample
 from bench.harness import profile
-from bench.streams_report import Added, PathRun, RoundMode, StreamsReport
-from bench.streams_versus import versus_lines, workers_burst, workers_lines
+from bench.streams.cstreams import StreamsSample
+from bench.streams.report import Added, PathRun, RoundMode, StreamsReport
+from bench.streams.versus import versus_lines, workers_burst, workers_lines
 
 
 def _ms(value: float) -> str:

@@ -1,6 +1,6 @@
 /* The many-streams workload's load generator and fake decode server, in C so neither fills its core first.
  *
- * Built by bench/cstreams.py (cc -O2) into a cache directory; see that module for how the bench
+ * Built by bench/streams/cstreams.py (cc -O2) into a cache directory; see that module for how the bench
  * drives it. One epoll loop per process, non-blocking sockets, HTTP/1.1 keep-alive.
  *
  *   streams server --port P --events E --duration S

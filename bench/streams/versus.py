@@ -9,7 +9,7 @@ rate (streams completed per second of the window; "at": within
 much) and on TTFT p99. ``workers_burst`` reads the accept-burst step at one
 and two workers: two must be no worse than one on the new connections'
 TTFT p99. ``versus_lines`` and ``workers_lines`` print them. The judged pairs
-(``Versus``) are part of the report (``bench.streams_report``).
+(``Versus``) are part of the report (``bench.streams.report``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from bench.streams_report import PathRun, Versus
-from bench.vllm_router import SENDS
+from bench.streams.report import PathRun, Versus
+from bench.streams.vllm_router import SENDS
 
 RATE_SLACK = 0.01
 #: (the sidecar's path, vllm-router's, how they run)

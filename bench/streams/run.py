@@ -14,13 +14,13 @@ a ramp; the streams started after it are measured. Two modes:
   relay and nginx carry the client's two legs (the client runs them); the
   sidecar in router mode (``--prefill``) gets one request and runs both.
   Time to first token counts from the prefill leg. Named in ``--paths``,
-  vLLM's own P/D router (``vllm-router``, ``bench.vllm_router``) is a hop
+  vLLM's own P/D router (``vllm-router``, ``bench.streams.vllm_router``) is a hop
   of this mode too, pinned and on both CPUs, read beside the sidecar
-  (``bench.streams_versus``).
+  (``bench.streams.versus``).
 
 Core layout as in ``python -m bench``: the hops on the second CPU, one
-measured at a time; the load generator and fake D (``bench/streams.c``, in C:
-``bench.cstreams``) and the fake P on the first. After each path's phase a
+measured at a time; the load generator and fake D (``bench/streams/streams.c``, in C:
+``bench.streams.cstreams``) and the fake P on the first. After each path's phase a
 smaller one (300 clients) runs on the same path at once: how fast its tail
 recovers. Then, in sidecar mode, the accept-burst step: the same clients streaming again and,
 a second into the window, ``burst`` new clients (500) connecting at once, each with one stream;
@@ -46,7 +46,6 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from bench import cstreams, vllm_router
 from bench.harness import profile
 from bench.harness.load import request_body
 from bench.harness.noise import Other, busiest, loadavg, process_cpu, snapshot_of, wait_quiet
@@ -64,9 +63,10 @@ from bench.harness.procs import (
 from bench.harness.report import MB
 from bench.harness.rounds import order
 from bench.servers.nginx import nginx_config
-from bench.streams_render import render
-from bench.streams_report import HopLoad, Machine, Mode, PathRun, RoundMode, StreamsReport, added, targets
-from bench.streams_versus import versus
+from bench.streams import cstreams, vllm_router
+from bench.streams.render import render
+from bench.streams.report import HopLoad, Machine, Mode, PathRun, RoundMode, StreamsReport, added, targets
+from bench.streams.versus import versus
 from sidecar.router.bodies import PREFILL_PARAMS
 
 __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
@@ -77,7 +77,7 @@ __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 # "sidecar-w2" and "nginx-w2" (``--workers 1,2``): the sidecar with ``--workers 2`` and nginx with
 # ``worker_processes 2``, each free to run on both CPUs (the load side's one included).
 # "vllm-router" and "vllm-router-w2" (router mode, only when named in ``--paths``): vLLM's own P/D
-# router (``bench.vllm_router``) pinned to the hop's CPU, and free on both CPUs with its default
+# router (``bench.streams.vllm_router``) pinned to the hop's CPU, and free on both CPUs with its default
 # threads (one per CPU it may use).
 PATHS = (
     "direct", "sidecar", "sidecar-w2", "limited", "baseline", "relay", "nginx", "nginx-w2",
