@@ -64,8 +64,9 @@ from bench.harness.noise import Other, Snapshot, snapshot_of
 from bench.harness.procs import BenchError, CorePlan, cpu_seconds
 from bench.harness.report import environment, other_cpu
 from bench.harness.settings import Knobs
-from bench.storm_load import NormalLoad, Samples, Scrape, StormWorker, Timed, release_jobs, released
-from bench.storm_procs import MODEL, StormServers, launched, wait_ready
+from bench.releases.launch import MODEL, StormServers, launched, wait_ready
+from bench.releases.metrics import Samples, Scrape, release_jobs, released
+from bench.storm_load import NormalLoad, StormWorker, Timed
 from bench.storm_report import (
     Counts,
     Figures,

@@ -43,7 +43,7 @@ DEFAULT_JSON = {
 }
 
 
-# The streams and releases workloads' own flags (``bench.streams.settings``, ``bench.releases.settings``).
+# The streams and releases workloads' own flags (their ``run.settings`` reads them).
 WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
     ("--clients", {"type": int, "help": "streams: concurrent clients (default 2000)"}),
     ("--rounds", {"type": int, "help": "streams: rounds of every path (default 2)"}),
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _workload(args: argparse.Namespace, nginx: str | None) -> int:
     """The streams or releases workload: run it, print its table, write its JSON."""
-    from bench import releases  # each imports what only it needs
+    from bench.releases import run as releases  # each imports what only it needs
     from bench.streams import run as streams
 
     if args.workload == "streams":

@@ -15,7 +15,7 @@ import msgspec
 from bench.harness.procs import BenchError
 from bench.harness.report import Environment, RunReport
 from bench.harness.stats import ms, percentile
-from bench.storm_load import RESULTS, Samples, release_latency_ms, released, sample
+from bench.releases.metrics import RESULTS, Samples, release_latency_ms, released, sample
 
 
 class LoadFigures(msgspec.Struct, kw_only=True):

@@ -37,7 +37,7 @@ import msgspec
 import uvloop
 
 from bench.harness.load import HEADERS, Failures, client_session
-from bench.storm_procs import PROMPT
+from bench.releases.launch import PROMPT
 
 
 class Command(msgspec.Struct, forbid_unknown_fields=True):

@@ -21,7 +21,7 @@ import httptools
 import msgspec
 
 from bench.harness.procs import BenchError
-from bench.storm_procs import MODEL, PROMPT
+from bench.releases.launch import MODEL, PROMPT
 
 
 class _Conn(asyncio.Protocol):

@@ -7,7 +7,7 @@ freed only by a release). D is ``bench.servers.fakes --role reject``: it
 refuses every completion with vLLM's 400 for a body that fails validation,
 before its handler, which vLLM's own cleanup does not cover, so the sidecar
 (``--release nixl``, 32 release workers) releases every one. Processes are
-laid out as ``bench.bench_storm`` lays them (``bench.storm_procs``): the
+laid out as ``bench.bench_storm`` lays them (``bench.releases.launch``): the
 sidecar alone on the second core; P, D and this load generator on the first.
 
 First the parameters are made: real prefill legs on P, each pinning one
@@ -29,8 +29,9 @@ their order swapped from step to step; each waits for the other's release
 backlog to drain first. With ``--profile DIR`` py-spy samples each sidecar
 during the main step.
 
-The load side is ``bench.releases_load``; the steps' figures and the table,
-``bench.releases_report``.
+The load side is ``bench.releases.load``; the readings of ``/metrics``,
+``bench.releases.metrics``; the steps' figures and the table,
+``bench.releases.report``.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from bench.harness.noise import Other, loadavg, snapshot_of, wait_quiet
 from bench.harness.procs import BenchError, CorePlan, rss_peak
 from bench.harness.report import MB
 from bench.harness.stats import ms, percentile
-from bench.releases_load import OpenLoop, prepare
-from bench.releases_report import ReleasesReport, Step, line, render
-from bench.storm_load import Samples, Scrape, release_latency_ms, released, sample
-from bench.storm_procs import Hop, StormServers, launched, wait_ready
+from bench.releases.launch import Hop, StormServers, launched, wait_ready
+from bench.releases.load import OpenLoop, prepare
+from bench.releases.metrics import Samples, Scrape, release_latency_ms, released, sample
+from bench.releases.report import ReleasesReport, Step, line, render
 
 __all__ = ["ReleasesReport", "ReleasesSettings", "render", "run", "settings"]
 
