@@ -42,7 +42,7 @@ def spread(sc: Sidecar, p1: ServerThread, later: int) -> list[int]:
         async with httpx.AsyncClient(timeout=10) as client:
             first = asyncio.create_task(client.post(sc.url + "/v1/completions", json=completion(5)))
             deadline = time.monotonic() + 5
-            while router.outstanding(p1.url) == 0:
+            while router.outstanding.get(p1.url, 0) == 0:
                 assert time.monotonic() < deadline and not first.done(), "the first leg never reached p1"
                 await asyncio.sleep(0.002)  # poll interval
             codes = [(await client.post(sc.url + "/v1/completions", json=completion(5))).status_code]
