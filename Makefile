@@ -105,7 +105,7 @@ bench: $(STAMP) $(VLLM_ROUTER)
 		--paths sidecar,sidecar-w2 --rounds 3 --json out/bench-burst-workers.json
 	$(UV) run --frozen --no-sync python -m bench --workload releases
 	$(UV) run --frozen --no-sync python -m bench.bench_release
-	$(UV) run --frozen --no-sync python -m bench.bench_storm
+	$(UV) run --frozen --no-sync python -m bench.storm
 	$(UV) run --frozen --no-sync python -m bench.bench_router
 	$(UV) run --frozen --no-sync python -m bench.bench_tracing
 	$(UV) run --frozen --no-sync python -m bench.bench_p_peers

@@ -1,6 +1,6 @@
 """The three servers of the rejection workloads as child processes: P, D and the sidecar releasing over NIXL.
 
-Both ``python -m bench --workload releases`` and ``bench.bench_storm`` run them.
+Both ``python -m bench --workload releases`` and ``bench.storm`` run them.
 
 The same way as ``bench.harness.procs``: each child is ``python -m sidecar ...`` in a
 session of its own, pinned before exec (the sidecar on its own core, P and D

@@ -7,7 +7,7 @@ freed only by a release). D is ``bench.servers.fakes --role reject``: it
 refuses every completion with vLLM's 400 for a body that fails validation,
 before its handler, which vLLM's own cleanup does not cover, so the sidecar
 (``--release nixl``, 32 release workers) releases every one. Processes are
-laid out as ``bench.bench_storm`` lays them (``bench.releases.launch``): the
+laid out as ``bench.storm`` lays them (``bench.releases.launch``): the
 sidecar alone on the second core; P, D and this load generator on the first.
 
 First the parameters are made: real prefill legs on P, each pinning one

@@ -1,10 +1,10 @@
-"""The load sides of ``bench.bench_storm``.
+"""The load sides of ``bench.storm``.
 
 ``NormalLoad`` is the traffic whose latency the storm may hurt: admitted chat
 completions (no ``kv_transfer_params``, so nothing to release) through the
 sidecar over a fixed number of closed-loop keep-alive connections, in this
 process, until told to stop; every answer must be a 200. ``StormWorker``
-drives the storm generator (``bench.storm_worker``), a child process of its
+drives the storm generator (``bench.storm.worker``), a child process of its
 own on the load core. The readings taken around its phases are
 ``bench.releases.metrics``.
 """
@@ -89,7 +89,7 @@ class StormWorker:
         self._argv = [
             sys.executable,
             "-m",
-            "bench.storm_worker",
+            "bench.storm.worker",
             "--prefill-url",
             prefill_url,
             "--sidecar-url",

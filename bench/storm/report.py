@@ -1,4 +1,4 @@
-"""Figures of one ``bench.bench_storm`` run, the table and the JSON (``out/bench-storm.json``).
+"""Figures of one ``bench.storm`` run, the table and the JSON (``out/bench-storm.json``).
 
 ``figures`` holds only positive numbers (the smoke test checks that);
 ``counts`` holds what may well be zero on a good run (dropped jobs, the

@@ -1,4 +1,4 @@
-"""The storm generator of ``bench.bench_storm``: a child process of its own, driven over stdin/stdout.
+"""The storm generator of ``bench.storm``: a child process of its own, driven over stdin/stdout.
 
 It runs apart from the process measuring the other requests, so the storm's
 client-side work does not sit in that process's event loop and inflate the
@@ -20,7 +20,7 @@ sidecar's clients would share a machine). One JSON object per line each way:
   (``time.monotonic()``, system-wide on Linux), the count and the statuses.
 * ``{"cmd": "quit"}`` or end of input: exit.
 
-    python -m bench.storm_worker --prefill-url URL --sidecar-url URL --model NAME --connections 32
+    python -m bench.storm.worker --prefill-url URL --sidecar-url URL --model NAME --connections 32
 """
 
 from __future__ import annotations

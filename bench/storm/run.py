@@ -1,6 +1,6 @@
 """Releases per second sustained in a rejection storm, and what the storm does to the other requests.
 
-    python -m bench.bench_storm [--quick] [--json out/bench-storm.json] [--release-workers N]
+    python -m bench.storm [--quick] [--json out/bench-storm.json] [--release-workers N]
 
 Three child processes, started and pinned as ``python -m bench`` does (each
 in its own session; the sidecar alone on the second CPU, the rest on the
@@ -8,7 +8,7 @@ first): the simulated prefill node P (vLLM 0.33.0, TP 1, 200,000 blocks, no
 lease, so a block is freed only by a release and every release is seen in
 P's ``/stats``), the simulated decode node D, and the sidecar in front of D
 with ``--release nixl``. The storm comes from a generator process of its
-own (``bench.storm_worker``), which first runs real prefill legs on P to get
+own (``bench.storm.worker``), which first runs real prefill legs on P to get
 ``kv_transfer_params`` that pin blocks.
 
 Every storm request carries one set of P's parameters and a body D refuses
@@ -66,8 +66,8 @@ from bench.harness.report import environment, other_cpu
 from bench.harness.settings import Knobs
 from bench.releases.launch import MODEL, StormServers, launched, wait_ready
 from bench.releases.metrics import Samples, Scrape, release_jobs, released
-from bench.storm_load import NormalLoad, StormWorker, Timed
-from bench.storm_report import (
+from bench.storm.load import NormalLoad, StormWorker, Timed
+from bench.storm.report import (
     Counts,
     Figures,
     LoadFigures,
@@ -373,7 +373,7 @@ async def run(settings: StormSettings, plan: CorePlan, quick: bool, progress: Pr
 
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser(
-        "bench.bench_storm", __doc__, DEFAULT_JSON, "a smoke run of a few seconds", "where the raw figures go"
+        "bench.storm", __doc__, DEFAULT_JSON, "a smoke run of a few seconds", "where the raw figures go"
     )
     parser.add_argument(
         "--release-workers",
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--release-workers must be at least 1")
         settings = msgspec.structs.replace(settings, release_workers=args.release_workers)
     return run_and_report(
-        "bench_storm", lambda plan: run(settings, plan, args.quick, _progress), render, args.json
+        "bench.storm", lambda plan: run(settings, plan, args.quick, _progress), render, args.json
     )
 
 
@@ -402,7 +402,3 @@ _STARTED = time.monotonic()
 
 def _progress(line: str) -> None:
     print(f"[{time.monotonic() - _STARTED:5.1f} s] {line}", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
