@@ -1,4 +1,4 @@
-"""The figures of ``bench.bench_p_peers``: P's ``/proc`` readings, per-peer costs, the table.
+"""The figures of ``bench.p_peers``: P's ``/proc`` readings, per-peer costs, the table.
 
 CPU is read per thread (``/proc/<pid>/task/<tid>/schedstat``, nanoseconds:
 the utime and stime of ``/proc/<pid>/stat`` count 10 ms ticks, too coarse for

@@ -1,4 +1,4 @@
-"""The child processes of ``bench.bench_p_peers``: P's one NIXL agent, and the peers that connect to it.
+"""The child processes of ``bench.p_peers``: P's one NIXL agent, and the peers that connect to it.
 
 Each child speaks JSON lines: it prints one ``ready`` line, then answers each
 command read on stdin with one line on stdout (everything else the process
@@ -255,7 +255,7 @@ async def serve_peer() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.p_peers_procs", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.p_peers.procs", description=__doc__.split("\n")[0])
     parser.add_argument("role", choices=["p", "peer"])
     parser.add_argument("--progress", choices=["thread", "poll"], default="thread")
     parser.add_argument("--regions", type=int, default=64)

@@ -3,7 +3,7 @@
 With ``--workers N`` every sidecar worker is its own NIXL agent: it fetches
 each P engine's metadata over P's side channel, adds it
 (``add_remote_agent``) and sends its notifications itself. This bench plays
-that against one real P agent on loopback (``bench.p_peers_procs``: P in its
+that against one real P agent on loopback (``bench.p_peers.procs``: P in its
 own process, made as vLLM 0.33.0's connector makes it; each peer in its own
 process, the sidecar's own ``NixlPeer`` and ``HandshakeClient``):
 
@@ -23,7 +23,7 @@ not hidden in a spinning thread's CPU. ``UCX_TLS`` is ``tcp`` unless
 loopback would otherwise use shared memory). Prints a table; raw figures in
 JSON.
 
-    uv run python -m bench.bench_p_peers [--quick] [--peers 1,2,4,8,16] [--json PATH]
+    uv run python -m bench.p_peers [--quick] [--peers 1,2,4,8,16] [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import IO, Any
 from bench.harness.main import bench_parser, progress
 from bench.harness.procs import BenchError
 from bench.harness.report import write_json
-from bench.p_peers_report import (
+from bench.p_peers.report import (
     Handshake,
     Idle,
     Notifications,
@@ -74,10 +74,10 @@ class Settings:
 
 
 class LineChild:
-    """A ``bench.p_peers_procs`` child: a JSON line out for each JSON line in."""
+    """A ``bench.p_peers.procs`` child: a JSON line out for each JSON line in."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: IO[bytes]) -> None:
-        argv = [sys.executable, "-m", "bench.p_peers_procs", *args]
+        argv = [sys.executable, "-m", "bench.p_peers.procs", *args]
         self.process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True
         )
@@ -280,7 +280,7 @@ def run(settings: Settings) -> Report:
 
 def settings_from(argv: Sequence[str] | None) -> tuple[Settings, Path]:
     parser = bench_parser(
-        "bench.bench_p_peers", __doc__, DEFAULT_JSON, "1 and 2 peers, short idle windows", "raw figures"
+        "bench.p_peers", __doc__, DEFAULT_JSON, "1 and 2 peers, short idle windows", "raw figures"
     )
     parser.add_argument("--peers", help="readings after this many agents connected (default 1,2,4,8,16)")
     parser.add_argument("--notifications", type=int, help="per agent in the bursts (default 200)")
@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run(settings)
     except BenchError as exc:
-        print(f"bench.bench_p_peers: {exc}", file=sys.stderr)
+        print(f"bench.p_peers: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -313,7 +313,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(report))
     print(f"raw figures: {json_path}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
