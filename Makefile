@@ -106,7 +106,7 @@ bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench --workload releases
 	$(UV) run --frozen --no-sync python -m bench.bench_release
 	$(UV) run --frozen --no-sync python -m bench.storm
-	$(UV) run --frozen --no-sync python -m bench.bench_router
+	$(UV) run --frozen --no-sync python -m bench.router
 	$(UV) run --frozen --no-sync python -m bench.bench_tracing
 	$(UV) run --frozen --no-sync python -m bench.p_peers
 

@@ -4,7 +4,7 @@
 ``r``, so each path takes each position equally often over ``N`` rounds and
 drift or a burst of noise hits all paths alike. ``counted_rounds`` is that
 rotation for the benches whose phases send a count of requests
-(``bench.bench_router``, ``bench.bench_tracing``): every path at every number of connections, in rounds,
+(``bench.router``, ``bench.tracing``): every path at every number of connections, in rounds,
 each phase warmed up and given an even share of the time left
 (``CountedPhase``), the figures pooled per path and number of connections
 (``Tally``); ``render_counted`` prints them.

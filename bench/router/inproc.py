@@ -1,4 +1,4 @@
-"""``python -m bench.bench_router_inproc [--baseline DIR]``: router mode's own Python per stream.
+"""``python -m bench.router.inproc [--baseline DIR]``: router mode's own Python per stream.
 
 The proxy's ASGI app in router mode, with P and D faked at the upstream seam
 (the fakes of ``tests/unit/test_router_legs.py``: no sockets, no server), runs
@@ -59,7 +59,9 @@ def sample(tree: Path, streams: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.router.inproc", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--baseline", type=Path, help="another tree, measured alternately beside this one")
     parser.add_argument("--streams", type=int, default=1500, help="streams per sample")
     parser.add_argument("--samples", type=int, default=5, help="samples per tree")

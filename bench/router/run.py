@@ -1,4 +1,4 @@
-"""``python -m bench.bench_router [--quick] [--json PATH]``: the router path against the sidecar-only path.
+"""``python -m bench.router [--quick] [--json PATH]``: the router path against the sidecar-only path.
 
 Both paths run the same two legs on the same P (``sim-prefill``, vLLM 0.33.0,
 TP 1, a pool too big to fill, no lease) and the same D (``sim-decode
@@ -265,13 +265,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = bench_parser(
-        "bench.bench_router", __doc__, DEFAULT_JSON, "a smoke run bounded to 10 s", "raw figures"
-    )
+    parser = bench_parser("bench.router", __doc__, DEFAULT_JSON, "a smoke run bounded to 10 s", "raw figures")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
-    return run_and_report("bench_router", lambda plan: run(settings, plan, args.quick), render, args.json)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return run_and_report("bench.router", lambda plan: run(settings, plan, args.quick), render, args.json)
