@@ -107,7 +107,7 @@ bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench.bench_release
 	$(UV) run --frozen --no-sync python -m bench.storm
 	$(UV) run --frozen --no-sync python -m bench.router
-	$(UV) run --frozen --no-sync python -m bench.bench_tracing
+	$(UV) run --frozen --no-sync python -m bench.tracing
 	$(UV) run --frozen --no-sync python -m bench.p_peers
 
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).

@@ -1,4 +1,4 @@
-"""``python -m bench.bench_tracing [--quick] [--json PATH]``: what OpenTelemetry tracing costs the sidecar.
+"""``python -m bench.tracing [--quick] [--json PATH]``: what OpenTelemetry tracing costs the sidecar.
 
 One run, three paths to the same D (``sim-decode``), non-streaming chat
 completions carrying ``kv_transfer_params`` (the inspected path):
@@ -77,7 +77,7 @@ def launched(plan: CorePlan) -> Iterator[tuple[Servers, dict[Child, str]]]:
     specs: list[tuple[str, list[str], frozenset[int], str]] = [
         ("sim-decode", sidecar_argv("sim-decode", "--host", HOST, "--port", str(d)), plan.load,
          d_url + "/health"),
-        ("otlp-sink", [sys.executable, "-m", "bench.bench_tracing", "--sink", str(sink)], plan.load,
+        ("otlp-sink", [sys.executable, "-m", "bench.tracing", "--sink", str(sink)], plan.load,
          sink_url + "/stats"),
         ("sidecar-off", sidecar_argv(*common, "--port", str(off), "--admin-port", str(off_admin)),
          plan.sidecar, f"http://{HOST}:{off_admin}/readyz"),
@@ -253,15 +253,11 @@ def sink(port: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = bench_parser(
-        "bench.bench_tracing", __doc__, DEFAULT_JSON, "a smoke run bounded to 15 s", "raw figures"
+        "bench.tracing", __doc__, DEFAULT_JSON, "a smoke run bounded to 15 s", "raw figures"
     )
     parser.add_argument("--sink", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     if args.sink is not None:
         return sink(args.sink)
     settings = QUICK if args.quick else FULL
-    return run_and_report("bench_tracing", lambda plan: run(settings, plan, args.quick), render, args.json)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return run_and_report("bench.tracing", lambda plan: run(settings, plan, args.quick), render, args.json)
