@@ -104,7 +104,7 @@ bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench --workload streams --modes sidecar --workers 1,2 \
 		--paths sidecar,sidecar-w2 --rounds 3 --json out/bench-burst-workers.json
 	$(UV) run --frozen --no-sync python -m bench --workload releases
-	$(UV) run --frozen --no-sync python -m bench.bench_release
+	$(UV) run --frozen --no-sync python -m bench.nixl_release
 	$(UV) run --frozen --no-sync python -m bench.storm
 	$(UV) run --frozen --no-sync python -m bench.router
 	$(UV) run --frozen --no-sync python -m bench.tracing

@@ -8,7 +8,7 @@ notification: *warm* with the handshake cached, *cold* with the cache emptied
 before each release (handshake + ``add_remote_agent`` + send). Throughput is
 sustained releases/second with many releases in flight. Prints JSON.
 
-    uv run python -m bench.bench_release [--tp 1] [--version 0.33.0] [--seconds 3]
+    uv run python -m bench.nixl_release [--tp 1] [--version 0.33.0] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class P:
         command = [
             sys.executable,
             "-m",
-            "bench.bench_release",
+            "bench.nixl_release",
             "--serve-p",
             "--version",
             version,
@@ -201,7 +201,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.nixl_release", description=__doc__.splitlines()[0])
     parser.add_argument("--version", default="0.34.0")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -213,7 +213,3 @@ def main() -> None:
         serve_p(args.version, args.tp)
         return
     print(json.dumps(asyncio.run(run(args.version, args.tp, args.seconds, args.cold, args.warm)), indent=2))
-
-
-if __name__ == "__main__":
-    main()

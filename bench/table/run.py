@@ -1,4 +1,4 @@
-"""``python -m bench.bench_table [--against FILE] [--requests N] [--rounds N]``: the shared table per request.
+"""``python -m bench.table [--against FILE] [--requests N] [--rounds N]``: the shared table per request.
 
 What the ledger and the in-flight veto cost a request, in one process, for
 three tables side by side: one process's own (``--workers 1``: ``Ledger`` and
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -117,7 +116,7 @@ def measure(tables: list[Table], requests: int, rounds: int) -> dict[str, dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_table", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.table", description=__doc__.split("\n")[0])
     parser.add_argument("--against", type=Path, help="another sidecar/release/shared.py to measure beside")
     parser.add_argument("--requests", type=int, default=20_000, help="requests of each kind per round")
     parser.add_argument("--rounds", type=int, default=7)
@@ -133,7 +132,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [f"{kinds[k]:>12.2f} {kinds[k] / base[k]:>6.2f}" for k in ("admitted", "rejected")]
         print(f"{name:<28} {' '.join(cells)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
