@@ -6,6 +6,11 @@ that imports this one is a circle all the same). A package is a workload or
 the shared parts (``bench/<package>/``); a module at the top of ``bench/``
 is a unit of its own. A package's ``__init__.py`` holds its description and
 imports nothing, so importing one module of a package runs no other.
+
+Every bench lives in a package by workload; the top of ``bench/`` keeps only
+``python -m bench`` itself (``__init__``, ``__main__`` and ``cli``, which reads
+the flags of the workloads it runs). The shared parts (``harness``,
+``servers``) import no workload.
 """
 
 from __future__ import annotations
@@ -92,6 +97,37 @@ def test_a_package_init_imports_nothing_of_bench() -> None:
         if path.name == "__init__.py" and imported(path, name, set(modules))
     }
     assert offenders == {}
+
+
+TOP_LEVEL = {"bench", "bench.__main__", "bench.cli"}
+SHARED = {"bench.harness", "bench.servers"}
+
+
+def test_every_bench_module_is_in_a_package_by_workload() -> None:
+    top = {name for name, path in module_names(BENCH).items() if path.parent == BENCH}
+    assert top == TOP_LEVEL
+
+
+def test_every_folder_of_python_is_a_package() -> None:
+    # A folder without ``__init__.py`` would be read as modules of no package, its circles unseen.
+    folders = {path.parent for path in BENCH.rglob("*.py") if "__pycache__" not in path.parts}
+    assert sorted(str(f.relative_to(BENCH)) for f in folders if not (f / "__init__.py").is_file()) == []
+
+
+def test_the_shared_parts_import_no_workload() -> None:
+    edges = package_graph()
+    assert {name: sorted(edges[name] - SHARED) for name in SHARED if edges[name] - SHARED} == {}
+
+
+def test_the_layout_has_the_workloads_it_describes() -> None:
+    packages = {name for name in package_graph() if name not in TOP_LEVEL}
+    assert {
+        "bench.paths",
+        "bench.streams",
+        "bench.releases",
+        "bench.storm",
+        "bench.table",
+    } | SHARED <= packages
 
 
 # --- the check finds what it is for ------------------------------------------------------------
