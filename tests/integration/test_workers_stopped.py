@@ -239,8 +239,10 @@ def test_a_worker_stopped_at_random_times_under_load_stalls_nobody(
     assert {status for _, _, status in answers} <= {200, 400}
     # Answered while worker 0 was stopped: served by worker 1.
     inside = [end - start for start, end, _ in answers if any(b <= start and end <= e for b, e in windows)]
-    # It kept serving: one answer inside the stops per stop on a real CPU; under emulation at
-    # least one (how many is a measure of speed, not asserted there).
-    assert len(inside) >= (1 if EMULATED else stops), (len(inside), len(answers))
+    # It kept serving: answers that began and ended while worker 0 was stopped, none of them
+    # slow. How many fit in the stops is a measure of the machine's speed and load (about one
+    # per stop on a quiet machine, half that beside a full test run), so only some are asserted:
+    # a worker stalled by the stopped one answers none inside, or slowly.
+    assert inside, (len(answers), windows[:3])
     assert quick(max(inside), calm + BOUND), (calm, sorted(inside)[-5:])
     workers.ready()
