@@ -8,13 +8,11 @@ and waits on ``server.started`` (polled, never slept on a fixed guess).
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -28,37 +26,6 @@ def bind_ephemeral(host: str = "127.0.0.1") -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
-
-
-# Ports handed to another process to bind later are picked below the kernel's ephemeral range: a port
-# from that range (what binding port 0 gives) can be taken, between the pick and the other process's
-# bind, by any outgoing connection on the machine (a vLLM engine opens dozens while it starts).
-LOW_PORT = 15000
-
-
-def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
-    """The kernel's range for outgoing connections' local ports (Linux's default if unreadable)."""
-    try:
-        low, high = (int(part) for part in Path(path).read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return low, high
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, for another process to bind: below the ephemeral range where there is room."""
-    low, _ = ephemeral_range()
-    for _ in range(100) if low - LOW_PORT >= 1000 else ():
-        port = random.randrange(LOW_PORT, low)
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerThread:

@@ -32,8 +32,6 @@ import json
 import logging
 import os
 import queue
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -423,7 +421,7 @@ class PProcess:
     def __init__(self, wheel: Path, tp: int, pp: int) -> None:
         self.tp, self.pp = tp, pp
         self.engine_id = f"p-{uuid.uuid4().hex[:8]}"
-        self.port = _free_port_range(tp)
+        self.port = free_port(tp)
         command = [
             sys.executable, __file__, "serve", "--wheel", str(wheel), "--tp", str(tp), "--pp", str(pp),
             "--port", str(self.port), "--engine-id", self.engine_id,
@@ -498,24 +496,6 @@ class PProcess:
                     pipe.close()
 
 
-def _free_port_range(count: int) -> int:
-    for _ in range(100):
-        base = random.randint(30000, 60000)
-        socks = []
-        try:
-            for i in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
-
-
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serve":
     parser = argparse.ArgumentParser()
     parser.add_argument("command")
@@ -536,6 +516,7 @@ from sidecar.release.base import JobResult, ReleaseJob  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
 from tests.conformance.vllm_source import spoken  # noqa: E402
 from tests.conformance.wheels import fetch_wheel  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.nixl
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 import pytest
 
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 MESH = Path(__file__).resolve().parents[2] / "deploy" / "mesh"
 PODS = ("decode-0.vllm-decode.llm.svc:8000", "decode-1.vllm-decode.llm.svc:8000")

@@ -26,7 +26,7 @@ import pytest
 from sidecar.release.targets import FRESH_GAP
 from tests.faults.cluster import Backends, Sent, until
 from tests.faults.conftest import scene
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

@@ -32,7 +32,8 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar, until
 from tests.faults.fronts import Kind, front
 from tests.integration.conftest import Sidecar
-from tests.servers import free_port, serve
+from tests.servers import serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

@@ -31,7 +31,8 @@ from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, unti
 from tests.faults.evidence import Bounds, ProcessView, parse_metrics, total
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import Truth
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

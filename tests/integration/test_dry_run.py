@@ -33,7 +33,8 @@ from tests.fake_engine import NotifyEngine, sampling_params
 from tests.faults.cluster import until
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.integration.test_pd_release_e2e import prefill
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

@@ -26,7 +26,8 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.test_llmd import answers, sidecar
 from tests.integration.test_pd_release_e2e import prefill, stats, wait_stats
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

@@ -42,7 +42,8 @@ from tests.deploy import kserve
 from tests.fake_kube import ALPHA, alpha_pool, pod
 from tests.integration.test_llmd import LABELS, answers, kube_api, sidecar
 from tests.integration.test_router import completion
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"

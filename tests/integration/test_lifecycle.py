@@ -16,7 +16,8 @@ import pytest
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 
 def wait_for(url: str, status: int = 200, timeout: float = 20.0) -> httpx.Response:

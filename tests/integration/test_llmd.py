@@ -33,8 +33,9 @@ from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.fake_kube import V1, FakeKube, inference_pool, pod
 from tests.integration.test_router import completion, stats, wait_stats
-from tests.ranked import consecutive_free_ports, ranked
-from tests.servers import ServerThread, free_port, serve
+from tests.ranked import ranked
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
@@ -235,7 +236,7 @@ def served_serial(port: int, ca_file: Path) -> int:
 
 
 def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_leg_s_p() -> None:
-    d_base = consecutive_free_ports(2)
+    d_base = free_port(2)
     configs = [DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="m", log_params=True)] * 2
     ps = [
         create_prefill_app(
@@ -244,7 +245,7 @@ def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_
         for _ in range(2)
     ]
     with serve(ps[0]) as p0, serve(ps[1]) as p1, ranked(configs, d_base, lambda: VllmDHooks(VERSION)) as ds:
-        base, admin = consecutive_free_ports(2), free_port()
+        base, admin = free_port(2), free_port()
         args = [
             f"--port={base}",
             f"--model-server-port={d_base}",

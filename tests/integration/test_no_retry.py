@@ -22,7 +22,8 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
 from tests.integration.test_pd_release_e2e import prefill, wait_stats
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

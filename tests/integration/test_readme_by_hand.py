@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 from tests.deploy.manifests import ROOT
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 
@@ -39,15 +39,6 @@ def section() -> str:
 
 def section_blocks(language: str = "sh") -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section(), flags=re.S)
-
-
-def free_ports(count: int) -> list[str]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    try:
-        return [str(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def on_free_ports(block: str, mapping: dict[str, str]) -> str:
@@ -112,7 +103,7 @@ def test_the_readme_runs_by_hand(tmp_path: Path) -> None:
     blocks = section_blocks()
     commands = [line for line in blocks[0].splitlines() if not line.startswith(" ")]
     assert len(blocks) == 4 and len(commands) == 3 and all(line.startswith(BINARY) for line in commands)
-    ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+    ports = {port: str(free_port()) for port in PORTS}
     log = tmp_path / "processes.log"
     p, d, admin = (f"http://127.0.0.1:{ports[port]}" for port in ("8100", "8200", "9100"))
     with started(on_free_ports(blocks[0], ports), log):

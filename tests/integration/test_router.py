@@ -17,7 +17,8 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"

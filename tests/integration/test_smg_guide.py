@@ -49,7 +49,7 @@ from tests.integration.guides import (
     wait_closed,
 )
 from tests.integration.test_readme_by_hand import started, wait_for
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

@@ -33,7 +33,8 @@ from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from tests.integration.conftest import Sidecar, kv_params
 from tests.integration.test_llmd import answers, sidecar
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

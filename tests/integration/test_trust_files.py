@@ -27,7 +27,7 @@ import pytest
 from sidecar.tls.trust import MAX_FILE_BYTES
 from tests.certs import kserve_self_signed
 from tests.integration.test_lifecycle import wait_for
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 BOUND = 20.0  # seconds any run may take: the start, or the start and a SIGTERM
 OWN = ("KVR_", "SSL_CERT_")  # variables the test runner's environment must not set for the sidecar

@@ -30,7 +30,8 @@ from sidecar.classify import NoAnswer
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.upstream.http1 import HIGH_WATER
 from tests.fakes import CountingLoop
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1024 * 1024

@@ -40,7 +40,8 @@ from sidecar.vllm_plugin import (
 )
 from tests.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 TOKEN = "integration-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -37,7 +37,8 @@ from starlette.routing import Route
 
 from sidecar.wire import error_body
 from tests.integration.conftest import kv_params
-from tests.servers import ServerThread, free_port, serve
+from tests.servers import ServerThread, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
 HANG = 60.0  # a bound for a hang, not a measure

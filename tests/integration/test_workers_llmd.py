@@ -33,8 +33,9 @@ from tests.fake_kube import inference_pool, pod
 from tests.integration.test_llmd import LABELS, VERSION, kube_api, write_cert
 from tests.integration.test_router import completion, wait_stats
 from tests.integration.test_workers import HANG, Workers, wait_until
-from tests.ranked import consecutive_free_ports, ranked
-from tests.servers import free_port, serve
+from tests.ranked import ranked
+from tests.servers import serve
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.serial]  # several processes each: run alone
 TRIES = 400  # new connections before concluding the kernel gives them all to one worker
@@ -114,13 +115,13 @@ def sender(target: str, prefiller: str, rank: int) -> Callable[..., tuple[str, i
 
 
 def test_each_data_parallel_rank_is_served_by_every_worker(tmp_path: Path) -> None:
-    d_base = consecutive_free_ports(2)
+    d_base = free_port(2)
     with (
         serve(p_sim()) as p0,
         serve(p_sim()) as p1,
         ranked([d_config()] * 2, d_base, lambda: VllmDHooks(VERSION)) as ds,
     ):
-        base, admin = consecutive_free_ports(2), free_port()
+        base, admin = free_port(2), free_port()
         args = [f"--port={base}", f"--model-server-port={d_base}", "--data-parallel-size=2",
                 "--secure-serving=false"]  # fmt: skip
         env = {"KVR_PREFILL_ALLOW": "127.0.0.1", "POD_IP": "127.0.0.1"}
