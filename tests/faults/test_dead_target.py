@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 from sidecar.release.targets import FRESH_GAP
-from tests.faults.cluster import Backends, Sent, until
+from tests.faults.cluster import Backends, Sent
 from tests.faults.conftest import scene
 from tests.support.ports import free_port
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

@@ -27,12 +27,13 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
-from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, until
+from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent
 from tests.faults.evidence import Bounds, ProcessView, parse_metrics, total
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import Truth
 from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +15,7 @@ from sidecar.release.stub import StubReleaser
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
 from tests.servers import ServerThread, serve
+from tests.support.until import until
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: the serial marker added here counts
@@ -62,19 +62,16 @@ class Sidecar:
         return self.registry.get_sample_value(name, labels) or 0.0
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
-        """Wait until no request is in flight (each was classified and counted)."""
-        deadline = time.monotonic() + timeout
-        while self.sample("kvr_inflight_requests") and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return not self.sample("kvr_inflight_requests")
+        """Wait until no request is in flight (each was classified and counted); whether none is."""
+        idle = lambda: not self.sample("kvr_inflight_requests")  # noqa: E731
+        return until(idle, "no request in flight", timeout, 0.002, fail=False)
 
     def released(self) -> list[str]:
         return [job.params.remote_request_id or job.request_id for job in self.releaser.recorded]
 
     def wait_released(self, count: int, timeout: float = 5.0) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while len(self.releaser.recorded) < count and time.monotonic() < deadline:
-            time.sleep(0.002)
+        """The released requests' ids once ``count`` were released, or all there are after ``timeout``."""
+        until(lambda: len(self.releaser.recorded) >= count, f"{count} releases", timeout, 0.002, fail=False)
         return self.released()
 
     def settle(self) -> None:

@@ -41,6 +41,7 @@ from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, retried_status
 from tests.integration.conftest import kv_params as params
 from tests.integration.test_lifecycle import sidecar_process
 from tests.servers import ServerThread, serve
+from tests.support.until import until
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
@@ -663,9 +664,7 @@ def test_over_the_concurrency_limit_answers_vllm_shaped_503(decode: ServerThread
         threads = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 5
-        while sc.sample("kvr_inflight_requests") < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: sc.sample("kvr_inflight_requests") >= 2, "both requests in flight", 5.0, 0.005)
         assert sc.sample("kvr_inflight_requests") == 2
         response = httpx.post(
             sc.url + "/v1/chat/completions", json=chat(TOO_LONG, "over"), headers={"x-request-id": "over"}
@@ -703,15 +702,12 @@ def test_over_the_limit_bodies_are_read_up_to_a_cap_then_refused_unread(
         # Holds the one slot throughout: D answers it after 60 s, far past the rest of the test.
         held = json.dumps(chat("hi [[slow-headers:60]]", "held")).encode()
         holder.sendall(body_head(len(held), "held") + held)
-        deadline = time.monotonic() + 5
-        while sc.sample("kvr_inflight_requests") < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: sc.sample("kvr_inflight_requests") >= 1, "the slot held", 5.0, 0.005, fail=False)
         stalled = [json.dumps(chat(TOO_LONG, f"slot-{i}")).encode() for i in range(8)]
         readers = [dial(sc.url) for _ in range(8)]
         for i, sock in enumerate(readers):  # each sends half its body and waits: a read slot held
             sock.sendall(body_head(len(stalled[i]), f"slot-{i}") + stalled[i][: len(stalled[i]) // 2])
-        while sc.sample("kvr_inflight_requests") < 9 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: sc.sample("kvr_inflight_requests") >= 9, "the read slots held", 5.0, 0.005, fail=False)
         assert sc.sample("kvr_inflight_requests") == 9
         started = time.monotonic()
         body = json.dumps(chat(TOO_LONG, "unread")).encode()

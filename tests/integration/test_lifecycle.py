@@ -18,20 +18,7 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
-
-
-def wait_for(url: str, status: int = 200, timeout: float = 20.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    last: httpx.Response | None = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(url, timeout=1)
-            if last.status_code == status:
-                return last
-        except httpx.TransportError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"{url} never answered {status} (last: {last and last.status_code})")
+from tests.support.until import answered, until
 
 
 @contextmanager
@@ -61,7 +48,7 @@ def sidecar_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.P
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(f"http://127.0.0.1:{admin}/healthz")
+        answered(f"http://127.0.0.1:{admin}/healthz")
         yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
     finally:
         if proc.poll() is None:
@@ -77,12 +64,12 @@ def decode() -> Iterator[ServerThread]:
 
 def test_readyz_follows_decode_health(decode: ServerThread) -> None:
     with sidecar_process(decode.url) as (_, url, admin):
-        body = wait_for(admin + "/readyz").json()
+        body = answered(admin + "/readyz").json()
         assert body == {"ready": True, "checks": {"draining": False, "decode": True, "releaser": True}}
         assert httpx.get(url + "/health").status_code == 200  # D's own health, through the proxy
         assert "kvr_ready 1.0" in httpx.get(admin + "/metrics").text
     with sidecar_process(f"http://127.0.0.1:{free_port()}") as (_, _url, admin):
-        response = wait_for(admin + "/readyz", status=503)
+        response = answered(admin + "/readyz", status=503)
         assert response.json()["checks"]["decode"] is False
         assert httpx.get(admin + "/healthz").status_code == 200
 
@@ -93,7 +80,7 @@ def test_sigterm_drops_readiness_drains_streams_and_exits(decode: ServerThread) 
         url,
         admin,
     ):
-        wait_for(admin + "/readyz")
+        answered(admin + "/readyz")
         chunks: list[bytes] = []
         started = threading.Event()
 
@@ -110,7 +97,7 @@ def test_sigterm_drops_readiness_drains_streams_and_exits(decode: ServerThread) 
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         # readiness drops first, while the proxy still serves
-        assert wait_for(admin + "/readyz", status=503, timeout=5).json()["checks"]["draining"] is True
+        assert answered(admin + "/readyz", status=503, timeout=5).json()["checks"]["draining"] is True
         reader.join(20)
         assert b"".join(chunks).rstrip().endswith(b"data: [DONE]")  # the in-flight stream completed
         assert proc.wait(20) == 0
@@ -121,7 +108,7 @@ def test_a_request_still_running_past_the_drain_gets_a_vllm_shaped_503(decode: S
     # uvicorn cancels what still runs after drain_timeout; the client gets vLLM's error shape,
     # not uvicorn's plain-text 500.
     with sidecar_process(decode.url, "--shutdown-delay", "0", "--drain-timeout", "0.5") as (proc, url, admin):
-        wait_for(admin + "/readyz")
+        answered(admin + "/readyz")
         answers: list[httpx.Response] = []
 
         def hang() -> None:
@@ -132,10 +119,9 @@ def test_a_request_still_running_past_the_drain_gets_a_vllm_shaped_503(decode: S
 
         client = threading.Thread(target=hang)
         client.start()
-        deadline = time.monotonic() + 5
-        while "kvr_inflight_requests 1.0" not in httpx.get(admin + "/metrics").text:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        until(
+            lambda: "kvr_inflight_requests 1.0" in httpx.get(admin + "/metrics").text, "the request in flight"
+        )
         proc.send_signal(signal.SIGTERM)
         client.join(20)
         assert proc.wait(20) == 0

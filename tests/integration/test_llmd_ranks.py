@@ -21,11 +21,11 @@ from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.app.ranks import RankFront
 from sidecar.config import Config
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.faults.cluster import until
 from tests.integration.conftest import Recording, kv_params
 from tests.ranked import ranked
 from tests.servers import ServerThread
 from tests.support.ports import free_port
+from tests.support.until import until
 
 MODEL = "m"
 

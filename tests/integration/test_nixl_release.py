@@ -32,6 +32,7 @@ from sidecar.nixl.versions import WireProfile
 from sidecar.params import ReleaseParams, release_params
 from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.nixl import NixlReleaser
+from tests.support.until import until_async
 
 pytestmark = pytest.mark.nixl
 
@@ -149,14 +150,11 @@ class FakePrefill:
                 self.notifs[rank].extend(messages)
 
     async def wait(self, done: Callable[[], bool], within: float = 5.0) -> None:
-        deadline = time.monotonic() + within
-        while True:
+        def drained() -> bool:
             self.drain()
-            if done():
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; notifications: {self.notifs}")
-            await asyncio.sleep(0.001)
+            return done()
+
+        await until_async(drained, "P's notifications", within, 0.001, state=lambda: self.notifs)
 
     async def received(self, message: bytes, within: float = 5.0) -> dict[Rank, int]:
         """Wait until every rank has ``message``; returns how often each rank got it."""

@@ -10,7 +10,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
 from tests.integration.conftest import kv_params as params
 from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.until import until_async
 
 
 def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str, Any]:
@@ -271,14 +271,6 @@ def test_client_disconnect_mid_stream_closes_upstream_and_releases_nothing() -> 
         assert sc.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
 
 
-async def until(check: Any, limit: float = 10.0) -> None:
-    """Poll ``check`` (state owned by another thread) until it holds."""
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.005)
-
-
 def test_client_gone_before_forward_releases() -> None:
     """A request waiting for a pooled connection to D is not forwarded yet."""
     gate = threading.Event()
@@ -321,14 +313,14 @@ def test_client_gone_before_forward_releases() -> None:
                         )
                     )
                     # the only pooled connection is now taken by busy-1
-                    await until(lambda: len(conns) == 1)
+                    await until_async(lambda: len(conns) == 1)
                     second = asyncio.create_task(
                         client.post(
                             sc.url + "/v1/completions",
                             json={"prompt": "b", "kv_transfer_params": params("wait-1")},
                         )
                     )
-                    await until(lambda: sc.sample("kvr_inflight_requests") == 2)
+                    await until_async(lambda: sc.sample("kvr_inflight_requests") == 2)
                     second.cancel()  # the client leaves while its request waits for a connection
                     first.cancel()
                     await asyncio.gather(first, second, return_exceptions=True)

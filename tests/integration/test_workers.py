@@ -21,7 +21,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +38,7 @@ from sidecar.wire import error_body
 from tests.integration.conftest import kv_params
 from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.until import answered, until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
 HANG = 60.0  # a bound for a hang, not a measure
@@ -132,18 +132,16 @@ class Workers:
         return found
 
     def ready(self) -> dict[str, Any]:
-        deadline = time.monotonic() + HANG
-        while True:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                response = httpx.get(self.admin + "/readyz", timeout=5, verify=self.verify)
-                if response.status_code == 200:
-                    body: dict[str, Any] = response.json()
-                    return body
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.05)
+        response = answered(
+            self.admin + "/readyz",
+            timeout=HANG,
+            poll=0.05,
+            process=self.process,
+            log=self.log,
+            verify=self.verify,
+        )
+        body: dict[str, Any] = response.json()
+        return body
 
     def worker_sample(self, index: int, name: str, **labels: str) -> float:
         socket = self.sockets()[index]
@@ -178,13 +176,6 @@ def sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
     fake = FakeDecode()
@@ -211,7 +202,9 @@ def start_workers(
         workers = Workers(process, log, f"{scheme}://127.0.0.1:{port}", f"{scheme}://127.0.0.1:{admin}")
         workers.verify = verify or True
         workers.ready()
-        wait_until(lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged")
+        until(
+            lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged", timeout=HANG, poll=0.02
+        )
         yield workers
     finally:
         if process.poll() is None:
@@ -233,7 +226,7 @@ def test_a_replay_is_refused_on_every_worker(
 ) -> None:
     fake = decode[0]
     assert workers.complete("spent-1", "reject").status_code == 400
-    wait_until(lambda: fake.releases == ["spent-1"], "the rejection released")
+    until(lambda: fake.releases == ["spent-1"], "the rejection released", timeout=HANG, poll=0.02)
     answers: list[int] = []
     sent = workers.until_each_worker(
         "kvr_released_replays_total",
@@ -254,10 +247,12 @@ def test_exactly_one_release_per_rejection(decode: tuple[FakeDecode, ServerThrea
     with ThreadPoolExecutor(12) as pool:
         statuses = list(pool.map(lambda rid: workers.complete(rid, "reject").status_code, rids * 3))
     assert set(statuses) <= {400, 409}  # D's rejection, or the replay refused once released
-    wait_until(lambda: workers.sample("kvr_inflight_requests") == 0, "every request judged")
+    until(
+        lambda: workers.sample("kvr_inflight_requests") == 0, "every request judged", timeout=HANG, poll=0.02
+    )
     for worker in (0, 1):
         assert workers.worker_sample(worker, "kvr_release_queue_depth") == 0
-    wait_until(lambda: len(fake.releases) >= len(rids), "every rejection released")
+    until(lambda: len(fake.releases) >= len(rids), "every rejection released", timeout=HANG, poll=0.02)
     assert sorted(fake.releases) == sorted(rids)  # once each, never twice
     assert workers.sample("kvr_releases_total", result="sent") == len(rids)
     assert all(workers.worker_sample(w, "kvr_requests_total") > 0 for w in (0, 1))
@@ -304,12 +299,22 @@ def test_sigterm_drains_every_worker_and_flushes_pending_releases(
         )
         thread.start()
         threads.append(thread)
-        wait_until(lambda: fake.held == len(threads), "the request held at D")
+        until(lambda: fake.held == len(threads), "the request held at D", timeout=HANG, poll=0.02)
 
     workers.until_each_worker("kvr_inflight_requests", hold)  # every worker has a request at D
     workers.process.send_signal(signal.SIGTERM)
-    wait_until(lambda: httpx.get(workers.admin + "/readyz", timeout=5).status_code == 503, "readiness off")
-    wait_until(lambda: _refused(workers.url), "new connections refused while the workers drain")
+    until(
+        lambda: httpx.get(workers.admin + "/readyz", timeout=5).status_code == 503,
+        "readiness off",
+        timeout=HANG,
+        poll=0.02,
+    )
+    until(
+        lambda: _refused(workers.url),
+        "new connections refused while the workers drain",
+        timeout=HANG,
+        poll=0.02,
+    )
     fake.gate.set()
     for thread in threads:
         thread.join(HANG)
@@ -335,13 +340,15 @@ def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
     before = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
     client = threading.Thread(target=lambda: _swallow(lambda: workers.complete("orphan", "hold-reject")))
     client.start()
-    wait_until(lambda: fake.held == 1, "the request at D")
+    until(lambda: fake.held == 1, "the request at D", timeout=HANG, poll=0.02)
     victim = next(w for w in (0, 1) if workers.worker_sample(w, "kvr_inflight_requests") == 1)
     os.kill(before[victim], signal.SIGKILL)
     client.join(HANG)  # its client saw the connection drop
-    wait_until(
+    until(
         lambda: any(line.get("msg", "").startswith("worker exited") for line in workers.lines()),
         "the death logged",
+        timeout=HANG,
+        poll=0.02,
     )
     after = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
     assert after[victim] != before[victim] and after[1 - victim] == before[1 - victim]
@@ -353,9 +360,11 @@ def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
     # The same parameters again, rejected at once: D may still be reading them for the dead
     # worker's request (it aborts it), so whichever worker judges this one must not release.
     assert workers.complete("orphan", "reject").status_code == 400
-    wait_until(
+    until(
         lambda: workers.sample("kvr_not_released_total", cause="params_in_use") >= 1,
         "the replay judged",
+        timeout=HANG,
+        poll=0.02,
     )
     assert workers.sample("kvr_not_released_total") == 1
     assert fake.releases == []

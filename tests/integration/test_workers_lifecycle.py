@@ -24,8 +24,9 @@ import trustme
 from cryptography import x509
 
 from tests.integration.conftest import kv_params
-from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers, wait_until
+from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers
 from tests.servers import ServerThread, serve
+from tests.support.until import until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
 
@@ -114,11 +115,16 @@ def test_a_rotated_certificate_reaches_new_connections_on_every_worker(
                 if line.get("msg") == "TLS certificate reloaded" and "worker" in line
             }
 
-        wait_until(lambda: reloaded() == {0, 1}, "every worker reloaded its certificate")
+        until(lambda: reloaded() == {0, 1}, "every worker reloaded its certificate", timeout=HANG, poll=0.02)
         each_worker_serves(second)  # every new connection, whichever worker takes it: no restart
         assert pids(workers) == started  # no worker restarted for it
         admin = int(workers.admin.rsplit(":", 1)[1])
-        wait_until(lambda: serial_at(admin, verify) == second, "the admin port's certificate reloaded")
+        until(
+            lambda: serial_at(admin, verify) == second,
+            "the admin port's certificate reloaded",
+            timeout=HANG,
+            poll=0.02,
+        )
 
 
 def pids(workers: Workers) -> dict[int, int]:
@@ -138,7 +144,12 @@ def serial_at(port: int, verify: ssl.SSLContext) -> int:
 
 def directory_of(workers: Workers) -> Path:
     """The supervisor's private directory (shared table, admin sockets), as it logged it."""
-    wait_until(lambda: any(line.get("msg") == "workers started" for line in workers.lines()), "started")
+    until(
+        lambda: any(line.get("msg") == "workers started" for line in workers.lines()),
+        "started",
+        timeout=HANG,
+        poll=0.02,
+    )
     started = next(line for line in workers.lines() if line.get("msg") == "workers started")
     return Path(started["directory"])
 
@@ -164,7 +175,12 @@ def test_a_supervisor_killed_with_sigkill_leaves_a_directory_the_next_one_remove
         os.kill(killed.process.pid, signal.SIGKILL)
         killed.process.wait()
         assert left.is_dir() and (left / "ledger").is_file()  # what nothing else would remove
-        wait_until(lambda: all(gone(pid) for pid in orphans), "its workers exited (SIGTERM at its death)")
+        until(
+            lambda: all(gone(pid) for pid in orphans),
+            "its workers exited (SIGTERM at its death)",
+            timeout=HANG,
+            poll=0.02,
+        )
         with start(url, tmp_path / "next") as following:
             assert not left.exists()  # removed at the next supervisor's start
             assert kept.is_dir() and (kept / "ledger").is_file()  # a live one's is never touched

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_workers import FakeDecode, Workers, start_workers, wait_until
+from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers
 from tests.servers import ServerThread, serve
+from tests.support.until import until
 
 # Several processes, stopped and resumed, bounded in milliseconds: run last, with nothing beside them.
 pytestmark = [pytest.mark.serial, pytest.mark.alone]
@@ -99,7 +100,7 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
     )
     try:
         assert helper.stdout is not None and helper.stdout.readline() == b"stopping\n"
-        wait_until(lambda: _stopped(helper.pid), "the helper stopped holding the lock")
+        until(lambda: _stopped(helper.pid), "the helper stopped holding the lock", timeout=HANG, poll=0.02)
         answers = [_timed(workers, f"ok-{i}") for i in range(20)]
         answers += [_timed(workers, f"rejected-{i}", "reject") for i in range(5)]
         assert [status for status, _ in answers] == [200] * 20 + [400] * 5
@@ -122,7 +123,12 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
         helper.stdout.close()
     assert helper.returncode == 0
     assert workers.complete("after", "reject").status_code == 400
-    wait_until(lambda: fake.releases == ["after"], "releases made again once the lock is free")
+    until(
+        lambda: fake.releases == ["after"],
+        "releases made again once the lock is free",
+        timeout=HANG,
+        poll=0.02,
+    )
     workers.ready()
 
 

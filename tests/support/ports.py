@@ -66,3 +66,9 @@ def _all_bind(host: str, ports: range) -> bool:
         for sock in socks:
             sock.close()
     return True
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on ``port`` now."""
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) == 0

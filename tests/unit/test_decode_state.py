@@ -23,7 +23,7 @@ from sidecar.decode.state import (
     engine_dead_answer,
 )
 from sidecar.upstream import UpstreamError
-from tests.integration.test_release_causes import until
+from tests.support.until import until_async
 
 NIXL_METRICS = (
     b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
@@ -351,7 +351,7 @@ async def test_an_answer_after_d_was_unreachable_wakes_the_poller_to_read_d_agai
         state.observe(NoAnswer.CONNECT_REFUSED)
         calls = len(upstream.calls)
         state.observe(404, None)
-        await until(lambda: upstream.calls[calls:] == ["health", "version", "metrics"])
+        await until_async(lambda: upstream.calls[calls:] == ["health", "version", "metrics"])
     finally:
         await state.close()
 
@@ -445,9 +445,9 @@ async def test_the_poller_follows_d_and_stops_on_close() -> None:
     state = make(upstream, interval=0.001)
     await state.start()
     upstream.set(health=(503, [], b""))
-    await until(lambda: state.view().engine == "dead")
+    await until_async(lambda: state.view().engine == "dead")
     upstream.set(health=OK)
-    await until(lambda: state.view().engine == "alive")
+    await until_async(lambda: state.view().engine == "alive")
     await state.close()
     calls = len(upstream.calls)
     await asyncio.sleep(0.01)
@@ -461,10 +461,10 @@ async def test_the_poller_survives_a_bug_and_says_unknown(caplog: pytest.LogCapt
     try:
         with caplog.at_level(logging.ERROR, logger="sidecar.decode_state"):
             upstream.set(health=RuntimeError("a bug"))
-            await until(lambda: state.view().engine == "unknown")
+            await until_async(lambda: state.view().engine == "unknown")
         assert any("probing D failed" in r.getMessage() for r in caplog.records)
         upstream.set(health=OK)
-        await until(lambda: state.view().engine == "alive")
+        await until_async(lambda: state.view().engine == "alive")
     finally:
         await state.close()
 
