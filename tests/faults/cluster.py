@@ -241,18 +241,3 @@ def decode_body(kind: Kind, params: dict[str, Any], slow: float = 0.0) -> dict[s
 def via(params: dict[str, Any], gate: FaultGate) -> dict[str, Any]:
     """``params`` with P's side channel reached through ``gate``."""
     return {**params, "remote_port": gate.port}
-
-
-def until(
-    condition: Callable[[], bool],
-    what: str,
-    timeout: float = 10.0,
-    poll: float = 0.01,
-    state: Callable[[], object] | None = None,
-) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` (and ``state()``) after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f": {state()}" if state else ""))
-        time.sleep(poll)

@@ -17,7 +17,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,10 +31,12 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.fake_kube import V1, FakeKube, inference_pool, pod
-from tests.integration.test_router import completion, stats, wait_stats
+from tests.integration.test_router import completion
 from tests.ranked import ranked
 from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.sims import p_stats, wait_stats
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
@@ -89,12 +90,16 @@ def sidecar(
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not ready():
-            if process.poll() is not None or time.monotonic() > deadline:
+
+        def started() -> bool:
+            if process.poll() is not None:
                 log.seek(0)
-                raise AssertionError(f"the sidecar did not become ready: {log.read().decode()[-3000:]}")
-            time.sleep(0.05)
+                raise AssertionError(
+                    f"the sidecar exited {process.returncode}: {log.read().decode()[-3000:]}"
+                )
+            return bool(ready())
+
+        until(started, "the sidecar to be ready", 60.0, 0.05)
         yield process
     finally:
         process.send_signal(signal.SIGTERM)
@@ -116,13 +121,6 @@ def answers(url: str, **kwargs: Any) -> bool:
         return httpx.get(url, timeout=2, **kwargs).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def wait_for(check: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "not within the time allowed"
-        time.sleep(0.05)
 
 
 def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
@@ -194,10 +192,10 @@ def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
             def status() -> int:
                 return client.post(url + "/v1/completions", json=completion(5), headers=header).status_code
 
-            wait_for(lambda: status() == 403, 5.0)
+            until(lambda: status() == 403, "the change", 5.0, 0.05)
             fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))
-            wait_for(lambda: status() == 200, 5.0)
-            assert stats(p)["requests_pinned"] >= 3
+            until(lambda: status() == 200, "the change", 5.0, 0.05)
+            assert p_stats(p)["requests_pinned"] >= 3
 
 
 def test_a_rotated_certificate_reaches_new_connections_without_a_restart(tmp_path: Path) -> None:
@@ -214,7 +212,7 @@ def test_a_rotated_certificate_reaches_new_connections_without_a_restart(tmp_pat
         with sidecar(args, env, ready):
             first = served_serial(port, ca_file)
             write_cert(ca, certs)  # the Secret's new version
-            wait_for(lambda: served_serial(port, ca_file) != first, 5.0)
+            until(lambda: served_serial(port, ca_file) != first, "the change", 5.0, 0.05)
             with httpx.Client(verify=ssl.create_default_context(cafile=ca_file)) as client:
                 assert client.get(f"https://127.0.0.1:{port}/health").status_code == 200
 

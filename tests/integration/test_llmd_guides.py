@@ -34,9 +34,10 @@ import pytest
 from sidecar.llmd.command import load
 from tests.deploy.manifests import SIDECAR_IMAGE
 from tests.deploy.test_llmd_overlay import COMPONENT, render, sidecars
-from tests.integration.test_llmd_netns import Pods, answers, pods, running, start_sims, stats
+from tests.integration.test_llmd_netns import Pods, answers, pods, running, start_sims
 from tests.integration.test_router import chat, completion
 from tests.integration.test_router_routes import generate, messages
+from tests.support.sims import wait_stats
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 HEADER = "x-prefiller-host-port"
@@ -74,7 +75,7 @@ class Case:
     client: httpx.Client
 
     def p_stats(self, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        return stats(self.p_url, check)
+        return wait_stats(self.p_url, check)
 
 
 def sent_releases(case: Case) -> float:

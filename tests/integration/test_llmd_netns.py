@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ import httpx
 import pytest
 
 from tests.integration.test_router import completion
+from tests.support.sims import wait_stats
+from tests.support.until import until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 GUIDE_ARGS = ["--port=8000", "--kv-connector=nixlv2", "--zap-log-level=1", "--secure-proxy=false"]
@@ -100,12 +101,14 @@ def pods() -> Iterator[Pods]:
 @contextmanager
 def running(process: subprocess.Popen[bytes], log: IO[bytes], what: str, ready: Any) -> Iterator[None]:
     try:
-        deadline = time.monotonic() + 60
-        while not ready():
-            if process.poll() is not None or time.monotonic() > deadline:
+
+        def started() -> bool:
+            if process.poll() is not None:
                 log.seek(0)
-                raise AssertionError(f"{what} did not start: {log.read().decode()[-3000:]}")
-            time.sleep(0.05)
+                raise AssertionError(f"{what} exited {process.returncode}: {log.read().decode()[-3000:]}")
+            return bool(ready())
+
+        until(started, f"{what} to start", 60.0, 0.05)
         yield
     finally:
         process.send_signal(signal.SIGTERM)
@@ -121,15 +124,6 @@ def answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def stats(url: str, check: Any, timeout: float = 15.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not check(current := httpx.get(url + "/stats", timeout=5).json()):
-        assert time.monotonic() < deadline, f"P never reached the expected state: {current}"
-        time.sleep(0.02)
-    result: dict[str, Any] = current
-    return result
 
 
 def start_sims(net: Pods, stack: ExitStack) -> str:
@@ -167,13 +161,13 @@ def test_the_guides_args_serve_a_p_on_another_pod_and_release_a_rejection() -> N
             two_lines = [(name, f"http://{p_url[7:]}"), (name, "10.0.0.1:1")]  # llm-d takes the first
             served = client.post(url, json=completion(20), headers=two_lines)
             assert served.status_code == 200, served.text
-            after = stats(p_url, lambda s: s["pinned_requests"] == 0)
+            after = wait_stats(p_url, lambda s: s["pinned_requests"] == 0)
             assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]  # D read them
 
             header = {"x-prefiller-host-port": p_url[7:]}
             rejected = client.post(url, json=completion(60, max_tokens="x"), headers=header)
             assert rejected.status_code == 400  # D's answer
-            after = stats(p_url, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2)
+            after = wait_stats(p_url, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2)
             assert after["notifs_per_rank"] == [2, 2] and after["notifs_unknown"] == 0  # freed by the sidecar
 
             for target in ("127.0.0.1:8200", "169.254.169.254:80"):  # D's own vLLM, cloud metadata

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.deploy.manifests import ROOT
 from tests.support.ports import free_port
+from tests.support.until import answered
 
 pytestmark = pytest.mark.nixl
 
@@ -43,19 +43,6 @@ def section_blocks(language: str = "sh") -> list[str]:
 
 def on_free_ports(block: str, mapping: dict[str, str]) -> str:
     return re.sub(r"\b(" + "|".join(PORTS) + r")\b", lambda m: mapping[m.group(1)], block)
-
-
-def wait_for(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready")
-        time.sleep(0.05)
 
 
 @contextmanager
@@ -108,7 +95,7 @@ def test_the_readme_runs_by_hand(tmp_path: Path) -> None:
     p, d, admin = (f"http://127.0.0.1:{ports[port]}" for port in ("8100", "8200", "9100"))
     with started(on_free_ports(blocks[0], ports), log):
         for url in (p + "/health", d + "/health", admin + "/readyz"):
-            wait_for(url)
+            answered(url, timeout=60.0, poll=0.05)
         out = bash(on_free_ports(blocks[1] + blocks[2], ports))
         params_line, rejection = out.strip().splitlines()[0], "\n".join(out.strip().splitlines()[1:])
         params, shown = json.loads(params_line), json.loads(section_blocks("json")[0])

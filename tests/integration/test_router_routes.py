@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from tests.integration.test_pd_release_e2e import cluster, prefill
-from tests.integration.test_router import chat, pd, stats, wait_stats
+from tests.integration.test_router import chat, pd
+from tests.support.sims import p_stats, wait_stats
 
 pytestmark = pytest.mark.nixl
 
@@ -132,7 +133,7 @@ def test_sidecar_mode_releases_the_clients_parameters_on_both_routes(route: str)
         assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
-        assert stats(p)["notifs_unknown"] == 0
+        assert p_stats(p)["notifs_unknown"] == 0
 
 
 @pytest.mark.parametrize(

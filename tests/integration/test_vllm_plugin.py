@@ -10,9 +10,8 @@ the way D's connector sends it, so P's ``/stats`` shows the blocks freed.
 
 from __future__ import annotations
 
-import time
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -42,6 +41,8 @@ from tests.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 from tests.integration.conftest import Sidecar, run_sidecar
 from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.sims import wait_stats
+from tests.support.until import until
 
 TOKEN = "integration-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -56,14 +57,6 @@ P_PARAMS: dict[str, Any] = {
     "remote_block_ids": [[7, 8, 9]],
     "tp_size": 1,
 }
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-    return value
 
 
 # --- D: vLLM-like apps ------------------------------------------------------------------------
@@ -187,7 +180,7 @@ def test_sidecar_http_releases_through_the_plugin() -> None:
     with serve(vllm_like(engine)) as d, run_sidecar(d.url, release="http", control_token=TOKEN) as sc:
         rejected = completion(sc, "req-1")
         assert rejected.status_code == 400
-        wait_for(lambda: engine.notified, "the engine's notify call")
+        until(lambda: engine.notified, "the engine's notify call")
         covered = completion(sc, "req-2", route="/v1/chat/completions")
         assert covered.status_code == 400
         sc.settle()
@@ -283,14 +276,14 @@ def test_auto_uses_the_control_endpoint_then_nixl_when_d_is_down() -> None:
             assert ready["release"]["path"] == "control" and ready["release"]["probe"] == "present"
             assert sc.sample("kvr_release_path", path="control") == 1
             assert completion(sc, "req-1").status_code == 400
-            wait_for(lambda: engine.notified, "the engine's notify call")
+            until(lambda: engine.notified, "the engine's notify call")
             d.stop()
             # A pooled connection may still see the old server once (502, ambiguous, not released).
             statuses: list[int] = []
             while 503 not in statuses:
                 assert len(statuses) < 3, statuses
                 statuses.append(completion(sc, f"down-{len(statuses)}").status_code)
-            wait_for(lambda: nixl.jobs, "the NIXL strategy to get the job")
+            until(lambda: nixl.jobs, "the NIXL strategy to get the job")
             sc.settle()
             assert [job.cause for job in nixl.jobs] == ["unreachable"]
             assert len(engine.notified) == 1
@@ -327,12 +320,12 @@ def test_auto_switches_to_control_when_the_plugin_appears() -> None:
         auto = sc.app.runtime.releaser
         assert isinstance(auto, AutoReleaser) and auto.path == "nixl"
         assert completion(sc, "req-1").status_code == 400
-        wait_for(lambda: nixl.jobs, "the NIXL strategy to get the job")
+        until(lambda: nixl.jobs, "the NIXL strategy to get the job")
         # In real life D restarts with the plugin; here its route is added to the running app.
         KVReleasePlugin(SETTINGS).attach_router(app)
-        wait_for(lambda: auto.path == "control", "a probe to find the endpoint")
+        until(lambda: auto.path == "control", "a probe to find the endpoint")
         assert completion(sc, "req-2").status_code == 400
-        wait_for(lambda: engine.notified, "the engine's notify call")
+        until(lambda: engine.notified, "the engine's notify call")
         sc.settle()
         assert [job.request_id for job in nixl.jobs] == ["req-1"]
         assert [call[0] for call in engine.notified] == ["req-2-p"]
@@ -386,15 +379,6 @@ def decode(sc: Sidecar, request_id: str, params: dict[str, Any], max_tokens: Any
     return response.status_code
 
 
-def p_stats(p: ServerThread, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    def current() -> dict[str, Any] | None:
-        stats: dict[str, Any] = httpx.get(p.url + "/stats").json()
-        return stats if check(stats) else None
-
-    result: dict[str, Any] = wait_for(current, "P's stats", timeout=10)
-    return result
-
-
 @pytest.mark.nixl
 @pytest.mark.parametrize(
     ("version", "engine_kind", "engine_id"),
@@ -404,7 +388,7 @@ def test_http_release_frees_p_through_d(version: str, engine_kind: str, engine_i
     with pd(version, engine_kind) as (p, engine, sc):
         params = prefill(p, "rej-1")
         assert decode(sc, "rej-1", params, max_tokens="x") == 400  # validation: before D's handler
-        after = p_stats(p, lambda s: s["pinned_requests"] == 0)
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]
         assert after["notifs_unknown"] == 0
         sc.settle()
@@ -420,7 +404,7 @@ def test_http_leaves_handler_rejections_to_d_own_fix() -> None:
     with pd("0.33.0", "notify") as (p, engine, sc):
         params = prefill(p, "fix-1")
         assert decode(sc, "fix-1", params, words=80) == 400  # prompt too long: inside D's handler
-        after = p_stats(p, lambda s: s["pinned_requests"] == 0)
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         sc.settle()
         assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0  # D's fix alone
         assert engine.notified == []
@@ -438,7 +422,7 @@ def test_auto_releases_over_real_nixl_when_d_is_down() -> None:
             assert sc.app.runtime.releaser.probed == "unreachable"  # type: ignore[union-attr]
             params = prefill(p, "down-1")
             assert decode(sc, "down-1", params) == 503
-            after = p_stats(p, lambda s: s["pinned_requests"] == 0)
+            after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
             sc.settle()
             assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0
             assert sc.sample("kvr_auto_releases_total", path="nixl", result="sent") == 1
