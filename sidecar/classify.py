@@ -65,7 +65,7 @@ import msgspec
 
 @dataclass(frozen=True, slots=True)
 class FirstEvent:
-    """The first SSE event of a 200 stream, as ``sidecar.proxy.sse`` scanned it."""
+    """The first SSE event of a 200 stream, as ``sidecar.decision.sse`` scanned it."""
 
     error_code: int | None  # the error's code when the first event is an error
     error_type: str | None

@@ -12,7 +12,7 @@ the boundary that handles it::
     |                                          carries a classify.NoAnswer (the proxy judges it)
     +-- ProtocolError (sidecar.upstream.http1)          D's bytes are not HTTP/1.1 (becomes UpstreamError)
     +-- BodyError (sidecar.upstream.http1)              the request body to D failed (becomes UpstreamError)
-    +-- ClientGone (sidecar.proxy.body)              the client left while its body was being read
+    +-- ClientGone (sidecar.proxy.context)           the client left while its body was being read
     +-- RouterError (sidecar.router.pool)      the prefill leg cannot run; its status is the answer
     +-- ReleaseError (here)                    one release attempt failed; ``reason`` is a metric label
         +-- RetryableReleaseError              retried by the pipeline until the job's deadline
@@ -37,7 +37,7 @@ class SidecarError(Exception):
 
 
 class TargetHealth(StrEnum):
-    """What one attempt says about its target's health (``sidecar.release.targets``)."""
+    """What one attempt says about its target's health, for its breaker (``sidecar.release.pipeline``)."""
 
     UP = "up"  # it reached the target: a success, or an answer the target gave
     DOWN = "down"  # a connect-level failure: refused, unreachable, no reply in time

@@ -183,11 +183,3 @@ def check(raw: msgspec.Raw | bytes) -> Eligibility:
         grouped=blocks.grouped,
     )
     return Eligibility(params, None)
-
-
-def release_params(fields: dict[str, object]) -> ReleaseParams:
-    """``ReleaseParams`` from a decoded ``kv_transfer_params`` object; ValueError if not eligible."""
-    found = check(msgspec.json.encode(fields))
-    if found.params is None:
-        raise ValueError(f"kv_transfer_params not releasable: {found.reason} {found.detail}".strip())
-    return found.params

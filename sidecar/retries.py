@@ -22,8 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-#: The default: Istio's default retry policy (503) and Envoy's ``gateway-error`` (502, 503, 504).
-DEFAULT = ("502", "503", "504")
 NONE = "none"
 CLASSES = {"4xx": range(400, 500), "5xx": range(500, 600)}
 #: The answer to a request whose parameters were released already, by preference. 409 is what

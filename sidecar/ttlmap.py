@@ -4,8 +4,8 @@ Every table the sidecar keeps per release or per P engine is one of these:
 the de-duplication ledger, the NIXL strategy's per-job progress and handshake
 cache, and the ``auto`` strategy's pinned jobs (the parameters D may be
 reading, written on every request, keep a plain dict of deadlines:
-``sidecar.decision.inflight``). Each is bounded (the least recently set entry goes first when
-full) and forgets entries after their time to live. Entries the map drops by
+``sidecar.decision.judge.InFlight``). Each is bounded (the least recently set
+entry goes first when full) and forgets entries after their time to live. Entries the map drops by
 itself (expired or evicted) can be collected with ``take_dropped`` by an owner
 that must clean up after them (the handshake cache removes their NIXL agents);
 others leave ``keep_dropped`` off.

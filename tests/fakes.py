@@ -1,6 +1,6 @@
 """Fakes at the proxy's seams, for unit tests: the upstream client, D as the judge reads it, a
-recording releaser; and for tests that drive a protocol by hand: its transport, and a loop
-counting timers.
+recording releaser; for tests that drive a protocol by hand: its transport, and a loop
+counting timers; and ``release_params``, a release's parameters made from a plain dict.
 
 ``FakeUpstream`` speaks ``sidecar.upstream.Client``, as httpx's ``MockTransport``
 speaks a transport: every request goes to a handler that returns a
@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from sidecar.classify import NoAnswer
+from sidecar.params import ReleaseParams, check
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import GuardedProtocol, guarded_protocol
 from sidecar.upstream import Sent, UpstreamError
@@ -286,3 +287,12 @@ def guarded_connection(
     transport.protocol = protocol
     protocol.connection_made(transport)  # type: ignore[arg-type]
     return protocol, transport
+
+
+def release_params(fields: dict[str, object]) -> ReleaseParams:
+    """``ReleaseParams`` from a decoded ``kv_transfer_params`` object, checked as the proxy checks
+    a request's (``sidecar.params.check``); ValueError if not eligible."""
+    found = check(msgspec.json.encode(fields))
+    if found.params is None:
+        raise ValueError(f"kv_transfer_params not releasable: {found.reason} {found.detail}".strip())
+    return found.params

@@ -2,8 +2,8 @@
 
 Reads ``mutmut results --all true`` (one ``<mutant>: <status>`` line per
 mutant; a mutant's name starts with its module), prints the score of each
-module as the Markdown table docs/dev/testing-record.md keeps, then every surviving
-mutant that docs/dev/testing-record.md does not name (each named one is listed there as
+module as the Markdown table docs/dev/testing.md keeps, then every surviving
+mutant that docs/dev/testing.md does not name (each named one is listed there as
 equivalent, with the reason). Exits 1 when one is left, so a new survivor
 fails the target until a test kills it or its equivalence is written down.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 COLUMNS = ("killed", "survived", "timeout", "no tests")
 _LINE = re.compile(r"^\s*(?P<name>(?P<module>[\w.]+)\.x[_\u01c1]\S*__mutmut_\d+): (?P<status>.+)$")
-DOCS = Path("docs/dev/testing-record.md")
+DOCS = Path("docs/dev/testing.md")
 
 
 def parse(lines: list[str]) -> dict[str, tuple[str, str]]:

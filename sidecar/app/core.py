@@ -29,7 +29,7 @@ from sidecar.app.runtime import Deps, Runtime
 from sidecar.app.shared import SharedInFlight
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config, dump
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.decode.notice import VersionNotice
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import FIRST_SYNC_SECONDS, watched_allowlists
@@ -37,18 +37,16 @@ from sidecar.observability.metrics import Metrics, releases_enabled
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import build as build_tracing
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.admit import Admission, RouterMode
+from sidecar.proxy.answers import STYLES
+from sidecar.proxy.handler import Injector, RouterMode
 from sidecar.proxy.headers import request_headers
-from sidecar.proxy.inject import Injector
-from sidecar.proxy.style import STYLES
 from sidecar.proxy.trust import Trust
 from sidecar.release import make_releaser
 from sidecar.release.base import Releaser
 from sidecar.release.hold import hold_seconds
 from sidecar.release.ledger import Ledger
-from sidecar.release.pipeline import Pipeline, Retry, Settings
+from sidecar.release.pipeline import BreakerPolicy, Pipeline, Retry, Settings
 from sidecar.release.shared import SharedLedger
-from sidecar.release.targets import BreakerPolicy
 from sidecar.router.legs import Router
 from sidecar.router.pool import PrefillPool
 from sidecar.tls.client import outbound
@@ -139,15 +137,17 @@ class ProxyApp:
             if deps.shared is None
             else SharedInFlight(deps.shared.table, deps.shared.index, config.release_deadline)
         )
+        trust = deps.trust or Trust(config)
+        pool = deps.pool or PrefillPool.of(config, lists.prefill, self.answers)
         parts = ProxyParts(
             upstream=upstream,
             pipeline=pipeline,
             metrics=metrics,
-            trust=deps.trust or Trust(config),
+            trust=trust,
             inflight=inflight,
             injector=deps.injector or Injector(config),
             decode=decode,
-            routing=_routing(deps.pool or PrefillPool.of(config, lists.prefill, self.answers)),
+            routing=_routing(config, pool, metrics, trust, tracing),
             tracing=tracing,
         )
         proxy = Proxy(config, parts)
@@ -221,9 +221,13 @@ def create_app(config: Config, deps: Deps | None = None) -> ProxyApp:
     return ProxyApp(config, deps)
 
 
-def _routing(pool: PrefillPool | None) -> Callable[[Admission], RouterMode] | None:
-    """Router mode, built on each proxy's admission, when there is a P pool (or llm-d's header)."""
-    return None if pool is None else lambda admission: Router(admission, pool)
+def _routing(
+    config: Config, pool: PrefillPool | None, metrics: Metrics, trust: Trust, tracing: Tracing
+) -> Callable[[Proxy], RouterMode] | None:
+    """Router mode, built on each proxy's admission step, when there is a P pool (or llm-d's header)."""
+    return (
+        None if pool is None else lambda proxy: Router(proxy, pool, config, metrics, trust.outgoing, tracing)
+    )
 
 
 def _hold(config: Config, decode: DecodeState) -> Callable[[], float]:

@@ -5,7 +5,7 @@ the listener of rank r forwards to D's rank r, ``decode_url``'s port + r (vLLM's
 data-parallel ranks each serve their own API port; ``sidecar.app.decode_ranks``
 holds each rank's client and D's state). ``RankFront`` wraps the proxy app once
 per listener: it names the rank in the request's scope, and with
-llm-d's answers (``sidecar.proxy.style``) serves llm-d's ``GET /health`` (and ``HEAD``, as Go's
+llm-d's answers (``sidecar.proxy.answers``) serves llm-d's ``GET /health`` (and ``HEAD``, as Go's
 router matches it).
 
 Rank 0's listener honours llm-d's deprecated ``x-data-parallel-host-port`` as
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.config import Config
-from sidecar.proxy.style import STYLES
+from sidecar.proxy.answers import STYLES
 
 #: The scope key naming the request's data-parallel rank (0 when absent).
 RANK = "kvr.data_parallel_rank"

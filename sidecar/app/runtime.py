@@ -18,13 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app.decode_ranks import Rank, ranks_ready
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.decode.state import DecodeState
 from sidecar.k8s import PoolWatch
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.proxy import Proxy
-from sidecar.proxy.inject import Injector
+from sidecar.proxy.handler import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release.base import Releaser
 from sidecar.release.pipeline import Pipeline

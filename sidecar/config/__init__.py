@@ -1,16 +1,17 @@
-"""The sidecar's one frozen config and how it is loaded: the struct and its loader
+"""The sidecar's one frozen config and how it is loaded: the struct, its loader and its errors
 (``settings``), the checks of each value (``rules``), the ``--help`` lines (``help``) and the
 command-line arguments shared by ``serve`` and ``check`` (``args``)."""
 
 from __future__ import annotations
 
-from sidecar.config.errors import ConfigError, FileError
 from sidecar.config.help import HELP
 from sidecar.config.settings import (
     FIELDS,
     INSPECTED_ROUTES,
     MIN_HEADER_BYTES,
     Config,
+    ConfigError,
+    FileError,
     KvConnectorSetting,
     ReleaseStrategy,
     build_parser,

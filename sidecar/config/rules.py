@@ -157,7 +157,7 @@ def _path_error(parts: SplitResult) -> str:
     return ""
 
 
-MAX_WORKERS = 32  # as sidecar.release.shared.MAX_WORKERS (its table's shards, at most)
+MAX_WORKERS = 32  # as sidecar.release.table.MAX_WORKERS (its shards, at most)
 
 
 def _numbers(config: Config) -> None:

@@ -1,12 +1,17 @@
-"""The sidecar's one frozen config, and how it is loaded.
+"""The sidecar's one frozen config, how it is loaded, and the errors it raises.
 
 Sources, highest precedence first: command-line flags, ``KVR_*`` environment
-variables (one per flag: ``--decode-url`` is ``KVR_DECODE_URL``), an optional
-TOML file (``--config``), then the defaults below. ``load`` does no I/O
-beyond reading that file; a bad value raises ``ConfigError`` naming the
-field, where the value came from (flag, variable, or file and key), the value
-and the reason, and the CLI exits 2 before any socket opens. The checks live
-in ``sidecar.config.rules``; every field has its ``--help`` line in ``HELP``.
+variables (one per flag: ``--decode-url`` is ``KVR_DECODE_URL``), the variables
+other programs read for a few settings (``STANDARD_ENV``: llm-d's sidecar, Go's
+``crypto/x509``, reads ``SSL_CERT_FILE`` and ``SSL_CERT_DIR``, OpenTelemetry SDKs
+``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``, and deployments set them for
+it: KServe's LLMInferenceService sets ``SSL_CERT_DIR``), an optional TOML file
+(``--config``), then the defaults below. ``load`` does no I/O beyond reading
+that file; a bad value raises ``ConfigError`` naming the field, where the value
+came from (flag, variable, or file and key), the value and the reason, and the
+CLI exits 2 before any socket opens. A credential's value (``SECRETS``) is never
+echoed. The checks live in ``sidecar.config.rules``; every field has its
+``--help`` line in ``HELP``.
 """
 
 from __future__ import annotations
@@ -17,13 +22,12 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 
-from sidecar.config.errors import REDACTED, SECRETS, ConfigError, FileError, flag_of
 from sidecar.config.help import HELP
-from sidecar.config.standard import PATH_LISTS, STANDARD_ENV, standard_env
+from sidecar.exceptions import SidecarError
 
 ReleaseStrategy = Literal["off", "dry-run", "nixl", "http", "auto"]
 PrefillPolicy = Literal["least-outstanding", "round-robin", "first", "random"]
@@ -48,6 +52,40 @@ INSPECTED_ROUTES = (
 )
 # A request line and a few ordinary headers; below this every request would be refused.
 MIN_HEADER_BYTES = 1024
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+# Settings whose values are credentials: never logged, never echoed in an error.
+SECRETS = frozenset({"control_token", "trust_token", "trust_key"})
+REDACTED = "<redacted>"
+
+
+def flag_of(field: str) -> str:
+    """The ``serve`` flag of setting ``field``."""
+    return "--" + field.replace("_", "-")
+
+
+class ConfigError(SidecarError):
+    """A setting that cannot be used; ``str()`` names the field, its source, the value and the reason."""
+
+    def __init__(self, field: str, value: object, reason: str, source: str = "") -> None:
+        self.field, self.value, self.reason = field, value, reason
+        self.source = source or flag_of(field)
+        shown = REDACTED if field in SECRETS and value else value
+        super().__init__(f"invalid {field} ({self.source}) = {shown!r}: {reason}")
+
+    def at(self, source: str) -> ConfigError:
+        """The same error, naming where the value came from."""
+        return ConfigError(self.field, self.value, self.reason, source)
+
+
+class FileError(ConfigError):
+    """The TOML file itself is wrong (unreadable, not TOML, an unknown key); names the file first."""
+
+    def __init__(self, file_name: str, reason: str, key: str = "config", value: object = None) -> None:
+        super().__init__(key, file_name if value is None else value, reason, file_name)
+        self.args = (f"{file_name}: {reason}",)
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -83,14 +121,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ledger_ttl: float = 600.0
     release_ambiguous: bool = False
     # Statuses a gateway or mesh in front of the decode pods may retry on another pod with the
-    # same body (sidecar.retries): never released behind, since that pod's D reads P's blocks.
+    # same body (sidecar.retries): never released behind, since that pod's D reads P's blocks. The
+    # default: Istio's default retry policy (503) and Envoy's gateway-error (502, 503, 504).
     retried_statuses: tuple[str, ...] = ("502", "503", "504")
     shutdown_delay: float = 0.0
     drain_timeout: float = 20.0
     flush_timeout: float = 5.0
     vllm_version: str = ""
     prefill_allow: tuple[str, ...] = ()
-    # An empty prefill_allow without inference_pool admits nothing, or any P pod address (docs/security.md).
+    # What an empty prefill_allow admits without an inference_pool: nothing, or any address a P pod
+    # can have (not loopback, link-local, cloud metadata, unspecified, multicast): pd-sidecar's default.
     prefill_allow_default: AllowDefault = "none"
     handshake_timeout: float = 2.0
     handshake_cache_size: int = 256
@@ -116,7 +156,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     prefill: tuple[str, ...] = ()
     prefill_policy: PrefillPolicy = "least-outstanding"
     prefill_timeout: float = 300.0
-    # The largest answer P may give the prefill leg (128k prompt tokens of prompt_logprobs: docs/limits.md).
+    # The largest answer P may give the prefill leg: 128k prompt tokens with prompt_logprobs at
+    # vLLM's default max_logprobs (20) take about 230 MB of JSON (docs/limits.md).
     prefill_answer_limit: int = 256 * 1024 * 1024
     prefill_backoff: float = 5.0
     decode_only_fallback: bool = False
@@ -183,7 +224,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Router mode: a prefill leg answered 502, 503 or 504 (or unreachable) is retried on the same P.
     prefill_max_retries: int = 0
     prefill_retry_backoff: float = 0.2
-    # Router mode's leg to a header-named P: nixlv2, skip (D alone prefills), refuse (501): docs/llm-d.md.
+    # Router mode's leg to a header-named P: nixlv2 (vLLM's NIXL protocol), skip (D alone prefills:
+    # llm-d's P/D protocol in use is not run here), refuse (501 to a request naming a P).
     prefill_leg: PrefillLeg = "nixlv2"
     # Why pd-sidecar turned releases off (kvr_releases_enabled's reason): a protocol it cannot release for.
     releases_off_for: OffReason = ""
@@ -197,6 +239,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 FIELDS = tuple(f.name for f in msgspec.structs.fields(Config))
+# Setting -> the variable other programs read that sets it when its KVR_* variable and flag do not.
+STANDARD_ENV = {
+    "ssl_cert_file": "SSL_CERT_FILE",
+    "ssl_cert_dir": "SSL_CERT_DIR",
+    "trace_service_name": "OTEL_SERVICE_NAME",
+    "trace_resource_attributes": "OTEL_RESOURCE_ATTRIBUTES",
+}
+# Lists of paths, split at colons as SSL_CERT_DIR and PATH are (a path may hold a comma).
+PATH_LISTS = frozenset({"ssl_cert_dir"})
 # KVR_* variables that are not settings of serve but are read by the same install.
 OTHER_ENV = {
     "KVR_CONFIG": "the TOML file, as --config",
@@ -311,6 +362,23 @@ def load_with_sources(
         return _convert(merged, names), source
     except ConfigError as exc:
         raise exc.at(source.get(exc.field, exc.source)) from exc.__cause__
+
+
+def standard_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The settings ``STANDARD_ENV``'s variables give (field -> value, variable); an empty one is
+    unset. OTEL_SERVICE_NAME wins over a ``service.name`` in OTEL_RESOURCE_ATTRIBUTES, as the
+    OpenTelemetry specification has it."""
+    found = {
+        name: (environ[variable], variable)
+        for name, variable in STANDARD_ENV.items()
+        if environ.get(variable, "").strip()
+    }
+    if "trace_service_name" not in found and "trace_resource_attributes" in found:
+        for item in found["trace_resource_attributes"][0].split(","):
+            key, _, value = item.partition("=")
+            if key.strip() == "service.name" and value.strip():
+                found["trace_service_name"] = (unquote(value.strip()), "OTEL_RESOURCE_ATTRIBUTES")
+    return found
 
 
 def _read_toml(text: str | None, file_name: str) -> dict[str, Any]:

@@ -29,14 +29,17 @@ decides, in this order, each step counted:
    sent only after D's own notifications would have gone out;
 7. the job is handed to the pipeline, which never blocks.
 
-``sidecar.proxy.stream.StreamJudge`` applies the same decision to a 200 stream
-from its first SSE event while the bytes pass through.
+``InFlight`` is the veto's memory: the parameters of requests at D, and of
+those D admitted within the lease. ``StreamJudge`` applies the same decision
+to a 200 stream from its first SSE event (``sidecar.decision.sse``) while the
+bytes pass through.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import msgspec
@@ -52,11 +55,12 @@ from sidecar.classify import (
     NoAnswer,
     Outcome,
     classify,
+    stream_event,
 )
 from sidecar.config import Config
 from sidecar.decision.coverage import engine_covers, engine_may_cover, fix_version
-from sidecar.decision.inflight import InFlight
 from sidecar.decision.policy import Policy
+from sidecar.decision.sse import FirstEventScanner
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.params import ReleaseParams
@@ -116,6 +120,57 @@ class Case(Protocol):
     @property
     def key(self) -> tuple[str, str]:
         """The parameters' identity: (P engine, the id P knows the request by)."""
+
+    @property
+    def decided(self) -> bool:
+        """The judge has decided it (``judged`` is set)."""
+
+
+class InFlight:
+    """Keys of parameters forwarded to D that D may still read: in flight, or admitted recently.
+
+    The veto (step 5): a replayed, failing copy of a live request through this sidecar never
+    frees its blocks. Every admitted request is remembered, so that table is written once per
+    request: a plain dict of deadlines in the order they were set (every entry lives for the same
+    ``ttl``, so that is also the order they expire in), which costs a fraction of a general map
+    with expiry.
+    """
+
+    def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._live: dict[Hashable, int] = {}
+        # Key -> the clock's time it stops being read, oldest first; at most ``size`` of them.
+        self._admitted: dict[Hashable, float] = {}
+        self._size, self._ttl, self._clock = size, ttl, clock
+
+    def forwarded(self, key: Hashable) -> None:
+        self._live[key] = self._live.get(key, 0) + 1
+
+    def finished(self, key: Hashable, admitted: bool) -> None:
+        count = self._live.get(key, 0) - 1
+        if count > 0:
+            self._live[key] = count
+        else:
+            self._live.pop(key, None)
+        if admitted:
+            self.admitted(key)
+
+    def admitted(self, key: Hashable) -> None:
+        """D may read these parameters for the next ``ttl`` seconds (it admitted, or is aborting, one)."""
+        admitted, now = self._admitted, self._clock()
+        admitted.pop(key, None)  # set again: now the newest
+        admitted[key] = now + self._ttl
+        # The oldest entry goes once expired or over the size: one per call, so the expired
+        # drain as new ones come, and the table never holds more than ``size``.
+        oldest = next(iter(admitted))
+        if admitted[oldest] <= now or len(admitted) > self._size:
+            del admitted[oldest]
+
+    def may_be_read(self, key: Hashable) -> bool:
+        """Another request with these parameters is at D, or D admitted one within the lease."""
+        if self._live.get(key, 0) > 0:
+            return True
+        until = self._admitted.get(key)
+        return until is not None and self._clock() < until
 
 
 class Judge:
@@ -252,6 +307,42 @@ class Judge:
     def _traced(self, decision: Decision, release: str) -> None:
         if self._tracing.enabled:
             self._tracing.decided(decision.outcome.value, decision.cause.value, release)
+
+
+class StreamJudge:
+    """Judges a 200 stream from its first SSE event while the bytes pass through. What the
+    stream's head showed of D (``Connection: close``) was told when it arrived
+    (``sidecar.proxy.handler.Forwarder``), so its events here carry only what they show themselves."""
+
+    __slots__ = ("_exchange", "_judge", "_scanner")
+
+    def __init__(self, judge: Judge, exchange: Case) -> None:
+        self._judge, self._exchange = judge, exchange
+        self._scanner = FirstEventScanner(skip_lead=exchange.route == "/v1/responses")
+
+    @property
+    def decided(self) -> bool:
+        """The stream is judged: the rest of it needs no look."""
+        return self._exchange.decided
+
+    def feed(self, chunk: bytes) -> None:
+        if self._exchange.decided:
+            return
+        first = self._scanner.feed(chunk)
+        if first is not None:
+            self._judged(stream_event(first))
+
+    def finish(self) -> None:
+        if not self._exchange.decided:
+            self._judged(stream_event(self._scanner.finish()))
+
+    def reset(self) -> None:
+        """D broke the stream before its first event ended: D may have admitted it."""
+        if not self._exchange.decided:
+            self._judged(Event(failure=NoAnswer.RESET_AFTER_SEND, started=True))
+
+    def _judged(self, event: Event) -> None:
+        self._judge.judge(self._exchange, event)
 
 
 def _answer(event: Event) -> int | None:

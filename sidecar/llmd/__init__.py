@@ -6,6 +6,6 @@ environment variables) into this project's one ``Config``, refusing what it
 cannot honour; ``command`` runs it. The data-parallel ranks' listeners and
 each rank's client and D state are ``sidecar.app.ranks`` and
 ``sidecar.app.decode_ranks``; llm-d's client-visible answers, where they
-differ from vLLM's, are ``sidecar.proxy.llmd_answers``, picked at start as an
-answer style (``sidecar.proxy.style``).
+differ from vLLM's, are the ``LLMD`` answer style, picked at start
+(``sidecar.proxy.answers``).
 """

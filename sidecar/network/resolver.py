@@ -77,7 +77,6 @@ class Resolver:
             maxsize=size, ttu=self._ttu, timer=clock
         )
         self._pending: dict[str, asyncio.Future[tuple[str, list[str] | str]]] = {}
-        self.lookups = 0  # getaddrinfo calls made (for tests and the operations doc)
 
     def _ttu(self, _key: str, value: tuple[str, list[str] | str], now: float) -> float:
         return now + self._ttls[value[0]]
@@ -101,7 +100,6 @@ class Resolver:
         raise ResolveFailed(f"cannot resolve P host {host!r} now: {answer}")
 
     async def _fetch(self, host: str, port: int) -> tuple[str, list[str] | str]:
-        self.lookups += 1
         entry: tuple[str, list[str] | str]
         try:
             addresses = await self._lookup(host, port)

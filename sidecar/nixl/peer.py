@@ -97,7 +97,6 @@ class NixlPeer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.batches = 0  # batches sent, and the notify_many calls they carried (diagnostics)
         self.batched = 0
-        self.replacements = 0  # agents replaced after a call did not return
         self.on_replaced: list[Callable[[], None]] = []
         self._replacing: asyncio.Future[None] | None = None
 
@@ -312,7 +311,6 @@ class NixlPeer:
             self._owner = owner = _Owner()
             self._agent = await asyncio.wrap_future(owner.submit(self._create))
             owner.agent, owner.on_tick = self._agent, self._take_outbox
-            self.replacements += 1
             extra = {"call": what, "seconds": STUCK_CALL, "old_agent": old, "agent": self.name}
             log.error("NIXL agent replaced: a call to it did not return", extra=extra)
             for callback in self.on_replaced:

@@ -188,6 +188,11 @@ class Metrics:
         self.not_released_for = Children(self.not_released)
         self.rejections_for = Children(self.rejections)
 
+    def answered(self, route: str, status: int) -> None:
+        """``kvr_requests_total`` for one answer on an inspected ``route`` (``status`` < 0: the
+        client left before one)."""
+        self.request_counter(ROUTES[route], status_class(status) if status >= 0 else "client_gone").inc()
+
 
 def releases_enabled(metrics: Metrics, release: str, off_for: str) -> None:
     """``kvr_releases_enabled``: 1 with reason ``on``, or 0 with why releases are off."""

@@ -1,14 +1,16 @@
 """The request path.
 
-``dispatch`` (the ASGI entry, one path per request), ``context`` (the request
-read once, the exchange with D), ``inspect`` (the only makers of an exchange),
-``admit`` (the one step to D, also router mode's seam), ``forward`` (the bytes
-to D and back, and the request path's way to the judge), ``stream`` (a 200
-stream judged from its first event), ``disconnect`` (the client leaving),
-``refusals`` (the sidecar's own answers) and ``style`` (their style: vLLM's or
-llm-d's). The release decision itself lives in ``sidecar.decision``.
+``handler`` (the ASGI entry, the admission step that is also router mode's way
+in, the sidecar's own refusals, and the bytes to D and back, the request
+path's way to the judge), ``context`` (the request read once: its head, its
+body under the cap, and its exchange with D, with the only maker of one),
+``answers`` (the sidecar's own answers, in vLLM's style or llm-d's),
+``disconnect`` (the client leaving), ``headers`` (hop-by-hop hygiene and the
+request id), ``trust`` (which parameters may trigger a release) and ``usage``
+(router mode's ``cached_tokens`` correction). The release decision itself
+lives in ``sidecar.decision``.
 """
 
-from sidecar.proxy.dispatch import Proxy, ProxyParts
+from sidecar.proxy.handler import Proxy, ProxyParts
 
 __all__ = ["Proxy", "ProxyParts"]

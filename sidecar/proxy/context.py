@@ -1,36 +1,68 @@
-"""One request as the proxy holds it: its context, read once, and its exchange with D.
+"""One request as the proxy holds it, read once: its head, its body, and its exchange with D.
 
 ``RequestContext`` is built once per request from the ASGI scope: the headers
 that go to D, the request id (propagated, or made up here), the inspected
 route, and the few request headers the proxy reads (the data-parallel rank,
 llm-d's prefiller header, the trust and injection headers, the body's
-framing), so nothing parses ``scope`` again. ``Exchange`` is one inspected
-request on its way to D; only ``sidecar.proxy.inspect`` makes one.
+framing), so nothing parses ``scope`` again.
+
+An inspected body is read whole up to ``max_body_bytes`` (``read_body``; the
+original bytes are forwarded untouched). Above the cap the sidecar answers
+413, but P's blocks were still pinned for this request, so the rest of the
+body is read and discarded (bounded by ``scan_limit``) keeping only a tail
+window, where routers append ``kv_transfer_params`` as the last key:
+``tail_params`` finds it there when it is the top-level object's last member.
+
+``Exchange`` is one inspected request on its way to D, and ``Inspector`` its
+only maker, in one of three ways:
+
+* ``inspected``: sidecar mode, from the request body (only ``stream``, ``n``,
+  ``request_id`` and ``kv_transfer_params`` are decoded; the bytes go to D
+  untouched);
+* ``prefilled``: router mode, from P's answer to the prefill leg;
+* ``oversized``: a body over ``max_body_bytes``, from the parameters a router
+  appended as the body's last member (``tail_params``).
+
+Every one checks the parameters once (``sidecar.params.check``) and, in
+sidecar mode, the trust setting: untrusted parameters are forwarded but
+never released. The raw parameters are kept only for strategies that hand
+them on (``Releaser.keeps_raw``).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from sidecar import params as params_mod
 from sidecar.asgi import Message, Receive, Scope, Send
 from sidecar.decision.judge import Judged
-from sidecar.decision.policy import Policy
-from sidecar.observability.metrics import ROUTES
+from sidecar.decision.policy import SIDECAR, Policy
+from sidecar.exceptions import SidecarError
+from sidecar.observability.metrics import ROUTES, Metrics
 from sidecar.params import ReleaseParams
 from sidecar.proxy.answers import NO_RETRY, Header
 from sidecar.proxy.headers import DATA_PARALLEL_RANK, data_parallel_rank, request_headers
-from sidecar.proxy.inject import HEADER as INJECT_HEADER
-from sidecar.proxy.trust import SIGNATURE_HEADER, TOKEN_HEADER
+from sidecar.proxy.trust import SIGNATURE_HEADER, TOKEN_HEADER, Trust
+from sidecar.wire import VIEW_DECODER, lax_bool
 
 if TYPE_CHECKING:
     from sidecar.proxy.usage import UsageRewriter
     from sidecar.upstream import Sent
 
+log = logging.getLogger("sidecar.proxy")
+
 PREFILLER_HEADER = b"x-prefiller-host-port"  # llm-d's routing sidecar names P per request
+INJECT_HEADER = b"x-kvr-inject-reject"  # a rejection to inject (``sidecar.proxy.handler.Injector``)
 _READ = frozenset({DATA_PARALLEL_RANK, PREFILLER_HEADER, INJECT_HEADER, TOKEN_HEADER, SIGNATURE_HEADER})
 _FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+TAIL_WINDOW = 256 * 1024
+_KEY = b'"kv_transfer_params"'
 
 
 @dataclass(slots=True)
@@ -112,6 +144,86 @@ def _has_body(framing: tuple[bytes, bytes] | None) -> bool:
     return name == b"transfer-encoding" or value.strip() not in (b"", b"0")
 
 
+# --- the body ----------------------------------------------------------------------------------
+
+
+class ClientGone(SidecarError):
+    """The client disconnected before its body was complete."""
+
+
+@dataclass(slots=True)
+class Oversized:
+    """A body over the cap: its size seen so far and the kept tail."""
+
+    size: int
+    tail: bytes
+    complete: bool  # the whole body was read (within scan_limit)
+
+
+async def read_body(receive: Receive, cap: int, scan_limit: int) -> bytes | Oversized:
+    """The whole body, or ``Oversized`` when it exceeds ``cap``. Raises ``ClientGone``."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        more = message.get("more_body", False)
+        if size > cap:
+            return await _drain(receive, b"".join(parts) + chunk, size, more, scan_limit)
+        if chunk:
+            parts.append(chunk)
+        if not more:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _drain(receive: Receive, tail: bytes, size: int, more: bool, scan_limit: int) -> Oversized:
+    tail = tail[-TAIL_WINDOW:]
+    while more and size <= scan_limit:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        tail = (tail + chunk)[-TAIL_WINDOW:]
+        more = message.get("more_body", False)
+    return Oversized(size=size, tail=tail, complete=not more)
+
+
+def tail_params(tail: bytes) -> bytes | None:
+    """Raw JSON (the bytes as sent) of a top-level, last-member ``kv_transfer_params`` in a body's tail.
+
+    The member counts only when nothing but white space and the closing brace
+    of the body follows its value, which makes it a member of the outermost
+    object (a JSON string cannot contain the unescaped key).
+    """
+    index = tail.rfind(_KEY)
+    if index <= 0:  # at 0 nothing shows it opens a key rather than ends a string
+        return None
+    backslashes = len(tail[:index]) - len(tail[:index].rstrip(b"\\"))
+    if backslashes % 2:  # an escaped quote inside a string or key, not the key itself
+        return None
+    text = tail[index + len(_KEY) :].decode("utf-8", "surrogateescape")  # bad UTF-8: malformed, as in a body
+    rest = text.lstrip()
+    if not rest.startswith(":"):
+        return None
+    rest = rest[1:].lstrip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(rest)
+    except (ValueError, RecursionError):
+        return None
+    if rest[end:].strip() != "}" or not isinstance(value, dict):
+        return None
+    # The value's bytes exactly as sent (surrogateescape round-trips them): a router's HMAC
+    # covers these bytes, so the trust check sees what the signer signed.
+    return rest[:end].encode("utf-8", "surrogateescape")
+
+
+# --- the exchange ------------------------------------------------------------------------------
+
+
 @dataclass(slots=True)
 class Exchange:
     """One inspected request on its way through the proxy."""
@@ -164,3 +276,109 @@ class Exchange:
             await send(message)
 
         return send_marked
+
+
+class Inspector:
+    """Makes exchanges: the only maker of one (see the module docstring)."""
+
+    def __init__(self, metrics: Metrics, trust: Trust, keeps_raw: bool) -> None:
+        self._metrics = metrics
+        self._trust = trust
+        self._keeps_raw = keeps_raw
+
+    def plain(self, ctx: RequestContext, stream: bool, policy: Policy = SIDECAR) -> Exchange:
+        """An exchange with nothing to release (no parameters, or not a JSON object)."""
+        assert ctx.route is not None
+        return Exchange(ctx.request_id, ctx.route, None, stream, time.monotonic(), policy)
+
+    def inspected(self, ctx: RequestContext, body: bytes) -> Exchange:
+        assert ctx.route is not None
+        try:
+            view = VIEW_DECODER.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            # Not a JSON object: forwarded as it is, D answers it; nothing to release.
+            self._metrics.ineligible.labels(params_mod.Ineligible.NOT_JSON).inc()
+            return self.plain(ctx, stream=False)
+        raw = bytes(view.kv_transfer_params)
+        params = self._eligible(raw, ctx.request_id)
+        if params is not None and not self._trust.client_params:
+            # pd-sidecar, as llm-d: only the parameters P returned to the router's own leg release.
+            self._metrics.ineligible.labels(params_mod.Ineligible.CLIENT_PARAMS_DROPPED).inc()
+            params = None
+        if params is not None and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
+            # Forwarded unchanged, never released: anyone could name another tenant's blocks.
+            self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
+            params = None
+        return Exchange(
+            ctx.request_id,
+            ctx.route,
+            params,
+            lax_bool(view.stream) is True,
+            time.monotonic(),
+            SIDECAR,
+            raw_params=self._raw(raw, params),
+            body_request_id=view.request_id if isinstance(view.request_id, str) else None,
+            data_parallel_rank=ctx.dp_rank,
+            request_id_generated=ctx.generated,
+            vouched=params is not None and self._trust.vouches,
+        )
+
+    def prefilled(
+        self,
+        ctx: RequestContext,
+        raw: bytes | None,
+        rewriter: UsageRewriter | None,
+        policy: Policy,
+        prefilled_at: float | None = None,
+    ) -> Exchange:
+        """Router mode: P's own parameters (never the client's) as the JSON the decode leg carries,
+        or None; ``prefilled_at`` is when P answered (the judge skips a release P's lease has made
+        pointless)."""
+        assert ctx.route is not None
+        found = params_mod.check(raw).params if raw else None
+        return Exchange(
+            ctx.request_id,
+            ctx.route,
+            found,
+            rewriter.stream if rewriter is not None else False,
+            time.monotonic(),
+            policy,
+            raw_params=self._raw(raw, found),
+            data_parallel_rank=ctx.dp_rank,
+            rewriter=rewriter,
+            prefilled_at=prefilled_at,
+            vouched=True,  # P's own answer to the router's prefill leg
+        )
+
+    def oversized(self, ctx: RequestContext, body: Oversized, policy: Policy) -> Exchange:
+        """A body over the cap: the parameters a router appended last, if trusted and ``policy``
+        reads the client's parameters (sidecar mode)."""
+        assert ctx.route is not None
+        raw = tail_params(body.tail) if body.complete else None
+        found = params_mod.check(raw).params if raw else None
+        if found is not None and not (policy.client_params and self._trust.client_params):
+            found = None  # router mode drops client parameters: they could name any P's blocks
+        if found is not None and raw and not self._trust.trusted(ctx.headers_read, ctx.request_id, raw):
+            self._metrics.ineligible.labels(params_mod.Ineligible.UNTRUSTED).inc()
+            found = None
+        exchange = self.plain(ctx, stream=False)
+        exchange.params, exchange.raw_params = found, self._raw(raw, found)
+        exchange.request_id_generated = ctx.generated
+        exchange.vouched = found is not None and self._trust.vouches
+        return exchange
+
+    def _eligible(self, raw: bytes, request_id: str) -> params_mod.ReleaseParams | None:
+        eligibility = params_mod.check(raw)
+        reason = eligibility.reason
+        if reason is not None and reason is not params_mod.Ineligible.NO_PARAMS:
+            self._metrics.ineligible.labels(reason.value).inc()
+            if reason is params_mod.Ineligible.MALFORMED:
+                log.warning(
+                    "malformed kv_transfer_params, will not release",
+                    extra={"request_id": request_id, "detail": eligibility.detail},
+                )
+        return eligibility.params
+
+    def _raw(self, raw: bytes | None, params: params_mod.ReleaseParams | None) -> bytes | None:
+        """The parameters as sent, kept only when released through a strategy that hands them on."""
+        return raw if raw is not None and params is not None and self._keeps_raw else None

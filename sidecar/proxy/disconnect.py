@@ -19,8 +19,7 @@ from collections.abc import AsyncIterator
 
 from sidecar.asgi import DisconnectHub, Receive
 from sidecar.classify import Event, NoAnswer
-from sidecar.proxy.body import ClientGone
-from sidecar.proxy.context import Exchange
+from sidecar.proxy.context import ClientGone, Exchange
 
 
 class DisconnectWatcher:

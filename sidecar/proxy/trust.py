@@ -16,7 +16,7 @@ are a client's own parameters while no allowlist vets the P they name
 client's own parameters are forwarded and never released, whatever the
 allowlist. Trusted parameters under ``token`` or ``hmac`` are vouched for:
 their ranks are P's own topology (``sidecar.nixl.session.Session.claim``).
-Independently of the mode, ``sidecar.decision.inflight`` vetoes releasing
+Independently of the mode, ``sidecar.decision.judge.InFlight`` vetoes releasing
 parameters D may still be reading.
 """
 

@@ -32,7 +32,6 @@ DEADLINES: tuple[Deadline, ...] = (
     Deadline((0, 11, 1), 480.0),
     Deadline((0, 22, 0), 30.0),
 )
-LEASE_SINCE: Version = DEADLINES[-1].since
 LEASE_SECONDS = 30.0
 ABORT_TIMEOUT_SECONDS = 480.0  # the estimate's hold where P has no deadline at all (before 0.10.0)
 
@@ -44,19 +43,6 @@ def deadline_of(version: Version) -> float | None:
         if version >= deadline.since:
             found = deadline.seconds
     return found
-
-
-def deadlines_text() -> str:
-    """The table as one phrase, newest first, as the docs state it (tests/unit/test_lease_facts.py
-    finds it on every page that says how long P holds the blocks)."""
-    parts = []
-    for deadline in reversed(DEADLINES):
-        since = ".".join(map(str, deadline.since))
-        if deadline.seconds is None:
-            parts.append("none before")
-        else:
-            parts.append(f"{deadline.seconds:g} s from {'vLLM ' if not parts else ''}{since}")
-    return ", ".join(parts)
 
 
 def hold_seconds(version_text: str | None, configured: float = 0.0) -> float:

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 LOG_INTERVAL = 10.0
 #: Permanent reasons for which the plugin certainly did not act (another path is safe).
-NOT_DELIVERED = frozenset({"not_found", "unauthorized", "forbidden"})
+NOT_DELIVERED = frozenset({Reason.NOT_FOUND, Reason.UNAUTHORIZED, Reason.FORBIDDEN})
 Probe = Literal["present", "absent", "unauthorized", "forbidden", "no_engine", "unreachable", "error"]
 #: ``--dry-run``: the health route's answer read as the release route's refusal reason.
 REHEARSAL_REASONS: dict[Probe, Reason] = {
@@ -83,17 +83,20 @@ class ControlFailed(RetryableReleaseError):
         self.health = TargetHealth.DOWN if reason is Reason.TIMEOUT else TargetHealth.UP
 
 
-def answer_kind(status: int) -> tuple[str, type[ControlFailed | PermanentReleaseError] | None]:
-    """The result label of an answer, and the error it raises (None: released)."""
+def answer_kind(
+    status: int,
+) -> tuple[Reason | Literal["accepted"], type[ControlFailed | PermanentReleaseError] | None]:
+    """The result label of an answer (``kvr_control_requests{result}``: ``accepted``, or the
+    ``Reason`` of the error it raises), and that error (None: released)."""
     if 200 <= status < 300:
         return "accepted", None
     if status >= 500:
-        return "server_error", ControlFailed
+        return Reason.SERVER_ERROR, ControlFailed
     if status in (408, 429):
-        return "throttled", ControlFailed
-    labels = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_found"}
-    label = labels.get(status, "bad_request" if status in (400, 413, 422) else "rejected")
-    return label, PermanentReleaseError
+        return Reason.THROTTLED, ControlFailed
+    reasons = {401: Reason.UNAUTHORIZED, 403: Reason.FORBIDDEN, 404: Reason.NOT_FOUND, 405: Reason.NOT_FOUND}
+    reason = reasons.get(status, Reason.BAD_REQUEST if status in (400, 413, 422) else Reason.REJECTED)
+    return reason, PermanentReleaseError
 
 
 def release_url(config: Config) -> str:
@@ -233,18 +236,18 @@ class HttpReleaser:
         if status == 400 and body.data_parallel_rank is not None:
             # A rank D does not have (the client's header, which D may never have seen): any of
             # D's engine cores can notify P, so the release goes to the default one instead.
-            self.metrics.requests.labels("bad_request").inc()
+            self.metrics.requests.labels(Reason.BAD_REQUEST).inc()
             status, content = await self._send(msgspec.structs.replace(body, data_parallel_rank=None))
         label, error = answer_kind(status)
         self.metrics.requests.labels(label).inc()
-        if error is None:
+        if label == "accepted":
             self._log_accepted(job, content)
             return JobResult.SENT
         message = f"control endpoint answered {status}: {_error_message(content)}"
         if error is ControlFailed:
-            raise ControlFailed(message, Reason(label))
+            raise ControlFailed(message, label)
         self._log_refusal(label, message)
-        raise PermanentReleaseError(message, Reason(label), TargetHealth.UP)  # the endpoint answered
+        raise PermanentReleaseError(message, label, TargetHealth.UP)  # the endpoint answered
 
     async def _send(self, body: Outgoing) -> tuple[int, bytes]:
         try:

@@ -1,13 +1,13 @@
 """Router mode: the sidecar runs the prefill leg on P, then the decode leg on D.
 
 ``pool`` chooses P and runs the prefill leg's HTTP call, ``bodies`` builds both
-legs' bodies (``sidecar.proxy.usage`` corrects D's answer), ``legs`` (built on
-the proxy's admission step by the app, ``sidecar.proxy.admit.RouterMode``) drives
-one request through both legs and gives the judge the router's policy:
-because the router holds P's parameters itself, it releases when the client
-leaves or the decode leg times out before headers (it closes its connection
-to D, which aborts the request), and client-supplied ``kv_transfer_params``
-are dropped (they could name any host).
+legs' bodies (``sidecar.proxy.usage`` corrects D's answer), ``legs`` (built by
+the app on the proxy's admission step, ``legs.Admission``; the proxy sees it as
+``sidecar.proxy.handler.RouterMode``) drives one request through both legs and
+gives the judge the router's policy: because the router holds P's parameters
+itself, it releases when the client leaves or the decode leg times out before
+headers (it closes its connection to D, which aborts the request), and
+client-supplied ``kv_transfer_params`` are dropped (they could name any host).
 """
 
 from sidecar.router.bodies import (

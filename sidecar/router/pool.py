@@ -34,7 +34,7 @@ from sidecar.exceptions import SidecarError
 from sidecar.network.allowlist import Allowlist, ip_or_none, split_host_port
 from sidecar.network.resolver import ResolveFailed, Resolver, Unresolvable
 from sidecar.network.routable import RoutableAllowlist
-from sidecar.proxy.style import AnswerStyle
+from sidecar.proxy.answers import AnswerStyle
 from sidecar.tls.client import outbound
 from sidecar.upstream import Client, Response, Upstream, UpstreamError
 from sidecar.wire import PREFILL_ANSWER_DECODER
@@ -151,7 +151,7 @@ class PrefillPool:
         self.allowlist = allowlist if allowlist is not None else Allowlist(config.prefill_allow)
         self.resolver = resolver or Resolver()
         self._clock = clock
-        self._outstanding: dict[str, int] = {}
+        self.outstanding: dict[str, int] = {}  # prefill legs in flight, by P
         self._unhealthy_until: dict[str, float] = {}
         self._clients: OrderedDict[str, Client] = OrderedDict()
         self._connect = connect or self._upstream  # a fake per P in unit tests
@@ -201,7 +201,7 @@ class PrefillPool:
         healthy = healthy[shift:] + healthy[:shift]
         if policy == "least-outstanding":
             # A stable sort of the rotated list: ties (an idle pool) take turns.
-            healthy.sort(key=lambda u: self._outstanding.get(u, 0))
+            healthy.sort(key=lambda u: self.outstanding.get(u, 0))
         return healthy
 
     async def _checked(self, host: str, port: int) -> str:
@@ -228,15 +228,11 @@ class PrefillPool:
     @contextmanager
     def leg(self, url: str) -> Iterator[None]:
         """Count one prefill leg in flight on ``url`` while the block runs (least-outstanding)."""
-        self._outstanding[url] = self._outstanding.get(url, 0) + 1
+        self.outstanding[url] = self.outstanding.get(url, 0) + 1
         try:
             yield
         finally:
-            self._outstanding[url] -= 1
-
-    def outstanding(self, url: str) -> int:
-        """Prefill legs in flight on ``url``."""
-        return self._outstanding.get(url, 0)
+            self.outstanding[url] -= 1
 
     def mark_failed(self, url: str) -> None:
         self._unhealthy_until[url] = self._clock() + self.config.prefill_backoff

@@ -42,11 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config_args.add_arguments(parser)
 
 
-def load_config(args: argparse.Namespace) -> config_mod.Config:
-    """Flags > env > file > defaults; raises ``ConfigError``."""
-    return config_args.load(args)[0]
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         config, sources = config_args.load(args)

@@ -181,8 +181,9 @@ class Supervisor(Fleet):
                 self.failed = 1
                 self._stop.set()
                 return
-            vetoed = self.table.reap(slot.index, self.config.release_deadline)
-            self.table.repair(self.config.ledger_ttl)  # a ledger slot it may have died writing
+            # In a thread: resetting its shard's header waits while a stopped worker holds it
+            # (reading every header); no request waits on that, and the event loop serves on.
+            vetoed = await asyncio.to_thread(self._settle, slot.index)
             self.totals.retire(slot.index)
             log.error(
                 "worker exited; restarting it (its requests at D are not released)",
@@ -192,6 +193,13 @@ class Supervisor(Fleet):
                 await asyncio.sleep(RESTART_BACKOFF)  # a crash loop restarts once a second at most
             self._restarts.labels(str(slot.index)).inc()
             await self._spawn(slot)
+
+    def _settle(self, index: int) -> int:
+        """A dead worker's part of the table: its requests at D vetoed for the lease, and a ledger
+        slot it may have died writing settled; how many keys it had at D."""
+        vetoed = self.table.reap(index, self.config.release_deadline)
+        self.table.repair(self.config.ledger_ttl)
+        return vetoed
 
     async def run(self) -> int:
         """Serve until SIGTERM or SIGINT; the exit status."""

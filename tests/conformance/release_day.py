@@ -30,7 +30,7 @@ it; ``sidecar.nixl.handshake`` sends only the rank request) and P's listener
 answers any request. Of ``NixlAgentMetadata`` the releaser decodes
 ``engine_id`` and ``agent_metadata`` (a msgpack map, unknown keys ignored):
 those two and the class's kind count; the other fields are what the
-simulators and tests encode to play P (``AGENT_METADATA_LAYOUTS``), to extend
+simulators and tests encode to play P (``tests.nixl_layouts.AGENT_METADATA_LAYOUTS``), to extend
 when the release is made known (docs/testing.md, "When vLLM releases").
 """
 
@@ -53,7 +53,7 @@ from sidecar.nixl import versions
 from sidecar.nixl.versions import WireProfile, parse_version
 from tests.conformance.vllm_facts import ABSENT, SEP, Facts, wheel_facts
 from tests.conformance.vllm_source import WIRE_AS
-from tests.conformance.wheels import cached, fetch_wheel, pip_command, wheel_dir
+from tests.conformance.wheels import WHEEL_PLATFORM, cached, fetch_wheel, pip_command, wheel_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Each conformance module that reads vLLM wheels, and the variable naming the releases it reads.
@@ -170,7 +170,7 @@ def newest_on_index() -> str:
     directory = wheel_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as staging:
-        command = [*pip_command(), "download", "--no-deps", "--only-binary=:all:", "vllm", "-d", staging]
+        command = [*pip_command(), "download", "--no-deps", *WHEEL_PLATFORM, "vllm", "-d", staging]
         fetched = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
         found = sorted(Path(staging).glob("vllm-*.whl"))
         if fetched.returncode != 0 or not found:

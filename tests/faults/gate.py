@@ -10,7 +10,7 @@ changes what happens from then on:
   connection is cut with a reset: a crashed or stopped server.
 * ``blackhole``: connections are accepted and nothing is ever answered; bytes
   on open relays are dropped both ways. A partition as TCP sees it once the
-  kernel has accepted (emulation only: see ``docs/dev/reliability-record.md``).
+  kernel has accepted (emulation only: see ``docs/dev/reliability.md``).
 * ``garbage``: every new connection is answered ``GARBAGE`` (not HTTP, not
   ZMTP) and closed; open relays are cut.
 * ``reset``: a new connection is read once, then reset (RST, no answer).

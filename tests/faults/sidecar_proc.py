@@ -20,6 +20,7 @@ from typing import Any
 
 from sidecar import config as config_mod
 from sidecar.app import Deps, ProxyApp, create_app
+from sidecar.config import args as config_args
 from sidecar.observability import logs
 from sidecar.server import serve as serve_mod
 from tests.faults.taskkind import task_kind
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
     serve_mod.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        config = serve_mod.load_config(args)
+        config = config_args.load(args)[0]
     except config_mod.ConfigError as exc:
         print(f"sidecar_proc: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.release.targets import FRESH_GAP
+from sidecar.release.pipeline import FRESH_GAP
 from tests.faults.cluster import Backends, Sent
 from tests.faults.conftest import scene
 from tests.support.ports import free_port

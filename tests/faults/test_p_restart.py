@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.release.targets import BreakerPolicy
+from sidecar.release.pipeline import BreakerPolicy
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
 from tests.integration.conftest import Sidecar

@@ -23,7 +23,7 @@ from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.app.ranks import RankFront
 from sidecar.config import Config
 from sidecar.llmd.command import load
-from sidecar.proxy.llmd_answers import DECODE_NOT_READY, FORBIDDEN
+from sidecar.proxy.answers import DECODE_NOT_READY, FORBIDDEN
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.server import serve as serve_mod
 from sidecar.sim.decode import create_decode_app

@@ -313,10 +313,10 @@ async def test_an_idle_pool_takes_turns() -> None:
     firsts = [(await pool.candidates(None))[0] for _ in range(6)]
     assert firsts == ["http://a:1", "http://b:1", "http://c:1"] * 2
     with pool.leg("http://b:1"):  # busy P goes last
-        assert pool.outstanding("http://b:1") == 1
+        assert pool.outstanding.get("http://b:1", 0) == 1
         for _ in range(3):
             assert (await pool.candidates(None))[-1] == "http://b:1"
-    assert pool.outstanding("http://b:1") == 0
+    assert pool.outstanding.get("http://b:1", 0) == 0
 
 
 def test_decode_json_broken_off_is_a_502_in_vllm_shape() -> None:

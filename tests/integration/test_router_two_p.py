@@ -43,7 +43,7 @@ def spread(sc: Sidecar, p1: ServerThread, later: int) -> list[int]:
         async with httpx.AsyncClient(timeout=10) as client:
             first = asyncio.create_task(client.post(sc.url + "/v1/completions", json=completion(5)))
             await until_async(
-                lambda: router.outstanding(p1.url) or first.done(), "the first leg at p1", 5.0, 0.002
+                lambda: router.outstanding.get(p1.url, 0) or first.done(), "the first leg at p1", 5.0, 0.002
             )
             assert not first.done(), "the first leg never reached p1"
             codes = [(await client.post(sc.url + "/v1/completions", json=completion(5))).status_code]

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from sidecar.config import Config, ConfigError
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.proxy.trust import Trust, sign
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig

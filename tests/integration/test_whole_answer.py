@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sidecar.proxy.forward import WHOLE_LIMIT
+from sidecar.proxy.handler import WHOLE_LIMIT
 from sidecar.transport.relay import ClientRelay
 from tests.integration.conftest import kv_params, run_sidecar
 from tests.servers import serve

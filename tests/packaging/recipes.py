@@ -18,3 +18,29 @@ OPTIONAL = {"nixl-cu12", "numpy", "pyzmq", "aiohttp", "matplotlib", "opentelemet
 
 def forbidden(names: set[str] | dict[str, Any]) -> list[str]:
     return sorted(name for name in names if FORBIDDEN.match(name))
+
+
+# The platforms the project supports, as markers see them and as wheels are tagged (manylinux_2_28:
+# nixl-cu12's tag; glibc 2.28 or newer: Debian 10+, RHEL 8+, Ubuntu 18.10+).
+PLATFORMS = {
+    "x86_64": "manylinux_2_28_x86_64",
+    "aarch64": "manylinux_2_28_aarch64",
+}
+
+
+def environment(machine: str, python: str) -> dict[str, str]:
+    """Marker variables of CPython ``python`` on Linux ``machine``."""
+    return {
+        "implementation_name": "cpython",
+        "implementation_version": f"{python}.0",
+        "os_name": "posix",
+        "platform_machine": machine,
+        "platform_python_implementation": "CPython",
+        "platform_release": "",
+        "platform_system": "Linux",
+        "platform_version": "",
+        "python_full_version": f"{python}.0",
+        "python_version": python,
+        "sys_platform": "linux",
+        "extra": "",
+    }

@@ -1,4 +1,4 @@
-"""``sidecar.proxy.body.tail_params``: only the top-level, last ``kv_transfer_params`` of an oversized body.
+"""``sidecar.proxy.context.tail_params``: only the top-level, last ``kv_transfer_params`` of a large body.
 
 The tail scan runs on a window of a body the sidecar refuses (413) and still
 releases from, so a wrong find is a wrong release: it must find the member only
@@ -15,7 +15,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sidecar.params import check
-from sidecar.proxy.body import TAIL_WINDOW, tail_params
+from sidecar.proxy.context import TAIL_WINDOW, tail_params
 from sidecar.wire import VIEW_DECODER
 from tests.property.strategies import ids, json_values, params_dicts, valid_params
 

@@ -17,15 +17,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sidecar.nixl import BadReply
-from sidecar.nixl.messages import (
-    HandshakePayload,
-    PeerMetadata,
-    agent_metadata_layout,
-    decode_reply,
-    notification,
-)
+from sidecar.nixl.messages import PeerMetadata, decode_reply, notification
 from sidecar.nixl.versions import RELEASES, RULES, WireProfile, check_params, engine_request_id, parse_version
 from sidecar.params import check
+from tests.nixl_layouts import HandshakePayload, agent_metadata_layout
 from tests.property.strategies import encode, ids, params_dicts
 
 PROFILES = [p for p in (WireProfile.for_version(".".join(map(str, v))) for v in RELEASES) if p is not None]

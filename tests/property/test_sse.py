@@ -1,4 +1,4 @@
-"""``sidecar.proxy.sse``: the first-event scanner never raises, keeps at most ``LIMIT`` bytes, and does
+"""``sidecar.decision.sse``: the first-event scanner never raises, keeps at most ``LIMIT`` bytes, and does
 not depend on how D's stream is cut into chunks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from sidecar.proxy.sse import LIMIT, FirstEvent, FirstEventScanner, parse_event
+from sidecar.decision.sse import LIMIT, FirstEvent, FirstEventScanner, parse_event
 from tests.property.strategies import json_values
 
 SEPARATORS = [b"\n\n", b"\r\n\r\n", b"\r\r"]

@@ -6,8 +6,7 @@ import pytest
 
 from sidecar.config import Config
 from sidecar.network.allowlist import Allowlist
-from sidecar.proxy.llmd_answers import DECODE_NOT_READY, flat_error
-from sidecar.proxy.style import LLMD, STYLES, VLLM, AnswerStyle
+from sidecar.proxy.answers import DECODE_NOT_READY, LLMD, STYLES, VLLM, AnswerStyle, flat_error
 from sidecar.router.pool import PrefillPool
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from sidecar.decision.coverage import engine_covers, engine_may_cover, fix_version
-from sidecar.params import release_params
 from sidecar.release.base import ReleaseJob
+from tests.fakes import release_params
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MSG, GEN = "/v1/messages", "/inference/v1/generate"

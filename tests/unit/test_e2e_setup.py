@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import retries
+from sidecar.config import args as config_args
 from sidecar.server import serve
 from tests.e2e import setup_env, twopods, vllmrouter
 from tests.e2e.__main__ import Chosen
@@ -223,9 +224,9 @@ def test_the_defaults_sidecar_runs_serve_as_shipped(tmp_path: Path) -> None:
     command = sidecar_command("defaults", peers, 8000, 9100, sys.executable)
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    config = serve.load_config(parser.parse_args(command[4:]))
+    config = config_args.load(parser.parse_args(command[4:]))[0]
     given = {"decode_url", "port", "admin_port", "host", "admin_host", "release", "prefill_allow"}
-    shipped = serve.load_config(parser.parse_args([]))
+    shipped = config_args.load(parser.parse_args([]))[0]
     differs = {name for name in config.__struct_fields__ if getattr(config, name) != getattr(shipped, name)}
     assert differs <= given
     assert config.release == "nixl" and config.retried_statuses == ("502", "503", "504")
@@ -239,7 +240,7 @@ def test_every_e2e_sidecar_command_is_one_serve_accepts(mode: str, tmp_path: Pat
     assert command[1:4] == ["-m", "sidecar", "serve"]
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    config = serve.load_config(parser.parse_args(command[4:]))
+    config = config_args.load(parser.parse_args(command[4:]))[0]
     assert retries.parse(config.retried_statuses) == frozenset()  # D down's 503 may be released
     assert config.release == ("nixl" if mode in ("router", "vllm-router") else mode)
     assert config.release_deadline == 10.0 and config.p_hold_seconds == 20.0

@@ -18,9 +18,9 @@ import pytest
 
 from sidecar.classify import Cause, NoAnswer
 from sidecar.observability.tracing import Tracing
-from sidecar.proxy import forward
+from sidecar.proxy import handler
 from sidecar.proxy.context import Exchange, RequestContext
-from sidecar.proxy.forward import Forwarder
+from sidecar.proxy.handler import Forwarder
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.upstream import UpstreamError
 from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
@@ -116,7 +116,7 @@ async def test_every_answer_marks_the_exchange_responded_before_its_head_goes_ou
     request: pytest.FixtureRequest,
 ) -> None:
     if request.node.callspec.id == "router-json-over-the-limit":
-        monkeypatch.setattr(forward, "REWRITE_LIMIT", 8)  # passed on as it came, not held
+        monkeypatch.setattr(handler, "REWRITE_LIMIT", 8)  # passed on as it came, not held
     run = Run(make())
     await run.forward(answer)
     assert run.client.status == status

@@ -7,7 +7,7 @@ remembers for its ``ttl`` those D admitted (or is aborting). The judge asks
 
 from __future__ import annotations
 
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 
 KEY, OTHER = ("p-engine", "cmpl-r1"), ("p-engine", "cmpl-r2")
 

@@ -10,9 +10,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.config import Config
 from sidecar.decision.policy import SIDECAR, Policy, router_policy
 from sidecar.observability.metrics import Metrics
-from sidecar.proxy.body import Oversized
-from sidecar.proxy.context import RequestContext
-from sidecar.proxy.inspect import Inspector
+from sidecar.proxy.context import Inspector, Oversized, RequestContext
 from sidecar.proxy.trust import Trust
 from tests.unit.test_proxy import V033
 

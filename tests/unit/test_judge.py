@@ -18,17 +18,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import Cause, Event, NoAnswer, Outcome
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
-from sidecar.decision.judge import Judge
+from sidecar.decision.judge import InFlight, Judge, StreamJudge
 from sidecar.decision.policy import ROUTER, SIDECAR, Policy, router_policy
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
-from sidecar.params import release_params
 from sidecar.proxy.context import Exchange
-from sidecar.proxy.stream import StreamJudge
 from sidecar.release.base import ReleaseJob
 from sidecar.upstream.client import Sent
-from tests.fakes import FakeDecode
+from tests.fakes import FakeDecode, release_params
 from tests.unit.test_proxy import V033
 
 PARAMS = release_params(V033)

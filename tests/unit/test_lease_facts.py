@@ -16,12 +16,25 @@ from pathlib import Path
 import pytest
 
 from sidecar.nixl.versions import RELEASES
-from sidecar.release.hold import DEADLINES, deadline_of, deadlines_text, hold_seconds, lease_seconds
+from sidecar.release.hold import DEADLINES, deadline_of, hold_seconds, lease_seconds
 from sidecar.sim.prefill.release import release_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "alerts.yaml"]
 OLDER = re.compile(r"\b(480|120) s\b")
+
+
+def deadlines_text() -> str:
+    """``DEADLINES`` as one phrase, newest first, as the docs state it (found on every page that
+    says how long P holds the blocks)."""
+    parts = []
+    for deadline in reversed(DEADLINES):
+        since = ".".join(map(str, deadline.since))
+        if deadline.seconds is None:
+            parts.append("none before")
+        else:
+            parts.append(f"{deadline.seconds:g} s from {'vLLM ' if not parts else ''}{since}")
+    return ", ".join(parts)
 
 
 def flat(text: str) -> str:

@@ -14,7 +14,8 @@ from sidecar.nixl.versions import (
     newer_than_known,
     parse_version,
 )
-from sidecar.params import ReleaseParams, release_params
+from sidecar.params import ReleaseParams
+from tests.fakes import release_params
 
 
 @pytest.mark.parametrize(

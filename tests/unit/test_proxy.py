@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.classify import NoAnswer
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy, ProxyParts
-from sidecar.proxy.inject import Injector
+from sidecar.proxy.handler import Injector
 from sidecar.proxy.trust import Trust
 from sidecar.release.base import JobResult, ReleaseJob
 from sidecar.release.dryrun import DryRun

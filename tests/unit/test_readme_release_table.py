@@ -35,18 +35,17 @@ from sidecar.classify import (
     stream_event,
 )
 from sidecar.config import Config
-from sidecar.decision.inflight import InFlight
-from sidecar.decision.judge import Judge
+from sidecar.decision.judge import InFlight, Judge
 from sidecar.decision.policy import SIDECAR
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
-from sidecar.params import check, release_params
+from sidecar.params import check
 from sidecar.proxy.context import Exchange
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob
 from sidecar.release.http import HttpReleaser
 from sidecar.upstream.client import Sent
-from tests.fakes import FakeDecode
+from tests.fakes import FakeDecode, release_params
 from tests.unit.test_proxy import V033
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.params import release_params
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.http import ControlFailed, ControlUnreachable, Probe
+from tests.fakes import release_params
 
 
 class FakeControl:

@@ -16,7 +16,7 @@ import respx
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.params import ReleaseParams, release_params
+from sidecar.params import ReleaseParams
 from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.http import (
     ControlFailed,
@@ -25,6 +25,7 @@ from sidecar.release.http import (
     answer_kind,
     health_url,
 )
+from tests.fakes import release_params
 
 D = "http://d.test:8200"
 RELEASE = D + "/kv_release/v1/release"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sidecar.classify import Outcome, classify, stream_event
-from sidecar.proxy.forward import _error
-from sidecar.proxy.sse import parse_event
+from sidecar.decision.sse import parse_event
+from sidecar.proxy.handler import _error
 from sidecar.release.hold import lease_seconds, release_by
 
 

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.config import Config
 from sidecar.observability.metrics import Metrics
 from sidecar.proxy import Proxy
+from sidecar.proxy.trust import Trust
 from sidecar.router import PREFILL_PARAMS, PrefillPool
 from sidecar.router.legs import Router
 from sidecar.router.pool import TAIL_BYTES
@@ -55,7 +56,12 @@ async def router(
     pipeline = started_pipeline(releaser, metrics, queue_size=10, workers=2)
     pool = PrefillPool(config, connect=lambda url: ps[url])  # type: ignore[arg-type,return-value]
     parts = proxy_parts(
-        config, d, pipeline, metrics, decode=FakeDecode(), routing=lambda kit: Router(kit, pool)
+        config,
+        d,
+        pipeline,
+        metrics,
+        decode=FakeDecode(),
+        routing=lambda proxy: Router(proxy, pool, config, metrics, Trust(config).outgoing),
     )
     try:
         yield Rig(Proxy(config, parts), d, ps, releaser)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sidecar.proxy.body import tail_params
-from sidecar.proxy.sse import LIMIT, FirstEvent, FirstEventScanner, parse_event
+from sidecar.decision.sse import LIMIT, FirstEvent, FirstEventScanner, parse_event
+from sidecar.proxy.context import tail_params
 
 ERROR_EVENT = (
     b'data: {"error": {"message": "too long", "type": "BadRequestError", "param": null, "code": 400}}\n\n'

@@ -9,9 +9,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from sidecar.release import targets as targets_module
+from sidecar.release import pipeline as pipeline_module
 from sidecar.release.base import TargetHealth
-from sidecar.release.targets import BreakerPolicy, BreakerState, Grant, Target, TargetDown, Targets
+from sidecar.release.pipeline import BreakerPolicy, BreakerState, Grant, Target, TargetDown, Targets
 
 POLICY = BreakerPolicy(failures=3, interval=0.05, max_interval=0.2)
 
@@ -69,7 +69,7 @@ GAP = 0.1
 
 @pytest.fixture
 def short_gap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(targets_module, "FRESH_GAP", GAP)
+    monkeypatch.setattr(pipeline_module, "FRESH_GAP", GAP)
 
 
 @pytest.mark.usefixtures("short_gap")

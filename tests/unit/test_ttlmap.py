@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.decision.inflight import InFlight
+from sidecar.decision.judge import InFlight
 from sidecar.nixl.handshake import HandshakeCache, PeerSet
 from sidecar.release.ledger import Ledger
 from sidecar.ttlmap import TTLMap
