@@ -515,7 +515,7 @@ from sidecar.release.base import JobResult, ReleaseJob  # noqa: E402
 from sidecar.release.nixl import NixlReleaser  # noqa: E402
 from tests.conformance.vllm_source import spoken  # noqa: E402
 from tests.conformance.wheels import fetch_wheel  # noqa: E402
-from tests.fakes import release_params  # noqa: E402
+from tests.support.fakes import release_params  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.nixl

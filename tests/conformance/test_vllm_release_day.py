@@ -30,7 +30,7 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from tests.conformance.test_vllm_p_side import PProcess, p_request_id
 from tests.conformance.wheels import fetch_wheel
 from tests.integration.conftest import NONE, SHIPPED, Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl
 

@@ -31,7 +31,7 @@ from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.faults.gate import FaultGate
 from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 
 VERSION = "0.34.0"
 TP = 2

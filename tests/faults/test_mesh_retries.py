@@ -32,8 +32,8 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
 from tests.faults.fronts import Kind, front
 from tests.integration.conftest import Sidecar
-from tests.servers import serve
 from tests.support.ports import free_port
+from tests.support.servers import serve
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl

@@ -31,7 +31,7 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends
 from tests.faults.conftest import scene
-from tests.servers import serve
+from tests.support.servers import serve
 from tests.support.until import until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow_faults, pytest.mark.netns_first]

@@ -31,8 +31,8 @@ from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent
 from tests.faults.evidence import Bounds, ProcessView, parse_metrics, total
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import Truth
-from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl

@@ -14,7 +14,7 @@ from sidecar.config import Config
 from sidecar.release.stub import StubReleaser
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 

@@ -19,7 +19,7 @@ from sidecar.sim.decode import DecodeSimConfig, create_decode_app
 from sidecar.sim.decode.engine import CLIENT_MESSAGE
 from sidecar.upstream import Upstream, UpstreamError
 from tests.integration.conftest import run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until_async
 
 REMOTE = {"do_remote_prefill": True, "remote_request_id": "p-1", "remote_block_ids": [[1]]}

@@ -28,7 +28,7 @@ from tests.e2e.scenarios import CONTROL, decode_leg
 from tests.e2e.verdict import Kind, judge, kinds_of
 from tests.integration.conftest import Sidecar, kv_params
 from tests.integration.test_hostile_input import guarded_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 
 HEADER_TIMEOUT = 0.5
 

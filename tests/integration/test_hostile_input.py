@@ -40,7 +40,7 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, retried_statuses
 from tests.integration.conftest import kv_params as params
 from tests.integration.test_lifecycle import sidecar_process
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 HEADER_TIMEOUT = 1.0

@@ -12,7 +12,7 @@ from sidecar.config import ConfigError, load
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 
 
 def params(rid: str) -> dict[str, Any]:

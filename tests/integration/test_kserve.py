@@ -7,7 +7,7 @@ served with ``--cert-path``, D and P reached over TLS and verified (KServe
 passes no skip-verify flag), SSRF protection with the v1alpha2 InferencePool,
 and ``SSL_CERT_DIR`` naming the folder of KServe's self-signed certificate.
 P (sim-prefill, TP 2, real NIXL agents) and D (sim-decode) serve a
-certificate shaped like KServe's (tests.certs: SANs ``localhost`` and the pod
+certificate shaped like KServe's (tests.support.certs: SANs ``localhost`` and the pod
 address 127.0.0.1), so verification passes only if the sidecar trusts the
 files of that folder as llm-d's Go sidecar does.
 
@@ -17,7 +17,7 @@ Substituted, as a test on one host needs: the certificate folder
 here); the ports 8000 and 8001 are free ones; ``/app/pd-sidecar`` is the
 ``pd-sidecar`` console script the image links there. What a pod gets from its
 platform is added: the Kubernetes API's address and the service account (a
-fake API, tests.fake_kube), the admin port, and the side-channel ports P's
+fake API, tests.support.fake_kube), the admin port, and the side-channel ports P's
 ephemeral NIXL port falls in.
 """
 
@@ -35,13 +35,13 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.certs import kserve_self_signed, write_secret
 from tests.deploy import kserve
-from tests.fake_kube import ALPHA, alpha_pool, pod
 from tests.integration.test_llmd import LABELS, answers, kube_api, sidecar
 from tests.integration.test_router import completion
-from tests.servers import serve
+from tests.support.certs import kserve_self_signed, write_secret
+from tests.support.fake_kube import ALPHA, alpha_pool, pod
 from tests.support.ports import free_port
+from tests.support.servers import serve
 from tests.support.sims import wait_stats
 
 pytestmark = pytest.mark.nixl

@@ -4,7 +4,7 @@ The sidecar runs as llm-d's decode pod runs its routing sidecar: the image's
 ``serve`` entry point with llm-d's exact arguments (TLS on, a certificate
 directory, SSRF protection with an InferencePool), in front of sim-decode (vLLM
 D) with sim-prefill (TP 2, real NIXL) as P. Kubernetes is a fake API server
-(tests.fake_kube) reached with the pod's service-account token over HTTPS. A real
+(tests.support.fake_kube) reached with the pod's service-account token over HTTPS. A real
 TLS client (httpx, verifying the test CA) sends requests with llm-d's header.
 """
 
@@ -30,11 +30,11 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.fake_kube import V1, FakeKube, inference_pool, pod
 from tests.integration.test_router import completion
-from tests.ranked import ranked
-from tests.servers import ServerThread, serve
+from tests.support.fake_kube import V1, FakeKube, inference_pool, pod
 from tests.support.ports import free_port
+from tests.support.ranked import ranked
+from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, wait_stats
 from tests.support.until import until
 

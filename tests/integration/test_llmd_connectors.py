@@ -24,7 +24,7 @@ from sidecar.llmd.command import load
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.test_router import completion
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 
 
 class CountingP:

@@ -22,9 +22,9 @@ from sidecar.app.ranks import RankFront
 from sidecar.config import Config
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Recording, kv_params
-from tests.ranked import ranked
-from tests.servers import ServerThread
 from tests.support.ports import free_port
+from tests.support.ranked import ranked
+from tests.support.servers import ServerThread
 from tests.support.until import until
 
 MODEL = "m"

@@ -31,9 +31,9 @@ from sidecar.nixl.versions import WireProfile
 from sidecar.params import ReleaseParams
 from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.nixl import NixlReleaser
-from tests.emulation import quick
-from tests.fakes import release_params
-from tests.nixl_layouts import HandshakePayload, agent_metadata_layout
+from tests.support.emulation import quick
+from tests.support.fakes import release_params
+from tests.support.nixl_layouts import HandshakePayload, agent_metadata_layout
 from tests.support.until import until_async
 
 pytestmark = pytest.mark.nixl

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from sidecar.transport.relay import ClientRelay
 from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import serve
+from tests.support.servers import serve
 
 QUEUE_FULL = (
     "The engine is currently busy and cannot accept new requests. "

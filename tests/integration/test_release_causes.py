@@ -25,8 +25,8 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
 from tests.integration.conftest import kv_params as params
-from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until_async
 
 

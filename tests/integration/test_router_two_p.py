@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.conftest import Sidecar
 from tests.integration.test_router import completion, pd
-from tests.servers import ServerThread
+from tests.support.servers import ServerThread
 from tests.support.sims import p_stats, wait_stats
 from tests.support.until import until_async
 

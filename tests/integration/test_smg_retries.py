@@ -52,8 +52,8 @@ from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.deploy.manifests import ROOT
 from tests.integration.conftest import run_sidecar
 from tests.integration.guides import in_own_group
-from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, wait_stats
 
 pytestmark = pytest.mark.nixl

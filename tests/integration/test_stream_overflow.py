@@ -22,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import serve
+from tests.support.servers import serve
 
 QUEUE_FULL = (
     "The engine is currently busy and cannot accept new requests. "

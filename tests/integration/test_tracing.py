@@ -32,8 +32,8 @@ from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from tests.integration.conftest import Sidecar, kv_params
 from tests.integration.test_llmd import answers, sidecar
-from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -15,7 +15,7 @@ from sidecar.proxy.trust import Trust, sign
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 
 KEY = "shared-router-key"
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.tls.trust import MAX_FILE_BYTES
-from tests.certs import kserve_self_signed
+from tests.support.certs import kserve_self_signed
 from tests.support.ports import free_port
 from tests.support.until import answered, until
 

@@ -31,7 +31,7 @@ from sidecar.server.limits import ServerLimits
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.integration.conftest import Sidecar, kv_params
-from tests.servers import serve
+from tests.support.servers import serve
 
 pytestmark = pytest.mark.nixl
 

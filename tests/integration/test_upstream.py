@@ -29,9 +29,9 @@ from starlette.routing import Route
 from sidecar.classify import NoAnswer
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.upstream.http1 import HIGH_WATER
-from tests.fakes import CountingLoop
-from tests.servers import ServerThread, serve
+from tests.support.fakes import CountingLoop
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1024 * 1024

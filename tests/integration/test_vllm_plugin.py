@@ -37,10 +37,10 @@ from sidecar.vllm_plugin import (
     KVReleasePlugin,
     PluginSettings,
 )
-from tests.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 from tests.support.sims import wait_stats
 from tests.support.until import until
 

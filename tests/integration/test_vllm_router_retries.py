@@ -48,8 +48,8 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.deploy.manifests import ROOT
 from tests.integration.guides import in_own_group
-from tests.servers import ServerThread, serve
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl
 

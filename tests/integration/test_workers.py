@@ -35,14 +35,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sidecar.wire import error_body
-from tests.emulation import EMULATED
 from tests.integration.conftest import kv_params
-from tests.servers import ServerThread, serve
+from tests.support.emulation import EMULATED
 from tests.support.ports import free_port
+from tests.support.servers import ServerThread, serve
 from tests.support.until import answered, until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
-HANG = 300.0 if EMULATED else 60.0  # a bound for a hang, not a measure (emulation: tests.emulation)
+HANG = 300.0 if EMULATED else 60.0  # a bound for a hang, not a measure (emulation: tests.support.emulation)
 VALIDATION = error_body(
     "1 validation error:\n  {'type': 'int_parsing', 'loc': ('body', 'max_tokens'), "
     "'msg': 'Input should be a valid integer', 'input': 'x'}",

@@ -25,7 +25,7 @@ from cryptography import x509
 
 from tests.integration.conftest import kv_params
 from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers
-from tests.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests

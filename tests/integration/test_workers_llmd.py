@@ -29,13 +29,13 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.fake_kube import inference_pool, pod
 from tests.integration.test_llmd import LABELS, VERSION, kube_api, write_cert
 from tests.integration.test_router import completion
 from tests.integration.test_workers import HANG, Workers
-from tests.ranked import ranked
-from tests.servers import serve
+from tests.support.fake_kube import inference_pool, pod
 from tests.support.ports import free_port
+from tests.support.ranked import ranked
+from tests.support.servers import serve
 from tests.support.sims import wait_stats
 from tests.support.until import until
 

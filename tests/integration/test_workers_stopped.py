@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.emulation import EMULATED, quick
 from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers
-from tests.servers import ServerThread, serve
+from tests.support.emulation import EMULATED, quick
+from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 # Several processes, stopped and resumed, bounded in milliseconds: run last, with nothing beside them.

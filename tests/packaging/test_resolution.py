@@ -28,7 +28,6 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.index import unreachable
 from tests.packaging.recipes import (
     CORE,
     NIXL_RECIPE,
@@ -39,6 +38,7 @@ from tests.packaging.recipes import (
     environment,
     forbidden,
 )
+from tests.support.index import unreachable
 
 if reason := unreachable():  # one line for the whole module, not one per test
     pytest.skip(f"{reason}: install resolution not checked", allow_module_level=True)

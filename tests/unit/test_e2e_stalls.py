@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from tests.e2e.stalls import StallWatch
 from tests.e2e.traffic import Traffic
-from tests.servers import serve
+from tests.support.servers import serve
 
 
 def test_the_watch_keeps_the_worst_stall_since_its_reset() -> None:

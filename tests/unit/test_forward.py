@@ -23,7 +23,7 @@ from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.handler import Forwarder
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.upstream import UpstreamError
-from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.support.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
 from tests.unit.test_judge import Rig, exchange
 
 CLOSE = (b"connection", b"close")

@@ -25,7 +25,7 @@ from sidecar.observability.tracing import Tracing
 from sidecar.proxy.context import Exchange
 from sidecar.release.base import ReleaseJob
 from sidecar.upstream.client import Sent
-from tests.fakes import FakeDecode, release_params
+from tests.support.fakes import FakeDecode, release_params
 from tests.unit.test_proxy import V033
 
 PARAMS = release_params(V033)

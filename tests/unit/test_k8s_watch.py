@@ -1,7 +1,7 @@
 """The InferencePool watch against a fake API server on loopback: resume, 410 Gone, a new selector.
 
 The watch (``sidecar.k8s.watch.Watch``) runs with lightkube's real client
-against ``tests.fake_kube`` over HTTP, with a bearer token. A watch the server
+against ``tests.support.fake_kube`` over HTTP, with a bearer token. A watch the server
 ends is resumed from the last version seen: the changes made meanwhile are
 replayed and nothing is listed again. A watch that resumes from a version the
 server no longer keeps gets 410 Gone and lists again, so a pod deleted while
@@ -24,8 +24,8 @@ from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, Members
 from sidecar.k8s.shared import FILE, Follower, Publisher
 from sidecar.k8s.watch import Watch
-from tests.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
-from tests.servers import ServerThread
+from tests.support.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
+from tests.support.servers import ServerThread
 from tests.support.until import until_async
 
 TOKEN = "t0ken"

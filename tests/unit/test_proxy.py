@@ -1,6 +1,6 @@
 """The proxy's request path driven as a plain ASGI call, D faked at the upstream seam.
 
-Each test scripts D (``tests.fakes.FakeUpstream``), sends one request through
+Each test scripts D (``tests.support.fakes.FakeUpstream``), sends one request through
 ``sidecar.proxy.Proxy`` and reads three things: what the client got, what D
 got, and the release jobs the pipeline decided (a recording strategy).
 Behaviour over real sockets is in ``tests/integration``; here every branch
@@ -29,7 +29,7 @@ from sidecar.release.base import JobResult, ReleaseJob
 from sidecar.release.dryrun import DryRun
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import Pipeline, Retry, Settings
-from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.support.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
 
 V033 = {
     "do_remote_prefill": True,

@@ -22,7 +22,7 @@ from sidecar.proxy.trust import Trust
 from sidecar.router import PREFILL_PARAMS, PrefillPool
 from sidecar.router.legs import Router
 from sidecar.router.pool import TAIL_BYTES
-from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.support.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
 from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"

@@ -29,8 +29,8 @@ from sidecar.tls.trust import (
     read_store,
     trust,
 )
-from tests.certs import kserve_self_signed, write_secret
-from tests.servers import serve
+from tests.support.certs import kserve_self_signed, write_secret
+from tests.support.servers import serve
 
 
 def subject_of(pem: str) -> str:
