@@ -37,8 +37,8 @@ from tests.conformance.test_vllm_p_side import PProcess, job, p_params, p_reques
 from tests.conformance.vllm_source import releases, spoken
 from tests.conformance.wheels import fetch_wheel
 from tests.integration.test_forged_params import sample, wait_sample
-from tests.integration.test_llmd import answers, sidecar
 from tests.support.ports import free_port
+from tests.support.runner import answers, sidecar
 from tests.support.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl

@@ -29,7 +29,7 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.conformance.test_vllm_p_side import PProcess, p_request_id
 from tests.conformance.wheels import fetch_wheel
-from tests.integration.conftest import NONE, SHIPPED, Sidecar, run_sidecar
+from tests.support.runner import NONE, SHIPPED, Sidecar, run_sidecar
 from tests.support.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl

@@ -30,7 +30,7 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.faults.gate import FaultGate
-from tests.integration.conftest import Sidecar, run_sidecar
+from tests.support.runner import Sidecar, run_sidecar
 from tests.support.servers import ServerThread, serve
 
 VERSION = "0.34.0"

@@ -19,7 +19,7 @@ import pytest
 from tests.faults.cluster import TP, VERSION, Backends, Flows, Sent, backends, sidecar
 from tests.faults.evidence import InProcessView, LogWatch, watching
 from tests.faults.invariants import Fate, InvariantChecker, Observed, Report, Truth
-from tests.integration.conftest import Sidecar
+from tests.support.runner import Sidecar
 
 SLOW = "slow_faults"
 

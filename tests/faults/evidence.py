@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import Config
 from tests.faults.taskkind import task_kind
-from tests.integration.conftest import Sidecar
+from tests.support.runner import Sidecar
 
 OWN_CODE = "/sidecar/"
 SIM_CODE = "/sidecar/sim/"

@@ -31,8 +31,8 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
 from tests.faults.fronts import Kind, front
-from tests.integration.conftest import Sidecar
 from tests.support.ports import free_port
+from tests.support.runner import Sidecar
 from tests.support.servers import serve
 from tests.support.until import until
 

@@ -25,7 +25,7 @@ import pytest
 from sidecar.release.pipeline import BreakerPolicy
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
-from tests.integration.conftest import Sidecar
+from tests.support.runner import Sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 

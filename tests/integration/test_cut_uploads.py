@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import run_sidecar
+from tests.support.runner import run_sidecar
 from tests.support.until import until
 
 

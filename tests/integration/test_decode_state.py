@@ -18,7 +18,7 @@ from sidecar.decode.state import DecodeState, DecodeView
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
 from sidecar.sim.decode.engine import CLIENT_MESSAGE
 from sidecar.upstream import Upstream, UpstreamError
-from tests.integration.conftest import run_sidecar
+from tests.support.runner import run_sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.until import until_async
 

@@ -16,8 +16,8 @@ import pytest
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import kv_params, run_sidecar
 from tests.support.ports import free_port
+from tests.support.runner import kv_params, run_sidecar
 from tests.support.servers import serve
 
 LOGGER = "sidecar.decode_state"

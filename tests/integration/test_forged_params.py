@@ -23,9 +23,9 @@ from sidecar.nixl.versions import WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.test_llmd import answers, sidecar
 from tests.integration.test_pd_release_e2e import prefill
 from tests.support.ports import free_port
+from tests.support.runner import answers, sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, wait_stats
 from tests.support.until import until

@@ -35,13 +35,13 @@ from sidecar.params import MAX_BLOCK_IDS
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
-from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, retried_statuses
-from tests.integration.conftest import kv_params as params
-from tests.integration.test_lifecycle import sidecar_process
+from tests.support.runner import RETRIED, SHIPPED, Sidecar, retried_statuses, sidecar_process
+from tests.support.runner import kv_params as params
 from tests.support.servers import ServerThread, serve
 from tests.support.until import until
+
+DECODE = DecodeSimConfig(port=0, max_model_len=50)  # D for this module (the ``decode`` fixture)
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
@@ -65,12 +65,6 @@ def guarded_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
     options = server_options(ServerLimits.of(config))
     with serve(app, create_admin_app(app), server_header=False, date_header=False, **options) as server:
         yield Sidecar(server, app, releaser)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0, max_model_len=50))) as server:
-        yield server
 
 
 @pytest.fixture

@@ -2,64 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
-import pytest
 
-from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from tests.support.ports import free_port
-from tests.support.servers import ServerThread, serve
+from tests.support.runner import sidecar_process
+from tests.support.servers import ServerThread
 from tests.support.until import answered, until
 
-
-@contextmanager
-def sidecar_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
-    port, admin = free_port(), free_port()
-    env = {**os.environ, "KVR_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--decode-url",
-            decode_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-host",
-            "127.0.0.1",
-            "--admin-port",
-            str(admin),
-            *flags,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        answered(f"http://127.0.0.1:{admin}/healthz")
-        yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0, stream_events=20, event_delay=0.05))) as server:
-        yield server
+DECODE = DecodeSimConfig(
+    port=0, stream_events=20, event_delay=0.05
+)  # D for this module (the ``decode`` fixture)
 
 
 def test_readyz_follows_decode_health(decode: ServerThread) -> None:

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import ssl
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -34,6 +30,7 @@ from tests.integration.test_router import completion
 from tests.support.fake_kube import V1, FakeKube, inference_pool, pod
 from tests.support.ports import free_port
 from tests.support.ranked import ranked
+from tests.support.runner import answers, sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, wait_stats
 from tests.support.until import until
@@ -42,7 +39,6 @@ pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
 TOKEN = "service-account-token"
 LABELS = {"llm-d.ai/inferenceServing": "true"}
-STOP_WITHIN = 10.0
 
 
 def write_cert(ca: trustme.CA, directory: Path) -> None:
@@ -70,57 +66,6 @@ def kube_api(tmp: Path, ca: trustme.CA, pool_api: str = V1) -> Iterator[tuple[Fa
         (account / "namespace").write_text("llm")
         ca.cert_pem.write_to_path(str(account / "ca.crt"))
         yield fake, api, account
-
-
-# Variables the sidecar reads that the test runner's own environment must not set for it.
-FOREIGN = ("KVR_", "SSL_CERT_", "OTEL_")
-
-
-@contextmanager
-def sidecar(
-    args: list[str], env: dict[str, str], ready: Any, program: list[str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``kv-release-sidecar serve <args>`` (the image's entry point; or ``program``), until
-    ``ready()`` holds."""
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    process = subprocess.Popen(
-        [*(program or [sys.executable, "-m", "sidecar", "serve"]), *args],
-        env={**{k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}, **env},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-
-        def started() -> bool:
-            if process.poll() is not None:
-                log.seek(0)
-                raise AssertionError(
-                    f"the sidecar exited {process.returncode}: {log.read().decode()[-3000:]}"
-                )
-            return bool(ready())
-
-        until(started, "the sidecar to be ready", 60.0, 0.05)
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(STOP_WITHIN)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            code = None
-        log.seek(0)
-        output = log.read().decode()[-3000:]
-        log.close()
-    # A pod's SIGTERM ends the sidecar within its drain (nothing is in flight here), exit 0.
-    assert code == 0, f"the sidecar did not stop within {STOP_WITHIN} s of SIGTERM (exit {code}): {output}"
-
-
-def answers(url: str, **kwargs: Any) -> bool:
-    try:
-        return httpx.get(url, timeout=2, **kwargs).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:

@@ -21,9 +21,9 @@ from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.app.ranks import RankFront
 from sidecar.config import Config
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import Recording, kv_params
 from tests.support.ports import free_port
 from tests.support.ranked import ranked
+from tests.support.runner import Recording, kv_params
 from tests.support.servers import ServerThread
 from tests.support.until import until
 

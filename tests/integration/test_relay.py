@@ -26,7 +26,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from sidecar.transport.relay import ClientRelay
-from tests.integration.conftest import kv_params, run_sidecar
+from tests.support.runner import kv_params, run_sidecar
 from tests.support.servers import serve
 
 QUEUE_FULL = (

@@ -23,11 +23,15 @@ from starlette.routing import Route
 from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
-from tests.integration.conftest import kv_params as params
 from tests.support.ports import free_port
+from tests.support.runner import RETRIED, SHIPPED, Sidecar, run_sidecar
+from tests.support.runner import kv_params as params
 from tests.support.servers import ServerThread, serve
 from tests.support.until import until_async
+
+DECODE = DecodeSimConfig(
+    port=0, max_model_len=50, stream_events=4, log_params=True
+)  # D for this module (the ``decode`` fixture)
 
 
 def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str, Any]:
@@ -39,13 +43,6 @@ def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str,
         "kv_transfer_params": params(rid),
         **extra,
     }
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    config = DecodeSimConfig(port=0, max_model_len=50, stream_events=4, log_params=True)
-    with serve(create_decode_app(config)) as server:
-        yield server
 
 
 @pytest.fixture

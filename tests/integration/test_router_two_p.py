@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 
-from tests.integration.conftest import Sidecar
 from tests.integration.test_router import completion, pd
+from tests.support.runner import Sidecar
 from tests.support.servers import ServerThread
 from tests.support.sims import p_stats, wait_stats
 from tests.support.until import until_async

@@ -50,9 +50,9 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.deploy.manifests import ROOT
-from tests.integration.conftest import run_sidecar
 from tests.integration.guides import in_own_group
 from tests.support.ports import free_port
+from tests.support.runner import run_sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, wait_stats
 

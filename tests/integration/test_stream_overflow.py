@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from tests.integration.conftest import kv_params, run_sidecar
+from tests.support.runner import kv_params, run_sidecar
 from tests.support.servers import serve
 
 QUEUE_FULL = (

@@ -30,9 +30,8 @@ from sidecar.config import Config, load
 from sidecar.observability.tracing import build
 from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
-from tests.integration.conftest import Sidecar, kv_params
-from tests.integration.test_llmd import answers, sidecar
 from tests.support.ports import free_port
+from tests.support.runner import Sidecar, answers, kv_params, sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 

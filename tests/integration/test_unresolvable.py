@@ -30,7 +30,7 @@ from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import Sidecar, kv_params
+from tests.support.runner import Sidecar, kv_params
 from tests.support.servers import serve
 
 pytestmark = pytest.mark.nixl

@@ -37,9 +37,9 @@ from sidecar.vllm_plugin import (
     KVReleasePlugin,
     PluginSettings,
 )
-from tests.integration.conftest import Sidecar, run_sidecar
 from tests.support.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 from tests.support.ports import free_port
+from tests.support.runner import Sidecar, run_sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.sims import wait_stats
 from tests.support.until import until

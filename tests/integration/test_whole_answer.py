@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from sidecar.proxy.handler import WHOLE_LIMIT
 from sidecar.transport.relay import ClientRelay
-from tests.integration.conftest import kv_params, run_sidecar
+from tests.support.runner import kv_params, run_sidecar
 from tests.support.servers import serve
 
 ANSWER = {"id": "cmpl-1", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": "x"}}]}

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +23,12 @@ import pytest
 import trustme
 from cryptography import x509
 
-from tests.integration.conftest import kv_params
-from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers
-from tests.support.servers import ServerThread, serve
+from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
+from tests.support.runner import kv_params
+from tests.support.servers import ServerThread
 from tests.support.until import until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
-
-
-@pytest.fixture
-def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
-    fake = FakeDecode()
-    with serve(fake.app()) as server:
-        yield fake, server
-        fake.gate.set()
-        fake.control_gate.set()
 
 
 def served_by(workers: Workers, send: Callable[[], Any]) -> tuple[int, Any]:
@@ -78,7 +69,7 @@ def tls_completion(port: int, verify: ssl.SSLContext, rid: str) -> tuple[int, in
 
 
 def test_a_rotated_certificate_reaches_new_connections_on_every_worker(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
     ca = trustme.CA()
     certs = tmp_path / "certs"
@@ -88,7 +79,9 @@ def test_a_rotated_certificate_reaches_new_connections_on_every_worker(
     ca.cert_pem.write_to_path(str(ca_file))
     verify = ssl.create_default_context(cafile=str(ca_file))
     flags = ("--tls", "--tls-cert-dir", str(certs), "--admin-tls-cert-dir", str(certs))
-    with contextlib.contextmanager(start_workers)(decode[1].url, tmp_path, *flags, verify=verify) as workers:
+    with contextlib.contextmanager(start_workers)(
+        fake_decode[1].url, tmp_path, *flags, verify=verify
+    ) as workers:
         port, started = int(workers.url.rsplit(":", 1)[1]), pids(workers)
         calls = iter(range(10_000))
 
@@ -163,9 +156,9 @@ def gone(pid: int) -> bool:
 
 
 def test_a_supervisor_killed_with_sigkill_leaves_a_directory_the_next_one_removes(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
-    url = decode[1].url
+    url = fake_decode[1].url
     start = contextlib.contextmanager(start_workers)
     for name in ("live", "killed", "next"):
         (tmp_path / name).mkdir()

@@ -31,7 +31,7 @@ from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.integration.test_llmd import LABELS, VERSION, kube_api, write_cert
 from tests.integration.test_router import completion
-from tests.integration.test_workers import HANG, Workers
+from tests.integration.workers import HANG, Workers
 from tests.support.fake_kube import inference_pool, pod
 from tests.support.ports import free_port
 from tests.support.ranked import ranked

@@ -24,14 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers
+from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
 from tests.support.emulation import EMULATED, quick
-from tests.support.servers import ServerThread, serve
+from tests.support.servers import ServerThread
 from tests.support.until import until
 
 # Several processes, stopped and resumed, bounded in milliseconds: run last, with nothing beside them.
@@ -79,20 +78,6 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
-@pytest.fixture
-def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
-    fake = FakeDecode()
-    with serve(fake.app()) as server:
-        yield fake, server
-        fake.gate.set()
-        fake.control_gate.set()
-
-
-@pytest.fixture
-def workers(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
-    yield from start_workers(decode[1].url, tmp_path)
-
-
 def _pids(workers: Workers) -> dict[int, int]:
     return {line["worker"]: line["pid"] for line in workers.lines() if line.get("msg") == "worker started"}
 
@@ -129,9 +114,9 @@ def _timed(workers: Workers, rid: str, prompt: str = "say ok") -> tuple[int, flo
 
 
 def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
-    fake, stopped = decode[0], _pids(workers)[0]
+    fake, stopped = fake_decode[0], _pids(workers)[0]
     calm = max(took for _, took in (_timed(workers, f"calm-{i}") for i in range(20)))
     os.kill(stopped, signal.SIGSTOP)
     helper = _stopped_helper(HALF_WRITTEN, workers)
@@ -165,13 +150,13 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
 
 
 def test_a_worker_stopped_while_it_reads_another_workers_shard_stalls_nobody(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
     # Worker 1 cannot write its own shard while a reader holds it: its requests at D go to the
     # shard's header, and what D admitted meanwhile holds every release for the lease (LEASE).
-    fake = decode[0]
+    fake = fake_decode[0]
     with contextlib.contextmanager(start_workers)(
-        decode[1].url, tmp_path, "--release-deadline", str(LEASE)
+        fake_decode[1].url, tmp_path, "--release-deadline", str(LEASE)
     ) as workers:
         stopped = _pids(workers)[0]
         try:
@@ -209,7 +194,7 @@ def _reader_stopped_inside_worker_1s_shard(fake: FakeDecode, workers: Workers, s
 
 
 def test_a_worker_stopped_at_random_times_under_load_stalls_nobody(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
     stopped, windows = _pids(workers)[0], []
     done = threading.Event()
