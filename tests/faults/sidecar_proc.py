@@ -15,15 +15,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 from sidecar import config as config_mod
 from sidecar.app import Deps, ProxyApp, create_app
 from sidecar.config import args as config_args
 from sidecar.observability import logs
 from sidecar.server import serve as serve_mod
+from tests.faults.cluster import VERSION
+from tests.faults.evidence import Bounds, ProcessView
 from tests.faults.taskkind import task_kind
+from tests.support.ports import free_port
+from tests.support.until import until
 
 
 def _internals(app: ProxyApp | None) -> dict[str, int]:
@@ -99,3 +112,83 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+DRAIN, FLUSH, DELAY = 10.0, 3.0, 0.3
+
+
+@dataclass
+class Child:
+    proc: subprocess.Popen[bytes]
+    url: str
+    admin: str
+    log: Path
+
+    def view(self) -> ProcessView:
+        bounds = Bounds(queue=4096, ledger=65536, engines=256, release_ambiguous=False, release_deadline=30)
+        return ProcessView(self.admin, "", self.log, bounds)
+
+
+@contextmanager
+def child_sidecar(decode_url: str, *flags: str) -> Iterator[Child]:
+    port, admin = free_port(), free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "sidecar.log"
+        with log.open("wb") as err:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sidecar",
+                    "serve",
+                    "--decode-url",
+                    decode_url,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--admin-host",
+                    "127.0.0.1",
+                    "--admin-port",
+                    str(admin),
+                    "--release",
+                    "nixl",
+                    "--vllm-version",
+                    VERSION,
+                    "--prefill-allow",
+                    "127.0.0.1",
+                    "--handshake-timeout",
+                    "0.5",
+                    "--release-retry-max",
+                    "0.2",
+                    "--log-format",
+                    "json",
+                    "--log-level",
+                    "info",
+                    "--shutdown-delay",
+                    str(DELAY),
+                    "--drain-timeout",
+                    str(DRAIN),
+                    "--flush-timeout",
+                    str(FLUSH),
+                    *flags,
+                ],
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        child = Child(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log)
+        try:
+            until(lambda: _status(child.admin + "/readyz") == 200, "the child sidecar to be ready", 30)
+            yield child
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.TransportError:
+        return 0

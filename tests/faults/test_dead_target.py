@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 
 from sidecar.release.pipeline import FRESH_GAP
-from tests.faults.cluster import Backends, Sent
-from tests.faults.conftest import scene
+from tests.faults.cluster import Backends, Sent, scene
 from tests.support.ports import free_port
 from tests.support.until import until
 

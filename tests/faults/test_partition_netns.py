@@ -29,8 +29,7 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
-from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends
-from tests.faults.conftest import scene
+from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends, scene
 from tests.support.servers import serve
 from tests.support.until import until
 

@@ -17,7 +17,9 @@ import re
 import shlex
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,34 @@ def bash(script: str, cwd: Path) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+@contextmanager
+def started(block: str, log: Path, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+    """``block`` run by bash in ``cwd``, in a process group of its own, stopped (all of it) on exit."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", block + "\nwait"],
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: bash and its three children
+        proc.wait(20)
+        deadline = time.monotonic() + 20
+        while _group_alive(proc.pid):  # the children drain, then exit
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

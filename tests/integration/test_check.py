@@ -27,8 +27,7 @@ from starlette.routing import Route
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.test_vllm_plugin import TOKEN, vllm_like
-from tests.support.fake_engine import NotifyEngine
+from tests.support.fake_engine import TOKEN, NotifyEngine, vllm_like
 from tests.support.ports import free_port
 from tests.support.servers import ServerThread, serve
 

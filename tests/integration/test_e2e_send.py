@@ -25,8 +25,7 @@ from tests.e2e.evidence import Evidence
 from tests.e2e.runner import Runner, Target
 from tests.e2e.scenarios import CONTROL, decode_leg
 from tests.e2e.verdict import Kind, judge, kinds_of
-from tests.integration.test_hostile_input import guarded_sidecar
-from tests.support.runner import Sidecar, kv_params
+from tests.support.runner import Sidecar, guarded_sidecar, kv_params
 from tests.support.servers import ServerThread
 
 HEADER_TIMEOUT = 0.5

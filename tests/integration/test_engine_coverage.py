@@ -23,10 +23,9 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.test_pd_release_e2e import prefill
 from tests.support.runner import Sidecar, run_sidecar
 from tests.support.servers import ServerThread, serve
-from tests.support.sims import wait_stats
+from tests.support.sims import prefill, wait_stats
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl

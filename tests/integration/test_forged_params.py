@@ -17,18 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.nixl.versions import WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.test_pd_release_e2e import prefill
 from tests.support.ports import free_port
-from tests.support.runner import answers, sidecar
+from tests.support.runner import answers, sidecar, wait_sample
 from tests.support.servers import ServerThread, serve
-from tests.support.sims import p_stats, wait_stats
-from tests.support.until import until
+from tests.support.sims import p_stats, prefill, wait_stats
 
 pytestmark = pytest.mark.nixl
 
@@ -53,19 +50,6 @@ def ask(url: str, rid: str, params: dict[str, Any], headers: dict[str, str] | No
         url + "/v1/completions", json=body, headers={"x-request-id": rid, **(headers or {})}
     )
     return response.status_code
-
-
-def sample(admin: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(admin + "/metrics", timeout=5).text):
-        for found in family.samples:
-            if found.name == name and found.labels == labels:
-                return float(found.value)
-    return 0.0
-
-
-def wait_sample(admin: str, name: str, value: float, **labels: str) -> None:
-    seen = lambda: sample(admin, name, **labels)  # noqa: E731
-    until(lambda: seen() == value, f"{name}{labels} to be {value}", 30.0, 0.05, state=seen)
 
 
 def alive(p: ServerThread) -> None:

@@ -20,51 +20,33 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
-from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.params import MAX_BLOCK_IDS
-from sidecar.release.stub import StubReleaser as DryRunReleaser
-from sidecar.server.host import server_options
-from sidecar.server.limits import ServerLimits
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.support.runner import RETRIED, SHIPPED, Sidecar, retried_statuses, sidecar_process
+from tests.support.runner import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    MAX_HEADER,
+    RETRIED,
+    SHIPPED,
+    Sidecar,
+    guarded_sidecar,
+    sidecar_process,
+)
 from tests.support.runner import kv_params as params
 from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 DECODE = DecodeSimConfig(port=0, max_model_len=50)  # D for this module (the ``decode`` fixture)
 
-HEADER_TIMEOUT = 1.0
-BODY_TIMEOUT = 1.0
-MAX_HEADER = 16 * 1024
 SLACK = 1.5  # how late past a timer the cut may come on a loaded machine
-LIMITS = {
-    "client_header_timeout": HEADER_TIMEOUT,
-    "client_body_timeout": BODY_TIMEOUT,
-    "max_header_bytes": MAX_HEADER,
-    "timeout_keep_alive": 0.5,
-}
-
-
-@contextmanager
-def guarded_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
-    """Like ``run_sidecar``, served with the production protocol and limits."""
-    settings = retried_statuses({**LIMITS, **settings})  # none unless given: nothing in front retries
-    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **settings)
-    releaser = DryRunReleaser(keep=1000)
-    app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
-    options = server_options(ServerLimits.of(config))
-    with serve(app, create_admin_app(app), server_header=False, date_header=False, **options) as server:
-        yield Sidecar(server, app, releaser)
 
 
 @pytest.fixture

@@ -36,14 +36,12 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.deploy import kserve
-from tests.integration.test_llmd import LABELS, kube_api
-from tests.integration.test_router import completion
 from tests.support.certs import kserve_self_signed, write_secret
-from tests.support.fake_kube import ALPHA, alpha_pool, pod
+from tests.support.fake_kube import ALPHA, LABELS, alpha_pool, kube_api, pod
 from tests.support.ports import free_port
 from tests.support.runner import answers, sidecar
 from tests.support.servers import serve
-from tests.support.sims import wait_stats
+from tests.support.sims import completion, wait_stats
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"

@@ -10,12 +10,9 @@ TLS client (httpx, verifying the test CA) sends requests with llm-d's header.
 
 from __future__ import annotations
 
-import os
 import shutil
 import ssl
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,46 +23,17 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.test_router import completion
-from tests.support.fake_kube import V1, FakeKube, inference_pool, pod
+from tests.support.certs import write_cert
+from tests.support.fake_kube import LABELS, inference_pool, kube_api, pod
 from tests.support.ports import free_port
 from tests.support.ranked import ranked
 from tests.support.runner import answers, sidecar
-from tests.support.servers import ServerThread, serve
-from tests.support.sims import p_stats, wait_stats
+from tests.support.servers import serve
+from tests.support.sims import completion, p_stats, wait_stats
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
-TOKEN = "service-account-token"
-LABELS = {"llm-d.ai/inferenceServing": "true"}
-
-
-def write_cert(ca: trustme.CA, directory: Path) -> None:
-    """tls.crt and tls.key as a Kubernetes TLS Secret mounts them (replaced by a rename)."""
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    directory.mkdir(exist_ok=True)
-    for name, blob in (("tls.crt", cert.cert_chain_pems[0]), ("tls.key", cert.private_key_pem)):
-        blob.write_to_path(str(directory / f".{name}"))
-        os.replace(directory / f".{name}", directory / name)
-
-
-@contextmanager
-def kube_api(tmp: Path, ca: trustme.CA, pool_api: str = V1) -> Iterator[tuple[FakeKube, ServerThread, Path]]:
-    """The fake API over HTTPS, and a service-account directory (token, ca.crt, namespace)."""
-    fake = FakeKube(TOKEN, pool_api)
-    server_cert = ca.issue_cert("127.0.0.1")
-    with (
-        server_cert.cert_chain_pems[0].tempfile() as crt,
-        server_cert.private_key_pem.tempfile() as key,
-        serve(fake.app(), ssl_certfile=crt, ssl_keyfile=key) as api,
-    ):
-        account = tmp / "serviceaccount"
-        account.mkdir()
-        (account / "token").write_text(TOKEN)
-        (account / "namespace").write_text("llm")
-        ca.cert_pem.write_to_path(str(account / "ca.crt"))
-        yield fake, api, account
 
 
 def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:

@@ -32,12 +32,9 @@ import httpx
 import pytest
 
 from sidecar.llmd.command import load
-from tests.deploy.manifests import SIDECAR_IMAGE
-from tests.deploy.test_llmd_overlay import COMPONENT, render, sidecars
-from tests.integration.test_llmd_netns import Pods, answers, pods, running, start_sims
-from tests.integration.test_router import chat, completion
-from tests.integration.test_router_routes import generate, messages
-from tests.support.sims import wait_stats
+from tests.deploy.manifests import COMPONENT, SIDECAR_IMAGE, render, sidecars
+from tests.integration.netns import Pods, answers, pods, running, start_sims
+from tests.support.sims import chat, completion, generate, messages, wait_stats
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 HEADER = "x-prefiller-host-port"

@@ -9,66 +9,16 @@ sends nothing. P's ``/stats`` is the ground truth for both sides.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode.config import DecodeSimConfig
-from sidecar.sim.decode.nixl import VllmDHooks
-from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.support.runner import Sidecar, run_sidecar
-from tests.support.servers import ServerThread, serve
-from tests.support.sims import p_stats, wait_stats
+from tests.support.runner import Sidecar
+from tests.support.sims import cluster, p_stats, prefill, wait_stats
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
-
-
-@contextmanager
-def cluster(
-    version: str,
-    tp: int,
-    pp: int = 1,
-    *,
-    vllm_d: bool = True,
-    lease: float = 0,
-    d_version: str | None = None,
-    d_settings: dict[str, Any] | None = None,
-    **sidecar: Any,
-) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
-    p_config = PrefillSimConfig(
-        port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=lease, side_channel_port=0
-    )
-    hooks = VllmDHooks(version) if vllm_d else None
-    d_config = DecodeSimConfig(
-        port=0, version=d_version or version, max_model_len=40, model="sim-prefill", **(d_settings or {})
-    )
-    settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
-    with (
-        serve(create_prefill_app(p_config)) as p,
-        serve(create_decode_app(d_config, hooks)) as d,
-        run_sidecar(d.url, **settings) as sc,
-    ):
-        yield p, d, sc
-
-
-def prefill(p: ServerThread, request_id: str, words: int = 20) -> dict[str, Any]:
-    """The router's prefill leg: P pins blocks and answers kv_transfer_params."""
-    body = {
-        "model": "sim-prefill",
-        "prompt": " ".join(["tok"] * words),
-        "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
-    }
-    response = httpx.post(p.url + "/v1/completions", json=body, headers={"x-request-id": request_id})
-    assert response.status_code == 200, response.text
-    params: dict[str, Any] = response.json()["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True
-    return params
 
 
 def decode(sc: Sidecar, request_id: str, params: dict[str, Any], prompt_words: int) -> httpx.Response:

@@ -11,18 +11,15 @@ does); the last block is run once the release has been counted.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from tests.deploy.manifests import ROOT
+from tests.integration.guides import started
 from tests.support.ports import free_port
 from tests.support.until import answered
 
@@ -31,6 +28,14 @@ pytestmark = pytest.mark.nixl
 README = ROOT / "README.md"
 PORTS = ("8100", "8200", "8000", "9100", "5600")  # P, D, the sidecar, its admin port, P's side channel
 BINARY = ".venv/bin/kv-release-sidecar"
+
+
+def bash(script: str, check: bool = True) -> str:
+    result = subprocess.run(
+        ["bash", "-c", "set -e\n" + script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 or not check, result.stdout + result.stderr
+    return result.stdout
 
 
 def section() -> str:
@@ -43,45 +48,6 @@ def section_blocks(language: str = "sh") -> list[str]:
 
 def on_free_ports(block: str, mapping: dict[str, str]) -> str:
     return re.sub(r"\b(" + "|".join(PORTS) + r")\b", lambda m: mapping[m.group(1)], block)
-
-
-@contextmanager
-def started(block: str, log: Path, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
-    """``block`` run by bash in ``cwd``, in a process group of its own, stopped (all of it) on exit."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["bash", "-c", block + "\nwait"],
-            cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: bash and its three children
-        proc.wait(20)
-        deadline = time.monotonic() + 20
-        while _group_alive(proc.pid):  # the children drain, then exit
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-            time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def bash(script: str, check: bool = True) -> str:
-    result = subprocess.run(
-        ["bash", "-c", "set -e\n" + script], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0 or not check, result.stdout + result.stderr
-    return result.stdout
 
 
 def test_the_readme_runs_by_hand(tmp_path: Path) -> None:

@@ -19,53 +19,9 @@ from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
 from tests.support.ports import free_port
 from tests.support.runner import Sidecar, run_sidecar
 from tests.support.servers import ServerThread, serve
-from tests.support.sims import p_stats, wait_stats
+from tests.support.sims import VERSION, chat, completion, p_stats, pd, wait_stats
 
 pytestmark = pytest.mark.nixl
-VERSION = "0.33.0"
-
-
-@contextmanager
-def pd(
-    prefills: int = 1,
-    *,
-    static: bool = True,
-    d_config: dict[str, Any] | None = None,
-    p_config: dict[str, Any] | None = None,
-    **sidecar: Any,
-) -> Iterator[tuple[list[ServerThread], ServerThread, Sidecar]]:
-    p_settings = {"vllm_version": VERSION, "tp": 2, "num_blocks": 64, "lease": 0, **(p_config or {})}
-    p_apps = [
-        create_prefill_app(PrefillSimConfig(port=0, side_channel_port=0, **p_settings))
-        for _ in range(prefills)
-    ]
-    d_settings = {"port": 0, "version": VERSION, "max_model_len": 40, "model": "m", "log_params": True}
-    d_settings.update(d_config or {})
-    with (
-        contextlib_stack(p_apps) as ps,
-        serve(create_decode_app(DecodeSimConfig(**d_settings), VllmDHooks(VERSION))) as d,
-    ):
-        settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
-        if static:
-            settings.setdefault("prefill", tuple(p.url for p in ps))
-        with run_sidecar(d.url, **settings) as sc:
-            yield ps, d, sc
-
-
-@contextmanager
-def contextlib_stack(apps: list[Any]) -> Iterator[list[ServerThread]]:
-    from contextlib import ExitStack
-
-    with ExitStack() as stack:
-        yield [stack.enter_context(serve(app)) for app in apps]
-
-
-def chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
-
-
-def completion(words: int, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": " ".join(["tok"] * words), "max_tokens": 4, **extra}
 
 
 def test_admitted_request_runs_both_legs_and_d_frees_p() -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.test_router import chat, pd
-from tests.integration.test_router_routes import generate
-from tests.support.sims import wait_stats
+from tests.support.sims import chat, generate, pd, wait_stats
 
 pytestmark = pytest.mark.nixl
 

@@ -14,23 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.test_pd_release_e2e import cluster, prefill
-from tests.integration.test_router import chat, pd
-from tests.support.sims import p_stats, wait_stats
+from tests.support.sims import chat, cluster, generate, messages, p_stats, pd, prefill, wait_stats
 
 pytestmark = pytest.mark.nixl
-
-
-def messages(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
-
-
-def generate(tokens: int, **sampling: Any) -> dict[str, Any]:
-    return {
-        "model": "m",
-        "token_ids": list(range(1, tokens + 1)),
-        "sampling_params": {"max_tokens": 4, **sampling},
-    }
 
 
 def test_min_tokens_is_capped_on_p_and_restored_on_d() -> None:

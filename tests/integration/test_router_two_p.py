@@ -8,10 +8,9 @@ import threading
 import httpx
 import pytest
 
-from tests.integration.test_router import completion, pd
 from tests.support.runner import Sidecar
 from tests.support.servers import ServerThread
-from tests.support.sims import p_stats, wait_stats
+from tests.support.sims import completion, p_stats, pd, wait_stats
 from tests.support.until import until_async
 
 pytestmark = pytest.mark.nixl

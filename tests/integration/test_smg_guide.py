@@ -43,9 +43,9 @@ from tests.integration.guides import (
     port_of,
     runnable,
     sample,
+    started,
     wait_closed,
 )
-from tests.integration.test_readme_by_hand import started
 from tests.support.ports import free_port
 from tests.support.sims import p_stats, wait_stats
 from tests.support.until import answered, until

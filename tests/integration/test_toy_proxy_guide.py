@@ -31,8 +31,8 @@ from tests.integration.guides import (
     on_free_ports,
     runnable,
     sample,
+    started,
 )
-from tests.integration.test_readme_by_hand import started
 from tests.support.ports import free_port
 from tests.support.sims import wait_stats
 from tests.support.until import answered

@@ -10,16 +10,13 @@ the way D's connector sends it, so P's ``/stats`` shows the blocks freed.
 
 from __future__ import annotations
 
-from argparse import Namespace
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.responses import JSONResponse, Response
 
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
@@ -35,18 +32,22 @@ from sidecar.vllm_plugin import (
     RELEASE_PATH,
     KVReleaseMiddleware,
     KVReleasePlugin,
-    PluginSettings,
 )
-from tests.support.fake_engine import LegacyEngine, NotifyEngine, sampling_params
+from tests.support.fake_engine import (
+    SETTINGS,
+    TOKEN,
+    LegacyEngine,
+    NotifyEngine,
+    sampling_params,
+    vllm_like,
+)
 from tests.support.ports import free_port
 from tests.support.runner import Sidecar, run_sidecar
 from tests.support.servers import ServerThread, serve
 from tests.support.sims import wait_stats
 from tests.support.until import until
 
-TOKEN = "integration-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-SETTINGS = PluginSettings(token=TOKEN, emulate_grace=0.05, emulate_settle=0.05)
 P_PARAMS: dict[str, Any] = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -60,51 +61,6 @@ P_PARAMS: dict[str, Any] = {
 
 
 # --- D: vLLM-like apps ------------------------------------------------------------------------
-
-
-def vllm_like(
-    engine: object | None,
-    *,
-    plugin: bool = True,
-    middleware: bool = False,
-    settings: PluginSettings = SETTINGS,
-    version: str = "0.33.0",
-) -> FastAPI:
-    """vLLM's build_app + init_app_state, reduced: core routes, then plugins, then middleware."""
-    endpoint = KVReleasePlugin(settings, sampling_params=sampling_params)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.engine_client = engine  # init_app_state
-        if plugin:
-            await endpoint.init_state(engine, app.state, Namespace())
-        yield
-
-    app = FastAPI(lifespan=lifespan)
-
-    async def health() -> Response:
-        return Response(b"")
-
-    async def get_version() -> dict[str, str]:
-        return {"version": version}
-
-    async def completions() -> JSONResponse:  # a body that fails validation, before the handler
-        error = {"message": "max_tokens: Input should be a valid integer", "type": "Bad Request"}
-        return JSONResponse({"error": {**error, "param": None, "code": 400}}, status_code=400)
-
-    async def chat() -> JSONResponse:  # a rejection raised inside the handler (D's fix covers it)
-        error = {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}
-        return JSONResponse({"error": error}, status_code=400)
-
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/version", get_version, methods=["GET"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    if plugin:
-        endpoint.attach_router(app)
-    if middleware:
-        app.add_middleware(KVReleaseMiddleware, settings=settings, sampling_params=sampling_params)
-    return app
 
 
 def completion(sc: Sidecar, request_id: str, route: str = "/v1/completions", **params: Any) -> httpx.Response:

@@ -29,17 +29,17 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.test_llmd import LABELS, VERSION, kube_api, write_cert
-from tests.integration.test_router import completion
 from tests.integration.workers import HANG, Workers
-from tests.support.fake_kube import inference_pool, pod
+from tests.support.certs import write_cert
+from tests.support.fake_kube import LABELS, inference_pool, kube_api, pod
 from tests.support.ports import free_port
 from tests.support.ranked import ranked
 from tests.support.servers import serve
-from tests.support.sims import wait_stats
+from tests.support.sims import completion, wait_stats
 from tests.support.until import until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.serial]  # several processes each: run alone
+VERSION = "0.33.0"
 TRIES = 400  # new connections before concluding the kernel gives them all to one worker
 
 

@@ -21,10 +21,12 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.release.stub import StubReleaser
+from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
 from tests.support.ports import free_port
@@ -220,3 +222,45 @@ def answers(url: str, **kwargs: Any) -> bool:
         return httpx.get(url, timeout=2, **kwargs).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def sample(admin: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(admin + "/metrics", timeout=5).text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return float(found.value)
+    return 0.0
+
+
+def wait_sample(admin: str, name: str, value: float, **labels: str) -> None:
+    seen = lambda: sample(admin, name, **labels)  # noqa: E731
+    until(lambda: seen() == value, f"{name}{labels} to be {value}", 30.0, 0.05, state=seen)
+
+
+HEADER_TIMEOUT = 1.0
+
+
+BODY_TIMEOUT = 1.0
+
+
+MAX_HEADER = 16 * 1024
+
+
+LIMITS = {
+    "client_header_timeout": HEADER_TIMEOUT,
+    "client_body_timeout": BODY_TIMEOUT,
+    "max_header_bytes": MAX_HEADER,
+    "timeout_keep_alive": 0.5,
+}
+
+
+@contextmanager
+def guarded_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
+    """Like ``run_sidecar``, served with the production protocol and limits."""
+    settings = retried_statuses({**LIMITS, **settings})  # none unless given: nothing in front retries
+    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **settings)
+    releaser = DryRunReleaser(keep=1000)
+    app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
+    options = server_options(ServerLimits.of(config))
+    with serve(app, create_admin_app(app), server_header=False, date_header=False, **options) as server:
+        yield Sidecar(server, app, releaser)
