@@ -75,13 +75,6 @@ def _bind() -> socket.socket:
     return sock
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (connections are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServerGroup:
     """ASGI apps served by uvicorn on one event loop in a background thread."""
 
@@ -90,11 +83,20 @@ class ServerGroup:
         self._servers: list[uvicorn.Server] = []
         self._thread = threading.Thread(target=self._run, name="demo-servers", daemon=True)
         self._failed: BaseException | None = None
+        self._held: list[socket.socket] = []
 
     def add(self, app: Any, lifespan: Literal["on", "off"] = "on") -> str:
         """Register ``app``; returns its URL (the port is bound now, served on ``start``)."""
         sock = _bind()
         self._pending.append((app, lifespan, sock))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def refusing(self) -> str:
+        """A URL whose port is held but never listens: connections to it are refused (D down), and
+        nothing else can take the port while the group runs."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self._held.append(sock)
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     def _run(self) -> None:
@@ -131,7 +133,7 @@ class ServerGroup:
             server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(START_TIMEOUT)
-        for _, _, sock in self._pending:
+        for sock in [*(pending[2] for pending in self._pending), *self._held]:
             sock.close()
 
 
@@ -187,7 +189,7 @@ def demo_cluster(settings: ClusterSettings) -> Iterator[ClusterUrls]:
     p_url = group.add(create_prefill_app(prefill))
     d_url = group.add(create_decode_app(decode, VllmDHooks(version)))
     sidecar = _sidecar(settings, d_url)
-    down = _sidecar(settings, f"http://127.0.0.1:{closed_port()}")
+    down = _sidecar(settings, group.refusing())
     urls = ClusterUrls(
         prefill=p_url,
         decode=d_url,
