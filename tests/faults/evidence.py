@@ -187,7 +187,7 @@ async def _tasks() -> tuple[int, list[str]]:
 
 
 class InProcessView:
-    """A sidecar from ``tests.integration.conftest.run_sidecar`` with a ``LogWatch``."""
+    """A sidecar from ``tests.support.runner.run_sidecar`` with a ``LogWatch``."""
 
     def __init__(self, sc: Sidecar, watch: LogWatch) -> None:
         self.sc, self.watch = sc, watch

@@ -4,7 +4,9 @@
   releaser (``Sidecar`` reads its metrics and waits on its pipeline); ``kv_params`` are P's
   parameters as a client sends them; ``RETRIED`` runs a test under both retried-status settings.
 - ``sidecar_process``: ``kv-release-sidecar`` as a child process in front of a decode URL.
-- ``sidecar``: any sidecar command line (llm-d's, KServe's) as a child, until ``ready()`` holds.
+- ``guarded_sidecar``: ``run_sidecar`` with short header and body timeouts (hostile clients).
+- ``sidecar``: any sidecar command line (llm-d's, KServe's) as a child, until ``ready()`` holds;
+  ``answers`` is a readiness check, ``sample``/``wait_sample`` read a child's metrics.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
-"""The simulators as the tests drive them: P's ``/stats``, its record of every block, read and
-waited on (P's record is the ground truth of what was freed, and by whom)."""
+"""The simulators as the tests drive them, and the requests clients send through them.
+
+- ``p_stats`` and ``wait_stats``: P's ``/stats``, its record of every block, read and waited on
+  (P's record is the ground truth of what was freed, and by whom).
+- ``cluster``: P (real NIXL agents), D as vLLM D and the sidecar in front of D; ``prefill`` asks P
+  for a request's ``kv_transfer_params``. ``pd``: the sidecar in router mode in front of D, with
+  its P pool.
+- ``chat``, ``completion``, ``messages``, ``generate``: request bodies as clients send them.
+"""
 
 from __future__ import annotations
 
