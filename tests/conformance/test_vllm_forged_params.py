@@ -33,12 +33,12 @@ from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import JobResult
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.conformance.vllm_p import PProcess, job, p_params, p_request_id, releaser
 from tests.conformance.vllm_source import releases, spoken
 from tests.conformance.wheels import fetch_wheel
 from tests.support.ports import free_port
 from tests.support.runner import answers, sample, sidecar, wait_sample
-from tests.support.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl
 

@@ -27,10 +27,10 @@ import pytest
 from sidecar.nixl.versions import NEWEST, WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.conformance.vllm_p import PProcess, p_request_id
 from tests.conformance.wheels import fetch_wheel
 from tests.support.runner import NONE, SHIPPED, Sidecar, run_sidecar
-from tests.support.servers import ServerThread, serve
 
 pytestmark = pytest.mark.nixl
 

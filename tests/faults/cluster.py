@@ -29,11 +29,11 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.faults.evidence import InProcessView, LogWatch, watching
 from tests.faults.gate import FaultGate
 from tests.faults.invariants import Fate, InvariantChecker, Observed, Report, Truth
 from tests.support.runner import Sidecar, run_sidecar
-from tests.support.servers import ServerThread, serve
 
 VERSION = "0.34.0"
 TP = 2

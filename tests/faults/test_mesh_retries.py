@@ -29,11 +29,11 @@ import pytest
 from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import serve
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
 from tests.faults.fronts import Kind, front
 from tests.support.ports import free_port
 from tests.support.runner import Sidecar
-from tests.support.servers import serve
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl

@@ -21,12 +21,12 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
+from sidecar.sim.servers import ServerThread, serve
 from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent
 from tests.faults.evidence import parse_metrics, total
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import Truth
 from tests.faults.sidecar_proc import DELAY, DRAIN, FLUSH, Child, _status, child_sidecar
-from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 pytestmark = pytest.mark.nixl

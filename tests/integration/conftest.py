@@ -14,11 +14,11 @@ import pytest
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.integration.workers import FakeDecode, Workers, start_workers
 from tests.support.runner import (
     run_sidecar,
 )
-from tests.support.servers import ServerThread, serve
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: the serial marker added here counts

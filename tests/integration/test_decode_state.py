@@ -17,9 +17,9 @@ from sidecar.decode.probes import probe_kv_connector
 from sidecar.decode.state import DecodeState, DecodeView
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
 from sidecar.sim.decode.engine import CLIENT_MESSAGE
+from sidecar.sim.servers import ServerThread, serve
 from sidecar.upstream import Upstream, UpstreamError
 from tests.support.runner import run_sidecar
-from tests.support.servers import ServerThread, serve
 from tests.support.until import until_async
 
 REMOTE = {"do_remote_prefill": True, "remote_request_id": "p-1", "remote_block_ids": [[1]]}

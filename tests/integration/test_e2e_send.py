@@ -21,12 +21,12 @@ import httpcore
 import httpx
 import pytest
 
+from sidecar.sim.servers import ServerThread
 from tests.e2e.evidence import Evidence
 from tests.e2e.runner import Runner, Target
 from tests.e2e.scenarios import CONTROL, decode_leg
 from tests.e2e.verdict import Kind, judge, kinds_of
 from tests.support.runner import Sidecar, guarded_sidecar, kv_params
-from tests.support.servers import ServerThread
 
 HEADER_TIMEOUT = 0.5
 

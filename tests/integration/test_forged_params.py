@@ -22,9 +22,9 @@ from sidecar.nixl.versions import WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.ports import free_port
 from tests.support.runner import answers, sidecar, wait_sample
-from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, prefill, wait_stats
 
 pytestmark = pytest.mark.nixl

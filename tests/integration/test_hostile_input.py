@@ -30,6 +30,7 @@ import pytest
 from sidecar.config import Config
 from sidecar.params import MAX_BLOCK_IDS
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.runner import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
@@ -41,7 +42,6 @@ from tests.support.runner import (
     sidecar_process,
 )
 from tests.support.runner import kv_params as params
-from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 DECODE = DecodeSimConfig(port=0, max_model_len=50)  # D for this module (the ``decode`` fixture)

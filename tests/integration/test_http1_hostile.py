@@ -30,8 +30,8 @@ import pytest
 
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
+from sidecar.sim.servers import serve
 from tests.faults.fronts import front
-from tests.support.servers import serve
 from tests.support.until import until
 
 LIMITS = ServerLimits(max_header_bytes=8 * 1024, keep_alive=0.5)

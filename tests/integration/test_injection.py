@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from sidecar.config import ConfigError, load
+from sidecar.sim.servers import ServerThread
 from tests.support.runner import run_sidecar
-from tests.support.servers import ServerThread
 
 
 def params(rid: str) -> dict[str, Any]:

@@ -35,12 +35,12 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import serve
 from tests.deploy import kserve
 from tests.support.certs import kserve_self_signed, write_secret
 from tests.support.fake_kube import ALPHA, LABELS, alpha_pool, kube_api, pod
 from tests.support.ports import free_port
 from tests.support.runner import answers, sidecar
-from tests.support.servers import serve
 from tests.support.sims import completion, wait_stats
 
 pytestmark = pytest.mark.nixl

@@ -9,9 +9,9 @@ import time
 import httpx
 
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread
 from tests.support.ports import free_port
 from tests.support.runner import sidecar_process
-from tests.support.servers import ServerThread
 from tests.support.until import answered, until
 
 DECODE = DecodeSimConfig(

@@ -23,12 +23,12 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import serve
 from tests.support.certs import write_cert
 from tests.support.fake_kube import LABELS, inference_pool, kube_api, pod
 from tests.support.ports import free_port
 from tests.support.ranked import ranked
 from tests.support.runner import answers, sidecar
-from tests.support.servers import serve
 from tests.support.sims import completion, p_stats, wait_stats
 from tests.support.until import until
 

@@ -20,9 +20,9 @@ from sidecar.config import Config
 from sidecar.llmd.command import load
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import serve
 from tests.support.ports import free_port
 from tests.support.runner import answers, sidecar
-from tests.support.servers import serve
 
 MIB = 1024 * 1024
 

@@ -21,10 +21,10 @@ from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.app.ranks import RankFront
 from sidecar.config import Config
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread
 from tests.support.ports import free_port
 from tests.support.ranked import ranked
 from tests.support.runner import Recording, kv_params
-from tests.support.servers import ServerThread
 from tests.support.until import until
 
 MODEL = "m"

@@ -25,8 +25,8 @@ import pytest
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.ports import free_port
-from tests.support.servers import ServerThread, serve
 from tests.support.until import answered
 
 pytestmark = pytest.mark.nixl

@@ -20,9 +20,9 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.ports import free_port
 from tests.support.runner import RETRIED, SHIPPED, Sidecar, run_sidecar
-from tests.support.servers import ServerThread, serve
 from tests.support.sims import prefill, wait_stats
 
 pytestmark = pytest.mark.nixl

@@ -25,9 +25,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from sidecar.sim.servers import serve
 from sidecar.transport.relay import ClientRelay
 from tests.support.runner import kv_params, run_sidecar
-from tests.support.servers import serve
 
 QUEUE_FULL = (
     "The engine is currently busy and cannot accept new requests. "

@@ -23,10 +23,10 @@ from starlette.routing import Route
 from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.ports import free_port
 from tests.support.runner import RETRIED, SHIPPED, Sidecar, run_sidecar
 from tests.support.runner import kv_params as params
-from tests.support.servers import ServerThread, serve
 from tests.support.until import until_async
 
 DECODE = DecodeSimConfig(

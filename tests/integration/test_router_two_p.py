@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 
+from sidecar.sim.servers import ServerThread
 from tests.support.runner import Sidecar
-from tests.support.servers import ServerThread
 from tests.support.sims import completion, p_stats, pd, wait_stats
 from tests.support.until import until_async
 

@@ -49,11 +49,11 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.deploy.manifests import ROOT
 from tests.integration.guides import in_own_group
 from tests.support.ports import free_port
 from tests.support.runner import run_sidecar
-from tests.support.servers import ServerThread, serve
 from tests.support.sims import p_stats, wait_stats
 
 pytestmark = pytest.mark.nixl

@@ -30,9 +30,9 @@ from sidecar.config import Config, load
 from sidecar.observability.tracing import build
 from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.ports import free_port
 from tests.support.runner import Sidecar, answers, kv_params, sidecar
-from tests.support.servers import ServerThread, serve
 from tests.support.until import until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

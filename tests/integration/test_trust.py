@@ -12,8 +12,8 @@ from sidecar.config import Config, ConfigError
 from sidecar.decision.judge import InFlight
 from sidecar.proxy.trust import Trust, sign
 from sidecar.sim.decode.config import DecodeSimConfig
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.runner import run_sidecar
-from tests.support.servers import ServerThread, serve
 
 DECODE = DecodeSimConfig(port=0, log_params=True)  # D for this module (the ``decode`` fixture)
 

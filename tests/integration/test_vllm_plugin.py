@@ -27,6 +27,7 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from sidecar.vllm_plugin import (
     HEALTH_PATH,
     RELEASE_PATH,
@@ -43,7 +44,6 @@ from tests.support.fake_engine import (
 )
 from tests.support.ports import free_port
 from tests.support.runner import Sidecar, run_sidecar
-from tests.support.servers import ServerThread, serve
 from tests.support.sims import wait_stats
 from tests.support.until import until
 

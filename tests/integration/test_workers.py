@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 import pytest
 
+from sidecar.sim.servers import ServerThread
 from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
 from tests.support.ports import free_port
 from tests.support.runner import kv_params
-from tests.support.servers import ServerThread
 from tests.support.until import until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.sim.servers import ServerThread
 from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
 from tests.support.emulation import EMULATED, quick
-from tests.support.servers import ServerThread
 from tests.support.until import until
 
 # Several processes, stopped and resumed, bounded in milliseconds: run last, with nothing beside them.

@@ -6,7 +6,6 @@ a module that holds no test (``tests/faults/cluster.py``, ``tests/integration/wo
 - ``ports``: ``free_port``, the one way a test picks a port for another process to bind.
 - ``until``: ``until`` (and ``until_async``, the same poll on an event loop): readiness and
   state polled, never slept on; ``answered`` polls a URL.
-- ``servers``: ``serve``, real uvicorn servers on ephemeral loopback ports in a thread.
 - ``runner``: how tests start a sidecar, in this process (``run_sidecar``) or as a child.
 - ``sims``: P and D simulators as the tests drive them, and the request bodies clients send.
 - ``fakes``: fakes at the proxy's seams (the upstream client, D, a releaser, a transport);
@@ -15,4 +14,7 @@ a module that holds no test (``tests/faults/cluster.py``, ``tests/integration/wo
   ``nixl_layouts`` vLLM's NIXL metadata layouts.
 - ``emulation``: whether the suite runs under CPU emulation; ``index``: whether a package index
   answers.
+
+The server harness (``serve``: real uvicorn servers on ephemeral loopback ports, in a thread) is
+the package's ``sidecar.sim.servers``, since ``make demo`` runs its cluster on the same one.
 """

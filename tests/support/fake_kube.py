@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.support.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
 
 GROUP_PATH = "/apis/{group}/namespaces/{{namespace}}/inferencepools"
 V1 = "inference.networking.k8s.io/v1"

@@ -1,7 +1,7 @@
 """Servers on consecutive loopback ports: D's data-parallel ranks (one API port per rank).
 
 ``ranked`` runs one sim-decode on each of
-``base``, ``base + 1``, ... on real uvicorn servers (``tests.support.servers``).
+``base``, ``base + 1``, ... on real uvicorn servers (``sidecar.sim.servers``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.support.servers import ServerThread
+from sidecar.sim.servers import ServerThread
 
 
 @contextmanager

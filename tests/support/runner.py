@@ -31,8 +31,8 @@ from sidecar.release.stub import StubReleaser
 from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
+from sidecar.sim.servers import ServerThread, serve
 from tests.support.ports import free_port
-from tests.support.servers import ServerThread, serve
 from tests.support.until import answered, until
 
 

@@ -24,8 +24,8 @@ from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, Members
 from sidecar.k8s.shared import FILE, Follower, Publisher
 from sidecar.k8s.watch import Watch
+from sidecar.sim.servers import ServerThread
 from tests.support.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
-from tests.support.servers import ServerThread
 from tests.support.until import until_async
 
 TOKEN = "t0ken"
