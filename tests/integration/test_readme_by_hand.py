@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.manifests import ROOT
-from tests.integration.guides import started
+from tests.integration.guides import on_free_ports, started
 from tests.support.ports import free_port
 from tests.support.until import answered
 
@@ -44,10 +44,6 @@ def section() -> str:
 
 def section_blocks(language: str = "sh") -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section(), flags=re.S)
-
-
-def on_free_ports(block: str, mapping: dict[str, str]) -> str:
-    return re.sub(r"\b(" + "|".join(PORTS) + r")\b", lambda m: mapping[m.group(1)], block)
 
 
 def test_the_readme_runs_by_hand(tmp_path: Path) -> None:
