@@ -104,11 +104,11 @@ bench: $(STAMP) $(VLLM_ROUTER)
 	$(UV) run --frozen --no-sync python -m bench --workload streams --modes sidecar --workers 1,2 \
 		--paths sidecar,sidecar-w2 --rounds 3 --json out/bench-burst-workers.json
 	$(UV) run --frozen --no-sync python -m bench --workload releases
-	$(UV) run --frozen --no-sync python -m bench.bench_release
-	$(UV) run --frozen --no-sync python -m bench.bench_storm
-	$(UV) run --frozen --no-sync python -m bench.bench_router
-	$(UV) run --frozen --no-sync python -m bench.bench_tracing
-	$(UV) run --frozen --no-sync python -m bench.bench_p_peers
+	$(UV) run --frozen --no-sync python -m bench.nixl_release
+	$(UV) run --frozen --no-sync python -m bench.storm
+	$(UV) run --frozen --no-sync python -m bench.router
+	$(UV) run --frozen --no-sync python -m bench.tracing
+	$(UV) run --frozen --no-sync python -m bench.p_peers
 
 # vLLM's own P-side code, extracted from downloaded wheels, against the sidecar (also part of make test).
 conformance: $(STAMP)

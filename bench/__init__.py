@@ -2,7 +2,7 @@
 
 One run starts the fake decode server D (``kv-release-sidecar sim-decode``),
 the sidecar in front of it, and two reference hops in front of it too, as
-separate processes: the relay (``python -m bench.relay``, a zero-logic byte
+separate processes: the relay (``python -m bench.servers.relay``, a zero-logic byte
 relay, the cheapest hop Python can run) and, when an ``nginx`` binary is on
 ``PATH`` or given with ``--nginx``, nginx (skipped otherwise). It drives
 every path (client -> D, client -> sidecar -> D, client -> relay -> D,
@@ -26,32 +26,31 @@ CPU. Each server runs in its own session (its own scheduling group), as
 separate services would. Other processes busy on the same cores distort
 every figure, so their CPU is measured and reported.
 
-Two more workloads share its parts: ``--workload streams`` (``streams``,
-``streams_report``; thousands of concurrent SSE streams in sidecar and router
-mode, driven by the C load generator and fake D of ``streams.c`` through
-``cstreams``, with ``fast_servers`` as the fake P; ``vllm_router`` starts
-vLLM's own P/D router beside router mode and ``streams_versus`` reads the
-two side by side, and the accept burst at one and two workers) and ``--workload releases``
-(``releases``, ``releases_load``, ``releases_report``; a steady rate of
-rejected requests, P's own record of when it got its blocks back, with
-``fast_servers`` as the rejecting D and ``storm_procs``' servers).
+Every workload is a package of its own, and so are the parts they share:
 
-Modules: ``settings`` (the knobs, full and quick), ``procs`` (processes,
-pinning, readiness, ``/proc`` readings), ``relay`` (the reference relay),
-``load`` (the Python load generator), ``wrk`` (wrk, its script and its
-output), ``measure`` (one phase on one path, pooled over rounds; peak
-readings), ``saturation`` (who filled a core), ``noise`` (other processes'
-CPU on our cores), ``stats`` (percentiles), ``report`` (figures, ratios,
-costs, targets, JSON), ``render`` (the tables), ``run`` (the sequence of
-rounds and phases), ``cli`` (flags, exit codes, every bench's main).
+- ``harness`` (what every bench is built from: child processes and the
+  two-core plan, the Python load generator, other processes' CPU,
+  percentiles, rounds and counted phases, the reports' shared fields, py-spy,
+  a bench's command line) and ``servers`` (the reference relay, nginx's
+  configuration, the fast fakes of P and D). Neither imports a workload.
+- ``paths`` (``python -m bench``, the default workload above), ``streams``
+  (``--workload streams``: thousands of concurrent SSE streams in sidecar and
+  router mode, beside vLLM's own P/D router) and ``releases``
+  (``--workload releases``: a steady rate of rejected requests, P's own
+  record of when it got its blocks back). ``cli`` reads the flags of all
+  three.
+- ``storm`` (``python -m bench.storm``: a rejection storm beside other
+  requests, on the servers and readings of ``releases``), ``router``
+  (``python -m bench.router``: the router path against a client running both
+  legs; ``python -m bench.router.inproc``: router mode's own Python per
+  stream), ``tracing`` (``python -m bench.tracing``: tracing off and on),
+  ``p_peers`` (``python -m bench.p_peers``: what each sidecar NIXL agent
+  connected to P costs P), ``nixl_release`` (``python -m bench.nixl_release``:
+  one release's latency and the release rate against real NIXL agents) and
+  ``table`` (``python -m bench.table``: the workers' shared table per
+  request).
 
-The benches run as modules of their own are built from the same parts:
-``bench_storm`` (a rejection storm beside other requests; its servers in
-``storm_procs``, its load in ``storm_load`` and ``storm_worker``, its figures
-in ``storm_report``), ``bench_router`` and ``bench_tracing`` (phases of a
-count of requests, ``run.counted_rounds``), ``bench_p_peers`` (what each
-sidecar NIXL agent connected to P costs P; its child processes in
-``p_peers_procs``, its figures in ``p_peers_report``), and
-``bench_router_inproc`` (router mode's own Python per stream, P and D faked,
-beside another tree).
+Imports go one way: a workload imports ``harness`` and ``servers`` (and
+``storm`` imports ``releases``), never back; a package's ``__init__`` imports
+nothing (``tests/unit/test_bench_layout.py``).
 """

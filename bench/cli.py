@@ -20,26 +20,21 @@ not start or gave wrong answers); 2 on bad arguments; 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
-import sys
 import tempfile
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
-import msgspec
-import uvloop
-
-from bench.load import request_body
-from bench.measure import JsonLoad, PythonJson
-from bench.procs import BenchError, CorePlan, plan_cores
-from bench.render import render
-from bench.report import Report, write_json
-from bench.run import run
-from bench.settings import FULL, QUICK, Settings
-from bench.wrk import find_wrk
+from bench.harness.load import request_body
+from bench.harness.main import progress, run_and_report
+from bench.harness.procs import CorePlan
+from bench.paths.measure import JsonLoad, PythonJson
+from bench.paths.render import render
+from bench.paths.report import Report
+from bench.paths.run import run
+from bench.paths.settings import FULL, QUICK, Settings
+from bench.paths.wrk import find_wrk
 
 DEFAULT_JSON = {
     "paths": Path("out/bench.json"),
@@ -47,9 +42,8 @@ DEFAULT_JSON = {
     "releases": Path("out/bench-releases.json"),
 }
 
-_Report = TypeVar("_Report", bound=msgspec.Struct | dict[str, Any])
 
-# The streams and releases workloads' own flags (``bench.streams.settings``, ``bench.releases.settings``).
+# The streams and releases workloads' own flags (their ``run.settings`` reads them).
 WORKLOAD_OPTIONS: list[tuple[str, dict[str, object]]] = [
     ("--clients", {"type": int, "help": "streams: concurrent clients (default 2000)"}),
     ("--rounds", {"type": int, "help": "streams: rounds of every path (default 2)"}),
@@ -118,15 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def bench_parser(module: str, doc: str, json: Path, quick: str, json_help: str) -> argparse.ArgumentParser:
-    """The flags of ``python -m <module>`` that every bench module has: ``--quick`` (``quick`` says
-    how long that is) and ``--json PATH`` (default ``json``)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help=quick)
-    parser.add_argument("--json", type=Path, default=json, help=f"{json_help} (default {json})")
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -156,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _workload(args: argparse.Namespace, nginx: str | None) -> int:
     """The streams or releases workload: run it, print its table, write its JSON."""
-    from bench import releases, streams  # each imports what only it needs
+    from bench.releases import run as releases  # each imports what only it needs
+    from bench.streams import run as streams
 
     if args.workload == "streams":
         return run_and_report(
@@ -173,32 +159,6 @@ def _workload(args: argparse.Namespace, nginx: str | None) -> int:
     )
 
 
-def run_and_report(
-    prog: str,
-    work: Callable[[CorePlan], Coroutine[Any, Any, _Report]],
-    render: Callable[[_Report], str],
-    json_path: Path,
-) -> int:
-    """Every bench's main after its flags: pin this process to the load core (the children it starts
-    pick their own; wrk inherits it), run ``work`` on uvloop, write its report to ``json_path`` and
-    print its table. Exit code 0 when the run completed, 1 when the benchmark itself broke (said on
-    stderr after ``prog``), 130 on Ctrl-C."""
-    plan = plan_cores()
-    os.sched_setaffinity(0, plan.load)
-    try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            report = runner.run(work(plan))
-    except BenchError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    write_json(report, json_path)
-    print(render(report))
-    print(f"raw figures: {json_path}")
-    return 0
-
-
 def _json_load(given: str | None, refused: bool, settings: Settings, scratch: Path) -> JsonLoad:
     """wrk when allowed and found, else the Python load generator and why (``run`` says which)."""
     body = request_body(False, settings.answer_tokens)
@@ -207,8 +167,3 @@ def _json_load(given: str | None, refused: bool, settings: Settings, scratch: Pa
         return found
     why = "--no-wrk given" if refused else "wrk not found on PATH (install it, e.g. apt-get install wrk)"
     return PythonJson(settings.answer_tokens, f"{why}; it may saturate its core before a hop does")
-
-
-def progress(line: str) -> None:
-    """A progress line, on stderr."""
-    print(line, file=sys.stderr, flush=True)

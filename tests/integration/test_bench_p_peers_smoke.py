@@ -1,4 +1,4 @@
-"""``python -m bench.bench_p_peers --quick`` runs end to end and its figures are sane.
+"""``python -m bench.p_peers --quick`` runs end to end and its figures are sane.
 
 The smoke run starts a real P agent (as vLLM 0.33.0 makes it, then without the
 progress thread) and two real peer agents (the sidecar's ``NixlPeer``), each
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("p-peers") / "p-peers.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.bench_p_peers", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "bench.p_peers", "--quick", "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""``python -m bench.bench_router --quick`` runs end to end and writes every figure as a positive number.
+"""``python -m bench.router --quick`` runs end to end and writes every figure as a positive number.
 
 The real sim-prefill, sim-decode and both sidecars run as processes, so this
 also checks that every benchmark request was answered right on both paths
@@ -25,7 +25,7 @@ CONNECTIONS = ("c1", "c8")
 def test_quick_router_bench_writes_every_figure_as_a_positive_number() -> None:
     OUT.unlink(missing_ok=True)
     result = subprocess.run(
-        [sys.executable, "-m", "bench.bench_router", "--quick", "--json", str(OUT)],
+        [sys.executable, "-m", "bench.router", "--quick", "--json", str(OUT)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from bench.saturation import bound
+from bench.paths.saturation import bound
 
 # serial: the bench loads the machine (make test runs it alone)
 pytestmark = pytest.mark.serial

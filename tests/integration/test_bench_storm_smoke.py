@@ -1,4 +1,4 @@
-"""``python -m bench.bench_storm --quick`` runs end to end and writes every figure as a positive number.
+"""``python -m bench.storm --quick`` runs end to end and writes every figure as a positive number.
 
 The smoke run starts the real sim-prefill (real NIXL agents), sim-decode and
 sidecar processes, so it also checks that every storm request was a 400, every
@@ -70,7 +70,7 @@ def is_number(value: Any) -> bool:
 def test_quick_storm_bench_writes_every_figure_and_p_confirms_releases() -> None:
     OUT.unlink(missing_ok=True)
     result = subprocess.run(
-        [sys.executable, "-m", "bench.bench_storm", "--quick", "--json", str(OUT)],
+        [sys.executable, "-m", "bench.storm", "--quick", "--json", str(OUT)],
         cwd=ROOT,
         capture_output=True,
         text=True,

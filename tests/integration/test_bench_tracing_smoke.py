@@ -1,4 +1,4 @@
-"""``python -m bench.bench_tracing --quick`` runs end to end and writes every figure as a positive number.
+"""``python -m bench.tracing --quick`` runs end to end and writes every figure as a positive number.
 
 D, the OTLP sink and both sidecars run as processes, so this also checks that
 every benchmark request was answered right on all three paths (the bench
@@ -26,7 +26,7 @@ CONNECTIONS = ("c1", "c32")
 def test_quick_tracing_bench_writes_every_figure_as_a_positive_number() -> None:
     OUT.unlink(missing_ok=True)
     result = subprocess.run(
-        [sys.executable, "-m", "bench.bench_tracing", "--quick", "--json", str(OUT)],
+        [sys.executable, "-m", "bench.tracing", "--quick", "--json", str(OUT)],
         cwd=ROOT,
         capture_output=True,
         text=True,

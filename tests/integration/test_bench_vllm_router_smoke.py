@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from bench.vllm_router import INSTALLED
+from bench.streams.vllm_router import INSTALLED
 from tests.integration.bench_runs import run_bench
 
 HOPS = ["sidecar", "sidecar-w2", "vllm-router", "vllm-router-w2"]

@@ -6,9 +6,10 @@ from collections import Counter
 
 import pytest
 
-from bench.procs import PathName
-from bench.run import order, phases
-from bench.settings import FULL, QUICK, Settings
+from bench.harness.rounds import order
+from bench.paths.launch import PathName
+from bench.paths.run import phases
+from bench.paths.settings import FULL, QUICK, Settings
 
 PATHS: tuple[PathName, ...] = ("direct", "sidecar", "relay", "nginx")
 

@@ -1,6 +1,7 @@
-"""``python -m bench.relay`` on real loopback sockets: bytes unchanged both ways, back-pressure, closing.
+"""The relay (``python -m bench.servers.relay``) on real loopback sockets: bytes unchanged, back-pressure,
+closing.
 
-The relay runs as the benchmark runs it, a ``python -m bench.relay`` child
+The relay runs as the benchmark runs it, a ``python -m bench.servers.relay`` child
 process, here on an ephemeral port (``--port 0``) in front of a fake upstream
 server in this test's event loop, also on an ephemeral port. Readiness is the
 relay's own first stdout line, printed once it listens; every test then waits
@@ -88,7 +89,8 @@ async def relay(upstream: Upstream) -> AsyncIterator[Relay]:
     assert upstream.server is not None
     target = upstream.server.sockets[0].getsockname()[1]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.relay", "--host", HOST, "--port", "0", "--target", f"{HOST}:{target}",
+        sys.executable, "-m", "bench.servers.relay", "--host", HOST, "--port", "0",
+        "--target", f"{HOST}:{target}",
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.render import render
-from bench.report import (
-    Environment,
+from bench.harness.report import Environment
+from bench.paths.render import render
+from bench.paths.report import (
     JsonFigures,
     PathFigures,
     PathReport,
@@ -17,7 +17,7 @@ from bench.report import (
     path_report,
     targets,
 )
-from bench.saturation import PhaseLoad, bound
+from bench.paths.saturation import PhaseLoad, bound
 
 
 def figures(rps: float, ttfb_p99_ms: float) -> PathFigures:

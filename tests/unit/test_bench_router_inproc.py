@@ -1,4 +1,4 @@
-"""``python -m bench.bench_router_inproc``: a sample runs the router's real code in a fresh process."""
+"""``python -m bench.router.inproc``: a sample runs the router's real code in a fresh process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_router_inproc
+from bench.router import inproc as bench_router_inproc
 
 
 def test_a_sample_measures_streams_through_the_router_and_both_trees_are_reported(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.saturation import SATURATED, Bound, bound, phase_load
+from bench.paths.saturation import SATURATED, Bound, bound, phase_load
 
 
 @pytest.mark.parametrize(

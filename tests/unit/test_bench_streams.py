@@ -7,11 +7,11 @@ import os
 import msgspec
 import pytest
 
-from bench.cstreams import timeline
-from bench.fast_servers import prefill_refusal
-from bench.noise import busiest, wait_quiet
-from bench.procs import CorePlan
-from bench.streams import VLLM_ROUTER_PATHS, bodies
+from bench.harness.noise import busiest, wait_quiet
+from bench.harness.procs import CorePlan
+from bench.servers.fakes import prefill_refusal
+from bench.streams.cstreams import timeline
+from bench.streams.run import VLLM_ROUTER_PATHS, bodies
 
 
 def test_each_mode_and_path_gets_the_request_its_hop_expects() -> None:

@@ -1,4 +1,4 @@
-"""``python -m bench.bench_table`` runs and prints one line per table, with ratios to one process's."""
+"""``python -m bench.table`` runs and prints one line per table, with ratios to one process's."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_table
+from bench.table import run as bench_table
 from sidecar.release import shared
 
 

@@ -1,5 +1,5 @@
-"""Router mode beside vllm-router and one worker beside two (``bench.streams_versus``), and the fake
-P's check of a prefill leg (``bench.fast_servers``): pure readings of made-up figures."""
+"""Router mode beside vllm-router and one worker beside two (``bench.streams.versus``), and the fake
+P's check of a prefill leg (``bench.servers.fakes``): pure readings of made-up figures."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import msgspec
 import pytest
 
 from bench.cli import build_parser
-from bench.cstreams import StreamsSample
-from bench.fast_servers import prefill_refusal
-from bench.procs import BenchError
-from bench.streams import VLLM_ROUTER_PATHS
-from bench.streams import settings as streams_settings
-from bench.streams_report import HopLoad, PathRun
-from bench.streams_versus import RATE_SLACK, rate, versus, versus_lines, workers_burst, workers_lines
-from bench.vllm_router import INSTALLED, argv
+from bench.harness.procs import BenchError
+from bench.servers.fakes import prefill_refusal
+from bench.streams.cstreams import StreamsSample
+from bench.streams.report import HopLoad, PathRun
+from bench.streams.run import VLLM_ROUTER_PATHS
+from bench.streams.run import settings as streams_settings
+from bench.streams.versus import RATE_SLACK, rate, versus, versus_lines, workers_burst, workers_lines
+from bench.streams.vllm_router import INSTALLED, argv
 
 SECONDS, EVENTS = 10.0, 64
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.load import Sample, request_body
-from bench.measure import stalled
-from bench.procs import BenchError
-from bench.wrk import lua_script, parse
+from bench.harness.load import Sample, request_body
+from bench.harness.procs import BenchError
+from bench.paths.measure import stalled
+from bench.paths.wrk import lua_script, parse
 
 WRK_REPORT = """\
 Running 1s test @ http://127.0.0.1:8000/v1/chat/completions

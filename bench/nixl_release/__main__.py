@@ -1,0 +1,3 @@
+from bench.nixl_release.run import main
+
+main()

@@ -1,0 +1,3 @@
+from bench.p_peers.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from bench.router.run import main
+
+raise SystemExit(main())

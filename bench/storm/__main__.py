@@ -1,0 +1,3 @@
+from bench.storm.run import main
+
+raise SystemExit(main())

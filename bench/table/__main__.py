@@ -1,0 +1,3 @@
+from bench.table.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from bench.tracing.run import main
+
+raise SystemExit(main())
