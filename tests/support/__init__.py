@@ -9,6 +9,7 @@ a module that holds no test (``tests/faults/cluster.py``, ``tests/integration/wo
 - ``runner``: how tests start a sidecar, in this process (``run_sidecar``) or as a child.
 - ``sims``: P and D simulators as the tests drive them, and the request bodies clients send.
 - ``fakes``: fakes at the proxy's seams (the upstream client, D, a releaser, a transport);
+  ``fake_p`` P on real NIXL agents;
   ``fake_engine`` vLLM's engine client and a vLLM-like app with the plugin; ``fake_kube`` the
   Kubernetes API; ``ranked`` D's data-parallel ranks; ``certs`` TLS material;
   ``nixl_layouts`` vLLM's NIXL metadata layouts.

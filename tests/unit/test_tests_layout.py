@@ -59,10 +59,10 @@ def _defined(root: Path, pattern: re.Pattern[str]) -> list[str]:
     return found
 
 
-def test_no_module_of_the_tests_imports_a_test_module_or_a_conftest() -> None:
+def test_no_module_of_the_tests_or_the_benches_imports_a_test_module_or_a_conftest() -> None:
     offending = [
         f"{path.relative_to(ROOT)} imports {module}"
-        for path in _python(TESTS)
+        for path in _python(TESTS) + _python(ROOT / "bench")
         for module in sorted(_imported(path))
         if _is_test_module(module)
         and module != _name(path)
