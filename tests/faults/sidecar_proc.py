@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,8 +34,7 @@ from sidecar.server import serve as serve_mod
 from tests.faults.cluster import VERSION
 from tests.faults.evidence import Bounds, ProcessView
 from tests.faults.taskkind import task_kind
-from tests.support.ports import free_port
-from tests.support.until import until
+from tests.support.runner import sidecar_process
 
 
 def _internals(app: ProxyApp | None) -> dict[str, int]:
@@ -131,60 +129,17 @@ class Child:
 
 @contextmanager
 def child_sidecar(decode_url: str, *flags: str) -> Iterator[Child]:
-    port, admin = free_port(), free_port()
+    """The sidecar as a child process releasing over NIXL, its log (JSON, info) kept for the
+    scenario to read; ready once its admin port says so."""
+    settings = ["--release", "nixl", "--vllm-version", VERSION, "--prefill-allow", "127.0.0.1"]
+    settings += ["--handshake-timeout", "0.5", "--release-retry-max", "0.2"]
+    settings += ["--log-format", "json", "--log-level", "info", "--shutdown-delay", str(DELAY)]
+    settings += ["--drain-timeout", str(DRAIN), "--flush-timeout", str(FLUSH)]
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "sidecar.log"
-        with log.open("wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "sidecar",
-                    "serve",
-                    "--decode-url",
-                    decode_url,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--admin-host",
-                    "127.0.0.1",
-                    "--admin-port",
-                    str(admin),
-                    "--release",
-                    "nixl",
-                    "--vllm-version",
-                    VERSION,
-                    "--prefill-allow",
-                    "127.0.0.1",
-                    "--handshake-timeout",
-                    "0.5",
-                    "--release-retry-max",
-                    "0.2",
-                    "--log-format",
-                    "json",
-                    "--log-level",
-                    "info",
-                    "--shutdown-delay",
-                    str(DELAY),
-                    "--drain-timeout",
-                    str(DRAIN),
-                    "--flush-timeout",
-                    str(FLUSH),
-                    *flags,
-                ],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        child = Child(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log)
-        try:
-            until(lambda: _status(child.admin + "/readyz") == 200, "the child sidecar to be ready", 30)
-            yield child
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+        with sidecar_process(decode_url, *settings, *flags, log=log, ready="/readyz", timeout=30) as started:
+            proc, url, admin = started
+            yield Child(proc, url, admin, log)
 
 
 def _status(url: str) -> int:

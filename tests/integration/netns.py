@@ -14,9 +14,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-import httpx
 import pytest
 
+from tests.support.runner import answers
 from tests.support.until import until
 
 VERSION = "0.33.0"
@@ -102,13 +102,6 @@ def running(process: subprocess.Popen[bytes], log: IO[bytes], what: str, ready: 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def start_sims(net: Pods, stack: ExitStack) -> str:

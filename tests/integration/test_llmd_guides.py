@@ -33,7 +33,8 @@ import pytest
 
 from sidecar.llmd.command import load
 from tests.deploy.manifests import COMPONENT, SIDECAR_IMAGE, render, sidecars
-from tests.integration.netns import Pods, answers, pods, running, start_sims
+from tests.integration.netns import Pods, pods, running, start_sims
+from tests.support.runner import answers
 from tests.support.sims import chat, completion, generate, messages, wait_stats
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]

@@ -19,7 +19,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from tests.integration.netns import answers, pods, running, start_sims
+from tests.integration.netns import pods, running, start_sims
+from tests.support.runner import answers
 from tests.support.sims import completion, wait_stats
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -138,38 +140,26 @@ def kv_params(rid: str, **changes: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def sidecar_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+def sidecar_process(
+    decode_url: str, *flags: str, log: Path | None = None, ready: str = "/healthz", timeout: float = 20.0
+) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    """``python -m sidecar serve`` in front of ``decode_url`` with ``flags``, once its admin port
+    answers ``ready``; the process, its proxy URL and its admin URL. ``log``: where its output goes
+    (and whose end a failed start shows); killed on exit if still running."""
     port, admin = free_port(), free_port()
-    env = {**os.environ, "KVR_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--decode-url",
-            decode_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-host",
-            "127.0.0.1",
-            "--admin-port",
-            str(admin),
-            *flags,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        answered(f"http://127.0.0.1:{admin}/healthz")
-        yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
+    argv = [sys.executable, "-m", "sidecar", "serve", "--decode-url", decode_url, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--admin-host", "127.0.0.1", "--admin-port", str(admin), *flags]
+    env = {**os.environ, "KVR_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
+    with contextlib.ExitStack() as stack:
+        output = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=output)
+        try:
+            answered(f"http://127.0.0.1:{admin}{ready}", timeout=timeout, process=proc, log=log)
+            yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
 
 
 STOP_WITHIN = 10.0
