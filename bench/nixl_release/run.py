@@ -29,7 +29,7 @@ TARGETS = {"warm_p99_ms": 5.0, "cold_p99_ms": 50.0, "releases_per_s": 5000.0}
 
 def serve_p(version: str, tp: int) -> None:
     """Child: P, reporting arrival times on ``dump``."""
-    from tests.integration.test_nixl_release import FakePrefill
+    from tests.support.fake_p import FakePrefill
 
     p = FakePrefill(version, tp)
     arrivals: dict[str, list[int]] = {}
@@ -123,7 +123,7 @@ async def run(version: str, tp: int, seconds: float, cold_n: int, warm_n: int) -
     from sidecar.config import Config
     from sidecar.release.base import JobResult
     from sidecar.release.nixl import NixlReleaser
-    from tests.integration.test_nixl_release import make_job, params_for
+    from tests.support.fake_p import make_job, params_for
 
     p = await asyncio.to_thread(P, version, tp)
 

@@ -1,7 +1,7 @@
 """``python -m bench.router.inproc [--baseline DIR]``: router mode's own Python per stream.
 
 The proxy's ASGI app in router mode, with P and D faked at the upstream seam
-(the fakes of ``tests/unit/test_router_legs.py``: no sockets, no server), runs
+(the fakes of ``tests/support/fakes.py`` and ``tests/unit/rigs.py``: no sockets, no server), runs
 ``--streams`` streaming requests of 64 SSE events each through the prefill leg,
 the decode leg, the inspection, the judge (``dry-run``) and the relay, and
 reports the CPU time per stream (``time.process_time``). The median of
@@ -24,7 +24,8 @@ _SAMPLE = """
 import sys, time
 sys.path.insert(0, {tree!r})
 import uvloop
-from tests.unit.test_router_legs import Client, FakeResponse, FakeUpstream, completion, router
+from tests.support.fakes import Client, FakeResponse, FakeUpstream
+from tests.unit.rigs import completion, router
 
 EVENT = (b'data: {{"id":"chatcmpl-1","object":"chat.completion.chunk","created":0,"model":"m",'
          b'"choices":[{{"index":0,"delta":{{"content":" tok"}},"finish_reason":null}}]}}\\n\\n')

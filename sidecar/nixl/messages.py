@@ -5,7 +5,7 @@ The releaser reads only ``engine_id`` and ``agent_metadata`` from P's reply
 both payloads are msgpack maps keyed by field name in every
 release, so the lenient ``*View`` Structs decode all of them (unknown keys
 are ignored). The full per-release ``NixlAgentMetadata`` layouts, what P
-encodes, are the tests' (``tests/nixl_layouts.py``): they play P with them.
+encodes, are the tests' (``tests/support/nixl_layouts.py``): they play P with them.
 Decoders and encoders are built once and reused.
 """
 

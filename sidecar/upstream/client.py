@@ -94,7 +94,7 @@ class Response(Protocol):
 
 class Client(Protocol):
     """The seam between the request path and D (or P, in router mode): ``Upstream`` in
-    production, a fake in unit tests (``tests.fakes.FakeUpstream``)."""
+    production, a fake in unit tests (``tests.support.fakes.FakeUpstream``)."""
 
     base_url: str
 

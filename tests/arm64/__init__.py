@@ -15,7 +15,7 @@ checkout installs from uv.lock as ``make`` installs it anywhere, then runs:
   end against the P simulator.
 
 Emulated code runs five to ten times slower than native, unevenly: the lane
-asserts no duration (``KVR_EMULATED=1``, ``tests.emulation``), and the times
+asserts no duration (``KVR_EMULATED=1``, ``tests.support.emulation``), and the times
 it prints are not measurements. Nor can emulation show a weakly ordered
 CPU's reorderings (qemu-user runs arm64 code with the host's order), which is
 why the shared table is right by construction (``sidecar.release.shared``).

@@ -30,7 +30,7 @@ it; ``sidecar.nixl.handshake`` sends only the rank request) and P's listener
 answers any request. Of ``NixlAgentMetadata`` the releaser decodes
 ``engine_id`` and ``agent_metadata`` (a msgpack map, unknown keys ignored):
 those two and the class's kind count; the other fields are what the
-simulators and tests encode to play P (``tests.nixl_layouts.AGENT_METADATA_LAYOUTS``), to extend
+simulators and tests encode to play P (``tests.support.nixl_layouts.AGENT_METADATA_LAYOUTS``), to extend
 when the release is made known (docs/testing.md, "When vLLM releases").
 """
 

@@ -8,7 +8,7 @@ through ``tp_ratio`` in 0.14.0-0.28.x (``<id>:4`` from a TP=4 D), the reader
 count itself from 0.29.0 (``<id>:2``). The sidecar sends ``<id>:1``, which
 means "one reader" in both.
 
-This runs vLLM's P code from the wheel (the harness of ``test_vllm_p_side.py``:
+This runs vLLM's P code from the wheel (the harness of ``vllm_p.py``:
 listener, notification handler and lease expiry on real NIXL agents, P with
 TP=2) against two real NIXL agents playing D's two readers and the sidecar's
 own ``NixlReleaser``. The orders and the recorded results are data in
@@ -49,8 +49,9 @@ from tests.conformance.duplicate_orders import (
     sidecar_message,
     unrecognized,
 )
-from tests.conformance.test_vllm_p_side import PProcess, fetch_wheel, job, p_request_id, releaser
+from tests.conformance.vllm_p import PProcess, job, p_request_id, releaser
 from tests.conformance.vllm_source import spoken
+from tests.conformance.wheels import fetch_wheel
 
 pytestmark = pytest.mark.nixl
 

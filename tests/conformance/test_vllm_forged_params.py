@@ -1,7 +1,7 @@
 """Forged ``kv_transfer_params`` against vLLM's own P code: P's side channel stays up.
 
 P is vLLM's P-side NIXL code read out of each release's wheel
-(``test_vllm_p_side.PProcess``, real NIXL agents). From 0.11.1 vLLM's listener
+(``vllm_p.PProcess``, real NIXL agents). From 0.11.1 vLLM's listener
 thread ends on a request for a rank P does not have, and with it every later
 handshake with that P (docs/security.md, "What a release asks of P"). For each
 handshake form the sidecar speaks (``sidecar.nixl.versions``): one listener per
@@ -33,12 +33,12 @@ from sidecar.nixl.versions import WireProfile
 from sidecar.release.base import JobResult
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.conformance.test_vllm_p_side import PProcess, job, p_params, p_request_id, releaser
+from sidecar.sim.servers import ServerThread, serve
+from tests.conformance.vllm_p import PProcess, job, p_params, p_request_id, releaser
 from tests.conformance.vllm_source import releases, spoken
 from tests.conformance.wheels import fetch_wheel
-from tests.integration.test_forged_params import sample, wait_sample
-from tests.integration.test_llmd import answers, sidecar
-from tests.servers import ServerThread, free_port, serve
+from tests.support.ports import free_port
+from tests.support.runner import answers, sample, sidecar, wait_sample
 
 pytestmark = pytest.mark.nixl
 

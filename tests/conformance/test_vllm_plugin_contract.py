@@ -39,7 +39,7 @@ from fastapi import FastAPI
 
 from sidecar.vllm_plugin import HEALTH_PATH, RELEASE_PATH, KVReleasePlugin
 from tests.conformance.wheels import fetch_wheel
-from tests.fake_engine import LegacyEngine, NotifyEngine
+from tests.support.fake_engine import LegacyEngine, NotifyEngine
 
 VERSIONS = [
     v

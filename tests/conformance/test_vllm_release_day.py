@@ -2,7 +2,7 @@
 ``$KVR_CONFORMANCE_RELEASE_DAY_VLLM``, as ``make vllm-release`` sets it), D reporting it or a release
 no one has made yet.
 
-P is vLLM's P-side NIXL code read out of the wheel (``test_vllm_p_side.PProcess``, TP 2, real NIXL
+P is vLLM's P-side NIXL code read out of the wheel (``vllm_p.PProcess``, TP 2, real NIXL
 agents); D is the decode simulator reporting ``reported`` on ``GET /version`` (it never reads or
 notifies P itself, so whatever P frees was freed by the sidecar); the sidecar runs as ``serve``
 ships it, with the nixl strategy. What a release day must keep:
@@ -27,10 +27,10 @@ import pytest
 from sidecar.nixl.versions import NEWEST, WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.conformance.test_vllm_p_side import PProcess, p_request_id
+from sidecar.sim.servers import ServerThread, serve
+from tests.conformance.vllm_p import PProcess, p_request_id
 from tests.conformance.wheels import fetch_wheel
-from tests.integration.conftest import NONE, SHIPPED, Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.runner import NONE, SHIPPED, Sidecar, run_sidecar
 
 pytestmark = pytest.mark.nixl
 

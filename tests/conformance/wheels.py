@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.index import unreachable
+from tests.support.index import unreachable
 
 # The tests read a wheel's Python files only, which every platform's wheel of a release holds
 # alike; some releases ship no aarch64 wheel (0.9.2, 0.11.0 and 0.21.0 among those tested), so an

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
 import tomllib
 from collections.abc import Iterator
@@ -20,11 +22,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
+
 from sidecar import cli
 from sidecar.config import Config, load
 from tests.deploy.render import POD_TEMPLATE_KINDS, Resource, build
 
 ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = (
+    ROOT / "tests" / "deploy" / "fixtures" / "llm-d"
+)  # llm-d's own manifests, as its guides render them
 DEPLOY = ROOT / "deploy"
 DOCS = ROOT / "docs"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -276,3 +284,269 @@ def from_image(rest: str) -> str:
     """The image of a FROM line (flags and ``AS name`` removed)."""
     words = [w for w in shlex.split(rest) if not w.startswith("--")]
     return words[0]
+
+
+KUBERNETES_VERSIONS = ("1.29.0", "1.33.0", kubernetes_validate.utils.latest_version())
+
+
+_SELECTOR: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
+# The fields of monitoring.coreos.com/v1 PodMonitor the manifests may use.
+PODMONITOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "honorLabels": {"type": "boolean"},
+                            "relabelings": {"type": "array"},
+                            "metricRelabelings": {"type": "array"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+_STRINGS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+
+
+# The fields of networking.istio.io/v1 VirtualService the manifests may use (Istio's reference,
+# "Virtual Service": HTTPRoute, HTTPRouteDestination, Destination, PortSelector, HTTPRetry).
+VIRTUALSERVICE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "networking.istio.io/v1"},
+        "kind": {"const": "VirtualService"},
+        "metadata": PODMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["hosts", "http"],
+            "properties": {
+                "hosts": _STRINGS,
+                "gateways": _STRINGS,
+                "http": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["route"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "timeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                            "route": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["destination"],
+                                    "properties": {
+                                        "weight": {"type": "integer"},
+                                        "destination": {
+                                            "type": "object",
+                                            "additionalProperties": False,
+                                            "required": ["host"],
+                                            "properties": {
+                                                "host": {"type": "string"},
+                                                "subset": {"type": "string"},
+                                                "port": {
+                                                    "type": "object",
+                                                    "additionalProperties": False,
+                                                    "properties": {"number": {"type": "integer"}},
+                                                },
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                            "retries": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "attempts": {"type": "integer", "minimum": 0},
+                                    "perTryTimeout": {"type": "string"},
+                                    "retryOn": {"type": "string"},
+                                    "retryRemoteLocalities": {"type": "boolean"},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SCHEMA,
+    ("networking.istio.io/v1", "VirtualService"): VIRTUALSERVICE_SCHEMA,
+}
+
+
+def validate(resource: Resource, version: str) -> None:
+    """Raise when ``resource`` does not validate (strict) for Kubernetes ``version``."""
+    crd = CRD_SCHEMAS.get((resource["apiVersion"], resource["kind"]))
+    if crd is not None:
+        jsonschema.Draft202012Validator(crd).validate(resource)
+        return
+    kubernetes_validate.validate(resource, version, strict=True)
+
+
+PAGE = DOCS / "llm-d-swap.md"
+
+
+SHAPES = ("deployment", "disaggregatedset", "disaggregatedset-secure-proxy")
+
+
+SIDECAR = "routing-proxy"
+
+
+DRY_RUN_COMPONENT = "deploy/llm-d/dry-run"
+
+
+def blocks(lang: str) -> list[str]:
+    """The page's fenced blocks of one language, in order."""
+    return re.findall(rf"^```{lang}\n(.*?)^```", PAGE.read_text(), re.S | re.M)
+
+
+def swap_kustomization() -> str:
+    [text] = [b for b in blocks("yaml") if "kind: Kustomization" in b]
+    return text
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The page's three directories side by side; ``run`` runs one of its kustomize commands there."""
+
+    root: Path
+
+    def run(self, words: list[str]) -> list[Resource]:
+        [target] = words[2:]
+        return build(self.root / target)
+
+
+def lay_out(tmp_path: Path, shape: str, kustomization: str) -> Layout:
+    (tmp_path / "guide").symlink_to(FIXTURES / shape)
+    (tmp_path / "kv-release-sidecar").symlink_to(ROOT)
+    (tmp_path / "swap").mkdir()
+    (tmp_path / "swap" / "kustomization.yaml").write_text(kustomization)
+    return Layout(tmp_path)
+
+
+def pod_templates(node: Any) -> Iterator[dict[str, Any]]:
+    """Every pod template (``metadata`` + ``spec.containers``) at any depth of any kind."""
+    if isinstance(node, dict):
+        spec = node.get("spec")
+        if isinstance(spec, dict) and isinstance(spec.get("containers"), list):
+            yield node
+        for value in node.values():
+            yield from pod_templates(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from pod_templates(item)
+
+
+def decode_pod(resources: list[Resource]) -> tuple[dict[str, str], dict[str, Any]]:
+    """(labels, routing sidecar container) of the one pod template running the routing sidecar."""
+    found = [
+        (template.get("metadata", {}).get("labels", {}), container)
+        for resource in resources
+        for template in pod_templates(resource)
+        for container in template["spec"].get("initContainers", [])
+        if container["name"] == SIDECAR
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+COMPONENT = DEPLOY / "llm-d"
+
+
+def render(tmp_path: Path, shape: str, *components: Path) -> list[Resource]:
+    """The user's kustomization: the guide's render, then this project's components."""
+    lines = ["resources:", f"  - {relative(FIXTURES / shape, tmp_path)}", "components:"]
+    lines += [f"  - {relative(component, tmp_path)}" for component in components]
+    (tmp_path / "kustomization.yaml").write_text("\n".join(lines) + "\n")
+    return build(tmp_path)
+
+
+def relative(path: Path, start: Path) -> str:
+    """``path`` as seen from ``start``: kustomize takes no absolute root for a resource or component."""
+    return os.path.relpath(path, start)
+
+
+def pod_specs(node: Any) -> Iterator[dict[str, Any]]:
+    """Every pod spec (a map holding ``containers``) at any depth: a Deployment's, a custom resource's."""
+    if isinstance(node, dict):
+        if isinstance(node.get("containers"), list):
+            yield node
+        for value in node.values():
+            yield from pod_specs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from pod_specs(item)
+
+
+def sidecars(resources: list[Resource]) -> list[dict[str, Any]]:
+    return [
+        c
+        for r in resources
+        for pod in pod_specs(r)
+        for c in pod.get("initContainers", [])
+        if c["name"] == SIDECAR
+    ]

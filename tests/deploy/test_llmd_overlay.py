@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,53 +24,26 @@ import yaml
 
 from sidecar.llmd.command import load, recognises
 from tests.deploy import kserve
-from tests.deploy.manifests import DEPLOY, ROOT, SIDECAR_IMAGE
+from tests.deploy.manifests import (
+    COMPONENT,
+    FIXTURES,
+    KUBERNETES_VERSIONS,
+    ROOT,
+    SIDECAR,
+    SIDECAR_IMAGE,
+    pod_specs,
+    relative,
+    render,
+    sidecars,
+    validate,
+)
 from tests.deploy.render import Resource, build
-from tests.deploy.test_schemas import KUBERNETES_VERSIONS, validate
 
-COMPONENT = DEPLOY / "llm-d"
 SSRF_PROTECTION = COMPONENT / "ssrf-protection"
-FIXTURES = ROOT / "tests" / "deploy" / "fixtures" / "llm-d"
 SHAPES = ("deployment", "disaggregatedset", "disaggregatedset-secure-proxy")
 # The guides' routing-sidecar image component, and KServe's templates: the same tag.
 UPSTREAM_IMAGE = KSERVE_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"
 GUIDES_ACCOUNT = "pd-disagg-vllm"
-SIDECAR = "routing-proxy"
-
-
-def render(tmp_path: Path, shape: str, *components: Path) -> list[Resource]:
-    """The user's kustomization: the guide's render, then this project's components."""
-    lines = ["resources:", f"  - {relative(FIXTURES / shape, tmp_path)}", "components:"]
-    lines += [f"  - {relative(component, tmp_path)}" for component in components]
-    (tmp_path / "kustomization.yaml").write_text("\n".join(lines) + "\n")
-    return build(tmp_path)
-
-
-def relative(path: Path, start: Path) -> str:
-    """``path`` as seen from ``start``: kustomize takes no absolute root for a resource or component."""
-    return os.path.relpath(path, start)
-
-
-def pod_specs(node: Any) -> Iterator[dict[str, Any]]:
-    """Every pod spec (a map holding ``containers``) at any depth: a Deployment's, a custom resource's."""
-    if isinstance(node, dict):
-        if isinstance(node.get("containers"), list):
-            yield node
-        for value in node.values():
-            yield from pod_specs(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from pod_specs(item)
-
-
-def sidecars(resources: list[Resource]) -> list[dict[str, Any]]:
-    return [
-        c
-        for r in resources
-        for pod in pod_specs(r)
-        for c in pod.get("initContainers", [])
-        if c["name"] == SIDECAR
-    ]
 
 
 def decode_pods(resources: list[Resource]) -> list[dict[str, Any]]:

@@ -18,8 +18,6 @@ import ipaddress
 import itertools
 import re
 import shlex
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +28,23 @@ from sidecar.classify import FAILURE_STATUS, NoAnswer
 from sidecar.llmd.command import load
 from sidecar.network.routable import refusal
 from sidecar.observability.metrics import Metrics
-from tests.deploy.manifests import DOCS, ROOT, selects
-from tests.deploy.render import RenderError, Resource, build, command
+from tests.deploy.manifests import (
+    DRY_RUN_COMPONENT,
+    FIXTURES,
+    PAGE,
+    ROOT,
+    SHAPES,
+    Layout,
+    blocks,
+    decode_pod,
+    lay_out,
+    pod_templates,
+    selects,
+    swap_kustomization,
+)
+from tests.deploy.render import RenderError, build, command
 
-PAGE = DOCS / "llm-d-swap.md"
-FIXTURES = ROOT / "tests" / "deploy" / "fixtures" / "llm-d"
-SHAPES = ("deployment", "disaggregatedset", "disaggregatedset-secure-proxy")
-SIDECAR = "routing-proxy"
 UPSTREAM_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"
-DRY_RUN_COMPONENT = "deploy/llm-d/dry-run"
-
-
-def blocks(lang: str) -> list[str]:
-    """The page's fenced blocks of one language, in order."""
-    return re.findall(rf"^```{lang}\n(.*?)^```", PAGE.read_text(), re.S | re.M)
-
-
-def swap_kustomization() -> str:
-    [text] = [b for b in blocks("yaml") if "kind: Kustomization" in b]
-    return text
 
 
 def kustomize_commands() -> list[list[str]]:
@@ -62,51 +58,6 @@ def kustomize_commands() -> list[list[str]]:
             if words[:2] == ["kubectl", "kustomize"]:
                 found.append(words)
     return found
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The page's three directories side by side; ``run`` runs one of its kustomize commands there."""
-
-    root: Path
-
-    def run(self, words: list[str]) -> list[Resource]:
-        [target] = words[2:]
-        return build(self.root / target)
-
-
-def lay_out(tmp_path: Path, shape: str, kustomization: str) -> Layout:
-    (tmp_path / "guide").symlink_to(FIXTURES / shape)
-    (tmp_path / "kv-release-sidecar").symlink_to(ROOT)
-    (tmp_path / "swap").mkdir()
-    (tmp_path / "swap" / "kustomization.yaml").write_text(kustomization)
-    return Layout(tmp_path)
-
-
-def pod_templates(node: Any) -> Iterator[dict[str, Any]]:
-    """Every pod template (``metadata`` + ``spec.containers``) at any depth of any kind."""
-    if isinstance(node, dict):
-        spec = node.get("spec")
-        if isinstance(spec, dict) and isinstance(spec.get("containers"), list):
-            yield node
-        for value in node.values():
-            yield from pod_templates(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from pod_templates(item)
-
-
-def decode_pod(resources: list[Resource]) -> tuple[dict[str, str], dict[str, Any]]:
-    """(labels, routing sidecar container) of the one pod template running the routing sidecar."""
-    found = [
-        (template.get("metadata", {}).get("labels", {}), container)
-        for resource in resources
-        for template in pod_templates(resource)
-        for container in template["spec"].get("initContainers", [])
-        if container["name"] == SIDECAR
-    ]
-    assert len(found) == 1, found
-    return found[0]
 
 
 def page_image() -> str:

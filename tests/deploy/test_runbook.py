@@ -20,9 +20,10 @@ import yaml
 from sidecar.config import load as load_serve
 from sidecar.exceptions import Reason
 from sidecar.llmd.command import load as load_llmd
-from tests.deploy.manifests import DOCS, ROOT
-from tests.deploy.test_llmd_swap_page import (
+from tests.deploy.manifests import (
+    DOCS,
     DRY_RUN_COMPONENT,
+    ROOT,
     SHAPES,
     decode_pod,
     lay_out,

@@ -35,7 +35,7 @@ from tests.e2e.engines import (
 )
 from tests.e2e.runner import LogSource, Target
 from tests.e2e.scenarios import prompt
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 MAKE_MODEL = Path(__file__).with_name("make_model.py")
 LONG_PROMPT_TOKENS = 160  # over one block of 128 tokens (the CPU build's), under max_model_len - output

@@ -18,7 +18,7 @@ import httpx
 
 from tests.e2e.engines import Child, Processes, wait_healthy
 from tests.e2e.scenarios import Mode
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 #: Settings every e2e sidecar runs with (and, from the run, ``sidecar_command``'s): releases retry
 #: quickly and give up at half P's lease.

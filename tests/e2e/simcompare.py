@@ -26,9 +26,9 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.e2e.evidence import Evidence, error_shape
 from tests.e2e.scenarios import Limits, Scenario, client_body, decode_leg, headers_for, prompt
-from tests.servers import ServerThread, serve
 
 #: Differences between the simulator and real vLLM that are understood, by scenario key.
 KNOWN: dict[str, str] = {}

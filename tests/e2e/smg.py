@@ -33,7 +33,7 @@ import httpx
 from tests.e2e.engines import Child, EngineFailed, Processes
 from tests.e2e.sidecars import Peers, start_sidecar
 from tests.e2e.vllmrouter import RouterFront
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 #: Where ``make e2e`` (and ``make test``) install smg: requirements/smg.txt, in a virtualenv of its own.
 TOOLS_SMG = Path(__file__).resolve().parents[2] / ".tools" / "smg" / "bin" / "smg"

@@ -33,7 +33,7 @@ import httpx
 
 from tests.e2e.engines import Processes, wait_healthy
 from tests.e2e.sidecars import Peers, SidecarProcess, start_sidecar
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 #: Where ``make test`` installs vllm-router (``requirements/vllm-router.txt``), for a run against
 #: engines the harness did not start (``--p-url``).

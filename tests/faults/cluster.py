@@ -29,9 +29,11 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
+from tests.faults.evidence import InProcessView, LogWatch, watching
 from tests.faults.gate import FaultGate
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from tests.faults.invariants import Fate, InvariantChecker, Observed, Report, Truth
+from tests.support.runner import Sidecar, run_sidecar
 
 VERSION = "0.34.0"
 TP = 2
@@ -243,16 +245,48 @@ def via(params: dict[str, Any], gate: FaultGate) -> dict[str, Any]:
     return {**params, "remote_port": gate.port}
 
 
-def until(
-    condition: Callable[[], bool],
-    what: str,
-    timeout: float = 10.0,
-    poll: float = 0.01,
-    state: Callable[[], object] | None = None,
-) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` (and ``state()``) after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f": {state()}" if state else ""))
-        time.sleep(poll)
+@dataclass
+class Scene:
+    """One scenario: its sidecar, the flows it sends, and the invariant checker."""
+
+    backends: Backends
+    sc: Sidecar
+    watch: LogWatch
+    view: InProcessView
+    checker: InvariantChecker
+    flows: Flows
+
+    def observe(self, sent: Sent, expected: Fate | None = None, **options: Any) -> Observed:
+        options.setdefault("note", sent.error)
+        return Observed(
+            sent.request_id, sent.p_request_id, sent.status, sent.sidecar_answered, expected, **options
+        )
+
+    def check(self, observed: list[Observed], **options: Any) -> Report:
+        return self.checker.check(observed, **options).verify()
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.sc.sample(name, **labels)
+
+    def releases(self) -> dict[str, float]:
+        """``kvr_releases_total`` by result and the NIXL errors by reason (for failure messages)."""
+        metrics = self.view.metrics()
+        return {
+            k: v for k, v in metrics.items() if k.startswith(("kvr_releases_total", "kvr_nixl_errors_total"))
+        }
+
+
+@contextmanager
+def scene(cluster: Backends, decode_url: str, prefix: str, **settings: Any) -> Iterator[Scene]:
+    """A fresh sidecar in front of ``decode_url``, watched, with baselines taken."""
+    with sidecar(decode_url, **settings) as sc, watching() as watch:
+        view = InProcessView(sc, watch)
+        truth = Truth(cluster.p.url, cluster.d.url, VERSION)
+        checker = InvariantChecker(truth, view, ranks=TP)
+        flows = Flows(cluster, prefix)
+        try:
+            checker.begin()
+            yield Scene(cluster, sc, watch, view, checker, flows)
+        finally:
+            flows.close()
+            truth.close()

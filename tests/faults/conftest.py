@@ -9,17 +9,11 @@ test``) runs the fast ones only, and those in ``make test``'s serial run.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.faults.cluster import TP, VERSION, Backends, Flows, Sent, backends, sidecar
-from tests.faults.evidence import InProcessView, LogWatch, watching
-from tests.faults.invariants import Fate, InvariantChecker, Observed, Report, Truth
-from tests.integration.conftest import Sidecar
+from tests.faults.cluster import Backends, backends
 
 SLOW = "slow_faults"
 
@@ -57,50 +51,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def cluster() -> Iterator[Backends]:
     with backends() as started:
         yield started
-
-
-@dataclass
-class Scene:
-    """One scenario: its sidecar, the flows it sends, and the invariant checker."""
-
-    backends: Backends
-    sc: Sidecar
-    watch: LogWatch
-    view: InProcessView
-    checker: InvariantChecker
-    flows: Flows
-
-    def observe(self, sent: Sent, expected: Fate | None = None, **options: Any) -> Observed:
-        options.setdefault("note", sent.error)
-        return Observed(
-            sent.request_id, sent.p_request_id, sent.status, sent.sidecar_answered, expected, **options
-        )
-
-    def check(self, observed: list[Observed], **options: Any) -> Report:
-        return self.checker.check(observed, **options).verify()
-
-    def sample(self, name: str, **labels: str) -> float:
-        return self.sc.sample(name, **labels)
-
-    def releases(self) -> dict[str, float]:
-        """``kvr_releases_total`` by result and the NIXL errors by reason (for failure messages)."""
-        metrics = self.view.metrics()
-        return {
-            k: v for k, v in metrics.items() if k.startswith(("kvr_releases_total", "kvr_nixl_errors_total"))
-        }
-
-
-@contextmanager
-def scene(cluster: Backends, decode_url: str, prefix: str, **settings: Any) -> Iterator[Scene]:
-    """A fresh sidecar in front of ``decode_url``, watched, with baselines taken."""
-    with sidecar(decode_url, **settings) as sc, watching() as watch:
-        view = InProcessView(sc, watch)
-        truth = Truth(cluster.p.url, cluster.d.url, VERSION)
-        checker = InvariantChecker(truth, view, ranks=TP)
-        flows = Flows(cluster, prefix)
-        try:
-            checker.begin()
-            yield Scene(cluster, sc, watch, view, checker, flows)
-        finally:
-            flows.close()
-            truth.close()

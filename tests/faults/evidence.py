@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import Config
 from tests.faults.taskkind import task_kind
-from tests.integration.conftest import Sidecar
+from tests.support.runner import Sidecar
 
 OWN_CODE = "/sidecar/"
 SIM_CODE = "/sidecar/sim/"
@@ -187,7 +187,7 @@ async def _tasks() -> tuple[int, list[str]]:
 
 
 class InProcessView:
-    """A sidecar from ``tests.integration.conftest.run_sidecar`` with a ``LogWatch``."""
+    """A sidecar from ``tests.support.runner.run_sidecar`` with a ``LogWatch``."""
 
     def __init__(self, sc: Sidecar, watch: LogWatch) -> None:
         self.sc, self.watch = sc, watch

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Literal
 
 import pytest
 
-from tests.servers import free_port
+from tests.support.ports import free_port, listening
+from tests.support.until import until
 
 MESH = Path(__file__).resolve().parents[2] / "deploy" / "mesh"
 PODS = ("decode-0.vllm-decode.llm.svc:8000", "decode-1.vllm-decode.llm.svc:8000")
@@ -93,13 +92,9 @@ def front(kind: Kind, upstreams: Sequence[str]) -> Iterator[str]:
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], port: int, output: Path, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited {proc.returncode}: {output.read_text()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.01)
-    raise RuntimeError(f"{proc.args[0]} did not listen on {port} within {timeout} s")
+        return listening(port)
+
+    until(up, f"{proc.args[0]} to listen on {port}", timeout)

@@ -15,15 +15,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 from sidecar import config as config_mod
 from sidecar.app import Deps, ProxyApp, create_app
 from sidecar.config import args as config_args
 from sidecar.observability import logs
 from sidecar.server import serve as serve_mod
+from tests.faults.cluster import VERSION
+from tests.faults.evidence import Bounds, ProcessView
 from tests.faults.taskkind import task_kind
+from tests.support.runner import sidecar_process
 
 
 def _internals(app: ProxyApp | None) -> dict[str, int]:
@@ -99,3 +110,40 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+DRAIN, FLUSH, DELAY = 10.0, 3.0, 0.3
+
+
+@dataclass
+class Child:
+    proc: subprocess.Popen[bytes]
+    url: str
+    admin: str
+    log: Path
+
+    def view(self) -> ProcessView:
+        bounds = Bounds(queue=4096, ledger=65536, engines=256, release_ambiguous=False, release_deadline=30)
+        return ProcessView(self.admin, "", self.log, bounds)
+
+
+@contextmanager
+def child_sidecar(decode_url: str, *flags: str) -> Iterator[Child]:
+    """The sidecar as a child process releasing over NIXL, its log (JSON, info) kept for the
+    scenario to read; ready once its admin port says so."""
+    settings = ["--release", "nixl", "--vllm-version", VERSION, "--prefill-allow", "127.0.0.1"]
+    settings += ["--handshake-timeout", "0.5", "--release-retry-max", "0.2"]
+    settings += ["--log-format", "json", "--log-level", "info", "--shutdown-delay", str(DELAY)]
+    settings += ["--drain-timeout", str(DRAIN), "--flush-timeout", str(FLUSH)]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "sidecar.log"
+        with sidecar_process(decode_url, *settings, *flags, log=log, ready="/readyz", timeout=30) as started:
+            proc, url, admin = started
+            yield Child(proc, url, admin, log)
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.TransportError:
+        return 0

@@ -48,10 +48,11 @@ import aiohttp
 import httpx
 
 from sidecar.loadtest.workload import VOCABULARY
-from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, until
+from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION
 from tests.faults.evidence import Bounds, ProcessView
 from tests.faults.invariants import Fate, InvariantChecker, Observed, Truth
-from tests.servers import free_port
+from tests.support.ports import free_port
+from tests.support.until import until
 
 PAGE = 4096
 KINDS: dict[str, Fate | None] = {  # kind -> the fate its design implies (None: derived only)

@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.faults.cluster import MODEL, Backends, Kind
-from tests.faults.conftest import scene
+from tests.faults.cluster import MODEL, Backends, Kind, scene
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import Observed
 

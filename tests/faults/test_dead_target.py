@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from sidecar.release.pipeline import FRESH_GAP
-from tests.faults.cluster import Backends, Sent, until
-from tests.faults.conftest import scene
-from tests.servers import free_port
+from tests.faults.cluster import Backends, Sent, scene
+from tests.support.ports import free_port
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

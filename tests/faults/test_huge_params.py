@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.faults.cluster import MODEL, VERSION, Backends, Flows
-from tests.faults.test_shutdown import child_sidecar
+from tests.faults.sidecar_proc import child_sidecar
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow_faults]
 

@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 
 from sidecar.release.base import ReleaseJob
-from tests.fakes import release_params
-from tests.faults.cluster import Backends
-from tests.faults.conftest import scene
+from tests.faults.cluster import Backends, scene
 from tests.faults.invariants import Fate, Observed, derive_fate
+from tests.support.fakes import release_params
 
 pytestmark = pytest.mark.nixl
 

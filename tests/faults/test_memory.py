@@ -26,8 +26,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.faults.cluster import Backends, Kind, Sent
-from tests.faults.conftest import Scene, scene
+from tests.faults.cluster import Backends, Kind, Scene, Sent, scene
 from tests.faults.gate import FaultGate, Mode, fault_gate
 
 # Eight rounds of 240 flows under tracemalloc ran past pytest's 120 s on a loaded machine; this

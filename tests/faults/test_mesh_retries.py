@@ -29,10 +29,12 @@ import pytest
 from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar, until
+from sidecar.sim.servers import serve
+from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
 from tests.faults.fronts import Kind, front
-from tests.integration.conftest import Sidecar
-from tests.servers import free_port, serve
+from tests.support.ports import free_port
+from tests.support.runner import Sidecar
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from tests.faults.cluster import Backends, Sent, until
-from tests.faults.conftest import Scene, scene
+from tests.faults.cluster import Backends, Scene, Sent, scene
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import BoundsSampler
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

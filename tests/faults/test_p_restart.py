@@ -24,9 +24,10 @@ import pytest
 
 from sidecar.release.pipeline import BreakerPolicy
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar, until
-from tests.integration.conftest import Sidecar
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, sidecar
+from tests.support.runner import Sidecar
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

@@ -29,9 +29,9 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
-from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends, until
-from tests.faults.conftest import scene
-from tests.servers import serve
+from sidecar.sim.servers import serve
+from tests.faults.cluster import MAX_MODEL_LEN, MODEL, TP, VERSION, Backends, scene
+from tests.support.until import until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow_faults, pytest.mark.netns_first]
 

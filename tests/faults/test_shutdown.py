@@ -9,17 +9,11 @@ logs JSON to a file; its release decisions and errors are read from there.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,92 +21,15 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
-from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent, until
-from tests.faults.evidence import Bounds, ProcessView, parse_metrics, total
+from sidecar.sim.servers import ServerThread, serve
+from tests.faults.cluster import MODEL, TP, VERSION, Backends, Flows, Sent
+from tests.faults.evidence import parse_metrics, total
 from tests.faults.gate import fault_gate
 from tests.faults.invariants import Truth
-from tests.servers import ServerThread, free_port, serve
+from tests.faults.sidecar_proc import DELAY, DRAIN, FLUSH, Child, _status, child_sidecar
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
-
-DRAIN, FLUSH, DELAY = 10.0, 3.0, 0.3
-
-
-@dataclass
-class Child:
-    proc: subprocess.Popen[bytes]
-    url: str
-    admin: str
-    log: Path
-
-    def view(self) -> ProcessView:
-        bounds = Bounds(queue=4096, ledger=65536, engines=256, release_ambiguous=False, release_deadline=30)
-        return ProcessView(self.admin, "", self.log, bounds)
-
-
-@contextmanager
-def child_sidecar(decode_url: str, *flags: str) -> Iterator[Child]:
-    port, admin = free_port(), free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "sidecar.log"
-        with log.open("wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "sidecar",
-                    "serve",
-                    "--decode-url",
-                    decode_url,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--admin-host",
-                    "127.0.0.1",
-                    "--admin-port",
-                    str(admin),
-                    "--release",
-                    "nixl",
-                    "--vllm-version",
-                    VERSION,
-                    "--prefill-allow",
-                    "127.0.0.1",
-                    "--handshake-timeout",
-                    "0.5",
-                    "--release-retry-max",
-                    "0.2",
-                    "--log-format",
-                    "json",
-                    "--log-level",
-                    "info",
-                    "--shutdown-delay",
-                    str(DELAY),
-                    "--drain-timeout",
-                    str(DRAIN),
-                    "--flush-timeout",
-                    str(FLUSH),
-                    *flags,
-                ],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        child = Child(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log)
-        try:
-            until(lambda: _status(child.admin + "/readyz") == 200, "the child sidecar to be ready", 30)
-            yield child
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-
-
-def _status(url: str) -> int:
-    try:
-        return httpx.get(url, timeout=1).status_code
-    except httpx.TransportError:
-        return 0
 
 
 @contextmanager

@@ -12,7 +12,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from tests.arm64.lane import Host as LaneHost
 from tests.arm64.lane import LaneError, StepFailed, binfmt, host_tools, mirror, run
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "docker.io/library/python:3.11-slim-bookworm"
@@ -182,12 +182,6 @@ def plugin(builder: list[str], tag: str) -> None:
             line.split()[1] for line in dockerfile.read_text().splitlines() if line.startswith("FROM ")
         )
         print(f"image: {ref} not built: its base, vLLM's image ({base}), is not to be had here", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def instances(ref: str) -> dict[str, str]:

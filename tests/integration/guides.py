@@ -16,16 +16,18 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.deploy.manifests import ROOT
+from tests.support.ports import listening
+from tests.support.until import until
 
 SIDECAR = ROOT / ".venv" / "bin" / "kv-release-sidecar"
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -116,18 +118,6 @@ def answers(out: str) -> list[dict[str, Any]]:
     return found
 
 
-def p_stats(url: str) -> dict[str, Any]:
-    return dict(httpx.get(url + "/stats", timeout=5).json())
-
-
-def until_p(url: str, check: Any, timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not check(stats := p_stats(url)):
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
-    return stats
-
-
 def d_attempts(url: str) -> list[dict[str, Any]]:
     return list(httpx.get(url + "/sim/log", timeout=5).json())
 
@@ -157,13 +147,7 @@ def listener_pid(port: int) -> int:
 
 
 def wait_closed(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) != 0:
-                return
-        assert time.monotonic() < deadline, f"port {port} still open"
-        time.sleep(0.05)
+    until(lambda: not listening(port), f"port {port} to close", timeout, 0.05)
 
 
 @contextlib.contextmanager
@@ -174,11 +158,12 @@ def in_own_group(
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + timeout  # a bound for a hang, not a measure
-        while not ready():
+
+        def started() -> bool:
             assert process.poll() is None, log.read_bytes()[-3000:]
-            assert time.monotonic() < deadline, log.read_bytes()[-3000:]
-            time.sleep(0.05)
+            return ready()
+
+        until(started, f"{command[0]} to be ready", timeout, 0.05, state=lambda: log.read_bytes()[-3000:])
         yield process
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # the group this test started
@@ -191,3 +176,34 @@ def bash(script: str, cwd: Path) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+@contextmanager
+def started(block: str, log: Path, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+    """``block`` run by bash in ``cwd``, in a process group of its own, stopped (all of it) on exit."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", block + "\nwait"],
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: bash and its three children
+        proc.wait(20)
+        deadline = time.monotonic() + 20
+        while _group_alive(proc.pid):  # the children drain, then exit
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -27,9 +27,9 @@ from starlette.routing import Route
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.fake_engine import NotifyEngine
-from tests.integration.test_vllm_plugin import TOKEN, vllm_like
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.fake_engine import TOKEN, NotifyEngine, vllm_like
+from tests.support.ports import free_port
 
 CLEAN_ENV = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/")}
 LINE_START = ("ok    ", "warn  ", "fail  ")

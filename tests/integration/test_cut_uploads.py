@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import run_sidecar
+from tests.support.runner import run_sidecar
+from tests.support.until import until
 
 
 class RecordingD:
@@ -57,10 +57,8 @@ def test_client_leaving_mid_chunked_upload_aborts_the_request_to_d(recording_d: 
                 b"POST /v1/files HTTP/1.1\r\nhost: sidecar\r\ntransfer-encoding: chunked\r\n\r\n"
                 b'8\r\n{"half":\r\n'
             )
-            deadline = time.monotonic() + 5
-            while b'{"half":' not in recording_d.received:  # D got the first chunk: then leave
-                assert time.monotonic() < deadline, bytes(recording_d.received)
-                time.sleep(0.005)
+            got = lambda: bytes(recording_d.received)  # noqa: E731
+            until(lambda: b'{"half":' in got(), "D's first chunk", 5.0, 0.005, state=got)  # then leave
         assert recording_d.ended.wait(5), "the sidecar kept the request to D open"
     assert b"transfer-encoding: chunked" in recording_d.received.lower()
     assert not recording_d.received.endswith(b"0\r\n\r\n"), bytes(recording_d.received)

@@ -17,10 +17,10 @@ from sidecar.decode.probes import probe_kv_connector
 from sidecar.decode.state import DecodeState, DecodeView
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
 from sidecar.sim.decode.engine import CLIENT_MESSAGE
+from sidecar.sim.servers import ServerThread, serve
 from sidecar.upstream import Upstream, UpstreamError
-from tests.integration.conftest import run_sidecar
-from tests.integration.test_release_causes import until
-from tests.servers import ServerThread, serve
+from tests.support.runner import run_sidecar
+from tests.support.until import until_async
 
 REMOTE = {"do_remote_prefill": True, "remote_request_id": "p-1", "remote_block_ids": [[1]]}
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": REMOTE}
@@ -66,10 +66,10 @@ async def test_a_dead_engine_is_seen_by_the_poller_and_by_its_answers() -> None:
     with serve(create_decode_app(DecodeSimConfig(version="0.33.0"))) as d:
         async with watching(d) as state:
             switch(d, engine="dead")
-            await until(lambda: state.view().engine == "dead")
+            await until_async(lambda: state.view().engine == "dead")
             assert not state.view().can_notify
             switch(d, engine="alive")
-            await until(lambda: state.view().can_notify)
+            await until_async(lambda: state.view().can_notify)
         # The passive path: D's own answer to a completion request marks the engine dead at once.
         switch(d, engine="dead")
         async with upstream_to(d.url) as upstream:
@@ -99,7 +99,7 @@ async def test_a_shutting_down_0_25_d_says_connection_close() -> None:
         async with watching(d) as state:
             assert state.view().shutting_down and not state.view().can_notify
             switch(d, engine="alive")  # D restarted
-            await until(lambda: state.view().can_notify)
+            await until_async(lambda: state.view().can_notify)
 
 
 async def test_a_stopped_d_is_unknown_and_its_return_is_seen() -> None:
@@ -107,7 +107,7 @@ async def test_a_stopped_d_is_unknown_and_its_return_is_seen() -> None:
     async with watching(d) as state:
         assert state.view().can_notify
         d.stop()  # nothing listens on the port any more
-        await until(lambda: state.view().engine == "unknown")
+        await until_async(lambda: state.view().engine == "unknown")
         assert not state.view().can_notify
 
 
@@ -139,9 +139,9 @@ async def test_the_kv_connector_is_read_again_when_d_comes_back() -> None:
         async with watching(d) as state:
             assert state.view().kv_connector is True
             switch(d, engine="dead")
-            await until(lambda: state.view().engine == "dead")
+            await until_async(lambda: state.view().engine == "dead")
             switch(d, engine="alive", kv_connector=False)  # a new D, started without a connector
-            await until(lambda: state.view().engine == "alive")
+            await until_async(lambda: state.view().engine == "alive")
             assert state.view().kv_connector is False
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import free_port, serve
+from sidecar.sim.servers import serve
+from tests.support.ports import free_port
+from tests.support.runner import kv_params, run_sidecar
 
 LOGGER = "sidecar.decode_state"
 

@@ -28,12 +28,13 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from sidecar.vllm_plugin import KVReleaseMiddleware, PluginSettings
-from tests.fake_engine import NotifyEngine, sampling_params
-from tests.faults.cluster import until
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.integration.test_pd_release_e2e import prefill
-from tests.servers import ServerThread, free_port, serve
+from tests.support.fake_engine import NotifyEngine, sampling_params
+from tests.support.ports import free_port
+from tests.support.runner import Sidecar, run_sidecar
+from tests.support.sims import prefill
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

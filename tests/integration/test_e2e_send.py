@@ -21,14 +21,12 @@ import httpcore
 import httpx
 import pytest
 
-from sidecar.sim.decode import DecodeSimConfig, create_decode_app
+from sidecar.sim.servers import ServerThread
 from tests.e2e.evidence import Evidence
 from tests.e2e.runner import Runner, Target
 from tests.e2e.scenarios import CONTROL, decode_leg
 from tests.e2e.verdict import Kind, judge, kinds_of
-from tests.integration.conftest import Sidecar, kv_params
-from tests.integration.test_hostile_input import guarded_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.runner import Sidecar, guarded_sidecar, kv_params
 
 HEADER_TIMEOUT = 0.5
 
@@ -69,12 +67,6 @@ class Stalling(httpx.BaseTransport):
 
     def close(self) -> None:
         self.pool.close()
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0))) as server:
-        yield server
 
 
 @pytest.fixture

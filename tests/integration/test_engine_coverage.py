@@ -23,10 +23,10 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.faults.cluster import until
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.integration.test_pd_release_e2e import prefill, wait_stats
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.runner import Sidecar, run_sidecar
+from tests.support.sims import prefill, wait_stats
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 

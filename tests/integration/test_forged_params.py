@@ -11,22 +11,21 @@ tests/conformance/test_vllm_forged_params.py.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.nixl.versions import WireProfile
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.test_llmd import answers, sidecar
-from tests.integration.test_pd_release_e2e import prefill, stats, wait_stats
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.ports import free_port
+from tests.support.runner import answers, sidecar, wait_sample
+from tests.support.sims import p_stats, prefill, wait_stats
 
 pytestmark = pytest.mark.nixl
 
@@ -53,23 +52,8 @@ def ask(url: str, rid: str, params: dict[str, Any], headers: dict[str, str] | No
     return response.status_code
 
 
-def sample(admin: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(admin + "/metrics", timeout=5).text):
-        for found in family.samples:
-            if found.name == name and found.labels == labels:
-                return float(found.value)
-    return 0.0
-
-
-def wait_sample(admin: str, name: str, value: float, **labels: str) -> None:
-    deadline = time.monotonic() + 30
-    while (got := sample(admin, name, **labels)) != value:
-        assert time.monotonic() < deadline, f"{name}{labels} is {got}, not {value}"
-        time.sleep(0.05)
-
-
 def alive(p: ServerThread) -> None:
-    now = stats(p)
+    now = p_stats(p)
     assert now["listener_alive"] and now["listener_errors"] == [None], now["listener_errors"]
 
 
@@ -99,7 +83,7 @@ def test_serve_with_shipped_defaults_stops_a_forged_engine_id_at_rank_zero(versi
                 }
                 assert ask(url, f"forged-{name}", params) == 401
             wait_sample(admin_url, "kvr_nixl_refused_total", len(forged), reason="engine_mismatch")
-            assert stats(p)["handshakes_served"] == len(forged)  # rank (0, 0), once each
+            assert p_stats(p)["handshakes_served"] == len(forged)  # rank (0, 0), once each
             alive(p)
             assert ask(url, "true", true) == 401
             after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
@@ -122,7 +106,7 @@ def test_pd_sidecar_never_releases_a_clients_own_parameters_and_releases_its_own
             assert ask(url, "forged", {**held, "tp_size": 4, "remote_request_id": "forged"}) == 401
             assert ask(url, "own", held) == 401  # P's true parameters, sent by the client itself
             wait_sample(admin_url, "kvr_ineligible_total", 2, reason="client_params_dropped")
-            assert stats(p)["handshakes_served"] == 0
+            assert p_stats(p)["handshakes_served"] == 0
             alive(p)
             header = {"x-prefiller-host-port": f"127.0.0.1:{p.port}"}
             assert ask(url, "routed", {}, header) == 401  # the decode leg, P's own parameters

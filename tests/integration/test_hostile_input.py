@@ -20,56 +20,33 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
-from sidecar.app import Deps, create_admin_app, create_app
 from sidecar.config import Config
 from sidecar.params import MAX_BLOCK_IDS
-from sidecar.release.stub import StubReleaser as DryRunReleaser
-from sidecar.server.host import server_options
-from sidecar.server.limits import ServerLimits
-from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, retried_statuses
-from tests.integration.conftest import kv_params as params
-from tests.integration.test_lifecycle import sidecar_process
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.runner import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    MAX_HEADER,
+    RETRIED,
+    SHIPPED,
+    Sidecar,
+    guarded_sidecar,
+    sidecar_process,
+)
+from tests.support.runner import kv_params as params
+from tests.support.until import until
 
-HEADER_TIMEOUT = 1.0
-BODY_TIMEOUT = 1.0
-MAX_HEADER = 16 * 1024
+DECODE = DecodeSimConfig(port=0, max_model_len=50)  # D for this module (the ``decode`` fixture)
+
 SLACK = 1.5  # how late past a timer the cut may come on a loaded machine
-LIMITS = {
-    "client_header_timeout": HEADER_TIMEOUT,
-    "client_body_timeout": BODY_TIMEOUT,
-    "max_header_bytes": MAX_HEADER,
-    "timeout_keep_alive": 0.5,
-}
-
-
-@contextmanager
-def guarded_sidecar(decode_url: str, **settings: Any) -> Iterator[Sidecar]:
-    """Like ``run_sidecar``, served with the production protocol and limits."""
-    settings = retried_statuses({**LIMITS, **settings})  # none unless given: nothing in front retries
-    config = Config(decode_url=decode_url, release="dry-run", log_level="warning", **settings)
-    releaser = DryRunReleaser(keep=1000)
-    app = create_app(config, Deps(releaser=releaser, registry=CollectorRegistry()))
-    options = server_options(ServerLimits.of(config))
-    with serve(app, create_admin_app(app), server_header=False, date_header=False, **options) as server:
-        yield Sidecar(server, app, releaser)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0, max_model_len=50))) as server:
-        yield server
 
 
 @pytest.fixture
@@ -663,9 +640,7 @@ def test_over_the_concurrency_limit_answers_vllm_shaped_503(decode: ServerThread
         threads = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 5
-        while sc.sample("kvr_inflight_requests") < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: sc.sample("kvr_inflight_requests") >= 2, "both requests in flight", 5.0, 0.005)
         assert sc.sample("kvr_inflight_requests") == 2
         response = httpx.post(
             sc.url + "/v1/chat/completions", json=chat(TOO_LONG, "over"), headers={"x-request-id": "over"}
@@ -703,15 +678,12 @@ def test_over_the_limit_bodies_are_read_up_to_a_cap_then_refused_unread(
         # Holds the one slot throughout: D answers it after 60 s, far past the rest of the test.
         held = json.dumps(chat("hi [[slow-headers:60]]", "held")).encode()
         holder.sendall(body_head(len(held), "held") + held)
-        deadline = time.monotonic() + 5
-        while sc.sample("kvr_inflight_requests") < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: sc.sample("kvr_inflight_requests") >= 1, "the slot held", 5.0, 0.005, fail=False)
         stalled = [json.dumps(chat(TOO_LONG, f"slot-{i}")).encode() for i in range(8)]
         readers = [dial(sc.url) for _ in range(8)]
         for i, sock in enumerate(readers):  # each sends half its body and waits: a read slot held
             sock.sendall(body_head(len(stalled[i]), f"slot-{i}") + stalled[i][: len(stalled[i]) // 2])
-        while sc.sample("kvr_inflight_requests") < 9 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: sc.sample("kvr_inflight_requests") >= 9, "the read slots held", 5.0, 0.005, fail=False)
         assert sc.sample("kvr_inflight_requests") == 9
         started = time.monotonic()
         body = json.dumps(chat(TOO_LONG, "unread")).encode()

@@ -30,8 +30,9 @@ import pytest
 
 from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
+from sidecar.sim.servers import serve
 from tests.faults.fronts import front
-from tests.servers import serve
+from tests.support.until import until
 
 LIMITS = ServerLimits(max_header_bytes=8 * 1024, keep_alive=0.5)
 
@@ -280,9 +281,7 @@ def test_a_half_closed_client_has_left_and_gets_no_answer(targets: dict[str, Tar
         target.app.gone.clear()
         answer = target.send(slow, half_close=True)
         assert (answer.statuses, answer.closed, answer.seen) == ((), True, ()), name
-        deadline = time.monotonic() + 5
-        while "/slow" not in target.app.gone and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda t=target: "/slow" in t.app.gone, f"{name}'s app to see the client gone", 5.0, fail=False)
         assert target.app.gone == ["/slow"], name
 
 

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from sidecar.config import ConfigError, load
-from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import run_sidecar
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread
+from tests.support.runner import run_sidecar
 
 
 def params(rid: str) -> dict[str, Any]:
@@ -32,12 +29,6 @@ def body(rid: str | None) -> dict[str, Any]:
     if rid is not None:
         request["kv_transfer_params"] = params(rid)
     return request
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0))) as server:
-        yield server
 
 
 def injected_ids(settings: dict[str, Any], decode: ServerThread, n: int = 60) -> tuple[list[str], list[str]]:

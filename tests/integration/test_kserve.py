@@ -7,7 +7,7 @@ served with ``--cert-path``, D and P reached over TLS and verified (KServe
 passes no skip-verify flag), SSRF protection with the v1alpha2 InferencePool,
 and ``SSL_CERT_DIR`` naming the folder of KServe's self-signed certificate.
 P (sim-prefill, TP 2, real NIXL agents) and D (sim-decode) serve a
-certificate shaped like KServe's (tests.certs: SANs ``localhost`` and the pod
+certificate shaped like KServe's (tests.support.certs: SANs ``localhost`` and the pod
 address 127.0.0.1), so verification passes only if the sidecar trusts the
 files of that folder as llm-d's Go sidecar does.
 
@@ -17,7 +17,7 @@ Substituted, as a test on one host needs: the certificate folder
 here); the ports 8000 and 8001 are free ones; ``/app/pd-sidecar`` is the
 ``pd-sidecar`` console script the image links there. What a pod gets from its
 platform is added: the Kubernetes API's address and the service account (a
-fake API, tests.fake_kube), the admin port, and the side-channel ports P's
+fake API, tests.support.fake_kube), the admin port, and the side-channel ports P's
 ephemeral NIXL port falls in.
 """
 
@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import ssl
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -37,25 +35,17 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.certs import kserve_self_signed, write_secret
+from sidecar.sim.servers import serve
 from tests.deploy import kserve
-from tests.fake_kube import ALPHA, alpha_pool, pod
-from tests.integration.test_llmd import LABELS, answers, kube_api, sidecar
-from tests.integration.test_router import completion
-from tests.servers import ServerThread, free_port, serve
+from tests.support.certs import kserve_self_signed, write_secret
+from tests.support.fake_kube import ALPHA, LABELS, alpha_pool, kube_api, pod
+from tests.support.ports import free_port
+from tests.support.runner import answers, sidecar
+from tests.support.sims import completion, wait_stats
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
 POOL = "llm/pool"
-
-
-def wait_stats(p: ServerThread, verify: ssl.SSLContext, check: Any, timeout: float = 30.0) -> dict[str, Any]:
-    """P's own record (its /stats, over TLS) once ``check`` holds: a wait, not a speed check."""
-    deadline = time.monotonic() + timeout
-    while not check(current := httpx.get(f"https://127.0.0.1:{p.port}/stats", verify=verify).json()):
-        assert time.monotonic() < deadline, f"P never reached the expected state: {current}"
-        time.sleep(0.01)
-    return dict(current)
 
 
 def substituted(command: list[str], replacements: dict[str, str]) -> list[str]:
@@ -107,6 +97,7 @@ def test_kserves_command_with_verification_on_reads_and_frees_ps_blocks(
         ready = lambda: answers(f"http://127.0.0.1:{admin}/readyz")  # noqa: E731 - D verified over TLS
         pd_sidecar = [str(Path(sys.executable).parent / "pd-sidecar")]
         trusted = ssl.create_default_context(cafile=certs / "tls.crt")
+        p_url = f"https://127.0.0.1:{p.port}"  # P's own record, over TLS
         with (
             sidecar(args, {**env, **platform}, ready, program=pd_sidecar),
             httpx.Client(verify=trusted, timeout=20) as client,
@@ -115,12 +106,14 @@ def test_kserves_command_with_verification_on_reads_and_frees_ps_blocks(
             header = {"x-prefiller-host-port": f"127.0.0.1:{p.port}"}
             admitted = client.post(url, json=completion(20), headers=header)
             assert admitted.status_code == 200, admitted.text
-            after = wait_stats(p, trusted, lambda s: s["pinned_requests"] == 0)
+            after = wait_stats(p_url, lambda s: s["pinned_requests"] == 0, verify=trusted)
             assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]  # D read them
 
             rejected = client.post(url, json=completion(60, max_tokens="x"), headers=header)
             assert rejected.status_code == 400, rejected.text
-            after = wait_stats(p, trusted, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2)
+            after = wait_stats(
+                p_url, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == 2, verify=trusted
+            )
             assert after["notifs_per_rank"] == [2, 2] and after["notifs_unknown"] == 0  # freed by the sidecar
             metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
             assert 'kvr_releases_total{result="sent",strategy="nixl"} 1.0' in metrics

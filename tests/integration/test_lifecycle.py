@@ -2,86 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
-import pytest
 
-from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread
+from tests.support.ports import free_port
+from tests.support.runner import sidecar_process
+from tests.support.until import answered, until
 
-
-def wait_for(url: str, status: int = 200, timeout: float = 20.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    last: httpx.Response | None = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(url, timeout=1)
-            if last.status_code == status:
-                return last
-        except httpx.TransportError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"{url} never answered {status} (last: {last and last.status_code})")
-
-
-@contextmanager
-def sidecar_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
-    port, admin = free_port(), free_port()
-    env = {**os.environ, "KVR_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--decode-url",
-            decode_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-host",
-            "127.0.0.1",
-            "--admin-port",
-            str(admin),
-            *flags,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(f"http://127.0.0.1:{admin}/healthz")
-        yield proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0, stream_events=20, event_delay=0.05))) as server:
-        yield server
+DECODE = DecodeSimConfig(
+    port=0, stream_events=20, event_delay=0.05
+)  # D for this module (the ``decode`` fixture)
 
 
 def test_readyz_follows_decode_health(decode: ServerThread) -> None:
     with sidecar_process(decode.url) as (_, url, admin):
-        body = wait_for(admin + "/readyz").json()
+        body = answered(admin + "/readyz").json()
         assert body == {"ready": True, "checks": {"draining": False, "decode": True, "releaser": True}}
         assert httpx.get(url + "/health").status_code == 200  # D's own health, through the proxy
         assert "kvr_ready 1.0" in httpx.get(admin + "/metrics").text
     with sidecar_process(f"http://127.0.0.1:{free_port()}") as (_, _url, admin):
-        response = wait_for(admin + "/readyz", status=503)
+        response = answered(admin + "/readyz", status=503)
         assert response.json()["checks"]["decode"] is False
         assert httpx.get(admin + "/healthz").status_code == 200
 
@@ -92,7 +37,7 @@ def test_sigterm_drops_readiness_drains_streams_and_exits(decode: ServerThread) 
         url,
         admin,
     ):
-        wait_for(admin + "/readyz")
+        answered(admin + "/readyz")
         chunks: list[bytes] = []
         started = threading.Event()
 
@@ -109,7 +54,7 @@ def test_sigterm_drops_readiness_drains_streams_and_exits(decode: ServerThread) 
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         # readiness drops first, while the proxy still serves
-        assert wait_for(admin + "/readyz", status=503, timeout=5).json()["checks"]["draining"] is True
+        assert answered(admin + "/readyz", status=503, timeout=5).json()["checks"]["draining"] is True
         reader.join(20)
         assert b"".join(chunks).rstrip().endswith(b"data: [DONE]")  # the in-flight stream completed
         assert proc.wait(20) == 0
@@ -120,7 +65,7 @@ def test_a_request_still_running_past_the_drain_gets_a_vllm_shaped_503(decode: S
     # uvicorn cancels what still runs after drain_timeout; the client gets vLLM's error shape,
     # not uvicorn's plain-text 500.
     with sidecar_process(decode.url, "--shutdown-delay", "0", "--drain-timeout", "0.5") as (proc, url, admin):
-        wait_for(admin + "/readyz")
+        answered(admin + "/readyz")
         answers: list[httpx.Response] = []
 
         def hang() -> None:
@@ -131,10 +76,9 @@ def test_a_request_still_running_past_the_drain_gets_a_vllm_shaped_503(decode: S
 
         client = threading.Thread(target=hang)
         client.start()
-        deadline = time.monotonic() + 5
-        while "kvr_inflight_requests 1.0" not in httpx.get(admin + "/metrics").text:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        until(
+            lambda: "kvr_inflight_requests 1.0" in httpx.get(admin + "/metrics").text, "the request in flight"
+        )
         proc.send_signal(signal.SIGTERM)
         client.join(20)
         assert proc.wait(20) == 0

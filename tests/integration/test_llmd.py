@@ -4,24 +4,16 @@ The sidecar runs as llm-d's decode pod runs its routing sidecar: the image's
 ``serve`` entry point with llm-d's exact arguments (TLS on, a certificate
 directory, SSRF protection with an InferencePool), in front of sim-decode (vLLM
 D) with sim-prefill (TP 2, real NIXL) as P. Kubernetes is a fake API server
-(tests.fake_kube) reached with the pod's service-account token over HTTPS. A real
+(tests.support.fake_kube) reached with the pod's service-account token over HTTPS. A real
 TLS client (httpx, verifying the test CA) sends requests with llm-d's header.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import ssl
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -31,97 +23,17 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.fake_kube import V1, FakeKube, inference_pool, pod
-from tests.integration.test_router import completion, stats, wait_stats
-from tests.ranked import consecutive_free_ports, ranked
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import serve
+from tests.support.certs import write_cert
+from tests.support.fake_kube import LABELS, inference_pool, kube_api, pod
+from tests.support.ports import free_port
+from tests.support.ranked import ranked
+from tests.support.runner import answers, sidecar
+from tests.support.sims import completion, p_stats, wait_stats
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
 VERSION = "0.33.0"
-TOKEN = "service-account-token"
-LABELS = {"llm-d.ai/inferenceServing": "true"}
-STOP_WITHIN = 10.0
-
-
-def write_cert(ca: trustme.CA, directory: Path) -> None:
-    """tls.crt and tls.key as a Kubernetes TLS Secret mounts them (replaced by a rename)."""
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    directory.mkdir(exist_ok=True)
-    for name, blob in (("tls.crt", cert.cert_chain_pems[0]), ("tls.key", cert.private_key_pem)):
-        blob.write_to_path(str(directory / f".{name}"))
-        os.replace(directory / f".{name}", directory / name)
-
-
-@contextmanager
-def kube_api(tmp: Path, ca: trustme.CA, pool_api: str = V1) -> Iterator[tuple[FakeKube, ServerThread, Path]]:
-    """The fake API over HTTPS, and a service-account directory (token, ca.crt, namespace)."""
-    fake = FakeKube(TOKEN, pool_api)
-    server_cert = ca.issue_cert("127.0.0.1")
-    with (
-        server_cert.cert_chain_pems[0].tempfile() as crt,
-        server_cert.private_key_pem.tempfile() as key,
-        serve(fake.app(), ssl_certfile=crt, ssl_keyfile=key) as api,
-    ):
-        account = tmp / "serviceaccount"
-        account.mkdir()
-        (account / "token").write_text(TOKEN)
-        (account / "namespace").write_text("llm")
-        ca.cert_pem.write_to_path(str(account / "ca.crt"))
-        yield fake, api, account
-
-
-# Variables the sidecar reads that the test runner's own environment must not set for it.
-FOREIGN = ("KVR_", "SSL_CERT_", "OTEL_")
-
-
-@contextmanager
-def sidecar(
-    args: list[str], env: dict[str, str], ready: Any, program: list[str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``kv-release-sidecar serve <args>`` (the image's entry point; or ``program``), until
-    ``ready()`` holds."""
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
-    process = subprocess.Popen(
-        [*(program or [sys.executable, "-m", "sidecar", "serve"]), *args],
-        env={**{k: v for k, v in os.environ.items() if not k.startswith(FOREIGN)}, **env},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not ready():
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise AssertionError(f"the sidecar did not become ready: {log.read().decode()[-3000:]}")
-            time.sleep(0.05)
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(STOP_WITHIN)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            code = None
-        log.seek(0)
-        output = log.read().decode()[-3000:]
-        log.close()
-    # A pod's SIGTERM ends the sidecar within its drain (nothing is in flight here), exit 0.
-    assert code == 0, f"the sidecar did not stop within {STOP_WITHIN} s of SIGTERM (exit {code}): {output}"
-
-
-def answers(url: str, **kwargs: Any) -> bool:
-    try:
-        return httpx.get(url, timeout=2, **kwargs).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_for(check: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "not within the time allowed"
-        time.sleep(0.05)
 
 
 def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
@@ -193,10 +105,10 @@ def test_llm_d_decode_args_with_tls_and_the_pool_watch(tmp_path: Path) -> None:
             def status() -> int:
                 return client.post(url + "/v1/completions", json=completion(5), headers=header).status_code
 
-            wait_for(lambda: status() == 403, 5.0)
+            until(lambda: status() == 403, "the change", 5.0, 0.05)
             fake.put("pods", pod("prefill-1", "127.0.0.1", LABELS))
-            wait_for(lambda: status() == 200, 5.0)
-            assert stats(p)["requests_pinned"] >= 3
+            until(lambda: status() == 200, "the change", 5.0, 0.05)
+            assert p_stats(p)["requests_pinned"] >= 3
 
 
 def test_a_rotated_certificate_reaches_new_connections_without_a_restart(tmp_path: Path) -> None:
@@ -213,7 +125,7 @@ def test_a_rotated_certificate_reaches_new_connections_without_a_restart(tmp_pat
         with sidecar(args, env, ready):
             first = served_serial(port, ca_file)
             write_cert(ca, certs)  # the Secret's new version
-            wait_for(lambda: served_serial(port, ca_file) != first, 5.0)
+            until(lambda: served_serial(port, ca_file) != first, "the change", 5.0, 0.05)
             with httpx.Client(verify=ssl.create_default_context(cafile=ca_file)) as client:
                 assert client.get(f"https://127.0.0.1:{port}/health").status_code == 200
 
@@ -235,7 +147,7 @@ def served_serial(port: int, ca_file: Path) -> int:
 
 
 def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_leg_s_p() -> None:
-    d_base = consecutive_free_ports(2)
+    d_base = free_port(2)
     configs = [DecodeSimConfig(port=0, version=VERSION, max_model_len=40, model="m", log_params=True)] * 2
     ps = [
         create_prefill_app(
@@ -244,7 +156,7 @@ def test_data_parallel_size_2_routes_each_rank_to_its_own_d_and_releases_to_the_
         for _ in range(2)
     ]
     with serve(ps[0]) as p0, serve(ps[1]) as p1, ranked(configs, d_base, lambda: VllmDHooks(VERSION)) as ds:
-        base, admin = consecutive_free_ports(2), free_port()
+        base, admin = free_port(2), free_port()
         args = [
             f"--port={base}",
             f"--model-server-port={d_base}",

@@ -28,7 +28,8 @@ from sidecar.release.stub import StubReleaser as DryRunReleaser
 from sidecar.server import serve as serve_mod
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.servers import free_port, serve
+from sidecar.sim.servers import serve
+from tests.support.ports import free_port
 
 # llm-d's decode deployment's routing-sidecar args (docs/llm-d.md), TLS off to keep this short.
 LLM_D_ARGS = ["--port=0", "--vllm-port=8200", "--kv-connector=nixlv2", "--secure-proxy=false"]

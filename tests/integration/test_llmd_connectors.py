@@ -23,8 +23,8 @@ from sidecar.app.ranks import RankFront
 from sidecar.llmd.command import load
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.test_router import completion
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.sims import completion
 
 
 class CountingP:

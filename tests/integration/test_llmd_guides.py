@@ -32,11 +32,10 @@ import httpx
 import pytest
 
 from sidecar.llmd.command import load
-from tests.deploy.manifests import SIDECAR_IMAGE
-from tests.deploy.test_llmd_overlay import COMPONENT, render, sidecars
-from tests.integration.test_llmd_netns import Pods, answers, pods, running, start_sims, stats
-from tests.integration.test_router import chat, completion
-from tests.integration.test_router_routes import generate, messages
+from tests.deploy.manifests import COMPONENT, SIDECAR_IMAGE, render, sidecars
+from tests.integration.netns import Pods, pods, running, start_sims
+from tests.support.runner import answers
+from tests.support.sims import chat, completion, generate, messages, wait_stats
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 HEADER = "x-prefiller-host-port"
@@ -74,7 +73,7 @@ class Case:
     client: httpx.Client
 
     def p_stats(self, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        return stats(self.p_url, check)
+        return wait_stats(self.p_url, check)
 
 
 def sent_releases(case: Case) -> float:

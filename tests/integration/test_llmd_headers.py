@@ -20,8 +20,9 @@ from sidecar.config import Config
 from sidecar.llmd.command import load
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.test_llmd import answers, sidecar
-from tests.servers import free_port, serve
+from sidecar.sim.servers import serve
+from tests.support.ports import free_port
+from tests.support.runner import answers, sidecar
 
 MIB = 1024 * 1024
 

@@ -21,10 +21,11 @@ from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.app.ranks import RankFront
 from sidecar.config import Config
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.faults.cluster import until
-from tests.integration.conftest import Recording, kv_params
-from tests.ranked import consecutive_free_ports, ranked
-from tests.servers import ServerThread
+from sidecar.sim.servers import ServerThread
+from tests.support.ports import free_port
+from tests.support.ranked import ranked
+from tests.support.runner import Recording, kv_params
+from tests.support.until import until
 
 MODEL = "m"
 
@@ -33,7 +34,7 @@ MODEL = "m"
 def two_ranks(d_base: int) -> Iterator[tuple[list[str], str, ProxyApp, Recording]]:
     """The sidecar with ranks 0 and 1 in front of D's ranks on ``d_base``; yields the serving URLs,
     the admin URL, the app and the releaser."""
-    base = consecutive_free_ports(2)
+    base = free_port(2)
     config = Config(
         decode_url=f"http://127.0.0.1:{d_base}",
         port=base,
@@ -58,7 +59,7 @@ def rejected_by_d_s_handler(url: str, rid: str) -> None:
 
 
 def test_each_rank_s_judge_reads_its_own_d() -> None:
-    d_base = consecutive_free_ports(2)
+    d_base = free_port(2)
     configs = [DecodeSimConfig(port=0, model=MODEL), DecodeSimConfig(port=0, model=MODEL, kv_connector=False)]
     with ranked(configs, d_base), two_ranks(d_base) as (urls, _, app, releaser):
         assert app.runtime is not None and app.runtime.decode is not None
@@ -73,7 +74,7 @@ def test_each_rank_s_judge_reads_its_own_d() -> None:
 
 
 def test_readyz_names_each_rank_s_d_and_is_not_ready_without_one() -> None:
-    d_base = consecutive_free_ports(2)
+    d_base = free_port(2)
     configs = [DecodeSimConfig(port=0, model=MODEL)] * 2
     with ranked(configs, d_base) as ds, two_ranks(d_base) as (_, admin, _app, _):
         ready = httpx.get(admin + "/readyz")

@@ -35,7 +35,7 @@ import trustme
 
 from sidecar.app.core import NOT_STARTED
 from sidecar.k8s import FIRST_SYNC_SECONDS
-from tests.servers import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 GUIDE_ARGS = ["--kv-connector=nixlv2", "--zap-log-level=1", "--secure-serving=false"]

@@ -24,8 +24,8 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks, engine_request_id
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.runner import Sidecar, run_sidecar
 
 # serial: the load generator loads the machine and its run is timed (make test runs it alone)
 pytestmark = [pytest.mark.nixl, pytest.mark.serial]

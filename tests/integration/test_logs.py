@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,7 +25,9 @@ import pytest
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.ports import free_port
+from tests.support.until import answered
 
 pytestmark = pytest.mark.nixl
 
@@ -48,22 +49,12 @@ def sidecar(d_url: str, *flags: str) -> Iterator[tuple[str, list[dict[str, Any]]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     lines: list[dict[str, Any]] = []
     try:
-        deadline = time.monotonic() + 30
-        while not _ready(f"http://127.0.0.1:{admin}/readyz"):
-            assert child.poll() is None and time.monotonic() < deadline, "the sidecar did not become ready"
-            time.sleep(0.02)
+        answered(f"http://127.0.0.1:{admin}/readyz", timeout=30, process=child)
         yield f"http://127.0.0.1:{port}", lines
     finally:
         child.send_signal(signal.SIGTERM)
         out, _ = child.communicate(timeout=30)
         lines.extend(_parse(out))
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _parse(out: str) -> list[dict[str, Any]]:

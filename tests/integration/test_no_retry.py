@@ -20,9 +20,10 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
-from tests.integration.test_pd_release_e2e import prefill, wait_stats
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.ports import free_port
+from tests.support.runner import RETRIED, SHIPPED, Sidecar, run_sidecar
+from tests.support.sims import prefill, wait_stats
 
 pytestmark = pytest.mark.nixl
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import run_sidecar
+from tests.support.runner import run_sidecar
 
 NOT_MODIFIED = b'HTTP/1.1 304 Not Modified\r\netag: "v1"\r\ncontent-length: 10\r\n\r\n'
 

@@ -21,8 +21,8 @@ import pytest
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.runner import Sidecar, run_sidecar
 
 pytestmark = pytest.mark.nixl
 

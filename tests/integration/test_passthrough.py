@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.integration.conftest import run_sidecar
-from tests.servers import serve
+from sidecar.sim.servers import serve
+from tests.support.runner import run_sidecar
 
 JSON_BODY = b'{"id":"cmpl-1","object":"text_completion","choices":[{"text":"\xc3\xa9t\xc3\xa9","index":0}]}'
 GZIP_BODY = gzip.compress(JSON_BODY)

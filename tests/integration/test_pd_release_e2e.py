@@ -9,65 +9,16 @@ sends nothing. P's ``/stats`` is the ground truth for both sides.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from sidecar.sim.decode import create_decode_app
-from sidecar.sim.decode.config import DecodeSimConfig
-from sidecar.sim.decode.nixl import VllmDHooks
-from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, serve
+from tests.support.runner import Sidecar
+from tests.support.sims import cluster, p_stats, prefill, wait_stats
+from tests.support.until import until
 
 pytestmark = pytest.mark.nixl
-
-
-@contextmanager
-def cluster(
-    version: str,
-    tp: int,
-    pp: int = 1,
-    *,
-    vllm_d: bool = True,
-    lease: float = 0,
-    d_version: str | None = None,
-    d_settings: dict[str, Any] | None = None,
-    **sidecar: Any,
-) -> Iterator[tuple[ServerThread, ServerThread, Sidecar]]:
-    p_config = PrefillSimConfig(
-        port=0, vllm_version=version, tp=tp, pp=pp, num_blocks=256, lease=lease, side_channel_port=0
-    )
-    hooks = VllmDHooks(version) if vllm_d else None
-    d_config = DecodeSimConfig(
-        port=0, version=d_version or version, max_model_len=40, model="sim-prefill", **(d_settings or {})
-    )
-    settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
-    with (
-        serve(create_prefill_app(p_config)) as p,
-        serve(create_decode_app(d_config, hooks)) as d,
-        run_sidecar(d.url, **settings) as sc,
-    ):
-        yield p, d, sc
-
-
-def prefill(p: ServerThread, request_id: str, words: int = 20) -> dict[str, Any]:
-    """The router's prefill leg: P pins blocks and answers kv_transfer_params."""
-    body = {
-        "model": "sim-prefill",
-        "prompt": " ".join(["tok"] * words),
-        "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
-    }
-    response = httpx.post(p.url + "/v1/completions", json=body, headers={"x-request-id": request_id})
-    assert response.status_code == 200, response.text
-    params: dict[str, Any] = response.json()["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True
-    return params
 
 
 def decode(sc: Sidecar, request_id: str, params: dict[str, Any], prompt_words: int) -> httpx.Response:
@@ -78,21 +29,6 @@ def decode(sc: Sidecar, request_id: str, params: dict[str, Any], prompt_words: i
         "kv_transfer_params": params,
     }
     return httpx.post(sc.url + "/v1/completions", json=body, headers={"x-request-id": request_id}, timeout=10)
-
-
-def stats(p: ServerThread) -> dict[str, Any]:
-    result: dict[str, Any] = httpx.get(p.url + "/stats").json()
-    return result
-
-
-def wait_stats(p: ServerThread, check: Any, timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    current = stats(p)
-    while not check(current):
-        assert time.monotonic() < deadline, f"P never reached the expected state: {current}"
-        time.sleep(0.01)
-        current = stats(p)
-    return current
 
 
 @pytest.mark.parametrize(
@@ -113,7 +49,7 @@ def test_rejected_request_frees_every_rank(version: str, tp: int, pp: int) -> No
     # to release, so this test uses one that happens before the handler (validation) everywhere.
     with cluster(version, tp, pp) as (p, _d, sc):
         params = prefill(p, "rej-1")
-        assert stats(p)["pinned_requests"] == 1
+        assert p_stats(p)["pinned_requests"] == 1
         response = httpx.post(
             sc.url + "/v1/completions",
             json={"model": "sim-prefill", "max_tokens": "x", "prompt": "tok", "kv_transfer_params": params},
@@ -200,7 +136,7 @@ def test_target_outside_allowlist_is_never_contacted() -> None:
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1
-        current = stats(p)
+        current = p_stats(p)
         assert current["handshakes_served"] == 0  # no connection attempted
         assert current["pinned_requests"] == 1
 
@@ -239,7 +175,7 @@ def test_a_replay_while_the_release_is_still_retrying_is_refused() -> None:
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
         failed = ("unreachable", "handshake_timeout", "timeout", "retryable")
         attempts = "kvr_release_attempts_total"
-        wait_until(lambda: sum(sc.sample(attempts, strategy="nixl", reason=o) for o in failed) >= 1)
+        until(lambda: sum(sc.sample(attempts, strategy="nixl", reason=o) for o in failed) >= 1)
         assert sc.sample("kvr_releases_total", strategy="nixl", result="failed") == 0  # still retrying
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 409
         assert len(httpx.get(d.url + "/sim/log").json()) == 1
@@ -252,7 +188,7 @@ def test_a_release_the_strategy_refused_leaves_the_parameters_usable() -> None:
         params = prefill(p, "keep-1")
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
-        wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
+        until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
         assert decode(sc, "keep-1", params, prompt_words=5).status_code == 200  # D read them
         assert len(httpx.get(d.url + "/sim/log").json()) == 2
         assert sc.sample("kvr_released_replays_total", action="refused") == 0
@@ -267,9 +203,9 @@ def test_before_0_13_a_request_id_the_sidecar_made_up_is_never_sent_to_p() -> No
         body = {"model": "sim-prefill", "max_tokens": "x", "prompt": "t", "kv_transfer_params": params}
         response = httpx.post(sc.url + "/v1/completions", json=body)  # no x-request-id
         assert response.status_code == 400 and len(response.headers["x-request-id"]) == 32
-        wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
+        until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
         assert sc.sample("kvr_release_attempts_total", strategy="nixl", reason="no_request_id") == 1
-        current = stats(p)
+        current = p_stats(p)
         assert current["notifs_unknown"] == 0 and current["handshakes_served"] == 0
         assert current["pinned_requests"] == 1  # left to P's timeout, as without the sidecar
 
@@ -282,16 +218,9 @@ def test_before_0_13_an_oversized_body_without_request_id_is_not_sent_to_p() -> 
         body = {"model": "sim-prefill", "prompt": "tok " * 2000, "kv_transfer_params": params}
         response = httpx.post(sc.url + "/v1/completions", json=body)  # no x-request-id
         assert response.status_code == 413
-        wait_until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
+        until(lambda: sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1)
         assert sc.sample("kvr_release_attempts_total", strategy="nixl", reason="no_request_id") == 1
-        assert stats(p)["notifs_unknown"] == 0 and stats(p)["pinned_requests"] == 1
-
-
-def wait_until(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+        assert p_stats(p)["notifs_unknown"] == 0 and p_stats(p)["pinned_requests"] == 1
 
 
 def test_p_restarted_with_new_agents_gets_a_new_handshake() -> None:
@@ -335,7 +264,7 @@ def test_replayed_failing_copy_of_an_admitted_request_is_not_released() -> None:
         sc.settle()
         assert sc.sample("kvr_not_released_total", outcome="no_release", cause="params_in_use") == 1
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
-        assert stats(p)["notifs_unknown"] == 0
+        assert p_stats(p)["notifs_unknown"] == 0
 
 
 def test_a_newer_vllm_refused_by_setting_sends_nothing() -> None:
@@ -345,7 +274,7 @@ def test_a_newer_vllm_refused_by_setting_sends_nothing() -> None:
         assert httpx.post(sc.url + "/v1/completions", json=body).status_code == 400
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="refused") == 1
-        current = stats(p)
+        current = p_stats(p)
         assert current["handshakes_served"] == 0 and current["pinned_requests"] == 1
 
 

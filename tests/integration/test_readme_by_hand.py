@@ -11,91 +11,23 @@ does); the last block is run once the release has been counted.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.deploy.manifests import ROOT
+from tests.integration.guides import on_free_ports, started
+from tests.support.ports import free_port
+from tests.support.until import answered
 
 pytestmark = pytest.mark.nixl
 
 README = ROOT / "README.md"
 PORTS = ("8100", "8200", "8000", "9100", "5600")  # P, D, the sidecar, its admin port, P's side channel
 BINARY = ".venv/bin/kv-release-sidecar"
-
-
-def section() -> str:
-    return README.read_text().split("\n## Run it by hand\n", 1)[1].split("\n## ", 1)[0]
-
-
-def section_blocks(language: str = "sh") -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", section(), flags=re.S)
-
-
-def free_ports(count: int) -> list[str]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    try:
-        return [str(s.getsockname()[1]) for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def on_free_ports(block: str, mapping: dict[str, str]) -> str:
-    return re.sub(r"\b(" + "|".join(PORTS) + r")\b", lambda m: mapping[m.group(1)], block)
-
-
-def wait_for(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready")
-        time.sleep(0.05)
-
-
-@contextmanager
-def started(block: str, log: Path, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
-    """``block`` run by bash in ``cwd``, in a process group of its own, stopped (all of it) on exit."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["bash", "-c", block + "\nwait"],
-            cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: bash and its three children
-        proc.wait(20)
-        deadline = time.monotonic() + 20
-        while _group_alive(proc.pid):  # the children drain, then exit
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-            time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def bash(script: str, check: bool = True) -> str:
@@ -106,18 +38,26 @@ def bash(script: str, check: bool = True) -> str:
     return result.stdout
 
 
+def section() -> str:
+    return README.read_text().split("\n## Run it by hand\n", 1)[1].split("\n## ", 1)[0]
+
+
+def section_blocks(language: str = "sh") -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", section(), flags=re.S)
+
+
 def test_the_readme_runs_by_hand(tmp_path: Path) -> None:
     if not (ROOT / BINARY).exists():
         pytest.fail(f"{BINARY} is missing: make test creates it")
     blocks = section_blocks()
     commands = [line for line in blocks[0].splitlines() if not line.startswith(" ")]
     assert len(blocks) == 4 and len(commands) == 3 and all(line.startswith(BINARY) for line in commands)
-    ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+    ports = {port: str(free_port()) for port in PORTS}
     log = tmp_path / "processes.log"
     p, d, admin = (f"http://127.0.0.1:{ports[port]}" for port in ("8100", "8200", "9100"))
     with started(on_free_ports(blocks[0], ports), log):
         for url in (p + "/health", d + "/health", admin + "/readyz"):
-            wait_for(url)
+            answered(url, timeout=60.0, poll=0.05)
         out = bash(on_free_ports(blocks[1] + blocks[2], ports))
         params_line, rejection = out.strip().splitlines()[0], "\n".join(out.strip().splitlines()[1:])
         params, shown = json.loads(params_line), json.loads(section_blocks("json")[0])

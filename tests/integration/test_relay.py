@@ -25,9 +25,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from sidecar.sim.servers import serve
 from sidecar.transport.relay import ClientRelay
-from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import serve
+from tests.support.runner import kv_params, run_sidecar
 
 QUEUE_FULL = (
     "The engine is currently busy and cannot accept new requests. "
@@ -161,7 +161,7 @@ def _request_bytes(body: dict[str, Any]) -> bytes:
     return head + data
 
 
-def _until_still(read: Any, interval: float = 0.05, rounds: int = 6, bound: float = 10.0) -> int:
+def _settled(read: Any, interval: float = 0.05, rounds: int = 6, bound: float = 10.0) -> int:
     """Poll ``read()`` until it has not changed for ``rounds`` polls in a row (or ``bound`` s)."""
     last, still, deadline = read(), 0, time.monotonic() + bound
     while still < rounds and time.monotonic() < deadline:
@@ -181,7 +181,7 @@ def test_a_client_that_reads_nothing_holds_d_back(relayed: list[int]) -> None:
         with socket.create_connection((host, int(port))) as client:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
             client.sendall(_request_bytes(request("slow")))
-            held = _until_still(lambda: d.produced)
+            held = _settled(lambda: d.produced)
             assert 0 < held < total // 2  # D was stopped while the client read nothing
             received = bytearray()
             client.settimeout(30)

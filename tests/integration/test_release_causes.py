@@ -10,7 +10,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,9 +23,15 @@ from starlette.routing import Route
 from sidecar.config import Config
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import RETRIED, SHIPPED, Sidecar, run_sidecar
-from tests.integration.conftest import kv_params as params
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.ports import free_port
+from tests.support.runner import RETRIED, SHIPPED, Sidecar, run_sidecar
+from tests.support.runner import kv_params as params
+from tests.support.until import until_async
+
+DECODE = DecodeSimConfig(
+    port=0, max_model_len=50, stream_events=4, log_params=True
+)  # D for this module (the ``decode`` fixture)
 
 
 def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str, Any]:
@@ -38,13 +43,6 @@ def chat(text: str, rid: str, stream: object = False, **extra: Any) -> dict[str,
         "kv_transfer_params": params(rid),
         **extra,
     }
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    config = DecodeSimConfig(port=0, max_model_len=50, stream_events=4, log_params=True)
-    with serve(create_decode_app(config)) as server:
-        yield server
 
 
 @pytest.fixture
@@ -270,14 +268,6 @@ def test_client_disconnect_mid_stream_closes_upstream_and_releases_nothing() -> 
         assert sc.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
 
 
-async def until(check: Any, limit: float = 10.0) -> None:
-    """Poll ``check`` (state owned by another thread) until it holds."""
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.005)
-
-
 def test_client_gone_before_forward_releases() -> None:
     """A request waiting for a pooled connection to D is not forwarded yet."""
     gate = threading.Event()
@@ -320,14 +310,14 @@ def test_client_gone_before_forward_releases() -> None:
                         )
                     )
                     # the only pooled connection is now taken by busy-1
-                    await until(lambda: len(conns) == 1)
+                    await until_async(lambda: len(conns) == 1)
                     second = asyncio.create_task(
                         client.post(
                             sc.url + "/v1/completions",
                             json={"prompt": "b", "kv_transfer_params": params("wait-1")},
                         )
                     )
-                    await until(lambda: sc.sample("kvr_inflight_requests") == 2)
+                    await until_async(lambda: sc.sample("kvr_inflight_requests") == 2)
                     second.cancel()  # the client leaves while its request waits for a connection
                     first.cancel()
                     await asyncio.gather(first, second, return_exceptions=True)

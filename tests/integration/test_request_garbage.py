@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import serve
+from sidecar.sim.servers import serve
+from tests.support.runner import kv_params, run_sidecar
 
 EVENTS = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"]
 PER_REQUEST = ("Cycle", "ClientRelay", "RequestContext", "Exchange")

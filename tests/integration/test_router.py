@@ -16,69 +16,12 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.ports import free_port
+from tests.support.runner import Sidecar, run_sidecar
+from tests.support.sims import VERSION, chat, completion, p_stats, pd, wait_stats
 
 pytestmark = pytest.mark.nixl
-VERSION = "0.33.0"
-
-
-@contextmanager
-def pd(
-    prefills: int = 1,
-    *,
-    static: bool = True,
-    d_config: dict[str, Any] | None = None,
-    p_config: dict[str, Any] | None = None,
-    **sidecar: Any,
-) -> Iterator[tuple[list[ServerThread], ServerThread, Sidecar]]:
-    p_settings = {"vllm_version": VERSION, "tp": 2, "num_blocks": 64, "lease": 0, **(p_config or {})}
-    p_apps = [
-        create_prefill_app(PrefillSimConfig(port=0, side_channel_port=0, **p_settings))
-        for _ in range(prefills)
-    ]
-    d_settings = {"port": 0, "version": VERSION, "max_model_len": 40, "model": "m", "log_params": True}
-    d_settings.update(d_config or {})
-    with (
-        contextlib_stack(p_apps) as ps,
-        serve(create_decode_app(DecodeSimConfig(**d_settings), VllmDHooks(VERSION))) as d,
-    ):
-        settings: dict[str, Any] = {"release": "nixl", "prefill_allow": ("127.0.0.1",), **sidecar}
-        if static:
-            settings.setdefault("prefill", tuple(p.url for p in ps))
-        with run_sidecar(d.url, **settings) as sc:
-            yield ps, d, sc
-
-
-@contextmanager
-def contextlib_stack(apps: list[Any]) -> Iterator[list[ServerThread]]:
-    from contextlib import ExitStack
-
-    with ExitStack() as stack:
-        yield [stack.enter_context(serve(app)) for app in apps]
-
-
-def stats(p: ServerThread) -> dict[str, Any]:
-    result: dict[str, Any] = httpx.get(p.url + "/stats").json()
-    return result
-
-
-def wait_stats(p: ServerThread, check: Any, timeout: float = 30.0) -> dict[str, Any]:
-    # A wait for P's record, not a speed check: at load 14 on two cores a sent notification took
-    # over 10 s to be counted by P's NIXL agent.
-    deadline = time.monotonic() + timeout
-    while not check(current := stats(p)):
-        assert time.monotonic() < deadline, f"P never reached the expected state: {current}"
-        time.sleep(0.01)
-    return current
-
-
-def chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
-
-
-def completion(words: int, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": " ".join(["tok"] * words), "max_tokens": 4, **extra}
 
 
 def test_admitted_request_runs_both_legs_and_d_frees_p() -> None:
@@ -172,12 +115,12 @@ def test_n_greater_than_one_is_refused_or_sent_decode_only() -> None:
     with pd() as ([p], _d, sc):
         response = httpx.post(sc.url + "/v1/completions", json=completion(5, n=2))
         assert response.status_code == 400 and response.json()["error"]["param"] == "n"
-        assert stats(p)["pinned_requests"] == 0 and stats(p)["freed_by_notification"] == 0
+        assert p_stats(p)["pinned_requests"] == 0 and p_stats(p)["freed_by_notification"] == 0
     with pd(decode_only_fallback=True) as ([p], d, sc):
         response = httpx.post(sc.url + "/v1/completions", json=completion(5, n=2))
         assert response.status_code == 200
         assert httpx.get(d.url + "/sim/log").json()[0]["kv_transfer_params"] is None
-        assert stats(p)["handshakes_served"] == 0
+        assert p_stats(p)["handshakes_served"] == 0
 
 
 def test_failing_prefill_is_retried_on_another_and_skipped_for_a_backoff() -> None:
@@ -248,7 +191,7 @@ def test_client_gone_around_the_prefill_answer_releases() -> None:
                     client.post(sc.url + "/v1/completions", json=completion(20, max_tokens=4))
                 )
                 deadline = time.monotonic() + 5
-                while stats(p)["pinned_requests"] == 0 and not task.done() and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
+                while p_stats(p)["pinned_requests"] == 0 and not task.done() and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
                     await asyncio.sleep(0.001)
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -273,7 +216,7 @@ def test_p_answering_after_the_client_left_is_released() -> None:
                     client.post(sc.url + "/v1/completions", json=completion(20, max_tokens=4))
                 )
                 deadline = time.monotonic() + 5
-                while stats(p)["pinned_requests"] == 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
+                while p_stats(p)["pinned_requests"] == 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls another server
                     await asyncio.sleep(0.001)
                 assert not task.done(), "P answered before its latency"
                 task.cancel()
@@ -344,7 +287,7 @@ def test_decode_json_broken_off_is_a_502_in_vllm_shape() -> None:
         sc.settle()
         assert sc.sample("kvr_not_released_total", outcome="no_release", cause="admitted") == 1
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 0
-        assert stats(p)["notifs_unknown"] == 0
+        assert p_stats(p)["notifs_unknown"] == 0
 
 
 def test_lax_stream_flag_is_streamed_not_buffered() -> None:

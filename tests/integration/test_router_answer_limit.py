@@ -11,8 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.test_router import chat, pd, wait_stats
-from tests.integration.test_router_routes import generate
+from tests.support.sims import chat, generate, pd, wait_stats
 
 pytestmark = pytest.mark.nixl
 

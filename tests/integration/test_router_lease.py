@@ -12,8 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.test_router import pd, wait_stats
-from tests.integration.test_router_routes import generate
+from tests.support.sims import generate, pd, wait_stats
 
 pytestmark = pytest.mark.nixl
 

@@ -14,22 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.test_pd_release_e2e import cluster, prefill
-from tests.integration.test_router import chat, pd, stats, wait_stats
+from tests.support.sims import chat, cluster, generate, messages, p_stats, pd, prefill, wait_stats
 
 pytestmark = pytest.mark.nixl
-
-
-def messages(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
-
-
-def generate(tokens: int, **sampling: Any) -> dict[str, Any]:
-    return {
-        "model": "m",
-        "token_ids": list(range(1, tokens + 1)),
-        "sampling_params": {"max_tokens": 4, **sampling},
-    }
 
 
 def test_min_tokens_is_capped_on_p_and_restored_on_d() -> None:
@@ -132,7 +119,7 @@ def test_sidecar_mode_releases_the_clients_parameters_on_both_routes(route: str)
         assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]
         sc.settle()
         assert sc.sample("kvr_releases_total", strategy="nixl", result="sent") == 1
-        assert stats(p)["notifs_unknown"] == 0
+        assert p_stats(p)["notifs_unknown"] == 0
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.integration.conftest import Sidecar
-from tests.integration.test_router import completion, pd, stats, wait_stats
-from tests.servers import ServerThread
+from sidecar.sim.servers import ServerThread
+from tests.support.runner import Sidecar
+from tests.support.sims import completion, p_stats, pd, wait_stats
+from tests.support.until import until_async
 
 pytestmark = pytest.mark.nixl
 
@@ -41,10 +41,10 @@ def spread(sc: Sidecar, p1: ServerThread, later: int) -> list[int]:
     async def send() -> list[int]:
         async with httpx.AsyncClient(timeout=10) as client:
             first = asyncio.create_task(client.post(sc.url + "/v1/completions", json=completion(5)))
-            deadline = time.monotonic() + 5
-            while router.outstanding.get(p1.url, 0) == 0:
-                assert time.monotonic() < deadline and not first.done(), "the first leg never reached p1"
-                await asyncio.sleep(0.002)  # poll interval
+            await until_async(
+                lambda: router.outstanding.get(p1.url, 0) or first.done(), "the first leg at p1", 5.0, 0.002
+            )
+            assert not first.done(), "the first leg never reached p1"
             codes = [(await client.post(sc.url + "/v1/completions", json=completion(5))).status_code]
             for _ in range(later - 1):
                 codes.append((await client.post(sc.url + "/v1/completions", json=completion(5))).status_code)
@@ -91,7 +91,7 @@ def test_a_stopped_p_fails_over_to_the_other_and_is_skipped_during_the_backoff()
         # least-outstanding with nothing in flight keeps the static order: p1 first
         assert httpx.post(sc.url + "/v1/completions", json=completion(5)).status_code == 200
         assert wait_stats(p1, lambda s: s["pinned_requests"] == 0)["freed_by_notification"] == 1
-        assert stats(p2)["requests_pinned"] == 0
+        assert p_stats(p2)["requests_pinned"] == 0
         ServerThread.stop(p1)
         for _ in range(6):
             assert httpx.post(sc.url + "/v1/completions", json=completion(5)).status_code == 200
@@ -111,4 +111,4 @@ def test_responses_through_the_router_returns_p_s_error_unchanged_and_d_never_se
         assert httpx.get(d.url + "/sim/log").json() == []
         assert prefill_failures(sc) == 0  # a 4xx is P's answer, not a failed leg: no failover
         for p in ps:
-            assert stats(p)["requests_pinned"] == 0
+            assert p_stats(p)["requests_pinned"] == 0

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from sidecar.sim.decode import DecodeSimConfig, create_decode_app
-from tests.servers import serve
+from sidecar.sim.servers import serve
 
 REMOTE = {"do_remote_prefill": True, "remote_request_id": "p-7", "remote_block_ids": [[3]]}
 

@@ -23,7 +23,7 @@ import zmq
 
 from sidecar.sim.dclient import DecodeClient, HandshakeError
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.servers import serve
+from sidecar.sim.servers import serve
 
 pytestmark = pytest.mark.nixl
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -41,15 +40,15 @@ from tests.integration.guides import (
     flag,
     listener_pid,
     on_free_ports,
-    p_stats,
     port_of,
     runnable,
     sample,
-    until_p,
+    started,
     wait_closed,
 )
-from tests.integration.test_readme_by_hand import started, wait_for
-from tests.servers import free_port
+from tests.support.ports import free_port
+from tests.support.sims import p_stats, wait_stats
+from tests.support.until import answered, until
 
 pytestmark = pytest.mark.nixl
 
@@ -84,11 +83,11 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
     admin, front = f"http://127.0.0.1:{ports['9100']}", f"http://127.0.0.1:{ports['8000']}"
     with started(loopback + back_end, tmp_path / "p-d-sidecar.log", tmp_path):
         for url in (p_url + "/health", d_url + "/health", admin + "/readyz"):
-            wait_for(url)
+            answered(url, timeout=60.0, poll=0.05)
         with started(
             loopback + runnable(on_free_ports(smg, ports), smg=str(SMG)), tmp_path / "smg.log", tmp_path
         ):
-            wait_for(front + "/health")
+            answered(front + "/health", timeout=60.0, poll=0.05)
             listed = until_ready(loopback + on_free_ports(workers, ports), tmp_path)
             assert listed == {
                 ("prefill", p_url, "NixlConnector", "Qwen/Qwen3-0.6B", "ready"),
@@ -99,7 +98,7 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
             assert (
                 refused["error"]["code"] == "decode_error" and "Unauthorized" in refused["error"]["message"]
             )
-            stats = until_p(
+            stats = wait_stats(
                 p_url, lambda s: s["requests_pinned"] == 1 + RETRIES and s["pinned_requests"] == 0
             )
             assert (stats["freed_by_notification"], stats["freed_by_expiry"], stats["notifs_unknown"]) == (
@@ -123,12 +122,14 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
 
 def until_ready(workers: str, cwd: Path) -> set[tuple[str, ...]]:
     """The page's listing of smg's workers, once both are ready."""
-    for _ in range(200):
-        listed = {tuple(line.split()) for line in bash(workers, cwd).splitlines() if line.strip()}
-        if len(listed) == 2 and all(entry[-1] == "ready" for entry in listed):
-            return listed
-        time.sleep(0.05)
-    raise AssertionError(f"smg's workers never got ready: {listed}")
+    listed: list[set[tuple[str, ...]]] = [set()]
+
+    def ready() -> bool:
+        listed[0] = {tuple(line.split()) for line in bash(workers, cwd).splitlines() if line.strip()}
+        return len(listed[0]) == 2 and all(entry[-1] == "ready" for entry in listed[0])
+
+    until(ready, "smg's workers to be ready", 30.0, 0.05, state=lambda: listed[0])
+    return listed[0]
 
 
 def d_down_is_released(front: str, p_url: str, d_port: int, admin: str) -> None:
@@ -142,7 +143,7 @@ def d_down_is_released(front: str, p_url: str, d_port: int, admin: str) -> None:
     answer = httpx.post(front + "/v1/completions", json=body, timeout=60)
     assert answer.status_code == 503, answer.text
     pinned = before["requests_pinned"] + RETRIES
-    after = until_p(p_url, lambda s: s["requests_pinned"] == pinned and s["pinned_requests"] == 0)
+    after = wait_stats(p_url, lambda s: s["requests_pinned"] == pinned and s["pinned_requests"] == 0)
     assert after["freed_by_notification"] == before["freed_by_notification"] + RETRIES
     assert after["notifs_unknown"] == before["notifs_unknown"] and after["freed_by_expiry"] == 0
     assert sample(httpx.get(admin + "/metrics").text, SENT) == sent + RETRIES

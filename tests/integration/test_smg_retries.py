@@ -36,7 +36,6 @@ parameters, this module fails and names the status.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -50,10 +49,12 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.deploy.manifests import ROOT
-from tests.integration.conftest import run_sidecar
 from tests.integration.guides import in_own_group
-from tests.servers import ServerThread, free_port, serve
+from tests.support.ports import free_port
+from tests.support.runner import run_sidecar
+from tests.support.sims import p_stats, wait_stats
 
 pytestmark = pytest.mark.nixl
 
@@ -305,20 +306,12 @@ def test_each_retried_prefill_is_held_to_ps_lease_unless_the_sidecar_releases_it
         front = stack.enter_context(smg(manifest(tmp_path, p.url, [decode_url], MODEL), tmp_path / "smg.log"))
         answer = ask(front, "no key")
         assert answer.status_code == 500 and "Unauthorized" in answer.text
-        stats = httpx.get(p.url + "/stats").json()
+        stats = p_stats(p)
         assert stats["requests_pinned"] == RETRIES
-        if sidecar:
-            deadline = time.monotonic() + LEASE / 4  # well before the lease: the releases freed them
-            while stats["freed_by_notification"] < RETRIES:
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.02)
-                stats = httpx.get(p.url + "/stats").json()
+        if sidecar:  # well before the lease: the releases freed them
+            stats = wait_stats(p, lambda s: s["freed_by_notification"] >= RETRIES, LEASE / 4, 0.02)
             assert stats["freed_by_expiry"] == 0
         else:
             assert stats["pinned_requests"] == RETRIES  # pinned after smg answered
-            deadline = time.monotonic() + LEASE * 5
-            while stats["freed_by_expiry"] < RETRIES:
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.05)
-                stats = httpx.get(p.url + "/stats").json()
+            stats = wait_stats(p, lambda s: s["freed_by_expiry"] >= RETRIES, LEASE * 5, 0.05)
             assert stats["freed_by_notification"] == 0

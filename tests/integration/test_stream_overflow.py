@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import serve
+from sidecar.sim.servers import serve
+from tests.support.runner import kv_params, run_sidecar
 
 QUEUE_FULL = (
     "The engine is currently busy and cannot accept new requests. "

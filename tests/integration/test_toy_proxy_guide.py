@@ -31,10 +31,11 @@ from tests.integration.guides import (
     on_free_ports,
     runnable,
     sample,
-    until_p,
+    started,
 )
-from tests.integration.test_readme_by_hand import started, wait_for
-from tests.servers import free_port
+from tests.support.ports import free_port
+from tests.support.sims import wait_stats
+from tests.support.until import answered
 
 pytestmark = pytest.mark.nixl
 
@@ -68,16 +69,16 @@ def test_the_reference_proxy_section_runs_on_the_simulators(tmp_path: Path) -> N
     proxy_url, admin_url = (f"http://127.0.0.1:{ports[port]}" for port in ("8000", "9100"))
     with started(loopback + back_end, tmp_path / "p-d-sidecar.log", tmp_path):
         for url in (p_url + "/health", d_url + "/health", admin_url + "/readyz"):
-            wait_for(url)
+            answered(url, timeout=60.0, poll=0.05)
         with started(loopback + front_end + "\n", tmp_path / "proxy.log", tmp_path):
-            wait_for(proxy_url + "/healthcheck")
+            answered(proxy_url + "/healthcheck", timeout=60.0, poll=0.05)
             body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
             served = httpx.post(proxy_url + "/v1/completions", json=body, timeout=30)
             assert served.status_code == 200 and served.json()["choices"][0]["text"], served.text
             refused = {**body, "stream_options": {"include_usage": True}}
             with pytest.raises(httpx.HTTPError):  # the proxy streams D's 400: the answer is cut short
                 httpx.post(proxy_url + "/v1/completions", json=refused, timeout=30).read()
-            stats = until_p(p_url, lambda s: s["requests_pinned"] == 2 and s["pinned_requests"] == 0)
+            stats = wait_stats(p_url, lambda s: s["requests_pinned"] == 2 and s["pinned_requests"] == 0)
             assert (stats["freed_by_notification"], stats["freed_by_expiry"], stats["notifs_unknown"]) == (
                 2,
                 0,

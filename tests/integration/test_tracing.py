@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,9 +30,10 @@ from sidecar.config import Config, load
 from sidecar.observability.tracing import build
 from sidecar.release.base import JobResult, ReleaseJob, RetryableReleaseError
 from sidecar.release.stub import StubReleaser as DryRunReleaser
-from tests.integration.conftest import Sidecar, kv_params
-from tests.integration.test_llmd import answers, sidecar
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.ports import free_port
+from tests.support.runner import Sidecar, answers, kv_params, sidecar
+from tests.support.until import until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -125,14 +125,15 @@ def recorder(handler: Handler) -> Iterator[tuple[Recorder, ServerThread]]:
 
 def wait_spans(exporter: InMemorySpanExporter, *names: str, timeout: float = 5.0) -> dict[str, ReadableSpan]:
     """The finished spans by name once every name in ``names`` ended (one span per name)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        spans = exporter.get_finished_spans()
-        found = {s.name: s for s in spans}
-        if all(n in found for n in names):
-            return found
-        assert time.monotonic() < deadline, f"spans {names} not all ended; have {[s.name for s in spans]}"
-        time.sleep(0.005)
+
+    def ended() -> dict[str, ReadableSpan] | None:
+        found = {s.name: s for s in exporter.get_finished_spans()}
+        return found if all(n in found for n in names) else None
+
+    have = lambda: [s.name for s in exporter.get_finished_spans()]  # noqa: E731
+    found = until(ended, f"spans {names} to end", timeout, 0.005, state=have)
+    assert found is not None
+    return found
 
 
 def hexid(value: int, width: int = 16) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,10 +11,11 @@ import pytest
 from sidecar.config import Config, ConfigError
 from sidecar.decision.judge import InFlight
 from sidecar.proxy.trust import Trust, sign
-from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import run_sidecar
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread, serve
+from tests.support.runner import run_sidecar
+
+DECODE = DecodeSimConfig(port=0, log_params=True)  # D for this module (the ``decode`` fixture)
 
 KEY = "shared-router-key"
 
@@ -37,12 +37,6 @@ def rejected(rid: str) -> bytes:
     return msgspec.json.encode(
         {"model": "sim-model", "prompt": "x", "max_tokens": "x", "kv_transfer_params": params(rid)}
     )
-
-
-@pytest.fixture(scope="module")
-def decode() -> Iterator[ServerThread]:
-    with serve(create_decode_app(DecodeSimConfig(port=0, log_params=True))) as server:
-        yield server
 
 
 def test_hmac_mode_releases_only_signed_parameters(decode: ServerThread) -> None:

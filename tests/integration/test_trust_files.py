@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from sidecar.tls.trust import MAX_FILE_BYTES
-from tests.certs import kserve_self_signed
-from tests.integration.test_lifecycle import wait_for
-from tests.servers import free_port
+from tests.support.certs import kserve_self_signed
+from tests.support.ports import free_port
+from tests.support.until import answered, until
 
 BOUND = 20.0  # seconds any run may take: the start, or the start and a SIGTERM
 OWN = ("KVR_", "SSL_CERT_")  # variables the test runner's environment must not set for the sidecar
@@ -71,7 +71,7 @@ def serving(env: dict[str, str], *flags: str) -> Iterator[tuple[subprocess.Popen
     command += ["--admin-host", "127.0.0.1", "--admin-port", str(admin), *flags]
     process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
     try:
-        wait_for(f"http://127.0.0.1:{admin}/healthz", timeout=BOUND)
+        answered(f"http://127.0.0.1:{admin}/healthz", timeout=BOUND)
         yield process, f"http://127.0.0.1:{admin}", time.monotonic() - started
     finally:
         process.send_signal(signal.SIGTERM)
@@ -211,13 +211,8 @@ def pid_one() -> list[str]:
 
 def child_of(pid: int) -> int:
     """The one child of ``pid`` (unshare's forked child: the sidecar, PID 1 inside)."""
-    deadline = time.monotonic() + BOUND
-    while time.monotonic() < deadline:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        if children:
-            return int(children[0])
-        time.sleep(0.01)
-    raise AssertionError("unshare started no child")
+    children = lambda: Path(f"/proc/{pid}/task/{pid}/children").read_text().split()  # noqa: E731
+    return int(until(children, "unshare's child", BOUND)[0])
 
 
 @pytest.mark.timeout(120)

@@ -30,8 +30,8 @@ from sidecar.server.host import server_options
 from sidecar.server.limits import ServerLimits
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.integration.conftest import Sidecar, kv_params
-from tests.servers import serve
+from sidecar.sim.servers import serve
+from tests.support.runner import Sidecar, kv_params
 
 pytestmark = pytest.mark.nixl
 

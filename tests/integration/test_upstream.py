@@ -27,10 +27,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sidecar.classify import NoAnswer
+from sidecar.sim.servers import ServerThread, serve
 from sidecar.upstream import Sent, Upstream, UpstreamError, UpstreamResponse
 from sidecar.upstream.http1 import HIGH_WATER
-from tests.fakes import CountingLoop
-from tests.servers import ServerThread, free_port, serve
+from tests.support.fakes import CountingLoop
+from tests.support.ports import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1024 * 1024

@@ -10,17 +10,13 @@ the way D's connector sends it, so P's ``/stats`` shows the blocks freed.
 
 from __future__ import annotations
 
-import time
-from argparse import Namespace
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.responses import JSONResponse, Response
 
 from sidecar.app import Deps, ProxyApp, create_admin_app, create_app
 from sidecar.config import Config
@@ -31,20 +27,27 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from sidecar.vllm_plugin import (
     HEALTH_PATH,
     RELEASE_PATH,
     KVReleaseMiddleware,
     KVReleasePlugin,
-    PluginSettings,
 )
-from tests.fake_engine import LegacyEngine, NotifyEngine, sampling_params
-from tests.integration.conftest import Sidecar, run_sidecar
-from tests.servers import ServerThread, free_port, serve
+from tests.support.fake_engine import (
+    SETTINGS,
+    TOKEN,
+    LegacyEngine,
+    NotifyEngine,
+    sampling_params,
+    vllm_like,
+)
+from tests.support.ports import free_port
+from tests.support.runner import Sidecar, run_sidecar
+from tests.support.sims import wait_stats
+from tests.support.until import until
 
-TOKEN = "integration-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-SETTINGS = PluginSettings(token=TOKEN, emulate_grace=0.05, emulate_settle=0.05)
 P_PARAMS: dict[str, Any] = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -57,60 +60,7 @@ P_PARAMS: dict[str, Any] = {
 }
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-    return value
-
-
 # --- D: vLLM-like apps ------------------------------------------------------------------------
-
-
-def vllm_like(
-    engine: object | None,
-    *,
-    plugin: bool = True,
-    middleware: bool = False,
-    settings: PluginSettings = SETTINGS,
-    version: str = "0.33.0",
-) -> FastAPI:
-    """vLLM's build_app + init_app_state, reduced: core routes, then plugins, then middleware."""
-    endpoint = KVReleasePlugin(settings, sampling_params=sampling_params)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.engine_client = engine  # init_app_state
-        if plugin:
-            await endpoint.init_state(engine, app.state, Namespace())
-        yield
-
-    app = FastAPI(lifespan=lifespan)
-
-    async def health() -> Response:
-        return Response(b"")
-
-    async def get_version() -> dict[str, str]:
-        return {"version": version}
-
-    async def completions() -> JSONResponse:  # a body that fails validation, before the handler
-        error = {"message": "max_tokens: Input should be a valid integer", "type": "Bad Request"}
-        return JSONResponse({"error": {**error, "param": None, "code": 400}}, status_code=400)
-
-    async def chat() -> JSONResponse:  # a rejection raised inside the handler (D's fix covers it)
-        error = {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}
-        return JSONResponse({"error": error}, status_code=400)
-
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/version", get_version, methods=["GET"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    if plugin:
-        endpoint.attach_router(app)
-    if middleware:
-        app.add_middleware(KVReleaseMiddleware, settings=settings, sampling_params=sampling_params)
-    return app
 
 
 def completion(sc: Sidecar, request_id: str, route: str = "/v1/completions", **params: Any) -> httpx.Response:
@@ -186,7 +136,7 @@ def test_sidecar_http_releases_through_the_plugin() -> None:
     with serve(vllm_like(engine)) as d, run_sidecar(d.url, release="http", control_token=TOKEN) as sc:
         rejected = completion(sc, "req-1")
         assert rejected.status_code == 400
-        wait_for(lambda: engine.notified, "the engine's notify call")
+        until(lambda: engine.notified, "the engine's notify call")
         covered = completion(sc, "req-2", route="/v1/chat/completions")
         assert covered.status_code == 400
         sc.settle()
@@ -282,14 +232,14 @@ def test_auto_uses_the_control_endpoint_then_nixl_when_d_is_down() -> None:
             assert ready["release"]["path"] == "control" and ready["release"]["probe"] == "present"
             assert sc.sample("kvr_release_path", path="control") == 1
             assert completion(sc, "req-1").status_code == 400
-            wait_for(lambda: engine.notified, "the engine's notify call")
+            until(lambda: engine.notified, "the engine's notify call")
             d.stop()
             # A pooled connection may still see the old server once (502, ambiguous, not released).
             statuses: list[int] = []
             while 503 not in statuses:
                 assert len(statuses) < 3, statuses
                 statuses.append(completion(sc, f"down-{len(statuses)}").status_code)
-            wait_for(lambda: nixl.jobs, "the NIXL strategy to get the job")
+            until(lambda: nixl.jobs, "the NIXL strategy to get the job")
             sc.settle()
             assert [job.cause for job in nixl.jobs] == ["unreachable"]
             assert len(engine.notified) == 1
@@ -326,12 +276,12 @@ def test_auto_switches_to_control_when_the_plugin_appears() -> None:
         auto = sc.app.runtime.releaser
         assert isinstance(auto, AutoReleaser) and auto.path == "nixl"
         assert completion(sc, "req-1").status_code == 400
-        wait_for(lambda: nixl.jobs, "the NIXL strategy to get the job")
+        until(lambda: nixl.jobs, "the NIXL strategy to get the job")
         # In real life D restarts with the plugin; here its route is added to the running app.
         KVReleasePlugin(SETTINGS).attach_router(app)
-        wait_for(lambda: auto.path == "control", "a probe to find the endpoint")
+        until(lambda: auto.path == "control", "a probe to find the endpoint")
         assert completion(sc, "req-2").status_code == 400
-        wait_for(lambda: engine.notified, "the engine's notify call")
+        until(lambda: engine.notified, "the engine's notify call")
         sc.settle()
         assert [job.request_id for job in nixl.jobs] == ["req-1"]
         assert [call[0] for call in engine.notified] == ["req-2-p"]
@@ -385,15 +335,6 @@ def decode(sc: Sidecar, request_id: str, params: dict[str, Any], max_tokens: Any
     return response.status_code
 
 
-def p_stats(p: ServerThread, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    def current() -> dict[str, Any] | None:
-        stats: dict[str, Any] = httpx.get(p.url + "/stats").json()
-        return stats if check(stats) else None
-
-    result: dict[str, Any] = wait_for(current, "P's stats", timeout=10)
-    return result
-
-
 @pytest.mark.nixl
 @pytest.mark.parametrize(
     ("version", "engine_kind", "engine_id"),
@@ -403,7 +344,7 @@ def test_http_release_frees_p_through_d(version: str, engine_kind: str, engine_i
     with pd(version, engine_kind) as (p, engine, sc):
         params = prefill(p, "rej-1")
         assert decode(sc, "rej-1", params, max_tokens="x") == 400  # validation: before D's handler
-        after = p_stats(p, lambda s: s["pinned_requests"] == 0)
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         assert after["freed_by_notification"] == 1 and after["notifs_per_rank"] == [1, 1]
         assert after["notifs_unknown"] == 0
         sc.settle()
@@ -419,7 +360,7 @@ def test_http_leaves_handler_rejections_to_d_own_fix() -> None:
     with pd("0.33.0", "notify") as (p, engine, sc):
         params = prefill(p, "fix-1")
         assert decode(sc, "fix-1", params, words=80) == 400  # prompt too long: inside D's handler
-        after = p_stats(p, lambda s: s["pinned_requests"] == 0)
+        after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
         sc.settle()
         assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0  # D's fix alone
         assert engine.notified == []
@@ -437,7 +378,7 @@ def test_auto_releases_over_real_nixl_when_d_is_down() -> None:
             assert sc.app.runtime.releaser.probed == "unreachable"  # type: ignore[union-attr]
             params = prefill(p, "down-1")
             assert decode(sc, "down-1", params) == 503
-            after = p_stats(p, lambda s: s["pinned_requests"] == 0)
+            after = wait_stats(p, lambda s: s["pinned_requests"] == 0)
             sc.settle()
             assert after["notifs_per_rank"] == [1, 1] and after["notifs_unknown"] == 0
             assert sc.sample("kvr_auto_releases_total", path="nixl", result="sent") == 1

@@ -42,15 +42,15 @@ from tests.integration.guides import (
     flag,
     listener_pid,
     on_free_ports,
-    p_stats,
     port_of,
     runnable,
     sample,
-    until_p,
+    started,
     wait_closed,
 )
-from tests.integration.test_readme_by_hand import started, wait_for
-from tests.servers import free_port
+from tests.support.ports import free_port
+from tests.support.sims import p_stats, wait_stats
+from tests.support.until import answered
 
 pytestmark = pytest.mark.nixl
 
@@ -82,9 +82,9 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
     router_url, admin_url = (f"http://127.0.0.1:{ports[port]}" for port in ("8000", "9100"))
     with started(loopback + back_end, tmp_path / "p-d-sidecar.log", tmp_path):
         for url in (p_url + "/health", d_url + "/health", admin_url + "/readyz"):
-            wait_for(url)
+            answered(url, timeout=60.0, poll=0.05)
         with started(loopback + front_end, tmp_path / "router.log", tmp_path):
-            wait_for(router_url + "/health")
+            answered(router_url + "/health", timeout=60.0, poll=0.05)
             served, refused = answers(bash(on_free_ports(requests, ports), tmp_path))
             assert "error" not in served and served["choices"][0]["text"], served
             error = refused["error"]
@@ -93,7 +93,7 @@ def test_the_page_runs_on_the_simulators(tmp_path: Path) -> None:
                 "BadRequestError",
                 "stream_options",
             )
-            stats = until_p(p_url, lambda s: s["requests_pinned"] == 2 and s["pinned_requests"] == 0)
+            stats = wait_stats(p_url, lambda s: s["requests_pinned"] == 2 and s["pinned_requests"] == 0)
             assert (stats["freed_by_notification"], stats["freed_by_expiry"], stats["notifs_unknown"]) == (
                 2,
                 0,
@@ -119,7 +119,7 @@ def not_retried(router_url: str, p_url: str, d_url: str) -> None:
     body = {"model": "Qwen/Qwen3-0.6B", "prompt": "busy [[reject:503]]", "max_tokens": 8}
     answer = httpx.post(router_url + "/v1/completions", json=body, timeout=30)
     assert answer.status_code == 503, answer.text
-    after = until_p(p_url, lambda s: s["pinned_requests"] == 0)
+    after = wait_stats(p_url, lambda s: s["pinned_requests"] == 0)
     assert after["requests_pinned"] == before["requests_pinned"] + 1  # no second prefill
     assert len(d_attempts(d_url)) == attempts + 1  # no second decode attempt
     assert after["freed_by_notification"] == before["freed_by_notification"] + 1
@@ -136,7 +136,7 @@ def d_down_is_released(router_url: str, p_url: str, d_port: int, admin_url: str)
     body = {"model": "Qwen/Qwen3-0.6B", "prompt": "D is gone", "max_tokens": 8}
     answer = httpx.post(router_url + "/v1/completions", json=body, timeout=30)
     assert answer.status_code == 503 and "decode server" in answer.text, answer.text
-    after = until_p(p_url, lambda s: s["pinned_requests"] == 0)
+    after = wait_stats(p_url, lambda s: s["pinned_requests"] == 0)
     assert after["requests_pinned"] == before["requests_pinned"] + 1
     assert after["freed_by_notification"] == before["freed_by_notification"] + 1
     assert after["notifs_unknown"] == before["notifs_unknown"]

@@ -46,9 +46,10 @@ import pytest
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
+from sidecar.sim.servers import ServerThread, serve
 from tests.deploy.manifests import ROOT
 from tests.integration.guides import in_own_group
-from tests.servers import ServerThread, free_port, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.nixl
 

@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sidecar.proxy.handler import WHOLE_LIMIT
+from sidecar.sim.servers import serve
 from sidecar.transport.relay import ClientRelay
-from tests.integration.conftest import kv_params, run_sidecar
-from tests.servers import serve
+from tests.support.runner import kv_params, run_sidecar
 
 ANSWER = {"id": "cmpl-1", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": "x"}}]}
 REFUSAL = {"error": {"message": "max_tokens is too large", "type": "BadRequestError", "code": 400}}

@@ -11,7 +11,6 @@ Readiness is polled; no wall-clock bound is asserted beyond a generous one for a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -21,7 +20,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,211 +27,22 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from sidecar.wire import error_body
-from tests.emulation import EMULATED
-from tests.integration.conftest import kv_params
-from tests.servers import ServerThread, free_port, serve
+from sidecar.sim.servers import ServerThread
+from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
+from tests.support.ports import free_port
+from tests.support.runner import kv_params
+from tests.support.until import until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
-HANG = 300.0 if EMULATED else 60.0  # a bound for a hang, not a measure (emulation: tests.emulation)
-VALIDATION = error_body(
-    "1 validation error:\n  {'type': 'int_parsing', 'loc': ('body', 'max_tokens'), "
-    "'msg': 'Input should be a valid integer', 'input': 'x'}",
-    400,
-    "Bad Request",
-    "body.max_tokens",
-)
-
-
-class FakeDecode:
-    """D and its control endpoint. A completion's prompt says what D does: ``reject`` (vLLM's
-    400 for a body failing validation, before its handler: the sidecar releases), ``hold``
-    (answer 200 once ``gate`` opens), ``hold-reject`` (the 400 once ``gate`` opens), else 200."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.control_gate = threading.Event()
-        self.control_gate.set()
-        self.releases: list[str] = []  # the remote_request_id of every release asked for
-        self.completions: list[str] = []
-        self.held = 0
-        self._lock = threading.Lock()
-
-    def app(self) -> Starlette:
-        async def health(request: Request) -> Response:
-            return Response(b"")
-
-        async def version(request: Request) -> Response:
-            return JSONResponse({"version": "0.33.0"})
-
-        async def completions(request: Request) -> Response:
-            body = await request.json()
-            rid = body["kv_transfer_params"]["remote_request_id"]
-            with self._lock:
-                self.completions.append(rid)
-            prompt = body["prompt"]
-            if prompt.startswith("hold"):
-                with self._lock:
-                    self.held += 1
-                await asyncio.to_thread(self.gate.wait, HANG)
-            if prompt.endswith("reject"):
-                return Response(VALIDATION, status_code=400, media_type="application/json")
-            answer = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
-                      "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}  # fmt: skip
-            return JSONResponse(answer)
-
-        async def release(request: Request) -> Response:
-            body = await request.json()
-            await asyncio.to_thread(self.control_gate.wait, HANG)
-            with self._lock:
-                self.releases.append(body["kv_transfer_params"]["remote_request_id"])
-            return JSONResponse({"request_id": body["request_id"]})
-
-        async def control_health(request: Request) -> Response:
-            return JSONResponse({})
-
-        return Starlette(
-            routes=[
-                Route("/health", health),
-                Route("/version", version),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/kv_release/v1/release", release, methods=["POST"]),
-                Route("/kv_release/v1/health", control_health),
-            ]
-        )
-
-
-class Workers:
-    """A running ``serve --workers 2`` and what its log says."""
-
-    def __init__(self, process: subprocess.Popen[bytes], log: Path, url: str, admin: str) -> None:
-        self.process, self.log, self.url, self.admin = process, log, url, admin
-        self.verify: ssl.SSLContext | bool = True
-
-    def lines(self) -> list[dict[str, Any]]:
-        found = []
-        for line in self.log.read_text().splitlines():
-            if line.startswith("{"):
-                found.append(json.loads(line))
-        return found
-
-    def sockets(self) -> dict[int, str]:
-        """Each worker's admin socket, by index (the last one logged: a restarted worker's)."""
-        found: dict[int, str] = {}
-        for line in self.lines():
-            if line.get("msg") == "listening" and line.get("setting") == "admin_port":
-                found[line["worker"]] = line["addresses"][0]  # each worker's lines name it
-        return found
-
-    def ready(self) -> dict[str, Any]:
-        deadline = time.monotonic() + HANG
-        while True:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                response = httpx.get(self.admin + "/readyz", timeout=5, verify=self.verify)
-                if response.status_code == 200:
-                    body: dict[str, Any] = response.json()
-                    return body
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.05)
-
-    def worker_sample(self, index: int, name: str, **labels: str) -> float:
-        socket = self.sockets()[index]
-        with httpx.Client(transport=httpx.HTTPTransport(uds=socket), timeout=5) as client:
-            text = client.get("http://worker/metrics").text
-        return sample(text, name, **labels)
-
-    def sample(self, name: str, **labels: str) -> float:
-        return sample(httpx.get(self.admin + "/metrics", timeout=5).text, name, **labels)
-
-    def complete(self, rid: str, prompt: str = "say ok") -> httpx.Response:
-        """One completion over a connection of its own."""
-        body = {"model": "m", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": kv_params(rid)}
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=HANG)
-
-    def until_each_worker(self, name: str, send: Callable[[int], object], **labels: str) -> int:
-        """Call ``send(i)`` (i = 0, 1, ...) until metric ``name`` counts at least one on every worker;
-        how many calls that took."""
-        for i in range(400):
-            send(i)
-            if all(self.worker_sample(w, name, **labels) >= 1 for w in (0, 1)):
-                return i + 1
-        raise AssertionError("the kernel gave every connection to one worker 400 times")
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
-@pytest.fixture
-def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
-    fake = FakeDecode()
-    with serve(fake.app()) as server:
-        yield fake, server
-        fake.gate.set()
-        fake.control_gate.set()
-
-
-def start_workers(
-    decode_url: str, tmp_path: Path, *flags: str, verify: ssl.SSLContext | None = None
-) -> Iterator[Workers]:
-    port, admin = free_port(), free_port()
-    log = tmp_path / "sidecar.log"
-    argv = [sys.executable, "-m", "sidecar", "serve", "--workers", "2", "--release", "http",
-            "--control-token", "t", "--decode-url", decode_url, "--decode-kv-connector", "yes",
-            "--vllm-version", "0.33.0", "--host", "127.0.0.1", "--port", str(port),
-            "--admin-host", "127.0.0.1", "--admin-port", str(admin), "--log-format", "json",
-            *flags]  # fmt: skip
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        scheme = "http" if verify is None else "https"
-        workers = Workers(process, log, f"{scheme}://127.0.0.1:{port}", f"{scheme}://127.0.0.1:{admin}")
-        workers.verify = verify or True
-        workers.ready()
-        wait_until(lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged")
-        yield workers
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(HANG)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-@pytest.fixture
-def workers(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
-    yield from start_workers(decode[1].url, tmp_path)
 
 
 def test_a_replay_is_refused_on_every_worker(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
-    fake = decode[0]
+    fake = fake_decode[0]
     assert workers.complete("spent-1", "reject").status_code == 400
-    wait_until(lambda: fake.releases == ["spent-1"], "the rejection released")
+    until(lambda: fake.releases == ["spent-1"], "the rejection released", timeout=HANG, poll=0.02)
     answers: list[int] = []
     sent = workers.until_each_worker(
         "kvr_released_replays_total",
@@ -246,25 +55,29 @@ def test_a_replay_is_refused_on_every_worker(
     assert fake.releases == ["spent-1"]
 
 
-def test_exactly_one_release_per_rejection(decode: tuple[FakeDecode, ServerThread], workers: Workers) -> None:
+def test_exactly_one_release_per_rejection(
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
+) -> None:
     """Three copies of each rejected request at once, on connections of their own: whichever
     workers judge them, P's blocks are released once."""
-    fake = decode[0]
+    fake = fake_decode[0]
     rids = [f"dup-{i}" for i in range(20)]
     with ThreadPoolExecutor(12) as pool:
         statuses = list(pool.map(lambda rid: workers.complete(rid, "reject").status_code, rids * 3))
     assert set(statuses) <= {400, 409}  # D's rejection, or the replay refused once released
-    wait_until(lambda: workers.sample("kvr_inflight_requests") == 0, "every request judged")
+    until(
+        lambda: workers.sample("kvr_inflight_requests") == 0, "every request judged", timeout=HANG, poll=0.02
+    )
     for worker in (0, 1):
         assert workers.worker_sample(worker, "kvr_release_queue_depth") == 0
-    wait_until(lambda: len(fake.releases) >= len(rids), "every rejection released")
+    until(lambda: len(fake.releases) >= len(rids), "every rejection released", timeout=HANG, poll=0.02)
     assert sorted(fake.releases) == sorted(rids)  # once each, never twice
     assert workers.sample("kvr_releases_total", result="sent") == len(rids)
     assert all(workers.worker_sample(w, "kvr_requests_total") > 0 for w in (0, 1))
 
 
 def test_metrics_totals_are_the_sum_of_every_workers_work(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
     def answered(i: int) -> None:
         assert workers.complete(f"ok-{i}").status_code == 200
@@ -282,17 +95,17 @@ def test_metrics_totals_are_the_sum_of_every_workers_work(
 
 
 @pytest.fixture
-def patient(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+def patient(fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
     """Workers whose drain, flush and release held at the control endpoint wait long enough for a
     loaded machine (the test bounds the wait): one attempt, never timed out and retried."""
     flags = ("--drain-timeout", "120", "--flush-timeout", "60", "--control-timeout", "60")
-    yield from start_workers(decode[1].url, tmp_path, *flags)
+    yield from start_workers(fake_decode[1].url, tmp_path, *flags)
 
 
 def test_sigterm_drains_every_worker_and_flushes_pending_releases(
-    decode: tuple[FakeDecode, ServerThread], patient: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], patient: Workers
 ) -> None:
-    fake, workers = decode[0], patient
+    fake, workers = fake_decode[0], patient
     fake.control_gate.clear()  # the release waits at D's control endpoint: pending at SIGTERM
     assert workers.complete("flushed", "reject").status_code == 400
     results: list[int] = []
@@ -304,12 +117,22 @@ def test_sigterm_drains_every_worker_and_flushes_pending_releases(
         )
         thread.start()
         threads.append(thread)
-        wait_until(lambda: fake.held == len(threads), "the request held at D")
+        until(lambda: fake.held == len(threads), "the request held at D", timeout=HANG, poll=0.02)
 
     workers.until_each_worker("kvr_inflight_requests", hold)  # every worker has a request at D
     workers.process.send_signal(signal.SIGTERM)
-    wait_until(lambda: httpx.get(workers.admin + "/readyz", timeout=5).status_code == 503, "readiness off")
-    wait_until(lambda: _refused(workers.url), "new connections refused while the workers drain")
+    until(
+        lambda: httpx.get(workers.admin + "/readyz", timeout=5).status_code == 503,
+        "readiness off",
+        timeout=HANG,
+        poll=0.02,
+    )
+    until(
+        lambda: _refused(workers.url),
+        "new connections refused while the workers drain",
+        timeout=HANG,
+        poll=0.02,
+    )
     fake.gate.set()
     for thread in threads:
         thread.join(HANG)
@@ -322,26 +145,28 @@ def test_sigterm_drains_every_worker_and_flushes_pending_releases(
 
 
 @pytest.fixture
-def leased(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
+def leased(fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
     """Workers whose release deadline (the veto's hold on a dead worker's requests) outlasts a
     worker's restart on a loaded machine."""
-    yield from start_workers(decode[1].url, tmp_path, "--release-deadline", "300")
+    yield from start_workers(fake_decode[1].url, tmp_path, "--release-deadline", "300")
 
 
 def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
-    decode: tuple[FakeDecode, ServerThread], leased: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], leased: Workers
 ) -> None:
-    fake, workers = decode[0], leased
+    fake, workers = fake_decode[0], leased
     before = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
     client = threading.Thread(target=lambda: _swallow(lambda: workers.complete("orphan", "hold-reject")))
     client.start()
-    wait_until(lambda: fake.held == 1, "the request at D")
+    until(lambda: fake.held == 1, "the request at D", timeout=HANG, poll=0.02)
     victim = next(w for w in (0, 1) if workers.worker_sample(w, "kvr_inflight_requests") == 1)
     os.kill(before[victim], signal.SIGKILL)
     client.join(HANG)  # its client saw the connection drop
-    wait_until(
+    until(
         lambda: any(line.get("msg", "").startswith("worker exited") for line in workers.lines()),
         "the death logged",
+        timeout=HANG,
+        poll=0.02,
     )
     after = {w["worker"]: w["pid"] for w in workers.ready()["workers"]}
     assert after[victim] != before[victim] and after[1 - victim] == before[1 - victim]
@@ -353,9 +178,11 @@ def test_a_killed_worker_is_restarted_and_nothing_is_released_for_its_requests(
     # The same parameters again, rejected at once: D may still be reading them for the dead
     # worker's request (it aborts it), so whichever worker judges this one must not release.
     assert workers.complete("orphan", "reject").status_code == 400
-    wait_until(
+    until(
         lambda: workers.sample("kvr_not_released_total", cause="params_in_use") >= 1,
         "the replay judged",
+        timeout=HANG,
+        poll=0.02,
     )
     assert workers.sample("kvr_not_released_total") == 1
     assert fake.releases == []
@@ -377,7 +204,7 @@ def _swallow(call: Callable[[], Any]) -> None:
 
 
 def test_tls_is_served_by_every_worker_and_the_admin_port(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
@@ -390,7 +217,9 @@ def test_tls_is_served_by_every_worker_and_the_admin_port(
     ca.cert_pem.write_to_path(str(ca_file))
     verify = ssl.create_default_context(cafile=str(ca_file))
     flags = ("--tls", "--tls-cert-dir", str(certs), "--admin-tls-cert-dir", str(certs))
-    with contextlib.contextmanager(start_workers)(decode[1].url, tmp_path, *flags, verify=verify) as workers:
+    with contextlib.contextmanager(start_workers)(
+        fake_decode[1].url, tmp_path, *flags, verify=verify
+    ) as workers:
         answered: list[int] = []
 
         def ask(i: int) -> None:
@@ -406,11 +235,11 @@ def test_tls_is_served_by_every_worker_and_the_admin_port(
 
 
 def test_workers_that_cannot_start_stop_the_supervisor_with_their_status(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
     """As one process exits 1 when its start-up fails, so do the workers' supervisor, at once."""
     argv = [sys.executable, "-m", "sidecar", "serve", "--workers", "2", "--release", "http",
-            "--control-token-file", str(tmp_path / "missing"), "--decode-url", decode[1].url,
+            "--control-token-file", str(tmp_path / "missing"), "--decode-url", fake_decode[1].url,
             "--host", "127.0.0.1", "--port", str(free_port()), "--admin-host", "127.0.0.1",
             "--admin-port", str(free_port()), "--log-format", "json"]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, timeout=HANG, check=False)

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +23,12 @@ import pytest
 import trustme
 from cryptography import x509
 
-from tests.integration.conftest import kv_params
-from tests.integration.test_workers import HANG, FakeDecode, Workers, start_workers, wait_until
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread
+from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
+from tests.support.runner import kv_params
+from tests.support.until import until
 
 pytestmark = pytest.mark.serial  # several processes each: run alone, as the other process tests
-
-
-@pytest.fixture
-def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
-    fake = FakeDecode()
-    with serve(fake.app()) as server:
-        yield fake, server
-        fake.gate.set()
-        fake.control_gate.set()
 
 
 def served_by(workers: Workers, send: Callable[[], Any]) -> tuple[int, Any]:
@@ -77,7 +69,7 @@ def tls_completion(port: int, verify: ssl.SSLContext, rid: str) -> tuple[int, in
 
 
 def test_a_rotated_certificate_reaches_new_connections_on_every_worker(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
     ca = trustme.CA()
     certs = tmp_path / "certs"
@@ -87,7 +79,9 @@ def test_a_rotated_certificate_reaches_new_connections_on_every_worker(
     ca.cert_pem.write_to_path(str(ca_file))
     verify = ssl.create_default_context(cafile=str(ca_file))
     flags = ("--tls", "--tls-cert-dir", str(certs), "--admin-tls-cert-dir", str(certs))
-    with contextlib.contextmanager(start_workers)(decode[1].url, tmp_path, *flags, verify=verify) as workers:
+    with contextlib.contextmanager(start_workers)(
+        fake_decode[1].url, tmp_path, *flags, verify=verify
+    ) as workers:
         port, started = int(workers.url.rsplit(":", 1)[1]), pids(workers)
         calls = iter(range(10_000))
 
@@ -114,11 +108,16 @@ def test_a_rotated_certificate_reaches_new_connections_on_every_worker(
                 if line.get("msg") == "TLS certificate reloaded" and "worker" in line
             }
 
-        wait_until(lambda: reloaded() == {0, 1}, "every worker reloaded its certificate")
+        until(lambda: reloaded() == {0, 1}, "every worker reloaded its certificate", timeout=HANG, poll=0.02)
         each_worker_serves(second)  # every new connection, whichever worker takes it: no restart
         assert pids(workers) == started  # no worker restarted for it
         admin = int(workers.admin.rsplit(":", 1)[1])
-        wait_until(lambda: serial_at(admin, verify) == second, "the admin port's certificate reloaded")
+        until(
+            lambda: serial_at(admin, verify) == second,
+            "the admin port's certificate reloaded",
+            timeout=HANG,
+            poll=0.02,
+        )
 
 
 def pids(workers: Workers) -> dict[int, int]:
@@ -138,7 +137,12 @@ def serial_at(port: int, verify: ssl.SSLContext) -> int:
 
 def directory_of(workers: Workers) -> Path:
     """The supervisor's private directory (shared table, admin sockets), as it logged it."""
-    wait_until(lambda: any(line.get("msg") == "workers started" for line in workers.lines()), "started")
+    until(
+        lambda: any(line.get("msg") == "workers started" for line in workers.lines()),
+        "started",
+        timeout=HANG,
+        poll=0.02,
+    )
     started = next(line for line in workers.lines() if line.get("msg") == "workers started")
     return Path(started["directory"])
 
@@ -152,9 +156,9 @@ def gone(pid: int) -> bool:
 
 
 def test_a_supervisor_killed_with_sigkill_leaves_a_directory_the_next_one_removes(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
-    url = decode[1].url
+    url = fake_decode[1].url
     start = contextlib.contextmanager(start_workers)
     for name in ("live", "killed", "next"):
         (tmp_path / name).mkdir()
@@ -164,7 +168,12 @@ def test_a_supervisor_killed_with_sigkill_leaves_a_directory_the_next_one_remove
         os.kill(killed.process.pid, signal.SIGKILL)
         killed.process.wait()
         assert left.is_dir() and (left / "ledger").is_file()  # what nothing else would remove
-        wait_until(lambda: all(gone(pid) for pid in orphans), "its workers exited (SIGTERM at its death)")
+        until(
+            lambda: all(gone(pid) for pid in orphans),
+            "its workers exited (SIGTERM at its death)",
+            timeout=HANG,
+            poll=0.02,
+        )
         with start(url, tmp_path / "next") as following:
             assert not left.exists()  # removed at the next supervisor's start
             assert kept.is_dir() and (kept / "ledger").is_file()  # a live one's is never touched

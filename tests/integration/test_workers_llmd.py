@@ -29,14 +29,17 @@ from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import PrefillSimConfig, create_prefill_app
-from tests.fake_kube import inference_pool, pod
-from tests.integration.test_llmd import LABELS, VERSION, kube_api, write_cert
-from tests.integration.test_router import completion, wait_stats
-from tests.integration.test_workers import HANG, Workers, wait_until
-from tests.ranked import consecutive_free_ports, ranked
-from tests.servers import free_port, serve
+from sidecar.sim.servers import serve
+from tests.integration.workers import HANG, Workers
+from tests.support.certs import write_cert
+from tests.support.fake_kube import LABELS, inference_pool, kube_api, pod
+from tests.support.ports import free_port
+from tests.support.ranked import ranked
+from tests.support.sims import completion, wait_stats
+from tests.support.until import until
 
 pytestmark = [pytest.mark.nixl, pytest.mark.serial]  # several processes each: run alone
+VERSION = "0.33.0"
 TRIES = 400  # new connections before concluding the kernel gives them all to one worker
 
 
@@ -62,7 +65,9 @@ def llm_d_workers(args: list[str], env: dict[str, str], log: Path, url: str, adm
     workers = Workers(process, log, url, f"http://127.0.0.1:{admin}")
     try:
         workers.ready()
-        wait_until(lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged")
+        until(
+            lambda: len(workers.sockets()) == 2, "both workers' admin sockets logged", timeout=HANG, poll=0.02
+        )
         yield workers
     finally:
         process.send_signal(signal.SIGTERM)
@@ -114,13 +119,13 @@ def sender(target: str, prefiller: str, rank: int) -> Callable[..., tuple[str, i
 
 
 def test_each_data_parallel_rank_is_served_by_every_worker(tmp_path: Path) -> None:
-    d_base = consecutive_free_ports(2)
+    d_base = free_port(2)
     with (
         serve(p_sim()) as p0,
         serve(p_sim()) as p1,
         ranked([d_config()] * 2, d_base, lambda: VllmDHooks(VERSION)) as ds,
     ):
-        base, admin = consecutive_free_ports(2), free_port()
+        base, admin = free_port(2), free_port()
         args = [f"--port={base}", f"--model-server-port={d_base}", "--data-parallel-size=2",
                 "--secure-serving=false"]  # fmt: skip
         env = {"KVR_PREFILL_ALLOW": "127.0.0.1", "POD_IP": "127.0.0.1"}
@@ -147,7 +152,12 @@ def test_each_data_parallel_rank_is_served_by_every_worker(tmp_path: Path) -> No
                 )
                 assert after["freed_by_notification"] == pinned, after
                 assert after["notifs_per_rank"] == [pinned, pinned] and after["notifs_unknown"] == 0, after
-            wait_until(lambda: released(workers, 0) + released(workers, 1) == rejections, "each released")
+            until(
+                lambda: released(workers, 0) + released(workers, 1) == rejections,
+                "each released",
+                timeout=HANG,
+                poll=0.02,
+            )
             assert workers.sample("kvr_releases_total", result="sent") == rejections
             assert released(workers, 0) >= 2 and released(workers, 1) >= 2  # one per rank at least
 
@@ -183,7 +193,12 @@ def test_the_supervisor_watches_the_inference_pool_once_and_every_worker_enforce
             # What the API server carries: one watch of the pool and one of its pods, the
             # supervisor's, whatever the number of workers.
             watches = ["inferencepools", "pods"]
-            wait_until(lambda: sorted(resource for resource, _ in fake.watchers) == watches, "one watch each")
+            until(
+                lambda: sorted(resource for resource, _ in fake.watchers) == watches,
+                "one watch each",
+                timeout=HANG,
+                poll=0.02,
+            )
 
             def send(i: int, named: str = "127.0.0.1", **body: Any) -> int:
                 header = {"x-prefiller-host-port": f"{named}:{p.port}", "connection": "close"}
@@ -196,8 +211,11 @@ def test_the_supervisor_watches_the_inference_pool_once_and_every_worker_enforce
             assert statuses(served) == {200}  # the pool's pod: allowed on each worker
             judged = each_worker(workers, functools.partial(send, max_tokens="x"), status_class="4xx")
             assert statuses(judged) == {400}
-            wait_until(  # each worker released its own rejections to the pool's P
-                lambda: all(released(workers, w) == len(judged[w]) for w in (0, 1)), "each rejection released"
+            until(  # each worker released its own rejections to the pool's P
+                lambda: all(released(workers, w) == len(judged[w]) for w in (0, 1)),
+                "each rejection released",
+                timeout=HANG,
+                poll=0.02,
             )
             pinned = sum(len(answers) for answers in (*served.values(), *judged.values()))
             after = wait_stats(p, lambda s: s["pinned_requests"] == 0 and s["requests_pinned"] == pinned)
@@ -218,7 +236,7 @@ def test_the_supervisor_watches_the_inference_pool_once_and_every_worker_enforce
             # (a worker without them would answer 503 while starting, then 403).
             before = pids(workers)
             os.kill(before[0], signal.SIGKILL)
-            wait_until(lambda: pids(workers)[0] != before[0], "worker 0 restarted")
+            until(lambda: pids(workers)[0] != before[0], "worker 0 restarted", timeout=HANG, poll=0.02)
             assert statuses(each_worker(workers, send, status_class="2xx")) == {200}
             assert sorted(resource for resource, _ in fake.watchers) == watches  # none added, none lost
             assert len(fake.watch_requests("inferencepools")) == len(fake.watch_requests("pods")) == 1

@@ -24,14 +24,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.emulation import EMULATED, quick
-from tests.integration.test_workers import FakeDecode, Workers, start_workers, wait_until
-from tests.servers import ServerThread, serve
+from sidecar.sim.servers import ServerThread
+from tests.integration.workers import HANG, FakeDecode, Workers, start_workers
+from tests.support.emulation import EMULATED, quick
+from tests.support.until import until
 
 # Several processes, stopped and resumed, bounded in milliseconds: run last, with nothing beside them.
 pytestmark = [pytest.mark.serial, pytest.mark.alone]
@@ -78,20 +78,6 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
-@pytest.fixture
-def decode() -> Iterator[tuple[FakeDecode, ServerThread]]:
-    fake = FakeDecode()
-    with serve(fake.app()) as server:
-        yield fake, server
-        fake.gate.set()
-        fake.control_gate.set()
-
-
-@pytest.fixture
-def workers(decode: tuple[FakeDecode, ServerThread], tmp_path: Path) -> Iterator[Workers]:
-    yield from start_workers(decode[1].url, tmp_path)
-
-
 def _pids(workers: Workers) -> dict[int, int]:
     return {line["worker"]: line["pid"] for line in workers.lines() if line.get("msg") == "worker started"}
 
@@ -109,7 +95,7 @@ def _stopped_helper(script: str, workers: Workers) -> subprocess.Popen[bytes]:
     """``script`` run against the workers' table until it stops itself (inside the table)."""
     helper = subprocess.Popen([sys.executable, "-c", script, str(_table(workers))], stdout=subprocess.PIPE)
     assert helper.stdout is not None and helper.stdout.readline() == b"stopping\n"
-    wait_until(lambda: _stopped(helper.pid), "the helper stopped inside the table")
+    until(lambda: _stopped(helper.pid), "the helper stopped inside the table", timeout=HANG, poll=0.02)
     return helper
 
 
@@ -128,9 +114,9 @@ def _timed(workers: Workers, rid: str, prompt: str = "say ok") -> tuple[int, flo
 
 
 def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
-    fake, stopped = decode[0], _pids(workers)[0]
+    fake, stopped = fake_decode[0], _pids(workers)[0]
     calm = max(took for _, took in (_timed(workers, f"calm-{i}") for i in range(20)))
     os.kill(stopped, signal.SIGSTOP)
     helper = _stopped_helper(HALF_WRITTEN, workers)
@@ -154,18 +140,23 @@ def test_a_worker_stopped_inside_a_table_operation_stalls_nobody(
         helper.stdout.close()
     assert helper.returncode == 0
     assert workers.complete("after", "reject").status_code == 400
-    wait_until(lambda: fake.releases == ["after"], "releases made again once the lock is free")
+    until(
+        lambda: fake.releases == ["after"],
+        "releases made again once the lock is free",
+        timeout=HANG,
+        poll=0.02,
+    )
     workers.ready()
 
 
 def test_a_worker_stopped_while_it_reads_another_workers_shard_stalls_nobody(
-    decode: tuple[FakeDecode, ServerThread], tmp_path: Path
+    fake_decode: tuple[FakeDecode, ServerThread], tmp_path: Path
 ) -> None:
     # Worker 1 cannot write its own shard while a reader holds it: its requests at D go to the
     # shard's header, and what D admitted meanwhile holds every release for the lease (LEASE).
-    fake = decode[0]
+    fake = fake_decode[0]
     with contextlib.contextmanager(start_workers)(
-        decode[1].url, tmp_path, "--release-deadline", str(LEASE)
+        fake_decode[1].url, tmp_path, "--release-deadline", str(LEASE)
     ) as workers:
         stopped = _pids(workers)[0]
         try:
@@ -196,12 +187,14 @@ def _reader_stopped_inside_worker_1s_shard(fake: FakeDecode, workers: Workers, s
         sent += 1
         return bool(fake.releases)
 
-    wait_until(released, "releases made again once the reader let go and the lease passed")
+    until(
+        released, "releases made again once the reader let go and the lease passed", timeout=HANG, poll=0.02
+    )
     assert fake.releases[0].startswith("after-")
 
 
 def test_a_worker_stopped_at_random_times_under_load_stalls_nobody(
-    decode: tuple[FakeDecode, ServerThread], workers: Workers
+    fake_decode: tuple[FakeDecode, ServerThread], workers: Workers
 ) -> None:
     stopped, windows = _pids(workers)[0], []
     done = threading.Event()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -44,3 +47,10 @@ def environment(machine: str, python: str) -> dict[str, str]:
         "sys_platform": "linux",
         "extra": "",
     }
+
+
+def uv_binary() -> str:
+    found = shutil.which("uv", path=str(ROOT / ".tools" / "bin")) or shutil.which("uv")
+    if not found:
+        pytest.skip("no uv found (make installs one in .tools/): the uv recipe is not checked")
+    return found

@@ -22,8 +22,7 @@ from packaging.requirements import Requirement
 from packaging.tags import Tag
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from tests.packaging.recipes import NIXL_RECIPE, PLATFORMS, PYPROJECT, ROOT, environment
-from tests.packaging.test_resolution import uv_binary
+from tests.packaging.recipes import NIXL_RECIPE, PLATFORMS, PYPROJECT, ROOT, environment, uv_binary
 
 PYTHONS = ("3.11", "3.12", "3.13")
 

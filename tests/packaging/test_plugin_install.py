@@ -30,8 +30,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.conformance.wheels import fetch_wheel
-from tests.index import unreachable
 from tests.packaging.recipes import ROOT
+from tests.support.index import unreachable
 
 if reason := unreachable():
     pytest.skip(

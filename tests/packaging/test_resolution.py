@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import platform
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,6 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.index import unreachable
 from tests.packaging.recipes import (
     CORE,
     NIXL_RECIPE,
@@ -38,17 +36,12 @@ from tests.packaging.recipes import (
     ROOT,
     environment,
     forbidden,
+    uv_binary,
 )
+from tests.support.index import unreachable
 
 if reason := unreachable():  # one line for the whole module, not one per test
     pytest.skip(f"{reason}: install resolution not checked", allow_module_level=True)
-
-
-def uv_binary() -> str:
-    found = shutil.which("uv", path=str(ROOT / ".tools" / "bin")) or shutil.which("uv")
-    if not found:
-        pytest.skip("no uv found (make installs one in .tools/): the uv recipe is not checked")
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from sidecar.nixl import BadReply
 from sidecar.nixl.messages import PeerMetadata, decode_reply, notification
 from sidecar.nixl.versions import RELEASES, RULES, WireProfile, check_params, engine_request_id, parse_version
 from sidecar.params import check
-from tests.nixl_layouts import HandshakePayload, agent_metadata_layout
 from tests.property.strategies import encode, ids, params_dicts
+from tests.support.nixl_layouts import HandshakePayload, agent_metadata_layout
 
 PROFILES = [p for p in (WireProfile.for_version(".".join(map(str, v))) for v in RELEASES) if p is not None]
 profiles = st.sampled_from(PROFILES)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.arm64 import __main__ as cli
 from tests.arm64 import lane
-from tests.emulation import quick
+from tests.support.emulation import quick
 
 
 def test_without_root_the_lane_stops_at_once_saying_so(

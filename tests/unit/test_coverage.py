@@ -9,7 +9,7 @@ import pytest
 
 from sidecar.decision.coverage import engine_covers, engine_may_cover, fix_version
 from sidecar.release.base import ReleaseJob
-from tests.fakes import release_params
+from tests.support.fakes import release_params
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MSG, GEN = "/v1/messages", "/inference/v1/generate"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from types import TracebackType
 from typing import Any
 
 import pytest
@@ -18,73 +16,15 @@ from sidecar.decode.state import (
     ENGINE_DEAD_MESSAGES,
     FAULTED_HOLD,
     INFO_MAX_AGE,
-    DecodeState,
     DecodeView,
     engine_dead_answer,
 )
 from sidecar.upstream import UpstreamError
-from tests.integration.test_release_causes import until
+from tests.support.fakes import NIXL_METRICS, OK, Answer, ProbedD, connect_refused, probed_state
+from tests.support.until import until_async
 
-NIXL_METRICS = (
-    b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
-    b"# TYPE vllm:nixl_xfer_time_seconds histogram\n"
-    b'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 0.0\n'
-)
 PLAIN_METRICS = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
 NO_STATS_METRICS = b"# TYPE python_gc_objects_collected counter\npython_gc_objects_collected_total 1.0\n"
-V033 = (200, [], b'{"version":"0.33.0"}')
-OK = (200, [], b"")
-Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
-
-
-class FakeResponse:
-    def __init__(self, answer: Answer, chunk: int) -> None:
-        self.status, self.headers, self._body, self._chunk = answer[0], answer[1], answer[2], chunk
-
-    async def read(self, limit: int) -> bytes:
-        return self._body[:limit]
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        for start in range(0, len(self._body), self._chunk):
-            yield self._body[start : start + self._chunk]
-
-    async def __aenter__(self) -> FakeResponse:
-        return self
-
-    async def __aexit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        pass
-
-
-class FakeUpstream:
-    """Answers by path: (status, headers, body), an exception to raise, or a callable giving one."""
-
-    base_url = "http://d.test:8200"
-
-    def __init__(self, **answers: Any) -> None:
-        self.answers: dict[str, Any] = {"health": OK, "version": V033, "metrics": NIXL_METRICS, **answers}
-        self.calls: list[str] = []
-        self.chunk = 1 << 20
-
-    def set(self, **answers: Any) -> None:
-        self.answers.update(answers)
-
-    async def send(self, method: str, target: str, *args: Any, **kwargs: Any) -> FakeResponse:
-        name = target.strip("/")
-        self.calls.append(name)
-        answer = self.answers[name]
-        if callable(answer):
-            answer = await answer()
-        if isinstance(answer, BaseException):
-            raise answer
-        if isinstance(answer, bytes):
-            answer = (200, [], answer)
-        return FakeResponse(answer, self.chunk)
-
-
-def refused() -> UpstreamError:
-    return UpstreamError(NoAnswer.CONNECT_REFUSED, "cannot connect to D")
 
 
 class Clock:
@@ -93,10 +33,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def make(upstream: FakeUpstream, **kwargs: Any) -> DecodeState:
-    return DecodeState(upstream, interval=kwargs.pop("interval", 3600.0), **kwargs)
 
 
 # --- the view -------------------------------------------------------------------------------
@@ -138,13 +74,13 @@ def test_engine_dead_answer_is_status_500_with_an_engine_dead_error_text(
 
 
 async def test_before_the_first_probe_d_is_unknown_and_cannot_notify() -> None:
-    view = make(FakeUpstream()).view()
+    view = probed_state(ProbedD()).view()
     assert view == DecodeView("unknown", False, None, None) and not view.can_notify
 
 
 async def test_start_reads_health_version_and_metrics_before_it_returns() -> None:
-    upstream = FakeUpstream()
-    state = make(upstream)
+    upstream = ProbedD()
+    state = probed_state(upstream)
     await state.start()
     try:
         assert state.view() == DecodeView("alive", False, True, "0.33.0")
@@ -155,8 +91,8 @@ async def test_start_reads_health_version_and_metrics_before_it_returns() -> Non
 
 
 async def test_view_is_one_attribute_read_with_no_io() -> None:
-    upstream = FakeUpstream()
-    state = make(upstream)
+    upstream = ProbedD()
+    state = probed_state(upstream)
     await state.refresh()
     calls = len(upstream.calls)
     views = {id(state.view()) for _ in range(10_000)}
@@ -170,12 +106,12 @@ async def test_view_is_one_attribute_read_with_no_io() -> None:
         ((503, [], b""), "dead"),
         ((404, [], b'{"detail":"Not Found"}'), "unknown"),
         ((500, [], b""), "unknown"),
-        (refused(), "unknown"),
+        (connect_refused(), "unknown"),
         (UpstreamError(NoAnswer.HEADER_TIMEOUT, "no response headers from D in time"), "unknown"),
     ],
 )
 async def test_health_status_gives_the_engine(health: Any, engine: str) -> None:
-    state = make(FakeUpstream(health=health))
+    state = probed_state(ProbedD(health=health))
     assert (await state.refresh()).engine == engine
 
 
@@ -189,7 +125,7 @@ async def test_health_status_gives_the_engine(health: Any, engine: str) -> None:
         (PLAIN_METRICS, "auto", False),  # stats on, no NIXL family
         (NO_STATS_METRICS, "auto", None),  # --disable-log-stats: cannot tell
         ((404, [], b""), "auto", None),
-        (refused(), "auto", None),
+        (connect_refused(), "auto", None),
         (PLAIN_METRICS, "yes", True),
         (NIXL_METRICS, "no", False),
         (NO_STATS_METRICS, "no", False),
@@ -198,14 +134,14 @@ async def test_health_status_gives_the_engine(health: Any, engine: str) -> None:
 async def test_kv_connector_from_metrics_unless_the_setting_says(
     metrics: Any, setting: str, kv: bool | None
 ) -> None:
-    state = make(FakeUpstream(metrics=metrics), kv_connector=setting)
+    state = probed_state(ProbedD(metrics=metrics), kv_connector=setting)
     view = await state.refresh()
     assert view.kv_connector is kv
     assert view.can_notify is (kv is not False)
 
 
 async def test_a_family_split_across_chunks_is_found() -> None:
-    upstream = FakeUpstream()
+    upstream = ProbedD()
     upstream.chunk = 7  # every marker straddles a boundary somewhere
     assert await probe_kv_connector(upstream) is True
     upstream.set(metrics=PLAIN_METRICS)
@@ -214,9 +150,7 @@ async def test_a_family_split_across_chunks_is_found() -> None:
 
 async def test_metrics_past_the_scan_limit_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decode_probes, "METRICS_LIMIT", 64)
-    upstream = FakeUpstream(
-        metrics=PLAIN_METRICS + b"# padding\n" * 20 + b"vllm:nixl_xfer_time_seconds_count 0\n"
-    )
+    upstream = ProbedD(metrics=PLAIN_METRICS + b"# padding\n" * 20 + b"vllm:nixl_xfer_time_seconds_count 0\n")
     upstream.chunk = 32
     assert await probe_kv_connector(upstream) is None
 
@@ -224,8 +158,8 @@ async def test_metrics_past_the_scan_limit_cannot_tell(monkeypatch: pytest.Monke
 async def test_no_connector_warns_once_and_again_only_when_it_changes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    upstream, clock = FakeUpstream(metrics=PLAIN_METRICS), Clock()
-    state = make(upstream, clock=clock)
+    upstream, clock = ProbedD(metrics=PLAIN_METRICS), Clock()
+    state = probed_state(upstream, clock=clock)
     with caplog.at_level(logging.INFO, logger="sidecar.decode_state"):
         await state.refresh()
         clock.now += INFO_MAX_AGE
@@ -237,7 +171,7 @@ async def test_no_connector_warns_once_and_again_only_when_it_changes(
 
 async def test_cannot_tell_warns_to_set_the_setting(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="sidecar.decode_state"):
-        await make(FakeUpstream(metrics=NO_STATS_METRICS)).refresh()
+        await probed_state(ProbedD(metrics=NO_STATS_METRICS)).refresh()
     assert any("set decode_kv_connector" in r.getMessage() for r in caplog.records)
 
 
@@ -245,8 +179,8 @@ async def test_cannot_tell_warns_to_set_the_setting(caplog: pytest.LogCaptureFix
 
 
 async def test_engine_death_and_return_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
-    upstream = FakeUpstream()
-    state = make(upstream)
+    upstream = ProbedD()
+    state = probed_state(upstream)
     with caplog.at_level(logging.INFO, logger="sidecar.decode_state"):
         await state.refresh()
         upstream.set(health=(503, [], b""))
@@ -260,12 +194,12 @@ async def test_engine_death_and_return_are_logged_once_each(caplog: pytest.LogCa
 
 
 async def test_info_is_reread_when_d_comes_back_and_when_it_is_old() -> None:
-    upstream, clock = FakeUpstream(), Clock()
-    state = make(upstream, clock=clock)
+    upstream, clock = ProbedD(), Clock()
+    state = probed_state(upstream, clock=clock)
     await state.refresh()
     await state.refresh()
     assert upstream.calls.count("metrics") == 1  # fresh: not re-read
-    upstream.set(health=refused())
+    upstream.set(health=connect_refused())
     clock.now += 1
     assert (await state.refresh()).engine == "unknown"
     upstream.set(health=OK, metrics=PLAIN_METRICS, version=(200, [], b'{"version":"0.29.0"}'))
@@ -283,8 +217,8 @@ async def test_info_is_reread_when_d_comes_back_and_when_it_is_old() -> None:
 
 
 async def test_a_failed_info_read_is_retried_at_the_next_poll() -> None:
-    upstream, clock = FakeUpstream(metrics=refused()), Clock()
-    state = make(upstream, clock=clock)
+    upstream, clock = ProbedD(metrics=connect_refused()), Clock()
+    state = probed_state(upstream, clock=clock)
     assert (await state.refresh()).kv_connector is None
     upstream.set(metrics=PLAIN_METRICS)
     clock.now += 1
@@ -313,7 +247,7 @@ async def test_a_failed_info_read_is_retried_at_the_next_poll() -> None:
 async def test_observe_lowers_the_view_at_once(
     signal: NoAnswer | int, message: str | None, engine: str
 ) -> None:
-    state = make(FakeUpstream())
+    state = probed_state(ProbedD())
     await state.refresh()
     state.observe(signal, message)
     assert state.view().engine == engine
@@ -326,44 +260,44 @@ async def test_an_answer_after_d_was_unreachable_brings_back_what_health_last_sa
 ) -> None:
     """D flapped: a refused connection, then D answers a rejection its handler raised. D's own
     fix has released it; the view must say so before the judge reads it, not a poll later."""
-    upstream, clock = FakeUpstream(), Clock()
+    upstream, clock = ProbedD(), Clock()
     if health is None:
-        upstream.set(health=refused())  # D was never seen before it answered
+        upstream.set(health=connect_refused())  # D was never seen before it answered
     else:
         upstream.set(health=health)
-    state = make(upstream, clock=clock)
+    state = probed_state(upstream, clock=clock)
     await state.refresh()
     clock.now += 1
     state.observe(NoAnswer.CONNECT_REFUSED)
     assert state.view().engine == "unknown"
     clock.now += 1
-    upstream.set(health=refused())  # a probe that fails meanwhile does not change what /health said
+    upstream.set(health=connect_refused())  # a probe that fails meanwhile does not change what /health said
     await state.refresh()
     state.observe(404, "The model `x` does not exist.")
     assert state.view().engine == engine and state.view().can_notify is (engine == "alive")
 
 
 async def test_an_answer_after_d_was_unreachable_wakes_the_poller_to_read_d_again() -> None:
-    upstream = FakeUpstream()
-    state = make(upstream, interval=3600.0)
+    upstream = ProbedD()
+    state = probed_state(upstream, interval=3600.0)
     await state.start()
     try:
         state.observe(NoAnswer.CONNECT_REFUSED)
         calls = len(upstream.calls)
         state.observe(404, None)
-        await until(lambda: upstream.calls[calls:] == ["health", "version", "metrics"])
+        await until_async(lambda: upstream.calls[calls:] == ["health", "version", "metrics"])
     finally:
         await state.close()
 
 
 async def test_connection_close_means_d_is_exiting_until_an_answer_without_it() -> None:
-    upstream, clock = FakeUpstream(), Clock()
-    state = make(upstream, clock=clock)
+    upstream, clock = ProbedD(), Clock()
+    state = probed_state(upstream, clock=clock)
     await state.refresh()
     state.observe(400, None, closing=True)
     assert state.view().shutting_down and not state.view().can_notify
     clock.now += 1
-    upstream.set(health=refused())  # the listener closed: no answer, still exiting
+    upstream.set(health=connect_refused())  # the listener closed: no answer, still exiting
     assert (await state.refresh()).shutting_down
     clock.now += 1
     upstream.set(health=(200, [(b"Connection", b"close")], b""))
@@ -376,8 +310,8 @@ async def test_connection_close_means_d_is_exiting_until_an_answer_without_it() 
 async def test_a_faulted_engine_cannot_notify_while_it_keeps_answering_so() -> None:
     """vLLM 0.34.0 with fault tolerance: /health stays 200 while every request is refused with
     EngineFaultedError, and D's own notification waits in the faulted engine core."""
-    upstream, clock = FakeUpstream(), Clock()
-    state = make(upstream, clock=clock)
+    upstream, clock = ProbedD(), Clock()
+    state = probed_state(upstream, clock=clock)
     await state.refresh()
     state.observe(503, ENGINE_FAULTED_MESSAGE)
     view = state.view()
@@ -397,15 +331,15 @@ async def test_a_faulted_engine_cannot_notify_while_it_keeps_answering_so() -> N
     [(503, ENGINE_FAULTED_MESSAGE + " "), (500, ENGINE_FAULTED_MESSAGE), (503, "busy"), (503, None)],
 )
 async def test_only_the_faulted_answer_marks_the_engine_faulted(status: int, message: str | None) -> None:
-    state = make(FakeUpstream())
+    state = probed_state(ProbedD())
     await state.refresh()
     state.observe(status, message)
     assert not state.view().faulted and state.view().can_notify
 
 
 async def test_a_probe_that_started_before_an_observation_does_not_undo_it() -> None:
-    upstream, clock = FakeUpstream(), Clock()
-    state = make(upstream, clock=clock)
+    upstream, clock = ProbedD(), Clock()
+    state = probed_state(upstream, clock=clock)
     await state.refresh()
     answered, go = asyncio.Event(), asyncio.Event()
 
@@ -430,7 +364,7 @@ async def test_a_probe_that_started_before_an_observation_does_not_undo_it() -> 
 
 
 async def test_draining_is_sticky_whatever_d_answers() -> None:
-    state = make(FakeUpstream())
+    state = probed_state(ProbedD())
     await state.refresh()
     state.draining()
     assert state.view().shutting_down and not state.view().can_notify
@@ -441,13 +375,13 @@ async def test_draining_is_sticky_whatever_d_answers() -> None:
 
 
 async def test_the_poller_follows_d_and_stops_on_close() -> None:
-    upstream = FakeUpstream()
-    state = make(upstream, interval=0.001)
+    upstream = ProbedD()
+    state = probed_state(upstream, interval=0.001)
     await state.start()
     upstream.set(health=(503, [], b""))
-    await until(lambda: state.view().engine == "dead")
+    await until_async(lambda: state.view().engine == "dead")
     upstream.set(health=OK)
-    await until(lambda: state.view().engine == "alive")
+    await until_async(lambda: state.view().engine == "alive")
     await state.close()
     calls = len(upstream.calls)
     await asyncio.sleep(0.01)
@@ -455,23 +389,23 @@ async def test_the_poller_follows_d_and_stops_on_close() -> None:
 
 
 async def test_the_poller_survives_a_bug_and_says_unknown(caplog: pytest.LogCaptureFixture) -> None:
-    upstream = FakeUpstream()
-    state = make(upstream, interval=0.001)
+    upstream = ProbedD()
+    state = probed_state(upstream, interval=0.001)
     await state.start()
     try:
         with caplog.at_level(logging.ERROR, logger="sidecar.decode_state"):
             upstream.set(health=RuntimeError("a bug"))
-            await until(lambda: state.view().engine == "unknown")
+            await until_async(lambda: state.view().engine == "unknown")
         assert any("probing D failed" in r.getMessage() for r in caplog.records)
         upstream.set(health=OK)
-        await until(lambda: state.view().engine == "alive")
+        await until_async(lambda: state.view().engine == "alive")
     finally:
         await state.close()
 
 
 async def test_decode_version_reads_version_once_when_the_poller_has_none() -> None:
-    upstream = FakeUpstream(health=refused())
-    state = make(upstream)
+    upstream = ProbedD(health=connect_refused())
+    state = probed_state(upstream)
     await state.refresh()
     assert state.view().version is None and "version" not in upstream.calls
     assert await state.decode_version() == "0.33.0"
@@ -482,11 +416,11 @@ async def test_decode_version_reads_version_once_when_the_poller_has_none() -> N
 async def test_ds_release_once_read_is_kept_while_d_is_down() -> None:
     """The strategies ask D's state for P's release on every job: D gone (a restart, a crash)
     must not make them forget it, or every release would be refused ``unknown_version``."""
-    upstream = FakeUpstream()
-    state = make(upstream)
+    upstream = ProbedD()
+    state = probed_state(upstream)
     await state.refresh()
     assert state.view().version == "0.33.0"
-    upstream.set(health=refused(), version=refused(), metrics=refused())
+    upstream.set(health=connect_refused(), version=connect_refused(), metrics=connect_refused())
     await state.refresh()
     state.observe(NoAnswer.CONNECT_REFUSED)
     assert state.view().engine == "unknown"
@@ -494,8 +428,8 @@ async def test_ds_release_once_read_is_kept_while_d_is_down() -> None:
 
 
 async def test_without_polling_nothing_is_asked_until_readiness_asks() -> None:
-    upstream = FakeUpstream()
-    state = make(upstream, interval=0)
+    upstream = ProbedD()
+    state = probed_state(upstream, interval=0)
     await state.start()
     assert upstream.calls == [] and state.view().engine == "unknown"
     assert (await state.fresh()).engine == "alive"
@@ -512,7 +446,7 @@ async def test_start_waits_for_a_silent_d_no_longer_than_its_bound(monkeypatch: 
         raise AssertionError("never answers")
 
     monkeypatch.setattr(decode_state, "START_BOUND", 0.05)
-    state = make(FakeUpstream(health=silent))
+    state = probed_state(ProbedD(health=silent))
     try:
         await asyncio.wait_for(state.start(), 2)
         assert state.view().engine == "unknown" and not state.view().can_notify

@@ -10,9 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from sidecar.sim.servers import serve
 from tests.e2e.stalls import StallWatch
 from tests.e2e.traffic import Traffic
-from tests.servers import serve
 
 
 def test_the_watch_keeps_the_worst_stall_since_its_reset() -> None:

@@ -23,8 +23,8 @@ from sidecar.proxy.context import Exchange, RequestContext
 from sidecar.proxy.handler import Forwarder
 from sidecar.proxy.usage import UsageRewriter
 from sidecar.upstream import UpstreamError
-from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
-from tests.unit.test_judge import Rig, exchange
+from tests.support.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.unit.exchanges import Rig, exchange
 
 CLOSE = (b"connection", b"close")
 TOKEN = {"choices": [{"text": "hi"}], "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}

@@ -12,7 +12,7 @@ from sidecar.decision.policy import SIDECAR, Policy, router_policy
 from sidecar.observability.metrics import Metrics
 from sidecar.proxy.context import Inspector, Oversized, RequestContext
 from sidecar.proxy.trust import Trust
-from tests.unit.test_proxy import V033
+from tests.unit.rigs import V033
 
 
 async def _never() -> dict[str, object]:

@@ -1,7 +1,7 @@
 """The InferencePool watch against a fake API server on loopback: resume, 410 Gone, a new selector.
 
 The watch (``sidecar.k8s.watch.Watch``) runs with lightkube's real client
-against ``tests.fake_kube`` over HTTP, with a bearer token. A watch the server
+against ``tests.support.fake_kube`` over HTTP, with a bearer token. A watch the server
 ends is resumed from the last version seen: the changes made meanwhile are
 replayed and nothing is listed again. A watch that resumes from a version the
 server no longer keeps gets 410 Gone and lists again, so a pod deleted while
@@ -11,9 +11,8 @@ the allowlist to the pods the new selector matches.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ from sidecar.config import Config
 from sidecar.k8s.members import LiveAllowlist, Members
 from sidecar.k8s.shared import FILE, Follower, Publisher
 from sidecar.k8s.watch import Watch
-from tests.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
-from tests.servers import ServerThread
+from sidecar.sim.servers import ServerThread
+from tests.support.fake_kube import ALPHA, FakeKube, alpha_pool, inference_pool, pod
+from tests.support.until import until_async
 
 TOKEN = "t0ken"
 OLD, NEW = {"role": "prefill"}, {"role": "prefill-v2"}
@@ -43,12 +43,6 @@ class Running:
     def allowed(self) -> set[str]:
         """The pod IPs router mode's P may be (on the pool's target port)."""
         return {ip for ip in ADDRESSES if self.prefill.allows(ip, PORT)}
-
-    async def until(self, check: Callable[[], bool], limit: float = 5.0) -> None:
-        """Poll ``check`` (the allowlists change on the watch's own task) for at most ``limit`` s."""
-        async with asyncio.timeout(limit):
-            while not check():  # noqa: ASYNC110 - the watch offers no event to wait on
-                await asyncio.sleep(0.02)
 
 
 def _cluster() -> tuple[FakeKube, ServerThread, AsyncClient, Config]:
@@ -84,10 +78,10 @@ async def test_a_watch_the_server_ends_is_resumed_from_the_last_version_seen(run
     running.fake.end_watches()
     running.fake.put("pods", pod("p-1", "10.0.0.2", OLD))  # while no watch is open
     running.fake.release()
-    await running.until(lambda: running.allowed() == {"10.0.0.1", "10.0.0.2"})
+    await until_async(lambda: running.allowed() == {"10.0.0.1", "10.0.0.2"})
     assert len(running.fake.list_requests("pods")) == lists, "resumed, not listed again"
     running.fake.delete("pods", "p-0")  # and the resumed watch follows what comes next
-    await running.until(lambda: running.allowed() == {"10.0.0.2"})
+    await until_async(lambda: running.allowed() == {"10.0.0.2"})
     assert running.release.allows("10.0.0.2", 5600) and not running.release.allows("10.0.0.1", 5600)
 
 
@@ -99,21 +93,21 @@ async def test_an_expired_version_410_gone_lists_again(running: Running) -> None
     running.fake.put("pods", pod("p-1", "10.0.0.2", OLD))
     running.fake.compact()
     running.fake.release()
-    await running.until(lambda: running.allowed() == {"10.0.0.2"})
+    await until_async(lambda: running.allowed() == {"10.0.0.2"})
     assert len(running.fake.list_requests("pods")) > lists, "the 410 made the watch list again"
     assert running.watch.synced
     running.fake.put("pods", pod("p-2", "10.0.0.3", OLD))  # and it watches again after the list
-    await running.until(lambda: running.allowed() == {"10.0.0.2", "10.0.0.3"})
+    await until_async(lambda: running.allowed() == {"10.0.0.2", "10.0.0.3"})
 
 
 async def test_a_new_selector_moves_the_allowlist_to_the_pods_it_matches(running: Running) -> None:
     running.fake.put("pods", pod("v2-0", "10.0.1.1", NEW))
     running.fake.put("inferencepools", inference_pool("pool", NEW, [PORT]))
-    await running.until(lambda: running.allowed() == {"10.0.1.1"})
+    await until_async(lambda: running.allowed() == {"10.0.1.1"})
     assert running.watch.members.selector == NEW
     running.fake.put("pods", pod("p-9", "10.0.0.9", OLD))  # the old selector's pods stay out
     running.fake.put("pods", pod("v2-1", "10.0.1.2", NEW))
-    await running.until(lambda: running.allowed() == {"10.0.1.1", "10.0.1.2"})
+    await until_async(lambda: running.allowed() == {"10.0.1.1", "10.0.1.2"})
     assert any("labelSelector=role%3Dprefill-v2" in u for u in running.fake.list_requests("pods"))
 
 
@@ -157,9 +151,9 @@ async def test_the_older_alpha_group_is_watched_with_its_own_shape() -> None:
         lists = fake.list_requests("inferencepools")
         assert lists and all("/inference.networking.x-k8s.io/v1alpha2/" in u for u in lists)
         fake.put("pods", pod("p-1", "10.0.0.2", OLD))
-        await running.until(lambda: running.allowed() == {"10.0.0.1", "10.0.0.2"})
+        await until_async(lambda: running.allowed() == {"10.0.0.1", "10.0.0.2"})
         fake.put("inferencepools", alpha_pool("pool", NEW, PORT))
-        await running.until(lambda: running.allowed() == set())
+        await until_async(lambda: running.allowed() == set())
     finally:
         await watch.close()
         server.stop()
@@ -188,17 +182,17 @@ async def test_a_publishing_watch_is_followed_and_a_failing_one_keeps_the_lists_
         follower.launch()
         assert follower.synced and followed.allowed() == {"10.0.0.1"} and release.allows("10.0.0.1", 5600)
         fake.put("pods", pod("p-1", "10.0.0.2", OLD))
-        await followed.until(lambda: followed.allowed() == {"10.0.0.1", "10.0.0.2"})
+        await until_async(lambda: followed.allowed() == {"10.0.0.1", "10.0.0.2"})
         version = publisher.version
         with caplog.at_level(logging.WARNING, "sidecar.k8s"):
             fake.token = "revoked"
             fake.end_watches()
-            await followed.until(lambda: "Kubernetes watch failed" in caplog.text)
+            await until_async(lambda: "Kubernetes watch failed" in caplog.text)
         assert publisher.version == version and follower.synced
         assert followed.allowed() == {"10.0.0.1", "10.0.0.2"}
         fake.token = TOKEN
         fake.delete("pods", "p-0")
-        await followed.until(lambda: followed.allowed() == {"10.0.0.2"}, limit=15.0)
+        await until_async(lambda: followed.allowed() == {"10.0.0.2"}, timeout=15.0)
         assert follower.synced
     finally:
         await follower.close()

@@ -17,7 +17,7 @@ from sidecar.asgi import DISCONNECT_HUB, DisconnectHub
 from sidecar.proxy.disconnect import DisconnectWatcher
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import GuardedProtocol
-from tests.fakes import CountingLoop, FakeTransport, ServerState, guarded_connection
+from tests.support.fakes import CountingLoop, FakeTransport, ServerState, guarded_connection
 
 HEAD = b"POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n"
 

@@ -8,7 +8,7 @@ import pytest
 from sidecar.nixl import BadReply
 from sidecar.nixl.messages import decode_reply, encode_request, notification
 from sidecar.nixl.versions import Version, WireProfile
-from tests.nixl_layouts import AGENT_METADATA_LAYOUTS, HandshakePayload, agent_metadata_layout
+from tests.support.nixl_layouts import AGENT_METADATA_LAYOUTS, HandshakePayload, agent_metadata_layout
 
 
 def profile(text: str) -> WireProfile:

@@ -17,6 +17,7 @@ from sidecar.nixl import NixlError
 from sidecar.nixl import peer as peer_module
 from sidecar.nixl.peer import NixlPeer
 from sidecar.release.base import RetryableReleaseError
+from tests.support.until import until_async
 
 
 class BrokenProgress:
@@ -128,14 +129,16 @@ class RealP:
     async def names(self, peer: NixlPeer) -> list[str]:
         return [await peer.add_remote(agent.get_agent_metadata()) for agent in self.agents]
 
-    async def until(self, done: Callable[[], bool], within: float = 10.0) -> None:
-        deadline = time.monotonic() + within
-        while not done():
+    async def notified(self, done: Callable[[], bool]) -> None:
+        """Collect the workers' notifications until ``done()`` holds."""
+
+        def collected() -> bool:
             for agent, got in zip(self.agents, self.got, strict=True):
                 for messages in agent.get_new_notifs().values():
                     got.extend(messages)
-            assert time.monotonic() < deadline, f"P's workers got {self.got}"
-            await asyncio.sleep(0.001)  # poll interval
+            return done()
+
+        await until_async(collected, "P's workers' notifications", poll=0.001, state=lambda: self.got)
 
     def has(self, message: bytes) -> bool:
         return all(message in got for got in self.got)
@@ -178,10 +181,10 @@ async def test_callers_that_ask_meanwhile_go_in_one_batch_with_one_progress_call
     assert await asyncio.gather(*asked) == [[None, None]] * 50
     assert peer.batches == batches + 1 and peer.batched == 50
     assert counting.calls[before : before + 101] == ["progress"] + ["send"] * 100
-    await p.until(lambda: all(p.has(f"r{i}:1".encode()) for i in range(50)))
+    await p.notified(lambda: all(p.has(f"r{i}:1".encode()) for i in range(50)))
     assert all(sorted(got) == sorted(f"r{i}:1".encode() for i in range(50)) for got in p.got)
     sent = len(counting.calls)
-    await p.until(lambda: len(counting.calls) > sent)  # the window: UCX keeps progressing
+    await p.notified(lambda: len(counting.calls) > sent)  # the window: UCX keeps progressing
     assert counting.calls[sent:] == ["progress"] * (len(counting.calls) - sent)
 
 
@@ -202,7 +205,7 @@ async def test_in_the_fast_window_the_tick_takes_the_outbox_without_waking_the_t
     peer._owner.submit = counted
     assert await peer.notify_many([(n, b"second:1") for n in names]) == [None, None]
     assert woken == []  # taken by a progress tick, no call queued for it
-    await p.until(lambda: p.has(b"second:1"))
+    await p.notified(lambda: p.has(b"second:1"))
 
 
 @pytest.mark.nixl
@@ -220,7 +223,7 @@ async def test_a_caller_cancelled_before_its_batch_ran_sends_nothing(real: Any) 
     gate.set()
     assert await kept == [None, None]
     assert await peer.notify_many([(n, b"after:1") for n in names]) == [None, None]
-    await p.until(lambda: p.has(b"kept:1") and p.has(b"after:1"))  # in order on each endpoint
+    await p.notified(lambda: p.has(b"kept:1") and p.has(b"after:1"))  # in order on each endpoint
     assert not any(b"gone:1" in got for got in p.got)
 
 

@@ -15,7 +15,7 @@ from sidecar.nixl.versions import (
     parse_version,
 )
 from sidecar.params import ReleaseParams
-from tests.fakes import release_params
+from tests.support.fakes import release_params
 
 
 @pytest.mark.parametrize(

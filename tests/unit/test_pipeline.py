@@ -19,8 +19,8 @@ from sidecar.release.base import (
 )
 from sidecar.release.ledger import Ledger
 from sidecar.release.pipeline import BreakerPolicy, Pipeline, Retry, Settings
-from tests.emulation import quick
-from tests.fakes import release_params
+from tests.support.emulation import quick
+from tests.support.fakes import release_params
 
 
 class Down(RetryableReleaseError):

@@ -45,8 +45,8 @@ from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import ReleaseJob
 from sidecar.release.http import HttpReleaser
 from sidecar.upstream.client import Sent
-from tests.fakes import FakeDecode, release_params
-from tests.unit.test_proxy import V033
+from tests.support.fakes import FakeDecode, release_params
+from tests.unit.rigs import V033
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 HEADER = "| what happened | released by the sidecar? | freed by |"

@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.server.cycle import Cycle
 from sidecar.transport.relay import ClientRelay
-from tests.fakes import FakeTransport
+from tests.support.fakes import FakeTransport
 
 
 class Host:

@@ -13,7 +13,7 @@ from sidecar.config import Config
 from sidecar.release.auto import AutoReleaser
 from sidecar.release.base import JobResult, PermanentReleaseError, ReleaseJob
 from sidecar.release.http import ControlFailed, ControlUnreachable, Probe
-from tests.fakes import release_params
+from tests.support.fakes import release_params
 
 
 class FakeControl:

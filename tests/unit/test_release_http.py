@@ -25,7 +25,7 @@ from sidecar.release.http import (
     answer_kind,
     health_url,
 )
-from tests.fakes import release_params
+from tests.support.fakes import release_params
 
 D = "http://d.test:8200"
 RELEASE = D + "/kv_release/v1/release"

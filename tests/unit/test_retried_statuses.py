@@ -21,9 +21,8 @@ import pytest
 from sidecar import retries
 from sidecar.asgi import OVER_LIMIT
 from sidecar.config import Config, ConfigError, load
-from tests.fakes import Client, FakeResponse, FakeUpstream, refused
-from tests.unit.test_proxy import V033, Rig, completion, error, rig
-from tests.unit.test_router_legs import router
+from tests.support.fakes import Client, FakeResponse, FakeUpstream, refused
+from tests.unit.rigs import V033, Rig, completion, error, rig, router
 
 
 @pytest.mark.parametrize(

@@ -7,66 +7,23 @@ the tests read both legs' requests, the client's answer and the release jobs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry
 
-from sidecar.config import Config
-from sidecar.observability.metrics import Metrics
-from sidecar.proxy import Proxy
-from sidecar.proxy.trust import Trust
-from sidecar.router import PREFILL_PARAMS, PrefillPool
-from sidecar.router.legs import Router
+from sidecar.router import PREFILL_PARAMS
 from sidecar.router.pool import TAIL_BYTES
-from tests.fakes import Client, FakeDecode, FakeRequest, FakeResponse, FakeUpstream, refused
-from tests.unit.test_proxy import V033, Recorder, completion, error, proxy_parts, started_pipeline
-
-P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
-
-
-def prefilled(request: FakeRequest) -> FakeResponse:
-    """P pins the prompt and answers its parameters (and its cached tokens)."""
-    usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}
-    return FakeResponse.json(200, {"choices": [], "usage": usage, "kv_transfer_params": V033})
-
-
-class Rig:
-    def __init__(
-        self, proxy: Proxy, d: FakeUpstream, ps: dict[str, FakeUpstream], releaser: Recorder
-    ) -> None:
-        self.proxy, self.d, self.ps, self.releaser = proxy, d, ps, releaser
-
-    async def call(self, client: Client) -> Client:
-        await self.proxy(client.scope(), client.receive, client.send)
-        await self.proxy.pipeline.flush(2)
-        return client
-
-
-@asynccontextmanager
-async def router(
-    d: FakeUpstream, p1: Any = prefilled, p2: Any = prefilled, **settings: Any
-) -> AsyncIterator[Rig]:
-    config = Config(**{"release": "nixl", "prefill": (P1, P2), "prefill_policy": "round-robin", **settings})
-    ps = {P1: FakeUpstream(p1, P1), P2: FakeUpstream(p2, P2)}
-    metrics, releaser = Metrics(CollectorRegistry()), Recorder()
-    pipeline = started_pipeline(releaser, metrics, queue_size=10, workers=2)
-    pool = PrefillPool(config, connect=lambda url: ps[url])  # type: ignore[arg-type,return-value]
-    parts = proxy_parts(
-        config,
-        d,
-        pipeline,
-        metrics,
-        decode=FakeDecode(),
-        routing=lambda proxy: Router(proxy, pool, config, metrics, Trust(config).outgoing),
-    )
-    try:
-        yield Rig(Proxy(config, parts), d, ps, releaser)
-    finally:
-        await pipeline.stop()
+from tests.support.fakes import Client, FakeRequest, FakeResponse, FakeUpstream, refused
+from tests.unit.rigs import (
+    P1,
+    P2,
+    V033,
+    completion,
+    error,
+    prefilled,
+    router,
+)
 
 
 def ok(request: FakeRequest) -> FakeResponse:

@@ -6,7 +6,7 @@ stopped inside an operation is one mapping holding a bucket's lock (shared
 for a reader, exclusive for a writer); a worker killed inside a write is a
 slot's writing flag left set with no lock held, or a real process killed
 while it holds the lock. These run on x86_64 and, in ``make arm64``, on
-aarch64; no duration is asserted under emulation (``tests.emulation``).
+aarch64; no duration is asserted under emulation (``tests.support.emulation``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 from sidecar.app.shared import SharedInFlight
 from sidecar.release.shared import SharedLedger, SharedTable
 from sidecar.release.table import _BUCKET, _FLOCK, _SLOT, _digest
-from tests.emulation import quick
+from tests.support.emulation import quick
 
 
 class Clock:

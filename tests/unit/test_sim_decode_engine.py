@@ -16,7 +16,7 @@ from sidecar.config import ConfigError
 from sidecar.sim.decode import DecodeSimConfig, add_arguments
 from sidecar.sim.decode.config import config_from_args
 from sidecar.sim.decode.engine import CLIENT_MESSAGE, ENGINE_DEAD_MESSAGE
-from tests.unit.test_sim_decode import (
+from tests.unit.sim_decode import (
     CHAT,
     COMPLETIONS,
     REMOTE,

@@ -18,6 +18,7 @@ import pytest
 from cryptography import x509
 
 from sidecar.config import Config, load
+from sidecar.sim.servers import serve
 from sidecar.tls.client import outbound
 from sidecar.tls.trust import (
     MAX_FILE_BYTES,
@@ -29,8 +30,7 @@ from sidecar.tls.trust import (
     read_store,
     trust,
 )
-from tests.certs import kserve_self_signed, write_secret
-from tests.servers import serve
+from tests.support.certs import kserve_self_signed, write_secret
 
 
 def subject_of(pem: str) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 from collections.abc import Generator
 from typing import Any
 
@@ -27,6 +26,7 @@ import uvicorn
 from sidecar.server.host import Server, serve_tls, server_options, uvicorn_config
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import GuardedProtocol
+from tests.support.until import until_async
 
 
 async def _ok(scope: Any, receive: Any, send: Any) -> None:
@@ -51,21 +51,13 @@ def _listening() -> socket.socket:
     return sock
 
 
-async def _until(condition: Any, within: float = 10.0) -> None:
-    """Poll ``condition`` (uvicorn's ``started`` is a plain flag) until it holds."""
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "the server did not start"
-        await asyncio.sleep(0.01)  # poll interval
-
-
 async def test_uvicorns_own_server_makes_the_protocol_class_per_connection_and_it_serves() -> None:
     config = uvicorn.Config(_ok, lifespan="off", log_config=None, **server_options(ServerLimits()))
     server = uvicorn.Server(config)
     sock = _listening()
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await _until(lambda: server.started)
+        await until_async(lambda: server.started, "the server to start")
         assert config.http_protocol_class is config.http and issubclass(config.http, GuardedProtocol)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
         async with httpx.AsyncClient() as client:
@@ -115,7 +107,7 @@ async def test_serve_starts_through_startup_and_shuts_down_connections_tasks_and
     server.calls = []
     sock = _listening()
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    await _until(lambda: server.started)
+    await until_async(lambda: server.started, "the server to start")
     assert server.calls == ["capture_signals", "startup(1 sockets)", "started=True servers=1"]
     assert server.lifespan.state == {} and not server.lifespan.should_exit
     connection = Connection(server.server_state)

@@ -174,7 +174,7 @@ def test_no_module_of_the_sidecar_reaches_a_private_name_of_uvicorn() -> None:
     assert trees["sidecar/server/host.py"].subclasses == {"Server"}
     assert {p for p, s in trees.items() if s.modules} >= {
         "sidecar/server/host.py",
-        "sidecar/sim/demo/cluster.py",
+        "sidecar/sim/servers.py",
     }
 
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.decode.notice import VersionNotice
 from sidecar.decode.probes import VersionRead, read_version
 from sidecar.observability.metrics import Metrics
-from tests.unit.test_decode_state import FakeUpstream, make, refused
+from tests.support.fakes import ProbedD, connect_refused, probed_state
 
 
 @pytest.mark.parametrize(
@@ -33,12 +33,12 @@ from tests.unit.test_decode_state import FakeUpstream, make, refused
             (200, [], b'{"version":"garbage"}'),
             VersionRead(True, "garbage", "not_a_version", "named 'garbage', not a version"),
         ),
-        (refused(), VersionRead(False)),
+        (connect_refused(), VersionRead(False)),
     ],
     ids=["version", "404", "not-json", "empty", "array", "no-version", "not-a-version", "unreachable"],
 )
 async def test_each_answer_is_a_version_or_says_why_not(answer: object, read: VersionRead) -> None:
-    assert await read_version(FakeUpstream(version=answer)) == read  # type: ignore[arg-type]
+    assert await read_version(ProbedD(version=answer)) == read  # type: ignore[arg-type]
 
 
 def notice(configured: str = "") -> tuple[VersionNotice, Metrics]:
@@ -82,7 +82,7 @@ def test_with_vllm_version_set_the_warning_says_that_version_is_used(
 
 async def test_the_first_probe_at_start_warns(caplog: pytest.LogCaptureFixture) -> None:
     said, metrics = notice()
-    state = make(FakeUpstream(version=(200, [], b"")), on_version=said.read)
+    state = probed_state(ProbedD(version=(200, [], b"")), on_version=said.read)
     await state.start()
     try:
         assert "D's GET /version answered an empty body" in caplog.text

@@ -32,7 +32,7 @@ from sidecar.vllm_plugin import (
 )
 from sidecar.vllm_plugin.engine import action_of, emulate
 from sidecar.vllm_plugin.service import ControlService
-from tests.fake_engine import LegacyEngine, NotifyEngine, sampling_params
+from tests.support.fake_engine import LegacyEngine, NotifyEngine, sampling_params
 
 TOKEN = "t0ken-for-tests-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

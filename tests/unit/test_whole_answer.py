@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from sidecar.transport.relay import RELAY
-from tests.fakes import FakeTransport, ServerState, guarded_connection
+from tests.support.fakes import FakeTransport, ServerState, guarded_connection
 
 BODY = b'{"id":"cmpl-1","choices":[]}'
 HEAD = [

@@ -1,7 +1,7 @@
 """The demo's cluster on loopback, in one process: P, "vLLM D", and the sidecar in front of D.
 
-``demo_cluster(settings)`` starts, on ephemeral 127.0.0.1 ports and one
-event loop in a background thread: the prefill simulator (real NIXL agents,
+``demo_cluster(settings)`` starts, on ephemeral 127.0.0.1 ports, each
+server in a background thread (``sidecar.sim.servers``): the prefill simulator (real NIXL agents,
 one per TP rank, a small block pool and a short lease), the decode
 simulator in "vLLM D" mode (it notifies P over NIXL for the requests it
 admits, and on 0.21.0+ for the rejections its handler raises), the sidecar
@@ -14,16 +14,14 @@ Leaving the block stops every server; each one's lifespan closes its agents.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import Deps, create_admin_app, create_app
@@ -33,8 +31,7 @@ from sidecar.sim.decode.config import DecodeSimConfig
 from sidecar.sim.decode.nixl import VllmDHooks
 from sidecar.sim.prefill import create_prefill_app
 from sidecar.sim.prefill.config import PrefillSimConfig
-
-START_TIMEOUT = 30.0
+from sidecar.sim.servers import serve
 
 
 @dataclass(frozen=True)
@@ -64,75 +61,6 @@ class ClusterUrls:
     sidecar_admin: str
     down_sidecar: str  # a sidecar whose D is down
     down_sidecar_admin: str
-
-
-def _bind() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (connections are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ServerGroup:
-    """ASGI apps served by uvicorn on one event loop in a background thread."""
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[Any, Literal["on", "off"], socket.socket]] = []
-        self._servers: list[uvicorn.Server] = []
-        self._thread = threading.Thread(target=self._run, name="demo-servers", daemon=True)
-        self._failed: BaseException | None = None
-
-    def add(self, app: Any, lifespan: Literal["on", "off"] = "on") -> str:
-        """Register ``app``; returns its URL (the port is bound now, served on ``start``)."""
-        sock = _bind()
-        self._pending.append((app, lifespan, sock))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    def _run(self) -> None:
-        loop = _new_loop()
-        try:
-            loop.run_until_complete(self._serve())
-        except BaseException as exc:  # reported by start()
-            self._failed = exc
-        finally:
-            loop.close()
-
-    async def _serve(self) -> None:
-        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-        for app, lifespan, _ in self._pending:
-            config = uvicorn.Config(app, log_level="error", lifespan=lifespan, http=http, access_log=False)
-            self._servers.append(uvicorn.Server(config))
-        await asyncio.gather(
-            *(s.serve(sockets=[p[2]]) for s, p in zip(self._servers, self._pending, strict=True))
-        )
-
-    def start(self) -> None:
-        """Serve every app; returns once all have started (raises if one could not)."""
-        self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT
-        while len(self._servers) < len(self._pending) or not all(s.started for s in self._servers):
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"a demo server did not start: {self._failed or 'see the log above'}")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        """Ask every server to exit (lifespans close their resources) and wait."""
-        for server in self._servers:
-            server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(START_TIMEOUT)
-        for _, _, sock in self._pending:
-            sock.close()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -183,21 +111,23 @@ def demo_cluster(settings: ClusterSettings) -> Iterator[ClusterUrls]:
         event_delay=settings.event_delay,
         vllm_d=True,
     )
-    group = ServerGroup()
-    p_url = group.add(create_prefill_app(prefill))
-    d_url = group.add(create_decode_app(decode, VllmDHooks(version)))
-    sidecar = _sidecar(settings, d_url)
-    down = _sidecar(settings, f"http://127.0.0.1:{closed_port()}")
-    urls = ClusterUrls(
-        prefill=p_url,
-        decode=d_url,
-        sidecar=group.add(sidecar),
-        sidecar_admin=group.add(create_admin_app(sidecar), "off"),
-        down_sidecar=group.add(down),
-        down_sidecar_admin=group.add(create_admin_app(down), "off"),
-    )
-    group.start()
-    try:
-        yield urls
-    finally:
-        group.stop()
+    options: dict[str, Any] = {"log_level": "error", "access_log": False, "loop_factory": _new_loop}
+    options["http"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    with contextlib.ExitStack() as stack, socket.socket() as refusing:
+        # D that is down: a port held but never listening, so connections to it are refused and
+        # nothing else can take it while the demo runs.
+        refusing.bind(("127.0.0.1", 0))
+        p = stack.enter_context(serve(create_prefill_app(prefill), **options))
+        d = stack.enter_context(serve(create_decode_app(decode, VllmDHooks(version)), **options))
+        up = _sidecar(settings, d.url)
+        down = _sidecar(settings, f"http://127.0.0.1:{refusing.getsockname()[1]}")
+        sidecar = stack.enter_context(serve(up, create_admin_app(up), **options))
+        down_sidecar = stack.enter_context(serve(down, create_admin_app(down), **options))
+        yield ClusterUrls(
+            prefill=p.url,
+            decode=d.url,
+            sidecar=sidecar.url,
+            sidecar_admin=sidecar.urls[1],
+            down_sidecar=down_sidecar.url,
+            down_sidecar_admin=down_sidecar.urls[1],
+        )

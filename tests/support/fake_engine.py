@@ -22,9 +22,20 @@ engine performs, e.g. the decode simulator's NIXL client notifying P.
 from __future__ import annotations
 
 import asyncio
+from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from fastapi import FastAPI
+from starlette.responses import JSONResponse, Response
+
+from sidecar.vllm_plugin import (
+    KVReleaseMiddleware,
+    KVReleasePlugin,
+    PluginSettings,
+)
 
 OnRelease = Callable[[str, dict[str, Any]], Awaitable[Any]]
 Mode = Literal["hang", "finish", "admit", "refuse"]
@@ -131,3 +142,54 @@ class LegacyEngine:
         self.released.append(request_id)
         if self.on_release is not None:
             await self.on_release(request_id, live[1])
+
+
+TOKEN = "integration-token-0123456789"
+
+
+SETTINGS = PluginSettings(token=TOKEN, emulate_grace=0.05, emulate_settle=0.05)
+
+
+def vllm_like(
+    engine: object | None,
+    *,
+    plugin: bool = True,
+    middleware: bool = False,
+    settings: PluginSettings = SETTINGS,
+    version: str = "0.33.0",
+) -> FastAPI:
+    """vLLM's build_app + init_app_state, reduced: core routes, then plugins, then middleware."""
+    endpoint = KVReleasePlugin(settings, sampling_params=sampling_params)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.engine_client = engine  # init_app_state
+        if plugin:
+            await endpoint.init_state(engine, app.state, Namespace())
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    async def health() -> Response:
+        return Response(b"")
+
+    async def get_version() -> dict[str, str]:
+        return {"version": version}
+
+    async def completions() -> JSONResponse:  # a body that fails validation, before the handler
+        error = {"message": "max_tokens: Input should be a valid integer", "type": "Bad Request"}
+        return JSONResponse({"error": {**error, "param": None, "code": 400}}, status_code=400)
+
+    async def chat() -> JSONResponse:  # a rejection raised inside the handler (D's fix covers it)
+        error = {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}
+        return JSONResponse({"error": error}, status_code=400)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/version", get_version, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    if plugin:
+        endpoint.attach_router(app)
+    if middleware:
+        app.add_middleware(KVReleaseMiddleware, settings=settings, sampling_params=sampling_params)
+    return app

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
 
+import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -74,3 +76,12 @@ def write_secret(directory: Path, cert: bytes, key: bytes) -> Path:
     for name in ("tls.crt", "tls.key"):
         (directory / name).symlink_to(f"..data/{name}")
     return directory
+
+
+def write_cert(ca: trustme.CA, directory: Path) -> None:
+    """tls.crt and tls.key as a Kubernetes TLS Secret mounts them (replaced by a rename)."""
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    directory.mkdir(exist_ok=True)
+    for name, blob in (("tls.crt", cert.cert_chain_pems[0]), ("tls.key", cert.private_key_pem)):
+        blob.write_to_path(str(directory / f".{name}"))
+        os.replace(directory / f".{name}", directory / name)

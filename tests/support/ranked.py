@@ -1,8 +1,7 @@
 """Servers on consecutive loopback ports: D's data-parallel ranks (one API port per rank).
 
-``consecutive_free_ports`` finds a base port with ``count`` free ports from it
-(each bound once, then released); ``ranked`` runs one sim-decode on each of
-``base``, ``base + 1``, ... on real uvicorn servers (``tests.servers``).
+``ranked`` runs one sim-decode on each of
+``base``, ``base + 1``, ... on real uvicorn servers (``sidecar.sim.servers``).
 """
 
 from __future__ import annotations
@@ -14,26 +13,7 @@ from typing import Any
 
 from sidecar.sim.decode import create_decode_app
 from sidecar.sim.decode.config import DecodeSimConfig
-from tests.servers import ServerThread, free_port
-
-
-def consecutive_free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it."""
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for offset in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise AssertionError("no consecutive free ports")
+from sidecar.sim.servers import ServerThread
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """Fakes at the proxy's seams, for unit tests: the upstream client, D as the judge reads it, a
 recording releaser; for tests that drive a protocol by hand: its transport, and a loop
-counting timers; and ``release_params``, a release's parameters made from a plain dict.
+counting timers; ``ProbedD``, D's endpoints as ``sidecar.decode`` probes them; and ``release_params``,
+a release's parameters made from a plain dict.
 
 ``FakeUpstream`` speaks ``sidecar.upstream.Client``, as httpx's ``MockTransport``
 speaks a transport: every request goes to a handler that returns a
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 
 from sidecar.classify import NoAnswer
+from sidecar.decode.state import DecodeState
 from sidecar.params import ReleaseParams, check
 from sidecar.server.limits import ServerLimits
 from sidecar.server.protocol import GuardedProtocol, guarded_protocol
@@ -296,3 +298,57 @@ def release_params(fields: dict[str, object]) -> ReleaseParams:
     if found.params is None:
         raise ValueError(f"kv_transfer_params not releasable: {found.reason} {found.detail}".strip())
     return found.params
+
+
+# D as its probes read it (``sidecar.decode``): a vLLM 0.33.0 D, alive, with a NIXL connector.
+NIXL_METRICS = (
+    b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 0.0\n'
+    b"# TYPE vllm:nixl_xfer_time_seconds histogram\n"
+    b'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 0.0\n'
+)
+V033 = (200, [], b'{"version":"0.33.0"}')
+OK = (200, [], b"")
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
+
+
+class ProbedD(FakeUpstream):
+    """D's ``/health``, ``/version`` and ``/metrics`` as ``FakeUpstream`` answers them, by path.
+
+    An answer is (status, headers, body), bytes (a 200), an exception to raise, or an async callable
+    giving one; ``set`` changes them. ``calls`` lists the paths asked, in order; a body comes in
+    chunks of ``chunk`` bytes.
+    """
+
+    def __init__(self, **answers: Any) -> None:
+        super().__init__(self._answer)
+        self.answers: dict[str, Any] = {"health": OK, "version": V033, "metrics": NIXL_METRICS, **answers}
+        self.chunk = 1 << 20
+
+    @property
+    def calls(self) -> list[str]:
+        return [request.target.strip("/") for request in self.requests]
+
+    def set(self, **answers: Any) -> None:
+        self.answers.update(answers)
+
+    async def _answer(self, request: FakeRequest) -> FakeResponse:
+        answer = self.answers[request.target.strip("/")]
+        if callable(answer):
+            answer = await answer()
+        if isinstance(answer, BaseException):
+            raise answer
+        if isinstance(answer, bytes):
+            answer = (200, [], answer)
+        status, headers, body = answer
+        chunks = [body[start : start + self.chunk] for start in range(0, len(body), self.chunk)]
+        return FakeResponse(status, list(headers), chunks)
+
+
+def connect_refused() -> UpstreamError:
+    """What the client raises when nothing listens at D."""
+    return UpstreamError(NoAnswer.CONNECT_REFUSED, "cannot connect to D")
+
+
+def probed_state(upstream: FakeUpstream, **kwargs: Any) -> DecodeState:
+    """``DecodeState`` over ``upstream``, its poller slow unless ``interval`` is given."""
+    return DecodeState(upstream, interval=kwargs.pop("interval", 3600.0), **kwargs)  # type: ignore[arg-type]

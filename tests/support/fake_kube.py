@@ -24,13 +24,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import trustme
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from sidecar.sim.servers import ServerThread, serve
 
 GROUP_PATH = "/apis/{group}/namespaces/{{namespace}}/inferencepools"
 V1 = "inference.networking.k8s.io/v1"
@@ -218,3 +223,27 @@ def _matcher(labels: str | None, fields: str | None) -> Any:
         return all(have.get(k) == v for k, v in wanted.items()) and (name is None or meta.get("name") == name)
 
     return match
+
+
+TOKEN = "service-account-token"
+
+
+LABELS = {"llm-d.ai/inferenceServing": "true"}
+
+
+@contextmanager
+def kube_api(tmp: Path, ca: trustme.CA, pool_api: str = V1) -> Iterator[tuple[FakeKube, ServerThread, Path]]:
+    """The fake API over HTTPS, and a service-account directory (token, ca.crt, namespace)."""
+    fake = FakeKube(TOKEN, pool_api)
+    server_cert = ca.issue_cert("127.0.0.1")
+    with (
+        server_cert.cert_chain_pems[0].tempfile() as crt,
+        server_cert.private_key_pem.tempfile() as key,
+        serve(fake.app(), ssl_certfile=crt, ssl_keyfile=key) as api,
+    ):
+        account = tmp / "serviceaccount"
+        account.mkdir()
+        (account / "token").write_text(TOKEN)
+        (account / "namespace").write_text("llm")
+        ca.cert_pem.write_to_path(str(account / "ca.crt"))
+        yield fake, api, account
