@@ -22,7 +22,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -85,12 +84,6 @@ def plan_cores() -> CorePlan:
     if len(cpus) < 2:
         return CorePlan(frozenset(cpus), frozenset(cpus))
     return CorePlan(frozenset(cpus[:1]), frozenset(cpus[1:2]))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 class Child:

@@ -24,13 +24,13 @@ from bench.harness.procs import (
     BenchError,
     Child,
     CorePlan,
-    free_port,
     serve_args,
     sidecar_argv,
     starting,
     wait_all_ready,
 )
 from bench.servers.nginx import nginx_config
+from tests.support.ports import free_port
 
 # The measured paths: straight to D, through the sidecar, through the reference hops.
 PathName = Literal["direct", "sidecar", "baseline", "relay", "nginx"]

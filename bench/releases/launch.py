@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness.procs import HOST, STOP_TIMEOUT, Child, CorePlan, free_port, sidecar_argv, wait_all_ready
+from bench.harness.procs import HOST, STOP_TIMEOUT, Child, CorePlan, sidecar_argv, wait_all_ready
+from tests.support.ports import free_port
 
 VLLM_VERSION = "0.34.0"
 MODEL = "sim-prefill"  # P's default model name; D serves the same

@@ -40,10 +40,11 @@ import msgspec
 
 from bench.harness.load import HEADERS, Sample
 from bench.harness.main import bench_parser, progress, run_and_report
-from bench.harness.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
+from bench.harness.procs import HOST, Child, CorePlan, sidecar_argv, starting
 from bench.harness.rounds import CountedPhase, counted_rounds, render_counted
 from bench.harness.settings import CountedSettings
 from sidecar.router import decode_body, prefill_body
+from tests.support.ports import free_port
 
 PathName = Literal["router", "sidecar_only"]
 PATHS: tuple[PathName, PathName] = ("router", "sidecar_only")

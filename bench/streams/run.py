@@ -53,7 +53,6 @@ from bench.harness.procs import (
     HOST,
     Child,
     CorePlan,
-    free_port,
     peaks,
     serve_args,
     sidecar_argv,
@@ -68,6 +67,7 @@ from bench.streams.render import render
 from bench.streams.report import HopLoad, Machine, Mode, PathRun, RoundMode, StreamsReport, added, targets
 from bench.streams.versus import versus
 from sidecar.router.bodies import PREFILL_PARAMS
+from tests.support.ports import free_port
 
 __all__ = ["StreamsReport", "StreamsSettings", "render", "run", "settings"]
 

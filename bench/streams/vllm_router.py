@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.harness.procs import HOST, BenchError, free_port
+from bench.harness.procs import HOST, BenchError
+from tests.support.ports import free_port
 
 INSTALLED = Path(__file__).resolve().parents[2] / ".tools" / "vllm-router" / "bin" / "vllm-router"
 

@@ -41,9 +41,10 @@ import aiohttp
 
 from bench.harness.load import LoadClient, Sample
 from bench.harness.main import bench_parser, progress, run_and_report
-from bench.harness.procs import HOST, Child, CorePlan, free_port, sidecar_argv, starting
+from bench.harness.procs import HOST, Child, CorePlan, sidecar_argv, starting
 from bench.harness.rounds import CountedPhase, counted_rounds, render_counted
 from bench.harness.settings import CountedSettings
+from tests.support.ports import free_port
 
 PathName = Literal["direct", "off", "on"]
 PATHS: tuple[PathName, ...] = ("direct", "off", "on")

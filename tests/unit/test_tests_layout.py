@@ -73,9 +73,11 @@ def test_no_module_of_the_tests_or_the_benches_imports_a_test_module_or_a_confte
 
 def test_one_until_and_one_port_picker() -> None:
     """``until`` (with its event loop form) and ``free_port`` are defined once: in the support
-    package for the tests, and nowhere in the package (the demo holds a refusing socket instead)."""
-    pollers = _defined(TESTS, POLLER) + _defined(ROOT / "sidecar", POLLER)
-    pickers = _defined(TESTS, PORT_PICKER) + _defined(ROOT / "sidecar", PORT_PICKER)
+    package for the tests and the benches, and nowhere in the package (the demo holds a refusing
+    socket instead)."""
+    trees = (TESTS, ROOT / "sidecar", ROOT / "bench")
+    pollers = [entry for tree in trees for entry in _defined(tree, POLLER)]
+    pickers = [entry for tree in trees for entry in _defined(tree, PORT_PICKER)]
     assert [entry.split(":")[0] for entry in pollers] == ["tests/support/until.py"] * 2, pollers
     assert [entry.split(":")[0] for entry in pickers] == ["tests/support/ports.py"], pickers
 
